@@ -1,0 +1,489 @@
+"""The Storage interface: a synchronous port of Kannader's ``Storage`` trait with typed handles.
+
+A mail moves through typed handles, each transition consuming one and returning the next::
+
+    enqueue(...).commit(rcpts) -> [QueuedMail]
+    QueuedMail   --send_start-->  InflightMail     (None: another worker took it)
+    QueuedMail   --reschedule-->  QueuedMail       (None: it is no longer queued)
+    QueuedMail   --drop------->   PendingCleanupMail
+    InflightMail --send_cancel->  QueuedMail       (with its new schedule, atomically)
+    InflightMail --send_done--->  PendingCleanupMail
+    PendingCleanupMail --cleanup-> True            (False: already cleaned up)
+
+What every method guarantees (the clauses are in ``spec/CONTRACT.md``):
+
+* **On success** the effect is durable: it survives a crash, power loss included (C1, C9).
+* **On ``None``** nothing changed: the mail is no longer in the state the handle claims.
+* **On ``StorageIOError``** the operation may or may not have taken effect on disk; after a
+  restart the entry is in its old or its new state, never a mixture (C2, C5).  The error
+  carries a live handle for the state the entry had before the call, so the caller can
+  retry; a retried transition either completes or returns ``None``.
+* **On ``CorruptionError``** the entry's bytes failed their checksum; it has been moved
+  aside (quarantined) and will never be delivered altered (C6).
+* **After a crash** inside any method, opening the queue again runs recovery, which
+  leaves each entry in its state before or after the interrupted call (C10).
+* A handle is used once.  Passing a consumed handle, one from another Storage, or one
+  of the wrong type raises ``MisuseError`` and changes nothing.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import itertools
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import TypeVar
+
+from spec import Schedule
+
+__all__ = [
+    "MAX_ADDRESS",
+    "Capability",
+    "ClosedError",
+    "CorruptionError",
+    "Enqueuer",
+    "EntryMeta",
+    "Footprint",
+    "Handle",
+    "InflightMail",
+    "InvalidInputError",
+    "MailReader",
+    "MisuseError",
+    "NoSpaceError",
+    "PendingCleanupMail",
+    "QueueError",
+    "QueuedMail",
+    "Recipient",
+    "RecoveryReport",
+    "Schedule",
+    "Storage",
+    "StorageIOError",
+    "UnsupportedError",
+    "validate_address",
+]
+
+MAX_ADDRESS = 1024
+MAX_PARAMS_BYTES = 64 * 1024
+
+
+# ---- errors, split by cause -----------------------------------------------------------
+
+
+class QueueError(Exception):
+    """Base of every error a Storage raises on purpose."""
+
+
+class StorageIOError(QueueError):
+    """The disk failed (EIO, ENOSPC, EACCES...).  Retry later with ``handle``.
+
+    After it, the entry is in its old or its new state (never a mixture) and ``handle``
+    is a live handle for the old state (``None`` for enqueue, which left no entry).
+    """
+
+    def __init__(self, message: str, handle: Handle | None = None) -> None:
+        super().__init__(message)
+        self.handle = handle
+
+
+class NoSpaceError(StorageIOError):
+    """The disk is full (ENOSPC or EDQUOT)."""
+
+
+class CorruptionError(QueueError):
+    """Stored bytes failed their checksum; the entry was quarantined, never delivered."""
+
+    def __init__(self, message: str, entry_id: str, quarantined_to: str | None) -> None:
+        super().__init__(message)
+        self.entry_id = entry_id
+        self.quarantined_to = quarantined_to
+
+
+class ClosedError(QueueError):
+    """The Storage (or the Enqueuer, or the MailReader) was closed."""
+
+
+class MisuseError(QueueError):
+    """A handle was consumed already, belongs to another Storage, or has the wrong type."""
+
+
+class InvalidInputError(MisuseError, ValueError):
+    """An argument is malformed (an address with NUL or newline, an empty recipient list...)."""
+
+
+class UnsupportedError(QueueError):
+    """The backend does not declare the capability this call needs."""
+
+
+# ---- values ---------------------------------------------------------------------------
+
+
+class Capability(enum.Enum):
+    ZONE_LISTING = "zone-listing"  # list_zone(zone) in oldest-first order
+    DOMAIN_INDEX = "domain-index"  # list_domain(domain) without a full scan (ETRN)
+    GROUP_COMMIT = "group-commit"  # concurrent producers share fsyncs
+    STREAMING_BODIES = "streaming-bodies"  # bodies of any size in bounded memory
+    MULTI_PROCESS = "multi-process"  # several processes may open one queue at once
+    IO_SEAM = "io-seam"  # every disk call goes through a queue_ref.io.IO (crash-explorable)
+
+
+@dataclass(frozen=True)
+class Recipient:
+    address: str
+    schedule: Schedule
+    zone: str = "default"
+
+
+@dataclass(frozen=True)
+class EntryMeta:
+    """What ``read_inflight`` returns besides the body."""
+
+    message_id: str
+    entry_id: str
+    mail_from: str
+    rcpt: str
+    rcpt_index: int
+    zone: str
+    params: Mapping[str, str]
+    schedule: Schedule
+    body_size: int
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Stored objects and bytes.  After everything is cleaned up both are zero (C8)."""
+
+    objects: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class RecoveryReport:
+    requeued: int = 0  # inflight entries of dead owners put back in the queue
+    cleaned: int = 0  # interrupted cleanups finished
+    uncommitted_removed: int = 0  # enqueues that never committed, removed
+    orphans_removed: int = 0  # stray files, temp files, dangling links
+    quarantined: int = 0  # entries whose bytes failed their checksum
+    problems: tuple[str, ...] = ()
+
+
+def validate_address(value: object, what: str, *, allow_empty: bool = False) -> str:
+    """An address is a str of at most MAX_ADDRESS chars with no NUL, CR or LF."""
+    if not isinstance(value, str):
+        raise InvalidInputError(f"{what} must be a str, got {type(value).__name__}")
+    if not value and not allow_empty:
+        raise InvalidInputError(f"{what} must not be empty")
+    if len(value) > MAX_ADDRESS:
+        raise InvalidInputError(f"{what} is longer than {MAX_ADDRESS} characters")
+    bad = next((c for c in value if c in "\x00\r\n"), None)
+    if bad is not None:
+        raise InvalidInputError(f"{what} contains the forbidden character {bad!r}")
+    return value
+
+
+def validate_params(params: object) -> dict[str, str]:
+    if params is None:
+        return {}
+    if not isinstance(params, Mapping):
+        raise InvalidInputError("params must be a mapping of str to str")
+    out: dict[str, str] = {}
+    size = 0
+    for k, v in params.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise InvalidInputError("params must map str to str")
+        if "\x00" in k or "\x00" in v:
+            raise InvalidInputError("params must not contain NUL")
+        size += len(k) + len(v)
+        out[k] = v
+    if size > MAX_PARAMS_BYTES:
+        raise InvalidInputError(f"params are larger than {MAX_PARAMS_BYTES} characters")
+    return out
+
+
+def validate_recipients(rcpts: object) -> list[Recipient]:
+    if isinstance(rcpts, (str, bytes)) or not isinstance(rcpts, Sequence):
+        raise InvalidInputError("recipients must be a sequence of Recipient")
+    if not rcpts:
+        raise InvalidInputError("a message needs at least one recipient")
+    out = []
+    for i, r in enumerate(rcpts):
+        if not isinstance(r, Recipient):
+            raise InvalidInputError(f"recipient {i} is not a Recipient")
+        validate_address(r.address, f"recipient {i}")
+        validate_address(r.zone, f"zone of recipient {i}")
+        if not isinstance(r.schedule, Schedule):
+            raise InvalidInputError(f"schedule of recipient {i} is not a Schedule")
+        out.append(r)
+    return out
+
+
+# ---- handles --------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Handle:
+    """A claim on one entry in one state.  Used once; see the module docstring."""
+
+    entry_id: str
+    message_id: str
+    schedule: Schedule
+    _owner: object = field(repr=False, compare=False)
+    _live: bool = field(default=True, repr=False, compare=False)
+    _extra: object = field(default=None, repr=False, compare=False)  # backend-private
+
+
+@dataclass(eq=False)
+class QueuedMail(Handle):
+    pass
+
+
+@dataclass(eq=False)
+class InflightMail(Handle):
+    pass
+
+
+@dataclass(eq=False)
+class PendingCleanupMail(Handle):
+    pass
+
+
+H = TypeVar("H", bound=Handle)
+
+
+# ---- streams --------------------------------------------------------------------------
+
+
+class Enqueuer(abc.ABC):
+    """Receives one message's body in pieces, then commits it with its recipients.
+
+    Nothing of the message is visible to any lister until ``commit`` returns; after a
+    crash before that, recovery removes every trace of it (C2).  Used as a context
+    manager, leaving the block without commit aborts.
+    """
+
+    @abc.abstractmethod
+    def write(self, data: bytes) -> None:
+        """Append body bytes.  Raises StorageIOError (the enqueue must then be aborted)."""
+
+    @abc.abstractmethod
+    def commit(self, rcpts: Sequence[Recipient]) -> list[QueuedMail]:
+        """Make the message durable and queued, one entry per recipient, in order.
+
+        On success every entry survives any crash (C1).  On StorageIOError nothing is
+        queued after a restart or everything is (never part); the Enqueuer is closed.
+        """
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Drop the uncommitted message.  Idempotent."""
+
+    def __enter__(self) -> Enqueuer:
+        return self
+
+    def __exit__(
+        self,
+        et: type[BaseException] | None,
+        ev: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if et is None or issubclass(et, Exception):
+            self.abort()
+
+
+class MailReader(abc.ABC):
+    """The metadata and streamed body of an inflight entry.
+
+    The body's checksum is verified as it is read; a mismatch raises CorruptionError at
+    the latest when the end is reached, before the last byte is handed out, so a sender
+    that finishes the SMTP DATA only at end of stream never delivers altered mail.
+    """
+
+    meta: EntryMeta
+
+    @abc.abstractmethod
+    def read(self, n: int = -1) -> bytes:
+        """Up to ``n`` bytes (all remaining if -1); b"" at the end."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the file; idempotent."""
+
+    def __iter__(self) -> Iterator[bytes]:
+        while True:
+            b = self.read(65536)
+            if not b:
+                return
+            yield b
+
+    def read_all(self) -> bytes:
+        return b"".join(self)
+
+    def __enter__(self) -> MailReader:
+        return self
+
+    def __exit__(
+        self,
+        et: type[BaseException] | None,
+        ev: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+# ---- the interface --------------------------------------------------------------------
+
+
+_owner_ids = itertools.count()
+
+
+class Storage(abc.ABC):
+    """A durable mail queue.  See the module docstring for what holds after failures."""
+
+    capabilities: frozenset[Capability] = frozenset()
+
+    def __init__(self) -> None:
+        self._token = object()
+        self._closed = False
+        self._handle_lock = threading.Lock()
+
+    # -- listing (recovery and scheduling) --
+
+    @abc.abstractmethod
+    def list_queue(self) -> Iterator[QueuedMail]:
+        """Every QUEUED entry, each once.  Corrupt entries are quarantined and skipped."""
+
+    @abc.abstractmethod
+    def find_inflight(self) -> Iterator[InflightMail]:
+        """INFLIGHT entries whose owner died, adopted by this Storage.
+
+        Opening a queue already requeues those of owners that were dead then; this finds
+        the ones whose owner died since (another process of a shared queue).
+        """
+
+    @abc.abstractmethod
+    def find_pending_cleanup(self) -> Iterator[PendingCleanupMail]:
+        """Every PENDING_CLEANUP entry not being cleaned up by a live owner."""
+
+    def list_zone(self, zone: str) -> Iterator[QueuedMail]:
+        """QUEUED entries of one zone, oldest message first (Capability.ZONE_LISTING)."""
+        raise UnsupportedError(f"{type(self).__name__} does not support zone listing")
+
+    def list_domain(self, domain: str) -> Iterator[QueuedMail]:
+        """QUEUED entries whose recipient is at ``domain`` (Capability.DOMAIN_INDEX)."""
+        raise UnsupportedError(f"{type(self).__name__} does not support a domain index")
+
+    # -- writing and reading mail --
+
+    @abc.abstractmethod
+    def enqueue(self, mail_from: str, params: Mapping[str, str] | None = None) -> Enqueuer:
+        """Start a new message.  ``mail_from`` may be "" (the null sender of bounces)."""
+
+    @abc.abstractmethod
+    def read_inflight(self, mail: InflightMail) -> MailReader:
+        """Open the metadata and body of an entry this Storage holds inflight.
+
+        Does not consume the handle.  Raises CorruptionError (entry quarantined) when the
+        metadata fails its checksum now, or the body does while it is read.
+        """
+
+    # -- state changes: each consumes its handle --
+
+    @abc.abstractmethod
+    def reschedule(self, mail: QueuedMail, schedule: Schedule) -> QueuedMail | None:
+        """Give a QUEUED entry a new schedule, atomically (C5)."""
+
+    @abc.abstractmethod
+    def send_start(self, mail: QueuedMail) -> InflightMail | None:
+        """Claim a QUEUED entry.  At most one claim succeeds, across processes (C7)."""
+
+    @abc.abstractmethod
+    def send_done(self, mail: InflightMail) -> PendingCleanupMail | None:
+        """The entry was delivered or bounced; it is never sent again (C3)."""
+
+    @abc.abstractmethod
+    def send_cancel(self, mail: InflightMail, schedule: Schedule) -> QueuedMail | None:
+        """Put an INFLIGHT entry back in the queue with its new schedule, atomically."""
+
+    @abc.abstractmethod
+    def drop(self, mail: QueuedMail) -> PendingCleanupMail | None:
+        """Remove a QUEUED entry without sending it; it is never sent (C3)."""
+
+    @abc.abstractmethod
+    def cleanup(self, mail: PendingCleanupMail) -> bool:
+        """Release the entry's bytes, and the message's when it was the last (C8)."""
+
+    # -- lifecycle --
+
+    @abc.abstractmethod
+    def recover(self) -> RecoveryReport:
+        """Bring the queue to a state of the contract after a crash.  Idempotent (C10).
+
+        Requeues entries inflight with dead owners, finishes interrupted cleanups,
+        removes uncommitted enqueues and stray files, quarantines corrupt entries.
+        Backends run it when opened.
+        """
+
+    @abc.abstractmethod
+    def footprint(self) -> Footprint:
+        """Objects and bytes stored for messages (for the no-leak check, C8)."""
+
+    def close(self) -> None:
+        """Release files and locks.  Further calls raise ClosedError.  Idempotent."""
+        self._closed = True
+
+    def __enter__(self) -> Storage:
+        return self
+
+    def __exit__(
+        self,
+        et: type[BaseException] | None,
+        ev: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- helpers for implementations --
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"{type(self).__name__} is closed")
+
+    def _issue(
+        self, cls: type[H], entry_id: str, message_id: str, schedule: Schedule,
+        extra: object = None,
+    ) -> H:
+        """A new live handle owned by this Storage."""
+        return cls(entry_id, message_id, schedule, self._token, True, extra)
+
+    def _take(self, handle: object, cls: type[H]) -> H:
+        """Check a handle passed in and consume it.  Raises MisuseError or ClosedError."""
+        self._check_open()
+        if not isinstance(handle, cls) or type(handle) is not cls:
+            raise MisuseError(
+                f"expected a {cls.__name__}, got {type(handle).__name__}")
+        if handle._owner is not self._token:
+            raise MisuseError("this handle belongs to another Storage")
+        with self._handle_lock:
+            if not handle._live:
+                raise MisuseError(
+                    f"this {cls.__name__} for entry {handle.entry_id} was used already")
+            handle._live = False
+        return handle
+
+    def _peek(self, handle: object, cls: type[H]) -> H:
+        """Check a handle passed in without consuming it."""
+        self._check_open()
+        if not isinstance(handle, cls) or type(handle) is not cls:
+            raise MisuseError(f"expected a {cls.__name__}, got {type(handle).__name__}")
+        if handle._owner is not self._token:
+            raise MisuseError("this handle belongs to another Storage")
+        if not handle._live:
+            raise MisuseError(f"this {cls.__name__} for entry {handle.entry_id} was used already")
+        return handle
+
+    def _give_back(self, handle: H) -> H:
+        """Re-arm a consumed handle, to hand back with a StorageIOError."""
+        handle._live = True
+        return handle

@@ -1,0 +1,30 @@
+"""The queue contract: states, transition table, executable model, invariants, crash conditions.
+
+This package imports nothing else of the project and performs no I/O.
+"""
+
+from spec.crash import CLAUSES, Violation, allowed_views, judge
+from spec.model import Call, Entry, EntryKey, EntryView, Message, Model, Schedule, run
+from spec.states import TABLE, EntryState, Op, Outcome, Transition, after_restart, step
+
+__all__ = [
+    "CLAUSES",
+    "TABLE",
+    "Call",
+    "Entry",
+    "EntryKey",
+    "EntryState",
+    "EntryView",
+    "Message",
+    "Model",
+    "Op",
+    "Outcome",
+    "Schedule",
+    "Transition",
+    "Violation",
+    "after_restart",
+    "allowed_views",
+    "judge",
+    "run",
+    "step",
+]

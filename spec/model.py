@@ -1,0 +1,191 @@
+"""A pure, executable model of the whole queue.
+
+The model holds messages (envelope and body, shared by the message's entries), entries
+(one per recipient, each with a state and a schedule) and the set of entries that have
+been retired (sent or dropped).  Every operation is a pure function from a model to a new
+model and a result; the model is never mutated.
+
+Identifiers: the model numbers messages 0, 1, 2, ... in commit order; an entry is
+``(message number, recipient index)``.  Real backends use their own ids; the harness maps
+them to the model's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from spec.states import LIVE_STATES, TABLE, EntryState, Op, Outcome, after_restart, step
+
+EntryKey = tuple[int, int]
+
+
+@dataclass(frozen=True, order=True)
+class Schedule:
+    """When an entry is next due, and how many delivery attempts it has had."""
+
+    at: int
+    attempts: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.at, int) or isinstance(self.at, bool) or self.at < 0:
+            raise ValueError(f"schedule time must be a non-negative int, got {self.at!r}")
+        if (
+            not isinstance(self.attempts, int)
+            or isinstance(self.attempts, bool)
+            or self.attempts < 0
+        ):
+            raise ValueError(f"attempts must be a non-negative int, got {self.attempts!r}")
+
+
+@dataclass(frozen=True)
+class Message:
+    mail_from: str
+    rcpts: tuple[str, ...]
+    body: bytes
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.body).hexdigest()
+
+
+@dataclass(frozen=True)
+class Entry:
+    state: EntryState
+    schedule: Schedule
+
+
+@dataclass(frozen=True)
+class EntryView:
+    """What survives a restart of one entry, as a backend must report it."""
+
+    msg: int
+    index: int
+    rcpt: str
+    mail_from: str
+    body_digest: str
+    schedule: Schedule
+    state: EntryState
+
+
+@dataclass(frozen=True)
+class Model:
+    messages: Mapping[int, Message] = field(default_factory=dict)
+    entries: Mapping[EntryKey, Entry] = field(default_factory=dict)
+    retired: frozenset[EntryKey] = frozenset()
+    next_id: int = 0
+
+    # ---- queries -------------------------------------------------------------------
+
+    def state_of(self, key: EntryKey) -> EntryState:
+        e = self.entries.get(key)
+        if e is not None:
+            return e.state
+        if key in self.retired:
+            return EntryState.GONE
+        return EntryState.ABSENT
+
+    def keys_in(self, state: EntryState) -> list[EntryKey]:
+        return sorted(k for k, e in self.entries.items() if e.state is state)
+
+    def canonical(self) -> tuple[object, ...]:
+        """A hashable form, equal for equal models."""
+        return (
+            tuple(sorted(self.messages.items())),
+            tuple(sorted(self.entries.items(), key=lambda kv: kv[0])),
+            tuple(sorted(self.retired)),
+            self.next_id,
+        )
+
+    def view(self) -> frozenset[EntryView]:
+        out = set()
+        for (m, i), e in self.entries.items():
+            msg = self.messages[m]
+            out.add(EntryView(m, i, msg.rcpts[i], msg.mail_from, msg.digest, e.schedule, e.state))
+        return frozenset(out)
+
+    # ---- operations ----------------------------------------------------------------
+
+    def enqueue(
+        self, mail_from: str, body: bytes, rcpts: Sequence[tuple[str, Schedule]]
+    ) -> tuple[Model, int]:
+        """Commit a message with its recipients: all entries appear at once."""
+        if not rcpts:
+            raise ValueError("a message needs at least one recipient")
+        mid = self.next_id
+        msg = Message(mail_from, tuple(r for r, _ in rcpts), bytes(body))
+        entries = dict(self.entries)
+        for i, (_, sched) in enumerate(rcpts):
+            entries[(mid, i)] = Entry(TABLE[Op.ENQUEUE].target, sched)
+        messages = dict(self.messages)
+        messages[mid] = msg
+        return replace(self, messages=messages, entries=entries, next_id=mid + 1), mid
+
+    def apply(
+        self, op: Op, key: EntryKey, schedule: Schedule | None = None
+    ) -> tuple[Model, Outcome]:
+        """Apply a single-entry operation.  Returns the new model and the outcome."""
+        if op is Op.ENQUEUE:
+            raise ValueError("use Model.enqueue for ENQUEUE")
+        t = TABLE[op]
+        if t.changes_schedule and schedule is None:
+            raise ValueError(f"{op.value} needs a schedule")
+        if not t.changes_schedule and schedule is not None:
+            raise ValueError(f"{op.value} takes no schedule")
+        outcome, target = step(self.state_of(key), op)
+        if outcome is Outcome.VANISHED:
+            return self, outcome
+        entries = dict(self.entries)
+        retired = self.retired
+        messages: Mapping[int, Message] = self.messages
+        if target in LIVE_STATES:
+            old = entries[key]
+            entries[key] = Entry(target, schedule if schedule is not None else old.schedule)
+            if target is EntryState.PENDING_CLEANUP:
+                retired = retired | {key}
+        else:
+            del entries[key]
+            if not any(k[0] == key[0] for k in entries):
+                messages = {m: v for m, v in messages.items() if m != key[0]}
+        return replace(self, entries=entries, retired=retired, messages=messages), outcome
+
+    def restart(self) -> Model:
+        """The model as recovery after a restart must leave it (rule 5)."""
+        entries: dict[EntryKey, Entry] = {}
+        for k, e in self.entries.items():
+            s = after_restart(e.state)
+            if s in LIVE_STATES:
+                entries[k] = Entry(s, e.schedule)
+        live_msgs = {k[0] for k in entries}
+        messages = {m: v for m, v in self.messages.items() if m in live_msgs}
+        return replace(self, entries=entries, messages=messages)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One operation of a workload, in model terms."""
+
+    op: Op
+    key: EntryKey | None = None
+    schedule: Schedule | None = None
+    mail_from: str = ""
+    body: bytes = b""
+    rcpts: tuple[tuple[str, Schedule], ...] = ()
+
+    def describe(self) -> str:
+        if self.op is Op.ENQUEUE:
+            rc = ", ".join(f"{r}@{s.at}" for r, s in self.rcpts)
+            return f"enqueue(from={self.mail_from!r}, body={len(self.body)}B, rcpts=[{rc}])"
+        args = [f"{self.key}"]
+        if self.schedule is not None:
+            args.append(f"at={self.schedule.at}, attempts={self.schedule.attempts}")
+        return f"{self.op.value}({', '.join(args)})"
+
+
+def run(model: Model, call: Call) -> tuple[Model, Outcome | int]:
+    """Apply one workload call to the model."""
+    if call.op is Op.ENQUEUE:
+        return model.enqueue(call.mail_from, call.body, call.rcpts)
+    assert call.key is not None
+    return model.apply(call.op, call.key, call.schedule)

@@ -1,0 +1,118 @@
+"""Entry states and operations of a mail queue, as one transition table.
+
+An *entry* is one (message, recipient) pair. Its life:
+
+    (absent) --enqueue/commit--> QUEUED
+    QUEUED   --reschedule------> QUEUED            new schedule, atomically
+    QUEUED   --send_start------> INFLIGHT          claimed by exactly one sender
+    INFLIGHT --send_cancel-----> QUEUED            with its new schedule, atomically
+    INFLIGHT --send_done-------> PENDING_CLEANUP   delivered or bounced: never sent again
+    QUEUED   --drop------------> PENDING_CLEANUP   removed by an operator: never sent again
+    PENDING_CLEANUP --cleanup--> GONE              its bytes are released
+
+Rules, which the table below encodes and nothing else may add to:
+
+1. Every operation names the one state its handle claims the entry is in (its *source*).
+   If the entry is in that state, it moves to the operation's *target*.
+2. If the entry is anywhere else (another worker took it, it was dropped, it was cleaned
+   up), the operation changes nothing and reports VANISHED.  Callers see ``None``.
+   This is how the race of Kannader's ``reschedule`` is closed: a reschedule or a
+   send_start of an entry that is no longer QUEUED cannot act on it.
+3. ENQUEUE creates all entries of a message at once, or none.
+4. GONE is final.  An entry that reached PENDING_CLEANUP never becomes QUEUED or
+   INFLIGHT again.
+5. After a restart (crash or orderly), recovery maps INFLIGHT to QUEUED (the send may
+   be repeated: at-least-once) and finishes PENDING_CLEANUP to GONE.
+
+No I/O lives here.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class EntryState(enum.Enum):
+    ABSENT = "absent"  # before enqueue committed; not stored
+    QUEUED = "queued"
+    INFLIGHT = "inflight"
+    PENDING_CLEANUP = "pending_cleanup"
+    GONE = "gone"  # final; not stored
+
+
+class Op(enum.Enum):
+    ENQUEUE = "enqueue"
+    RESCHEDULE = "reschedule"
+    SEND_START = "send_start"
+    SEND_CANCEL = "send_cancel"
+    SEND_DONE = "send_done"
+    DROP = "drop"
+    CLEANUP = "cleanup"
+
+
+class Outcome(enum.Enum):
+    MOVED = "moved"
+    VANISHED = "vanished"
+
+
+@dataclass(frozen=True)
+class Transition:
+    op: Op
+    source: EntryState
+    target: EntryState
+    changes_schedule: bool
+
+
+# The transition table: the whole state machine.
+TABLE: dict[Op, Transition] = {
+    t.op: t
+    for t in (
+        Transition(Op.ENQUEUE, EntryState.ABSENT, EntryState.QUEUED, True),
+        Transition(Op.RESCHEDULE, EntryState.QUEUED, EntryState.QUEUED, True),
+        Transition(Op.SEND_START, EntryState.QUEUED, EntryState.INFLIGHT, False),
+        Transition(Op.SEND_CANCEL, EntryState.INFLIGHT, EntryState.QUEUED, True),
+        Transition(Op.SEND_DONE, EntryState.INFLIGHT, EntryState.PENDING_CLEANUP, False),
+        Transition(Op.DROP, EntryState.QUEUED, EntryState.PENDING_CLEANUP, False),
+        Transition(Op.CLEANUP, EntryState.PENDING_CLEANUP, EntryState.GONE, False),
+    )
+}
+
+#: States an entry can be stored in.
+LIVE_STATES = frozenset({EntryState.QUEUED, EntryState.INFLIGHT, EntryState.PENDING_CLEANUP})
+
+#: States from which an entry may still be delivered.
+DELIVERABLE = frozenset({EntryState.QUEUED, EntryState.INFLIGHT})
+
+#: Where recovery after a restart takes each stored state.
+RESTART: dict[EntryState, EntryState] = {
+    EntryState.QUEUED: EntryState.QUEUED,
+    EntryState.INFLIGHT: EntryState.QUEUED,
+    EntryState.PENDING_CLEANUP: EntryState.GONE,
+}
+
+
+def step(state: EntryState, op: Op) -> tuple[Outcome, EntryState]:
+    """Apply ``op`` to one entry in ``state`` (rules 1 and 2).
+
+    pre: op != Op.ENQUEUE or state in (EntryState.ABSENT, EntryState.GONE, EntryState.QUEUED,
+         EntryState.INFLIGHT, EntryState.PENDING_CLEANUP)
+    post: __return__[0] != Outcome.MOVED or __return__[1] == TABLE[op].target
+    post: __return__[0] != Outcome.VANISHED or __return__[1] == state
+    post: state != EntryState.GONE or __return__[1] == EntryState.GONE
+    """
+    t = TABLE[op]
+    if state is t.source:
+        return Outcome.MOVED, t.target
+    return Outcome.VANISHED, state
+
+
+def after_restart(state: EntryState) -> EntryState:
+    """Where recovery takes a stored entry (rule 5).
+
+    post: __return__ in (EntryState.QUEUED, EntryState.GONE, EntryState.ABSENT)
+    post: state != EntryState.GONE or __return__ == EntryState.GONE
+    """
+    if state in RESTART:
+        return RESTART[state]
+    return state
