@@ -1,0 +1,161 @@
+"""``queue-ref demo``: a real filesystem queue at work, shown on disk at each step.
+
+Mail is enqueued, claimed, delivered over SMTP to a receiver on the loopback address,
+deferred with a new schedule, cleaned up, and recovered after a simulated crash.  After
+each step the queue directory is printed as it is on disk (links with their targets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import smtplib
+import tempfile
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.tree import Tree
+
+from queue_ref.fsqueue import FsQueue
+from queue_ref.storage import InflightMail, Recipient, Schedule, Storage
+
+RETRY_DELAY = 15 * 60  # first retry after 15 minutes, as Mailismus does
+
+
+def disk_tree(root: str) -> list[str]:
+    """Every path under ``root`` (relative), links shown with their targets, sorted."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        rel = os.path.relpath(dirpath, root)
+        for name in sorted(filenames + [d for d in dirnames if os.path.islink(
+                os.path.join(dirpath, d))]):
+            p = os.path.join(dirpath, name)
+            shown = name if rel == "." else os.path.join(rel, name)
+            if os.path.islink(p):
+                out.append(f"{shown} -> {os.readlink(p)}")
+            else:
+                out.append(f"{shown} ({os.lstat(p).st_size} B)")
+        for d in dirnames:
+            if not os.listdir(os.path.join(dirpath, d)):
+                out.append((d if rel == "." else os.path.join(rel, d)) + "/")
+    return sorted(out)
+
+
+def _render(console: Console, title: str, lines: list[str]) -> None:
+    tree = Tree(f"[bold]{title}[/bold]")
+    for line in lines or ["(empty)"]:
+        tree.add(line)
+    console.print(tree)
+
+
+def _deliver(storage: Storage, mail: InflightMail, port: int) -> None:
+    """Send one inflight entry over SMTP to the loopback receiver."""
+    with storage.read_inflight(mail) as reader:
+        body = reader.read_all()
+        with smtplib.SMTP("127.0.0.1", port, timeout=10) as smtp:
+            smtp.sendmail(reader.meta.mail_from, [reader.meta.rcpt], body)
+
+
+def run_demo(root: str, console: Console, quiet: bool = False) -> dict[str, Any]:
+    from aiosmtpd.controller import Controller
+    from aiosmtpd.handlers import Sink
+
+    received: list[str] = []
+
+    class Receiver(Sink):
+        async def handle_DATA(self, server: Any, session: Any, envelope: Any) -> str:
+            received.extend(envelope.rcpt_tos)
+            return "250 OK"
+
+    steps: list[dict[str, Any]] = []
+
+    def show(title: str) -> None:
+        lines = disk_tree(root)
+        steps.append({"step": title, "disk": lines})
+        if not quiet:
+            _render(console, title, lines)
+
+    now = int(time.time())
+    controller = Controller(Receiver(), hostname="127.0.0.1", port=0)
+    controller.start()
+    try:
+        port = controller.server.sockets[0].getsockname()[1]
+        q = FsQueue(root)
+        show("1. an empty queue")
+        body = b"From: alice@example.org\r\nSubject: hello\r\n\r\nHello from queue-ref.\r\n"
+        with q.enqueue("alice@example.org") as enq:
+            enq.write(body)
+            first = enq.commit([Recipient("bob@example.net", Schedule(now)),
+                                Recipient("carol@example.com", Schedule(now))])
+        show("2. one message, two recipients, committed: "
+             "body and envelope in data/, a link per recipient in queue/")
+        inflight = q.send_start(first[0])
+        assert inflight is not None
+        show("3. send_start: bob's link moved to inflight/, named with this process's owner token")
+        _deliver(q, inflight, port)
+        done = q.send_done(inflight)
+        assert done is not None
+        show("4. delivered over SMTP, send_done: the link is in cleanup/; it is never sent again")
+        q.cleanup(done)
+        show("5. cleanup: bob's recipient file and link are gone; the body stays for carol")
+        carol = q.send_start(first[1])
+        assert carol is not None
+        later = q.send_cancel(carol, Schedule(now + RETRY_DELAY, attempts=1))
+        assert later is not None
+        show("6. carol's server said 4xx: send_cancel put her back with a new schedule, atomically")
+        claimed = q.send_start(later)
+        assert claimed is not None
+        q.close()  # the process "dies" with carol's entry inflight
+        show("7. a sender dies holding carol's entry inflight")
+        q = FsQueue(root, recover=False)
+        report = q.recover()
+        show("8. a new FsQueue recovers: the dead owner's entry is queued again (at-least-once)")
+        for mail in list(q.list_queue()):
+            taken = q.send_start(mail)
+            assert taken is not None
+            _deliver(q, taken, port)
+            finished = q.send_done(taken)
+            assert finished is not None
+            q.cleanup(finished)
+        show("9. carol delivered and cleaned up: the last recipient takes the body with it")
+        footprint = q.footprint()
+        q.close()
+    finally:
+        controller.stop()
+    return {
+        "queue": root,
+        "delivered_to": received,
+        "recovery": {"requeued": report.requeued, "cleaned": report.cleaned},
+        "footprint_after_drain": {"objects": footprint.objects, "bytes": footprint.bytes},
+        "steps": steps,
+    }
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    console = Console()
+    root = args.dir or tempfile.mkdtemp(prefix="queue-ref-demo-")
+    if args.dir and os.path.exists(root):
+        if os.listdir(root) and not args.force:
+            console.print(f"[red]{root} is not empty; pass --force to replace it[/red]")
+            return 2
+        shutil.rmtree(root)
+    result = run_demo(root, console, quiet=args.json)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        console.print(f"delivered to {result['delivered_to']}; "
+                      f"footprint after drain: {result['footprint_after_drain']}")
+    return 0
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("demo", help="show a real queue directory at work, step by step")
+    p.add_argument("--dir", help="queue directory (default: a new temporary one)")
+    p.add_argument("--force", action="store_true", help="replace --dir if it exists")
+    p.add_argument("--json", action="store_true", help="print the steps as one JSON object")
+    p.set_defaults(func=_cmd)
+

@@ -1,0 +1,74 @@
+"""The ordered key-value interface the KV queue is written against.
+
+Two engines implement it: ``queue_ref.kv.logengine`` (log-structured, in Python, every byte
+through the I/O seam, so it can be crashed at every call) and ``queue_ref.kv.leveldb``
+(real LevelDB through plyvel).
+
+Guarantees an engine gives:
+
+* ``write(batch)`` is atomic: after a crash either every operation of the batch is
+  visible or none is.
+* With ``sync=True`` (the default) a write is durable when it returns; concurrent
+  synced writers may share one fsync (group commit), and none returns before the fsync
+  that covers it.
+* ``iterate`` yields keys in ascending bytewise order, as of a consistent snapshot.
+* After ``close`` every call raises ``queue_ref.storage.ClosedError``.
+* An I/O failure raises ``OSError``; after a failed synced write the engine refuses
+  further writes until reopened (its log may end in a torn record that recovery drops).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+
+@dataclass
+class WriteBatch:
+    """An ordered list of puts and deletes applied atomically."""
+
+    ops: list[tuple[bytes, bytes | None]] = field(default_factory=list)
+
+    def put(self, key: bytes, value: bytes) -> None:
+        self.ops.append((bytes(key), bytes(value)))
+
+    def delete(self, key: bytes) -> None:
+        self.ops.append((bytes(key), None))
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+
+class KV(abc.ABC):
+    @abc.abstractmethod
+    def get(self, key: bytes) -> bytes | None:
+        """The value of ``key``, or None."""
+
+    @abc.abstractmethod
+    def write(self, batch: WriteBatch, *, sync: bool = True) -> None:
+        """Apply the batch atomically; durable on return when ``sync``."""
+
+    @abc.abstractmethod
+    def iterate(
+        self, start: bytes = b"", stop: bytes | None = None
+    ) -> Iterator[tuple[bytes, bytes]]:
+        """Pairs with ``start <= key < stop`` (no upper bound if None), ascending."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Flush nothing more, release files; idempotent."""
+
+    def put(self, key: bytes, value: bytes, *, sync: bool = True) -> None:
+        b = WriteBatch()
+        b.put(key, value)
+        self.write(b, sync=sync)
+
+    def delete(self, key: bytes, *, sync: bool = True) -> None:
+        b = WriteBatch()
+        b.delete(key)
+        self.write(b, sync=sync)
+
+    @abc.abstractmethod
+    def disk_usage(self) -> int:
+        """Bytes the engine's files take on disk (for the drain-to-zero check)."""
