@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import smtplib
+import socket
 import tempfile
 import time
 from typing import Any
@@ -60,6 +61,13 @@ def _deliver(storage: Storage, mail: InflightMail, port: int) -> None:
             smtp.sendmail(reader.meta.mail_from, [reader.meta.rcpt], body)
 
 
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
 def run_demo(root: str, console: Console, quiet: bool = False) -> dict[str, Any]:
     from aiosmtpd.controller import Controller
     from aiosmtpd.handlers import Sink
@@ -80,10 +88,10 @@ def run_demo(root: str, console: Console, quiet: bool = False) -> dict[str, Any]
             _render(console, title, lines)
 
     now = int(time.time())
-    controller = Controller(Receiver(), hostname="127.0.0.1", port=0)
+    port = _free_port()
+    controller = Controller(Receiver(), hostname="127.0.0.1", port=port)
     controller.start()
     try:
-        port = controller.server.sockets[0].getsockname()[1]
         q = FsQueue(root)
         show("1. an empty queue")
         body = b"From: alice@example.org\r\nSubject: hello\r\n\r\nHello from queue-ref.\r\n"

@@ -1,0 +1,9 @@
+"""The filesystem queue backend (seed 001's layout, crash-safe under power loss).
+
+``FsQueue(root, io=None, *, recover=True)``; the protocol is documented in ``steps.py``,
+recovery in ``recovery.py``, names and paths in ``layout.py``.
+"""
+
+from queue_ref.fsqueue.queue import FsQueue
+
+__all__ = ["FsQueue"]

@@ -1,0 +1,72 @@
+"""The Enqueuer of the filesystem queue: streams a body to disk, then commits.
+
+The body goes straight to ``tmp/<owner>/<msgid>/body`` chunk by chunk while its sha256 is
+computed, so a body of any size needs memory for one chunk only.  Nothing is created before
+the first ``write`` or ``commit``; nothing is visible to listers before the commit point
+(see ``FsSteps._commit_message``).  After a write error the message is discarded and the
+Enqueuer is closed: the caller starts again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from queue_ref.fsqueue.steps import MessageTx
+from queue_ref.storage import (
+    ClosedError,
+    Enqueuer,
+    InvalidInputError,
+    QueuedMail,
+    Recipient,
+    validate_recipients,
+)
+
+if TYPE_CHECKING:
+    from queue_ref.fsqueue.queue import FsQueue
+
+
+class FsEnqueuer(Enqueuer):
+    def __init__(self, store: FsQueue, tx: MessageTx) -> None:
+        self._store = store
+        self._tx = tx
+        self._done = False
+
+    @property
+    def message_id(self) -> str:
+        return self._tx.msgid
+
+    def _check(self) -> None:
+        if self._done:
+            raise ClosedError("this Enqueuer was committed or aborted")
+        self._store._check_open()
+
+    def write(self, data: bytes) -> None:
+        """Append body bytes.  On StorageIOError the message is discarded and this Enqueuer
+        is closed (nothing of it is ever visible)."""
+        self._check()
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise InvalidInputError(f"body data must be bytes, got {type(data).__name__}")
+        if data:
+            try:
+                self._store._enqueue_write(self._tx, bytes(data))
+            except BaseException:
+                self._done = True
+                raise
+
+    def commit(self, rcpts: Sequence[Recipient]) -> list[QueuedMail]:
+        """Commit the message; see ``Enqueuer.commit``.  Invalid recipients raise
+        InvalidInputError before anything changes, and this Enqueuer stays usable."""
+        self._check()
+        checked = validate_recipients(rcpts)
+        self._done = True
+        return self._store._enqueue_commit(self._tx, checked)
+
+    def abort(self) -> None:
+        """Discard the uncommitted message.  Idempotent; a no-op after commit.  Leftovers of
+        a failed discard belong to this owner and are removed by recovery after it dies."""
+        if self._tx.committed:
+            self._done = True
+            return
+        self._done = True
+        self._store._enqueue_discard(self._tx)

@@ -1,0 +1,185 @@
+"""Names and paths of the filesystem queue: what lives where, and how ids are built.
+
+Layout under the queue's root (seed 001, with ``tmp/``, ``quarantine/`` and ``owners/`` added)::
+
+    data/<msgid>/envelope        checksummed record: sender, params, body size and sha256,
+                                 every recipient with its zone and initial schedule
+    data/<msgid>/body            the raw body
+    data/<msgid>/rcpts/<i>       one file per recipient: empty, or a checksummed schedule
+                                 record once the entry was rescheduled or cancelled
+    data/<msgid>/rcpts/<i>.<owner>.tmp   a schedule record being written by <owner>
+    queue/<msgid>.<i>            symlink -> ../data/<msgid>/rcpts/<i>   (QUEUED)
+    inflight/<msgid>.<i>@<owner> the same symlink, claimed by <owner>  (INFLIGHT)
+    cleanup/<msgid>.<i>          the same symlink                      (PENDING_CLEANUP)
+    tmp/<owner>/<msgid>/         a message being built by <owner> (same shape as data/<msgid>)
+    quarantine/                  corrupt entries, their notes, and junk found in our directories
+    owners/<owner>.lock          flock-held while <owner> (one open FsQueue) is alive
+    owners/gate.lock             serialises opening and recovery (see recovery.py)
+
+Ids are never built from addresses.  A message id is ``<time_ns:016x><counter:06x><owner>``:
+time-ordered, and unique across processes because ``owner`` is a fresh random token per open
+queue.  An entry id is ``<msgid>.<index>``.  Nothing here touches the disk.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from os.path import join
+
+DIRS = ("data", "queue", "inflight", "cleanup", "tmp", "quarantine", "owners")
+LINK_DIRS = ("queue", "inflight", "cleanup")
+
+OWNER_LEN = 16
+MSGID_LEN = 16 + 6 + OWNER_LEN
+
+_OWNER = rf"[0-9a-f]{{{OWNER_LEN}}}"
+_MSGID = rf"[0-9a-f]{{{MSGID_LEN}}}"
+_INDEX = r"(?:0|[1-9][0-9]{0,8})"
+
+OWNER_RE = re.compile(rf"{_OWNER}\Z")
+MSGID_RE = re.compile(rf"{_MSGID}\Z")
+ENTRY_RE = re.compile(rf"(?P<msgid>{_MSGID})\.(?P<index>{_INDEX})\Z")
+INFLIGHT_RE = re.compile(rf"(?P<msgid>{_MSGID})\.(?P<index>{_INDEX})@(?P<owner>{_OWNER})\Z")
+RCPT_RE = re.compile(rf"{_INDEX}\Z")
+RCPT_TMP_RE = re.compile(rf"(?P<index>{_INDEX})\.(?P<owner>{_OWNER})\.tmp\Z")
+OWNER_LOCK_RE = re.compile(rf"(?P<owner>{_OWNER})\.lock\Z")
+
+BODY = "body"
+ENVELOPE = "envelope"
+RCPTS = "rcpts"
+GATE = "gate.lock"
+
+
+def new_owner() -> str:
+    """A fresh random owner token (64 bits)."""
+    return secrets.token_hex(OWNER_LEN // 2)
+
+
+def owner_of_msgid(msgid: str) -> str:
+    """The owner that created (and, until it commits, alone may touch) a message."""
+    return msgid[MSGID_LEN - OWNER_LEN:]
+
+
+@dataclass(frozen=True, order=True)
+class EntryName:
+    """One entry: a message id and a recipient index."""
+
+    msgid: str
+    index: int
+
+    @property
+    def entry_id(self) -> str:
+        return f"{self.msgid}.{self.index}"
+
+    @property
+    def target(self) -> str:
+        """The relative target every link of this entry must have, exactly."""
+        return f"../data/{self.msgid}/{RCPTS}/{self.index}"
+
+    def inflight_name(self, owner: str) -> str:
+        return f"{self.entry_id}@{owner}"
+
+    @staticmethod
+    def parse(entry_id: str) -> EntryName | None:
+        """The entry named ``<msgid>.<index>``, or None for any other string."""
+        m = ENTRY_RE.match(entry_id)
+        return EntryName(m["msgid"], int(m["index"])) if m else None
+
+
+def parse_inflight(name: str) -> tuple[EntryName, str] | None:
+    """``<msgid>.<index>@<owner>`` -> (entry, owner), or None."""
+    m = INFLIGHT_RE.match(name)
+    if m is None:
+        return None
+    return EntryName(m["msgid"], int(m["index"])), m["owner"]
+
+
+class Layout:
+    """Absolute paths of everything under one root.  Pure string work."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.data = join(root, "data")
+        self.queue = join(root, "queue")
+        self.inflight = join(root, "inflight")
+        self.cleanup = join(root, "cleanup")
+        self.tmp = join(root, "tmp")
+        self.quarantine = join(root, "quarantine")
+        self.owners = join(root, "owners")
+        self.gate = join(self.owners, GATE)
+
+    def dirs(self) -> list[str]:
+        return [join(self.root, d) for d in DIRS]
+
+    # -- messages (``base`` is data/<msgid> or tmp/<owner>/<msgid>) --
+
+    def msg_dir(self, msgid: str) -> str:
+        return join(self.data, msgid)
+
+    def tmp_owner(self, owner: str) -> str:
+        return join(self.tmp, owner)
+
+    def tmp_msg(self, owner: str, msgid: str) -> str:
+        return join(self.tmp, owner, msgid)
+
+    @staticmethod
+    def body(base: str) -> str:
+        return join(base, BODY)
+
+    @staticmethod
+    def envelope(base: str) -> str:
+        return join(base, ENVELOPE)
+
+    @staticmethod
+    def rcpts(base: str) -> str:
+        return join(base, RCPTS)
+
+    @staticmethod
+    def rcpt(base: str, index: int) -> str:
+        return join(base, RCPTS, str(index))
+
+    def rcpt_file(self, e: EntryName) -> str:
+        return join(self.data, e.msgid, RCPTS, str(e.index))
+
+    def rcpt_tmp(self, e: EntryName, owner: str) -> str:
+        return join(self.data, e.msgid, RCPTS, f"{e.index}.{owner}.tmp")
+
+    # -- links --
+
+    def queue_link(self, e: EntryName) -> str:
+        return join(self.queue, e.entry_id)
+
+    def inflight_link(self, e: EntryName, owner: str) -> str:
+        return join(self.inflight, e.inflight_name(owner))
+
+    def cleanup_link(self, e: EntryName) -> str:
+        return join(self.cleanup, e.entry_id)
+
+    # -- owners and quarantine --
+
+    def owner_lock(self, owner: str) -> str:
+        return join(self.owners, f"{owner}.lock")
+
+    def quarantined(self, name: str) -> str:
+        return join(self.quarantine, name)
+
+
+class MessageIds:
+    """Time-ordered message ids for one owner; thread-safe."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self._lock = threading.Lock()
+        self._last = 0
+        self._counter = 0
+
+    def next(self) -> str:
+        with self._lock:
+            now = max(time.time_ns(), self._last)
+            self._last = now
+            self._counter = (self._counter + 1) % (1 << 24)
+            return f"{now % (1 << 64):016x}{self._counter:06x}{self.owner}"

@@ -1,0 +1,209 @@
+"""Reading and verifying an entry's metadata, and moving corrupt things to quarantine/.
+
+Quarantine layout:
+
+* ``<msgid>.note`` / ``<msgid>.msg/``: a message whose envelope or body failed its checksum
+  (the whole ``data/<msgid>`` directory, moved), and every queue/inflight link of it as
+  ``<link name>.link``.
+* ``<entry>.note`` / ``<entry>.rcpt`` / ``<link name>.link``: an entry whose schedule record
+  failed its checksum; the rest of its message stays in service.
+* ``junk.<owner>.<n>.<where>.<name>``: something in our directories that is not ours (a
+  regular file in a link directory, a symlink that points anywhere but its own rcpts file,
+  a name we never create).  Never followed, never deleted; reported by recovery.
+
+Each quarantine writes its note durably first, then moves things with renames whose
+directories are fsynced, so a crash leaves either the old place or quarantine/ for each
+piece; recovery finishes a half-done quarantine (see recovery.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import stat
+import threading
+import time
+from collections import OrderedDict
+from os.path import basename, join
+
+from queue_ref.fsqueue.diskutil import if_exists, lstat_or_none, write_whole
+from queue_ref.fsqueue.layout import EntryName
+from queue_ref.fsqueue.records import Envelope, RecordError, decode_schedule
+from queue_ref.fsqueue.steps import FsSteps
+from queue_ref.io import read_file
+from queue_ref.storage import Schedule
+
+MAX_ENVELOPE = 1 << 28
+MAX_SCHEDULE = 1 << 16
+_junk_numbers = itertools.count()
+
+
+class Corrupt(Exception):
+    """Metadata of an entry failed verification; ``whole_message`` says what is affected."""
+
+    def __init__(self, reason: str, whole_message: bool) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.whole_message = whole_message
+
+
+class EnvelopeCache:
+    """Verified envelopes by message id, revalidated by (inode, size, mtime) of the file."""
+
+    def __init__(self, size: int = 128) -> None:
+        self._lock = threading.Lock()
+        self._items: OrderedDict[str, tuple[tuple[int, int, int], Envelope]] = OrderedDict()
+        self._size = size
+
+    def get(self, msgid: str, key: tuple[int, int, int]) -> Envelope | None:
+        with self._lock:
+            hit = self._items.get(msgid)
+            if hit is None or hit[0] != key:
+                return None
+            self._items.move_to_end(msgid)
+            return hit[1]
+
+    def put(self, msgid: str, key: tuple[int, int, int], env: Envelope) -> None:
+        with self._lock:
+            self._items[msgid] = (key, env)
+            self._items.move_to_end(msgid)
+            while len(self._items) > self._size:
+                self._items.popitem(last=False)
+
+    def drop(self, msgid: str) -> None:
+        with self._lock:
+            self._items.pop(msgid, None)
+
+
+def _stat_key(st: os.stat_result) -> tuple[int, int, int]:
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+class FsMetadata(FsSteps):
+    """Metadata loading and quarantine steps.  FsQueue provides the attributes."""
+
+    _envelopes: EnvelopeCache
+
+    # ---- loading ---------------------------------------------------------------------
+
+    def _load_envelope(self, msgid: str) -> Envelope:
+        """The verified envelope of a committed message.  Raises Corrupt (whole message)."""
+        path = self.layout.envelope(self.layout.msg_dir(msgid))
+        st = lstat_or_none(self.io, path)
+        if st is None or not stat.S_ISREG(st.st_mode):
+            raise Corrupt(f"envelope of {msgid} is missing", True)
+        key = _stat_key(st)
+        env = self._envelopes.get(msgid, key)
+        if env is None:
+            try:
+                env = Envelope.decode(read_file(self.io, path, MAX_ENVELOPE), msgid)
+            except FileNotFoundError as e:
+                raise Corrupt(f"envelope of {msgid} is missing", True) from e
+            except RecordError as e:
+                raise Corrupt(f"envelope of {msgid}: {e}", True) from e
+            self._envelopes.put(msgid, key, env)
+        return env
+
+    def _load_entry(self, e: EntryName) -> tuple[Envelope, Schedule] | None:
+        """Envelope and current schedule of a committed entry; None if its rcpts file is
+        gone (the link dangles: uncommitted, or cleaned up).  Raises Corrupt or OSError."""
+        rcpt = self.layout.rcpt_file(e)
+        st = lstat_or_none(self.io, rcpt)
+        if st is None:
+            return None
+        env = self._load_envelope(e.msgid)
+        if e.index >= len(env.rcpts):
+            raise Corrupt(f"entry {e.entry_id} is not in its envelope", True)
+        if not stat.S_ISREG(st.st_mode):
+            raise Corrupt(f"rcpts file of {e.entry_id} is not a regular file", False)
+        if st.st_size == 0:
+            return env, env.rcpts[e.index].schedule
+        try:
+            sched = decode_schedule(read_file(self.io, rcpt, MAX_SCHEDULE), e.entry_id)
+        except FileNotFoundError:
+            return None
+        except RecordError as err:
+            raise Corrupt(f"schedule of {e.entry_id}: {err}", False) from err
+        return env, sched
+
+    # ---- quarantine ------------------------------------------------------------------
+
+    def _write_note(self, name: str, text: str) -> None:
+        """Durably write ``quarantine/<name>.note`` (temp, fsync, rename, fsync dir)."""
+        final = self.layout.quarantined(f"{name}.note")
+        tmp = f"{final}.{self.owner}.tmp"
+        if_exists(self.io.unlink, tmp)
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        write_whole(self.io, tmp, f"{stamp} {text}\n".encode(), self._sync_file)
+        self.io.rename(tmp, final)
+        self._sync_dirs(self.layout.quarantine)
+
+    def _quarantine_message(self, msgid: str, reason: str) -> str:
+        """Move a corrupt message (data and every queue/inflight link) to quarantine/.
+
+        Note first, then ``data/<msgid>`` (one rename), then the links, which now dangle
+        and would be skipped by listers anyway; recovery moves dangling links of a
+        quarantined message.  Cleanup links are left to cleanup, which tolerates missing
+        data.  Returns the quarantined directory."""
+        self._envelopes.drop(msgid)
+        self._write_note(msgid, f"message {msgid}: {reason}")
+        dest = self.layout.quarantined(f"{msgid}.msg")
+        src = self.layout.msg_dir(msgid)
+        if self.io.exists(src) and not self.io.exists(dest):
+            try:
+                self.io.rename(src, dest)
+            except FileNotFoundError:
+                pass  # another thread or process quarantined it first
+            else:
+                self._sync_dirs(self.layout.data, self.layout.quarantine)
+        self._quarantine_links_of(msgid)
+        return dest
+
+    def _quarantine_links_of(self, msgid: str) -> int:
+        """Move the queue/ and inflight/ links of ``msgid`` to quarantine/."""
+        moved = 0
+        for d in (self.layout.queue, self.layout.inflight):
+            names = self._links_of_message(d, msgid)
+            for n in names:
+                moved += self._move_link(join(d, n), self.layout.quarantined(f"{n}.link"))
+            if names:
+                self._sync_dirs(d, self.layout.quarantine)
+        return moved
+
+    def _quarantine_entry(self, e: EntryName, link: str, reason: str) -> str:
+        """Move an entry with a corrupt schedule record to quarantine/: note, link, then the
+        rcpts file; if that emptied ``rcpts/``, the message's other files are released as
+        in cleanup.  Returns the quarantined record's path."""
+        self._write_note(e.entry_id, f"entry {e.entry_id}: {reason}")
+        dest = self.layout.quarantined(f"{e.entry_id}.rcpt")
+        if not self._move_link(link, self.layout.quarantined(f"{basename(link)}.link")):
+            return dest  # the entry moved on meanwhile: whoever holds it now sees the same
+        self._sync_dirs(os.path.dirname(link), self.layout.quarantine)
+        rcpts_dir = self.layout.rcpts(self.layout.msg_dir(e.msgid))
+        if self._move_link(self.layout.rcpt_file(e), dest):
+            self._sync_dirs(rcpts_dir, self.layout.quarantine)
+        if self._remove_rcpts_dir(e.msgid):
+            self._delete_message_data(e.msgid)
+            self._sync_teardown()
+        return dest
+
+    def _quarantine_corrupt(self, e: EntryName, link: str, c: Corrupt) -> str:
+        """Quarantine what ``c`` says is corrupt; returns where it went."""
+        if c.whole_message:
+            return self._quarantine_message(e.msgid, c.reason)
+        return self._quarantine_entry(e, link, c.reason)
+
+    def _quarantine_junk(self, path: str, reason: str) -> str:
+        """Move something that is not ours out of the way (one rename, then fsync both
+        directories).  Never followed, never deleted.  Returns a line for the report."""
+        where = basename(os.path.dirname(path))
+        name = basename(path)
+        tag = f"junk.{self.owner}.{next(_junk_numbers)}.{where}."
+        safe = name if len(tag) + len(name) <= 255 else hashlib.sha256(
+            name.encode("utf-8", "surrogateescape")).hexdigest()
+        dest = self.layout.quarantined(tag + safe)
+        if not self._move_link(path, dest):
+            return f"{where}/{name!r}: {reason}; vanished before it could be moved"
+        self._sync_dirs(os.path.dirname(path), self.layout.quarantine)
+        return f"{where}/{name!r}: {reason}; moved to quarantine/{basename(dest)}"

@@ -1,0 +1,467 @@
+"""FsQueue: the crash-safe filesystem queue (seed 001's layout with a full fsync discipline).
+
+The on-disk protocol is in ``steps.py`` (one overridable method per step), metadata and
+quarantine in ``metadata.py``, recovery in ``recovery.py``.  This module maps the Storage
+interface onto them.
+
+What holds after failures, beyond ``queue_ref.storage``:
+
+* **send_start is not synced.**  A claim that a crash loses leaves the entry QUEUED, which
+  is where recovery puts an INFLIGHT entry anyway (spec rule 5).
+* **reschedule claims the entry** (as send_start would) while it writes the new schedule,
+  then puts it back in the queue.  Meanwhile a send_start of the same entry by another
+  worker returns None, as if that worker had lost the race to a sender; no worker can ever
+  take the entry with its old schedule after reschedule returned (Kannader's race).
+* **A failed directory fsync poisons the queue**: the changes it covered are not trusted,
+  so every later state change raises StorageIOError until the queue is reopened, whose
+  recovery re-derives everything from the disk.  A failed file fsync (body, envelope,
+  schedule record) fails only its operation; a retry writes a new file.
+* **Errors carry the handle back** re-armed, for the state the entry had before the call;
+  a retry either completes the transition or returns None.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, suppress
+
+from queue_ref.fsqueue.diskutil import (
+    if_exists,
+    listdir_or_empty,
+    readlink_or_none,
+    storage_error,
+    tree_usage,
+)
+from queue_ref.fsqueue.enqueue import FsEnqueuer
+from queue_ref.fsqueue.groupsync import GroupSync
+from queue_ref.fsqueue.layout import EntryName, Layout, MessageIds, new_owner, parse_inflight
+from queue_ref.fsqueue.metadata import Corrupt, EnvelopeCache, FsMetadata
+from queue_ref.fsqueue.owners import Owners
+from queue_ref.fsqueue.reader import FsMailReader
+from queue_ref.fsqueue.records import Envelope
+from queue_ref.fsqueue.recovery import Recovery
+from queue_ref.fsqueue.rwlock import SharedExclusive
+from queue_ref.fsqueue.steps import MessageTx
+from queue_ref.io import IO, OsIO
+from queue_ref.storage import (
+    Capability,
+    ClosedError,
+    CorruptionError,
+    Enqueuer,
+    EntryMeta,
+    Footprint,
+    Handle,
+    InflightMail,
+    InvalidInputError,
+    MailReader,
+    PendingCleanupMail,
+    QueuedMail,
+    Recipient,
+    RecoveryReport,
+    Schedule,
+    Storage,
+    StorageIOError,
+    validate_address,
+    validate_params,
+)
+
+_CLAIMED = "claimed"  # QueuedMail._extra: a failed reschedule left the entry claimed by us
+
+
+class FsQueue(FsMetadata, Storage):
+    """A mail queue in a directory.  Several processes may open one root at once."""
+
+    capabilities = frozenset({Capability.GROUP_COMMIT, Capability.STREAMING_BODIES,
+                              Capability.MULTI_PROCESS, Capability.IO_SEAM})
+
+    def __init__(self, root: str, io: IO | None = None, *, recover: bool = True) -> None:
+        """Open (creating it durably if missing) the queue at ``root``.
+
+        Takes a fresh owner token and its liveness lock, and with ``recover`` runs
+        ``recover()`` before returning.  Raises StorageIOError if the disk fails; nothing
+        is then held open.
+        """
+        Storage.__init__(self)
+        self.io: IO = io if io is not None else OsIO()
+        self.root = os.path.abspath(root)
+        self.layout = Layout(self.root)
+        self.owner = new_owner()
+        self.ids = MessageIds(self.owner)
+        self._group = GroupSync(self.io)
+        self._poisoned: str | None = None
+        self._rw = SharedExclusive()
+        self._envelopes = EnvelopeCache()
+        self._owners = Owners(self.io, self.layout, self.owner)
+        self._owner_fd: int | None = None
+        self.last_recovery: RecoveryReport | None = None
+        try:
+            self._create_layout()
+            with self._owners.gate():
+                self._owner_fd = self._owners.register()
+                self.io.mkdir(self.layout.tmp_owner(self.owner))
+                self._sync_dirs(self.layout.tmp)
+                if recover:
+                    self.last_recovery = Recovery(self).run()
+        except OSError as e:
+            self._release_owner()
+            self._closed = True
+            raise storage_error(f"opening the queue at {self.root}", e) from e
+        except BaseException:
+            self._release_owner()
+            self._closed = True
+            raise
+
+    def _create_layout(self) -> None:
+        """mkdir the root and its directories that are missing; fsync each parent."""
+        parent = os.path.dirname(self.root)
+        if not self.io.is_dir(self.root):
+            with suppress(FileExistsError):
+                self.io.mkdir(self.root)
+            self.io.fsync_dir(parent)
+        created = False
+        for d in self.layout.dirs():
+            if not self.io.is_dir(d):
+                try:
+                    self.io.mkdir(d)
+                except FileExistsError:
+                    continue
+                created = True
+        if created:
+            self.io.fsync_dir(self.root)
+
+    def _release_owner(self) -> None:
+        fd, self._owner_fd = self._owner_fd, None
+        if fd is not None:
+            self._owners.release(fd)
+
+    def close(self) -> None:
+        """Release the owner lock.  Entries this queue holds inflight become a dead owner's
+        and are requeued by the next recovery (or adopted by ``find_inflight``)."""
+        if self._closed:
+            return
+        self._closed = True
+        with suppress(OSError):  # enqueues still open: recovery removes them once we are gone
+            if_exists(self.io.rmdir, self.layout.tmp_owner(self.owner))
+        self._release_owner()
+
+    # ---- guards ----------------------------------------------------------------------
+
+    @contextmanager
+    def _guard(self, what: str, handle: Handle | None, *, writes: bool = True
+               ) -> Iterator[None]:
+        """Shared lock, poison check (for state changes), and OSError -> StorageIOError
+        carrying the handle back, re-armed."""
+        if writes and self._poisoned is not None:
+            raise StorageIOError(self._poisoned, self._give_back(handle) if handle else None)
+        with self._rw.shared():
+            try:
+                yield
+            except OSError as e:
+                raise storage_error(what, e, self._give_back(handle) if handle else None) from e
+
+    def _entry(self, h: Handle) -> EntryName:
+        e = EntryName.parse(h.entry_id)
+        if e is None:
+            raise InvalidInputError(f"malformed entry id {h.entry_id!r}")
+        return e
+
+    # ---- listing ---------------------------------------------------------------------
+
+    def _sorted_names(self, directory: str) -> list[EntryName]:
+        """Entries named in a link directory, oldest message first (junk left out)."""
+        out = [e for e in map(EntryName.parse, listdir_or_empty(self.io, directory)) if e]
+        out.sort()
+        return out
+
+    def _verified(self, e: EntryName, link: str) -> tuple[Envelope, Schedule] | None:
+        """Metadata of the entry linked at ``link``; None if the link is not (or no longer)
+        a committed link of ``e``.  Corrupt metadata is quarantined (None)."""
+        if readlink_or_none(self.io, link) != e.target:
+            return None
+        try:
+            return self._load_entry(e)
+        except Corrupt as c:
+            if readlink_or_none(self.io, link) == e.target:  # not just cleaned up meanwhile
+                self._quarantine_corrupt(e, link, c)
+            return None
+
+    def list_queue(self) -> Iterator[QueuedMail]:
+        """Every QUEUED entry, oldest message first.  Dangling links (uncommitted enqueues)
+        and junk are skipped; entries with corrupt metadata are quarantined and skipped."""
+        self._check_open()
+        for e in self._sorted_names(self.layout.queue):
+            self._check_open()
+            with self._guard("listing the queue", None, writes=False):
+                got = self._verified(e, self.layout.queue_link(e))
+            if got is not None:
+                yield self._issue(QueuedMail, e.entry_id, e.msgid, got[1])
+
+    def find_inflight(self) -> Iterator[InflightMail]:
+        """INFLIGHT entries of dead owners, adopted: renamed to ``<e>@<our owner>``.  The
+        adoption is not synced: after a crash the entry is requeued anyway."""
+        self._check_open()
+        for name in listdir_or_empty(self.io, self.layout.inflight):
+            parsed = parse_inflight(name)
+            if parsed is None:
+                continue
+            e, owner = parsed
+            self._check_open()
+            with self._guard("adopting an inflight entry", None):
+                if owner == self.owner or self._owners.alive(owner):
+                    continue
+                mine = self.layout.inflight_link(e, self.owner)
+                if not self._move_link(os.path.join(self.layout.inflight, name), mine):
+                    continue
+                got = self._verified(e, mine)
+            if got is not None:
+                yield self._issue(InflightMail, e.entry_id, e.msgid, got[1])
+
+    def find_pending_cleanup(self) -> Iterator[PendingCleanupMail]:
+        """Every link in cleanup/ (its data may be partly released already)."""
+        self._check_open()
+        for e in self._sorted_names(self.layout.cleanup):
+            self._check_open()
+            with self._guard("listing cleanups", None, writes=False):
+                try:
+                    got = self._load_entry(e)
+                except Corrupt:
+                    got = None
+            sched = got[1] if got is not None else Schedule(0)
+            yield self._issue(PendingCleanupMail, e.entry_id, e.msgid, sched)
+
+    # ---- enqueue ---------------------------------------------------------------------
+
+    def enqueue(self, mail_from: str, params: Mapping[str, str] | None = None) -> Enqueuer:
+        """Start a message.  Nothing is created until the first write or the commit."""
+        self._check_open()
+        validate_address(mail_from, "mail_from", allow_empty=True)
+        checked = validate_params(params)
+        msgid = self.ids.next()
+        tx = MessageTx(msgid, self.layout.tmp_msg(self.owner, msgid), mail_from, checked)
+        return FsEnqueuer(self, tx)
+
+    def _enqueue_write(self, tx: MessageTx, data: bytes) -> None:
+        try:
+            if not tx.started:
+                self._begin_message(tx)
+            self._write_body(tx, data)
+        except OSError as e:
+            self._enqueue_discard(tx)
+            raise storage_error("writing the body", e) from e
+
+    def _enqueue_commit(self, tx: MessageTx, rcpts: list[Recipient]) -> list[QueuedMail]:
+        try:
+            with self._guard("commit", None):
+                try:
+                    if not tx.started:
+                        self._begin_message(tx)
+                    env = Envelope(tx.msgid, tx.mail_from, tx.params, tx.size,
+                                   tx.sha.hexdigest(), tuple(rcpts))
+                    self._commit_message(tx, env)
+                except OSError:
+                    if not tx.committed:
+                        self._enqueue_discard(tx)
+                    raise
+        except StorageIOError:
+            if not tx.committed:
+                self._enqueue_discard(tx)
+            raise
+        return [self._issue(QueuedMail, f"{tx.msgid}.{i}", tx.msgid, r.schedule)
+                for i, r in enumerate(rcpts)]
+
+    def _enqueue_discard(self, tx: MessageTx) -> None:
+        with suppress(OSError):  # this owner's leftovers: recovery removes them once it is dead
+            self._discard_message(tx)
+
+    # ---- reading ---------------------------------------------------------------------
+
+    def read_inflight(self, mail: InflightMail) -> MailReader:
+        """Open an inflight entry of ours; see ``Storage.read_inflight``.  ClosedError if the
+        entry is no longer ours (another process quarantined it)."""
+        h = self._peek(mail, InflightMail)
+        e = self._entry(h)
+        link = self.layout.inflight_link(e, self.owner)
+        try:
+            with self._rw.shared():
+                if readlink_or_none(self.io, link) != e.target:
+                    raise self._gone(e)
+                try:
+                    got = self._load_entry(e)
+                except Corrupt as c:
+                    raise self._corruption(e, link, c) from None
+                if got is None:
+                    raise self._corruption(e, link, Corrupt("rcpts file is missing", False))
+                env, sched = got
+                try:
+                    fd = self.io.open_read(self.layout.body(self.layout.msg_dir(e.msgid)))
+                except FileNotFoundError:
+                    raise self._corruption(e, link, Corrupt("body is missing", True)) from None
+        except OSError as err:
+            raise storage_error("opening the mail", err, h) from err
+        r = env.rcpts[e.index]
+        meta = EntryMeta(e.msgid, e.entry_id, env.mail_from, r.address, e.index, r.zone,
+                         dict(env.params), sched, env.body_size)
+        return FsMailReader(self.io, fd, meta, env.body_sha256, h,
+                            lambda why: self._body_corrupt(e, link, why))
+
+    def _gone(self, e: EntryName) -> CorruptionError | ClosedError:
+        """The error for an inflight entry of ours whose link is gone: CorruptionError if
+        it was quarantined (by another process, or by another handle's reader)."""
+        for name in (e.msgid, e.entry_id):
+            note = self.layout.quarantined(f"{name}.note")
+            if self.io.exists(note):
+                return CorruptionError(f"entry {e.entry_id} was quarantined", e.entry_id,
+                                       note[:-len(".note")])
+        return ClosedError(f"entry {e.entry_id} is no longer inflight here")
+
+    def _body_corrupt(self, e: EntryName, link: str, why: str) -> CorruptionError:
+        with self._rw.shared():
+            return self._corruption(e, link, Corrupt(why, True))
+
+    def _corruption(self, e: EntryName, link: str, c: Corrupt) -> CorruptionError:
+        """Quarantine and build the error to raise (quarantine failures are reported in it)."""
+        try:
+            where: str | None = self._quarantine_corrupt(e, link, c)
+        except OSError:
+            where = None
+        return CorruptionError(f"entry {e.entry_id}: {c.reason}", e.entry_id, where)
+
+    # ---- state changes ---------------------------------------------------------------
+
+    def _queued_link(self, h: QueuedMail, e: EntryName) -> str:
+        if h._extra == _CLAIMED:
+            return self.layout.inflight_link(e, self.owner)
+        return self.layout.queue_link(e)
+
+    def send_start(self, mail: QueuedMail) -> InflightMail | None:
+        h = self._take(mail, QueuedMail)
+        e = self._entry(h)
+        with self._guard("send_start", h):
+            if h._extra == _CLAIMED:
+                if not self.io.exists(self.layout.inflight_link(e, self.owner)):
+                    return None
+            elif not self._claim(e):
+                return None
+        return self._issue(InflightMail, h.entry_id, h.message_id, h.schedule)
+
+    def reschedule(self, mail: QueuedMail, schedule: Schedule) -> QueuedMail | None:
+        _check_schedule(schedule)
+        h = self._take(mail, QueuedMail)
+        e = self._entry(h)
+        mine = self.layout.inflight_link(e, self.owner)
+        with self._guard("reschedule", h):
+            if h._extra == _CLAIMED:
+                if not self.io.exists(mine):
+                    return None
+            elif not self._claim(e):
+                return None
+            try:
+                self._write_schedule(e, schedule)
+                moved = self._move_link(mine, self.layout.queue_link(e))
+            except OSError:
+                self._put_back(h, e)
+                raise
+            h._extra = None
+            if not moved:
+                return None  # quarantined by another process meanwhile
+            self._sync_move(self.layout.inflight, self.layout.queue)
+        return self._issue(QueuedMail, h.entry_id, h.message_id, schedule)
+
+    def _put_back(self, h: QueuedMail, e: EntryName) -> None:
+        """After a failed reschedule: return the claimed entry to queue/ (not synced: after
+        a crash it is requeued anyway).  If even that fails, the handle remembers it."""
+        mine = self.layout.inflight_link(e, self.owner)
+        try:
+            if not self.io.exists(mine) or self._move_link(mine, self.layout.queue_link(e)):
+                h._extra = None
+                return
+        except OSError:
+            pass
+        h._extra = _CLAIMED
+
+    def send_done(self, mail: InflightMail) -> PendingCleanupMail | None:
+        h = self._take(mail, InflightMail)
+        e = self._entry(h)
+        with self._guard("send_done", h):
+            if not self._move_link(self.layout.inflight_link(e, self.owner),
+                                   self.layout.cleanup_link(e)):
+                return None
+            self._sync_move(self.layout.inflight, self.layout.cleanup)
+        return self._issue(PendingCleanupMail, h.entry_id, h.message_id, h.schedule)
+
+    def send_cancel(self, mail: InflightMail, schedule: Schedule) -> QueuedMail | None:
+        _check_schedule(schedule)
+        h = self._take(mail, InflightMail)
+        e = self._entry(h)
+        mine = self.layout.inflight_link(e, self.owner)
+        with self._guard("send_cancel", h):
+            if readlink_or_none(self.io, mine) != e.target:
+                return None
+            self._write_schedule(e, schedule)
+            if not self._move_link(mine, self.layout.queue_link(e)):
+                return None
+            self._sync_move(self.layout.inflight, self.layout.queue)
+        return self._issue(QueuedMail, h.entry_id, h.message_id, schedule)
+
+    def drop(self, mail: QueuedMail) -> PendingCleanupMail | None:
+        h = self._take(mail, QueuedMail)
+        e = self._entry(h)
+        with self._guard("drop", h):
+            src = self._queued_link(h, e)
+            if not self._move_link(src, self.layout.cleanup_link(e)):
+                return None
+            h._extra = None
+            self._sync_move(os.path.dirname(src), self.layout.cleanup)
+        return self._issue(PendingCleanupMail, h.entry_id, h.message_id, h.schedule)
+
+    def cleanup(self, mail: PendingCleanupMail) -> bool:
+        h = self._take(mail, PendingCleanupMail)
+        e = self._entry(h)
+        with self._guard("cleanup", h):
+            if readlink_or_none(self.io, self.layout.cleanup_link(e)) != e.target:
+                return False
+            return self._cleanup_entry(e)
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    def recover(self) -> RecoveryReport:
+        """See ``recovery.Recovery``.  Waits for this queue's running operations."""
+        self._check_open()
+        try:
+            with self._rw.exclusive(), self._owners.gate():
+                report = Recovery(self).run()
+        except OSError as e:
+            raise storage_error("recovery", e) from e
+        self.last_recovery = report
+        return report
+
+    def footprint(self) -> Footprint:
+        """Names and bytes under data/ and tmp/ (the owners' own tmp directories not
+        counted): (0, 0) once every message is cleaned up and no enqueue is open."""
+        self._check_open()
+        try:
+            objects, size = tree_usage(self.io, self.layout.data)
+            for name in listdir_or_empty(self.io, self.layout.tmp):
+                path = os.path.join(self.layout.tmp, name)
+                if self.io.is_dir(path):
+                    o, s = tree_usage(self.io, path)
+                    objects, size = objects + o, size + s
+                else:
+                    objects += 1
+        except OSError as e:
+            raise storage_error("footprint", e) from e
+        return Footprint(objects, size)
+
+    @property
+    def poisoned(self) -> str | None:
+        """Why state changes are refused until reopening (after a failed fsync), or None."""
+        return self._poisoned
+
+
+def _check_schedule(schedule: object) -> None:
+    if not isinstance(schedule, Schedule):
+        raise InvalidInputError(f"schedule must be a Schedule, got {type(schedule).__name__}")
+
+
+__all__ = ["FsQueue"]

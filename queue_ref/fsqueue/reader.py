@@ -1,0 +1,90 @@
+"""The MailReader of the filesystem queue: streams a body and verifies it on the way.
+
+The reader knows the committed size and sha256 from the envelope.  It hashes every byte it
+hands out, and before it hands out the bytes that reach the end it checks that the file
+ends there and that the hash matches; on a mismatch it quarantines the message and raises
+CorruptionError instead, so the last bytes of altered mail are never delivered.  Memory use
+is one chunk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+
+from queue_ref.fsqueue.diskutil import storage_error
+from queue_ref.io import IO
+from queue_ref.storage import ClosedError, CorruptionError, EntryMeta, InflightMail, MailReader
+
+CHUNK = 1 << 16
+
+
+class FsMailReader(MailReader):
+    def __init__(self, io: IO, fd: int, meta: EntryMeta, sha256: str, handle: InflightMail,
+                 on_corrupt: Callable[[str], CorruptionError]) -> None:
+        self.meta = meta
+        self._io = io
+        self._fd: int | None = fd
+        self._expect = sha256
+        self._handle = handle
+        self._on_corrupt = on_corrupt
+        self._hash = hashlib.sha256()
+        self._pos = 0
+        self._verified = False
+
+    def _fail(self, reason: str) -> CorruptionError:
+        self.close()
+        return self._on_corrupt(reason)
+
+    def _verify_end(self) -> None:
+        """At the committed size: the file must end here and the hash must match."""
+        assert self._fd is not None
+        if self._io.read(self._fd, 1):
+            raise self._fail(f"body is longer than its committed {self.meta.body_size} bytes")
+        if self._hash.hexdigest() != self._expect:
+            raise self._fail("body sha256 does not match its envelope")
+        self._verified = True
+
+    def _read_some(self, n: int) -> bytes:
+        assert self._fd is not None
+        want = min(n, self.meta.body_size - self._pos)
+        parts = []
+        got = 0
+        while got < want:
+            b = self._io.read(self._fd, min(want - got, 1 << 20))
+            if not b:
+                raise self._fail(
+                    f"body ends at {self._pos + got} of its {self.meta.body_size} bytes")
+            parts.append(b)
+            got += len(b)
+        data = b"".join(parts)
+        self._hash.update(data)
+        self._pos += len(data)
+        if self._pos == self.meta.body_size:
+            self._verify_end()
+        return data
+
+    def read(self, n: int = -1) -> bytes:
+        """Up to ``n`` verified bytes (all remaining if -1); b"" at the end.  Raises
+        CorruptionError (message quarantined) before returning the final bytes of a body
+        that does not match; StorageIOError (carrying the InflightMail) on a disk error."""
+        if self._fd is None:
+            raise ClosedError("this MailReader is closed")
+        try:
+            if self._pos == self.meta.body_size and not self._verified:
+                self._verify_end()
+            if n == 0 or self._pos == self.meta.body_size:
+                return b""
+            if n > 0:
+                return self._read_some(n)
+            parts = []
+            while self._pos < self.meta.body_size:
+                parts.append(self._read_some(CHUNK))
+            return b"".join(parts)
+        except OSError as e:
+            raise storage_error("reading the body", e, self._handle) from e
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            self._io.close(fd)

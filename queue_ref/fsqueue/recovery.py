@@ -1,0 +1,327 @@
+"""Recovery of the filesystem queue: from whatever a crash left to a state of the contract.
+
+Runs when a queue is opened and on ``recover()``, always holding ``owners/gate.lock`` (see
+owners.py).  It is *exclusive* when every other owner is dead: no other process has the
+queue open and none can open it meanwhile.  Steps, in order:
+
+1. **Junk**: anything in queue/, inflight/, cleanup/ that is not one of our links (a name we
+   never create, a regular file or directory, a symlink whose target is not exactly
+   ``../data/<msgid>/rcpts/<i>`` for its own name) is moved to quarantine/ and reported.
+   Links are never followed; the check compares the link text.
+2. **Duplicates** (an entry linked twice, possible after power loss because a rename
+   persists in one directory before the other): cleanup wins over queue and inflight, queue
+   wins over inflight.  Only links of dead owners and queue links of retired entries are
+   removed, so a live process's claim is never undone.
+3. **Interrupted cleanups**: every cleanup/ link is cleaned up (steps tolerate missing data).
+4. **Uncommitted enqueues** of dead owners: their ``tmp/<owner>/`` trees and the dangling
+   queue links of their messages.  A dangling link of a quarantined message goes to
+   quarantine; one of a committed message whose rcpts file is gone is removed and reported.
+5. **Requeue**: inflight links of dead owners go back to queue/ (INFLIGHT -> QUEUED).
+6. **Orphans** (exclusive only): rcpts files no link names, schedule temp files, message
+   directories without rcpts files, and unknown names under data/ (quarantined).
+7. **Verification**: the metadata of every queued entry is checked; corrupt entries and
+   messages are quarantined.
+8. Lock files of dead owners are removed.
+
+Every step is idempotent and leaves a state the next run accepts, so a crash inside
+recovery followed by another recovery keeps every clause (C10).  Directory changes are
+fsynced before the next step relies on them (duplicates before cleanups and requeues).
+"""
+
+from __future__ import annotations
+
+import stat
+from os.path import join
+from typing import TYPE_CHECKING
+
+from queue_ref.fsqueue.diskutil import (
+    if_exists,
+    listdir_or_empty,
+    lstat_or_none,
+    readlink_or_none,
+    remove_tree,
+)
+from queue_ref.fsqueue.layout import (
+    BODY,
+    ENVELOPE,
+    MSGID_RE,
+    OWNER_RE,
+    RCPT_RE,
+    RCPT_TMP_RE,
+    RCPTS,
+    EntryName,
+    owner_of_msgid,
+    parse_inflight,
+)
+from queue_ref.fsqueue.metadata import Corrupt
+from queue_ref.storage import RecoveryReport
+
+if TYPE_CHECKING:
+    from queue_ref.fsqueue.queue import FsQueue
+
+Inflight = dict[EntryName, list[tuple[str, str]]]  # entry -> [(owner, link path)]
+
+
+class Recovery:
+    def __init__(self, q: FsQueue) -> None:
+        self.q = q
+        self.io = q.io
+        self.lay = q.layout
+        self.exclusive = False
+        self.requeued = self.cleaned = self.uncommitted = 0
+        self.orphans = self.quarantined = 0
+        self.problems: list[str] = []
+        self.queue: dict[EntryName, str] = {}
+        self.inflight: Inflight = {}
+        self.cleanup: dict[EntryName, str] = {}
+
+    def alive(self, owner: str) -> bool:
+        return self.q._owners.alive(owner)
+
+    def run(self) -> RecoveryReport:
+        self.exclusive = not self.q._owners.others_alive()
+        self.scan_links()
+        self.resolve_duplicates()
+        self.finish_cleanups()
+        self.remove_uncommitted()
+        self.requeue()
+        if self.exclusive:
+            self.remove_orphans()
+        self.verify_queued()
+        for o in self.q._owners.on_disk():
+            if not self.alive(o):
+                self.q._owners.forget_dead(o)
+        return RecoveryReport(self.requeued, self.cleaned, self.uncommitted, self.orphans,
+                              self.quarantined, tuple(self.problems))
+
+    # ---- 1. links and junk -------------------------------------------------------------
+
+    def junk(self, path: str, reason: str) -> None:
+        self.problems.append(self.q._quarantine_junk(path, reason))
+
+    def _link_ok(self, path: str, e: EntryName) -> bool:
+        """Is ``path`` exactly a link of ``e``?  Quarantines it if it is something else."""
+        try:
+            target = self.io.readlink(path)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            if lstat_or_none(self.io, path) is not None:
+                self.junk(path, "not a symlink")
+            return False
+        if target != e.target:
+            self.junk(path, f"symlink to {target!r} instead of its own rcpts file")
+            return False
+        return True
+
+    def scan_links(self) -> None:
+        for name in listdir_or_empty(self.io, self.lay.queue):
+            self._scan_one(self.lay.queue, name, self.queue)
+        for name in listdir_or_empty(self.io, self.lay.cleanup):
+            self._scan_one(self.lay.cleanup, name, self.cleanup)
+        for name in listdir_or_empty(self.io, self.lay.inflight):
+            path = join(self.lay.inflight, name)
+            parsed = parse_inflight(name)
+            if parsed is None:
+                self.junk(path, "not an inflight entry name")
+            elif self._link_ok(path, parsed[0]):
+                self.inflight.setdefault(parsed[0], []).append((parsed[1], path))
+
+    def _scan_one(self, directory: str, name: str, into: dict[EntryName, str]) -> None:
+        path = join(directory, name)
+        e = EntryName.parse(name)
+        if e is None:
+            self.junk(path, "not an entry name")
+        elif self._link_ok(path, e):
+            into[e] = path
+
+    # ---- 2. duplicates -----------------------------------------------------------------
+
+    def resolve_duplicates(self) -> None:
+        changed: set[str] = set()
+
+        def drop(path: str, directory: str) -> None:
+            if if_exists(self.io.unlink, path):
+                self.orphans += 1
+                changed.add(directory)
+
+        for e in self.cleanup:
+            if e in self.queue:
+                drop(self.queue.pop(e), self.lay.queue)
+        for e, links in list(self.inflight.items()):
+            keep = [(o, p) for o, p in links if self.alive(o)]
+            dead = [(o, p) for o, p in links if not self.alive(o)]
+            if not keep and dead and e not in self.cleanup and e not in self.queue:
+                keep.append(dead.pop(0))  # one dead claim survives, to be requeued
+            for _, p in dead:
+                drop(p, self.lay.inflight)
+            if keep:
+                self.inflight[e] = keep
+            else:
+                del self.inflight[e]
+        if changed:
+            self.q._sync_dirs(*sorted(changed))
+
+    # ---- 3. cleanups -------------------------------------------------------------------
+
+    def finish_cleanups(self) -> None:
+        for e in sorted(self.cleanup):
+            if self.q._cleanup_entry(e):
+                self.cleaned += 1
+        self.cleanup.clear()
+
+    # ---- 4. uncommitted enqueues -------------------------------------------------------
+
+    def remove_uncommitted(self) -> None:
+        removed: set[str] = set()
+        changed: set[str] = set()
+        for owner in listdir_or_empty(self.io, self.lay.tmp):
+            path = self.lay.tmp_owner(owner)
+            if not OWNER_RE.match(owner) or not self.io.is_dir(path):
+                self.junk(path, "not an owner's tmp directory")
+            elif not self.alive(owner):
+                removed |= self._remove_tmp_of(owner)
+                changed.add(self.lay.tmp)
+        for e, path in sorted(self.queue.items()):
+            if self._dangling(e, path, removed):
+                del self.queue[e]
+                changed.add(self.lay.queue)
+        for e, links in list(self.inflight.items()):
+            for owner, path in list(links):
+                if not self.alive(owner) and self._dangling(e, path, removed):
+                    links.remove((owner, path))
+                    changed.add(self.lay.inflight)
+            if not links:
+                del self.inflight[e]
+        self.uncommitted += len(removed)
+        if changed:
+            self.q._sync_dirs(*sorted(changed))
+
+    def _remove_tmp_of(self, owner: str) -> set[str]:
+        """Remove a dead owner's messages under construction; returns their ids."""
+        out = set()
+        base = self.lay.tmp_owner(owner)
+        for m in listdir_or_empty(self.io, base):
+            path = join(base, m)
+            committed = lstat_or_none(self.io, self.lay.msg_dir(m))
+            mine = lstat_or_none(self.io, path)
+            if committed is not None and mine is not None and (
+                    (committed.st_dev, committed.st_ino) == (mine.st_dev, mine.st_ino)):
+                self.problems.append(f"tmp/{owner}/{m} is the same directory as data/{m}")
+                continue
+            remove_tree(self.io, path)
+            if MSGID_RE.match(m):
+                out.add(m)
+        try:
+            if_exists(self.io.rmdir, base)
+        except OSError as e:
+            self.problems.append(f"tmp/{owner} could not be removed: {e}")
+        return out
+
+    def _dangling(self, e: EntryName, path: str, removed: set[str]) -> bool:
+        """Handle a link whose rcpts file is missing; True if the link was taken away."""
+        if lstat_or_none(self.io, self.lay.rcpt_file(e)) is not None:
+            return False
+        if self.io.exists(self.lay.quarantined(f"{e.msgid}.msg")):
+            self.q._quarantine_links_of(e.msgid)
+            return True
+        committed = self.io.is_dir(self.lay.msg_dir(e.msgid))
+        if not committed and self.alive(owner_of_msgid(e.msgid)):
+            return False  # an enqueue in progress: its owner commits or discards it
+        if not if_exists(self.io.unlink, path):
+            return True
+        if committed:
+            self.orphans += 1
+            self.problems.append(f"entry {e.entry_id} had lost its rcpts file; link removed")
+        else:
+            removed.add(e.msgid)
+        return True
+
+    # ---- 5. requeue --------------------------------------------------------------------
+
+    def requeue(self) -> None:
+        for e, links in sorted(self.inflight.items()):
+            for owner, path in links:
+                if owner == self.q.owner or self.alive(owner):
+                    continue
+                if self.q._move_link(path, self.lay.queue_link(e)):
+                    self.requeued += 1
+                    self.queue[e] = self.lay.queue_link(e)
+        if self.requeued:
+            self.q._sync_move(self.lay.inflight, self.lay.queue)
+
+    # ---- 6. orphans --------------------------------------------------------------------
+
+    def _referenced(self) -> set[str]:
+        """Entry ids that a link in queue/, inflight/ or cleanup/ names, read afresh."""
+        refs: set[str] = set()
+        for d in (self.lay.queue, self.lay.cleanup):
+            refs.update(n for n in listdir_or_empty(self.io, d) if EntryName.parse(n))
+        for n in listdir_or_empty(self.io, self.lay.inflight):
+            parsed = parse_inflight(n)
+            if parsed is not None:
+                refs.add(parsed[0].entry_id)
+        return refs
+
+    def remove_orphans(self) -> None:
+        refs = self._referenced()
+        teardown = False
+        for m in listdir_or_empty(self.io, self.lay.data):
+            base = self.lay.msg_dir(m)
+            if not MSGID_RE.match(m) or not self.io.is_dir(base):
+                self.junk(base, "not a message directory")
+                continue
+            for n in listdir_or_empty(self.io, base):
+                if n not in (BODY, ENVELOPE, RCPTS):
+                    self.junk(join(base, n), "not a file of a message")
+            rcpts = self.lay.rcpts(base)
+            st = lstat_or_none(self.io, rcpts)
+            if st is not None and not stat.S_ISDIR(st.st_mode):
+                self.junk(rcpts, "rcpts is not a directory")
+            if self._orphan_rcpts(m, refs) == 0 and self.q._remove_rcpts_dir(m):
+                self.q._delete_message_data(m)
+                self.orphans += 1
+                teardown = True
+        if teardown:
+            self.q._sync_teardown()
+
+    def _orphan_rcpts(self, m: str, refs: set[str]) -> int:
+        """Remove rcpts files no link names and schedule temp files; returns how many
+        rcpts files are still in use."""
+        rcpts = self.lay.rcpts(self.lay.msg_dir(m))
+        live = 0
+        changed = False
+        for n in listdir_or_empty(self.io, rcpts):
+            path = join(rcpts, n)
+            if RCPT_TMP_RE.match(n):
+                changed |= if_exists(self.io.unlink, path)
+                self.orphans += 1
+                continue
+            if not RCPT_RE.match(n):
+                self.junk(path, "not a recipient file")
+                continue
+            e = EntryName(m, int(n))
+            if e.entry_id in refs:
+                live += 1
+                continue
+            if self.io.exists(self.lay.quarantined(f"{e.entry_id}.note")):
+                changed |= self.q._move_link(path, self.lay.quarantined(f"{e.entry_id}.rcpt"))
+            else:
+                changed |= if_exists(self.io.unlink, path)
+                self.orphans += 1
+        if changed:
+            self.q._sync_dirs(rcpts, self.lay.quarantine)
+        return live
+
+    # ---- 7. verification ---------------------------------------------------------------
+
+    def verify_queued(self) -> None:
+        for e, path in sorted(self.queue.items()):
+            try:
+                self.q._load_entry(e)
+            except Corrupt as c:
+                if readlink_or_none(self.io, path) != e.target:
+                    continue  # taken and cleaned up by a live process meanwhile
+                where = self.q._quarantine_corrupt(e, path, c)
+                self.quarantined += 1
+                self.problems.append(f"entry {e.entry_id}: {c.reason}; quarantined to {where}")

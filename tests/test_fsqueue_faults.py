@@ -1,0 +1,347 @@
+"""FsQueue under faults: junk in its directories, unreadable files, a full disk, failed
+fsyncs and renames, and corrupted bodies, envelopes and schedule records."""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from queue_ref.fsqueue import FsQueue
+from queue_ref.io import OsIO
+from queue_ref.storage import (
+    CorruptionError,
+    Footprint,
+    InflightMail,
+    NoSpaceError,
+    QueuedMail,
+    Schedule,
+    StorageIOError,
+)
+from tests.test_fsqueue_support import EMPTY, put, rcpts, tree
+
+
+@pytest.fixture
+def root(tmp_path: Any) -> str:
+    return str(tmp_path / "q")
+
+
+def entries(q: FsQueue) -> list[str]:
+    return [m.entry_id for m in q.list_queue()]
+
+
+# ---- junk ------------------------------------------------------------------------------
+
+
+def test_junk_is_quarantined_reported_never_followed(tmp_path: Any, root: str) -> None:
+    q = FsQueue(root)
+    h = put(q, n=2)
+    m = h[0].message_id
+    q.close()
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"not yours")
+    os.makedirs(tmp_path / "victim" / "rcpts")
+    (tmp_path / "victim" / "rcpts" / "0").write_bytes(b"")
+    junk = {
+        "queue/notes.txt": lambda p: open(p, "w").close(),
+        f"queue/{m}.7": lambda p: os.symlink(str(secret), p),  # our name, foreign target
+        f"queue/{m}.8": lambda p: os.symlink("../../victim/rcpts/0", p),
+        "inflight/weird@name": lambda p: os.symlink("/etc/passwd", p),
+        f"cleanup/{m}.9": lambda p: os.mkdir(p),
+        "data/not-a-message": lambda p: os.mkdir(p),
+        "tmp/stranger": lambda p: open(p, "w").close(),
+    }
+    for rel, make in junk.items():
+        make(os.path.join(root, rel))
+    q = FsQueue(root, recover=False)
+    assert entries(q) == [x.entry_id for x in h]  # listers skip junk without touching it
+    report = q.recover()
+    assert len(report.problems) == len(junk), report.problems
+    for rel in junk:
+        where, name = rel.split("/")
+        assert any(p.startswith(f"{where}/{name!r}") for p in report.problems), rel
+    assert entries(q) == [x.entry_id for x in h]
+    assert secret.read_bytes() == b"not yours"  # never followed, never touched
+    assert (tmp_path / "victim" / "rcpts" / "0").exists()
+    quarantined = os.listdir(os.path.join(root, "quarantine"))
+    assert len(quarantined) == len(junk)
+    assert tree(root, [q.owner]) == sorted(
+        [x for x in EMPTY if x != "quarantine/"]
+        + [f"data/M0/{n}" for n in ("", "body", "envelope", "rcpts/", "rcpts/0", "rcpts/1")]
+        + ["queue/M0.0 -> ../data/M0/rcpts/0", "queue/M0.1 -> ../data/M0/rcpts/1"]
+        + [line for line in tree(root, [q.owner]) if line.startswith("quarantine/")])
+    assert q.recover().problems == ()  # idempotent: nothing more to report
+    q.close()
+
+
+# ---- unreadable files and failing calls ------------------------------------------------
+
+
+class FaultyIO(OsIO):
+    """Raises a chosen OSError for calls matching (method, path suffix), while armed."""
+
+    def __init__(self) -> None:
+        self.faults: dict[tuple[str, str], OSError] = {}
+        self.hits = 0
+
+    def _check(self, method: str, path: str) -> None:
+        for (m, suffix), err in self.faults.items():
+            if m == method and path.endswith(suffix):
+                self.hits += 1
+                raise err
+
+    def open_read(self, path: str) -> int:
+        self._check("open_read", path)
+        return super().open_read(path)
+
+    def open_create(self, path: str, *, exclusive: bool = True, append: bool = False) -> int:
+        self._check("open_create", path)
+        return super().open_create(path, exclusive=exclusive, append=append)
+
+    def fsync_dir(self, path: str) -> None:
+        self._check("fsync_dir", path)
+        super().fsync_dir(path)
+
+    def rename(self, src: str, dst: str) -> None:
+        self._check("rename", dst)
+        super().rename(src, dst)
+
+    def write(self, fd: int, data: bytes) -> int:
+        self._check("write", "")
+        return super().write(fd, data)
+
+
+def test_unreadable_body_is_an_io_error_not_corruption(root: str) -> None:
+    io = FaultyIO()
+    q = FsQueue(root, io)
+    h = put(q, n=1)
+    i = q.send_start(h[0])
+    assert i is not None
+    io.faults[("open_read", "/body")] = PermissionError(errno.EACCES, "denied")
+    with pytest.raises(StorageIOError) as ei:
+        q.read_inflight(i)
+    assert ei.value.handle is i and not isinstance(ei.value, NoSpaceError)
+    assert os.listdir(os.path.join(root, "quarantine")) == []
+    io.faults.clear()
+    with q.read_inflight(i) as r:  # the handle was never consumed
+        assert r.read_all().startswith(b"Subject")
+
+
+def test_unreadable_schedule_record_fails_listing_honestly(root: str) -> None:
+    io = FaultyIO()
+    q = FsQueue(root, io)
+    h = put(q, n=2)
+    assert q.reschedule(h[1], Schedule(5)) is not None
+    io.faults[("open_read", "/rcpts/1")] = PermissionError(errno.EACCES, "denied")
+    with pytest.raises(StorageIOError):
+        entries(q)
+    io.faults.clear()
+    assert len(entries(q)) == 2
+
+
+def test_failed_rename_gives_the_handle_back_for_a_retry(root: str) -> None:
+    io = FaultyIO()
+    q = FsQueue(root, io)
+    h = put(q, n=1)
+    i = q.send_start(h[0])
+    assert i is not None
+    io.faults[("rename", f"/cleanup/{h[0].entry_id}")] = OSError(errno.EIO, "injected")
+    with pytest.raises(StorageIOError) as ei:
+        q.send_done(i)
+    assert ei.value.handle is i
+    io.faults.clear()
+    p = q.send_done(i)  # the retry completes the transition
+    assert p is not None and q.cleanup(p)
+    assert q.footprint() == Footprint(0, 0)
+
+
+def test_failed_reschedule_leaves_the_entry_queued_with_the_old_schedule(root: str) -> None:
+    io = FaultyIO()
+    q = FsQueue(root, io)
+    h = put(q, n=1)
+    io.faults[("open_create", ".tmp")] = OSError(errno.ENOSPC, "full")
+    with pytest.raises(NoSpaceError) as ei:
+        q.reschedule(h[0], Schedule(77))
+    assert ei.value.handle is h[0]
+    assert [m.schedule for m in q.list_queue()] == [Schedule(0)]
+    io.faults.clear()
+    r = q.reschedule(h[0], Schedule(77))
+    assert r is not None and [m.schedule for m in q.list_queue()] == [Schedule(77)]
+
+
+def test_failed_directory_fsync_poisons_until_reopened(root: str) -> None:
+    io = FaultyIO()
+    q = FsQueue(root, io)
+    h = put(q, n=2)
+    i = q.send_start(h[0])
+    assert i is not None
+    io.faults[("fsync_dir", "/inflight")] = OSError(errno.EIO, "injected")
+    with pytest.raises(StorageIOError) as ei:
+        q.send_done(i)
+    assert ei.value.handle is i and q.poisoned
+    io.faults.clear()
+    with pytest.raises(StorageIOError, match="reopen"):
+        q.send_done(i)  # not retried on the strength of a later fsync
+    with pytest.raises(StorageIOError):
+        q.send_start(h[1])
+    with pytest.raises(StorageIOError), q.enqueue("a@b") as enq:
+        enq.commit(rcpts(1))
+    q.close()
+    q = FsQueue(root)  # recovery: the send_done happened (cleanup wins) or it did not
+    assert q.last_recovery is not None and q.last_recovery.cleaned == 1
+    assert entries(q) == [h[1].entry_id]
+    q.close()
+
+
+def test_write_error_discards_the_message(root: str) -> None:
+    io = FaultyIO()
+    q = FsQueue(root, io)
+    enq = q.enqueue("a@b")
+    enq.write(b"first")
+    io.faults[("write", "")] = OSError(errno.ENOSPC, "full")
+    with pytest.raises(NoSpaceError):
+        enq.write(b"second")
+    io.faults.clear()
+    assert tree(root, [q.owner]) == EMPTY
+    enq.abort()
+
+
+# ---- a full disk (pyfakefs) -------------------------------------------------------------
+
+
+def test_full_disk_gives_no_space_error_and_loses_nothing(fs: Any) -> None:
+    fs.create_dir("/spool")
+    q = FsQueue("/spool/q")
+    kept = put(q, n=3, body=b"x" * 1000)
+    i = q.send_start(kept[0])
+    assert i is not None
+    fs.set_disk_usage(fs.get_disk_usage("/").used + 5000)
+    enq = q.enqueue("a@b")
+    with pytest.raises(NoSpaceError):
+        for _ in range(100):
+            enq.write(b"y" * 1000)
+    enq.abort()
+    fs.set_disk_usage(fs.get_disk_usage("/").used)  # not one byte free
+    with pytest.raises(NoSpaceError) as ei:  # the schedule record does not fit
+        q.send_cancel(i, Schedule(9, 1))
+    assert ei.value.handle is i
+    assert [m.entry_id for m in q.list_queue()] == [k.entry_id for k in kept[1:]]
+    with q.read_inflight(i) as r:
+        assert r.read_all() == b"x" * 1000
+    q.close()
+    fs.set_disk_usage(10 ** 9)
+    q = FsQueue("/spool/q")
+    assert q.last_recovery is not None and q.last_recovery.requeued == 1
+    assert sorted(m.entry_id for m in q.list_queue()) == [k.entry_id for k in kept]
+    q.close()
+
+
+# ---- corruption ------------------------------------------------------------------------
+
+
+def _corrupt(path: str, offset: int = -1) -> None:
+    with open(path, "r+b") as f:
+        data = bytearray(f.read())
+        data[offset] ^= 0xFF
+        f.seek(0)
+        f.write(bytes(data))
+
+
+@pytest.fixture
+def loaded(root: str) -> Iterator[tuple[FsQueue, list[QueuedMail]]]:
+    q = FsQueue(root)
+    yield q, put(q, n=3, body=bytes(range(256)) * 800)
+    q.close()
+
+
+def _inflight(q: FsQueue, h: QueuedMail) -> InflightMail:
+    i = q.send_start(h)
+    assert i is not None
+    return i
+
+
+def test_corrupt_body_raises_before_the_last_bytes(loaded: Any, root: str) -> None:
+    q, h = loaded
+    m = h[0].message_id
+    _corrupt(os.path.join(root, "data", m, "body"), offset=-10)
+    r = q.read_inflight(_inflight(q, h[0]))
+    got = b""
+    with pytest.raises(CorruptionError) as ei:
+        while True:
+            b = r.read(65536)
+            assert b
+            got += b
+    assert len(got) < 256 * 800  # the final chunk was never handed out
+    assert ei.value.entry_id == h[0].entry_id and ei.value.quarantined_to is not None
+    assert ei.value.quarantined_to.endswith(f"{m}.msg")
+    assert sorted(os.listdir(os.path.join(root, "quarantine"))) == sorted(
+        [f"{m}.msg", f"{m}.note", f"{h[0].entry_id}@{q.owner}.link",
+         f"{h[1].entry_id}.link", f"{h[2].entry_id}.link"])
+    assert entries(q) == [] and q.footprint() == Footprint(0, 0)
+
+
+@pytest.mark.parametrize("change", ["truncate", "extend"])
+def test_body_of_the_wrong_size_is_corrupt(loaded: Any, root: str, change: str) -> None:
+    q, h = loaded
+    path = os.path.join(root, "data", h[0].message_id, "body")
+    with open(path, "r+b") as f:
+        if change == "truncate":
+            f.truncate(1000)
+        else:
+            f.seek(0, 2)
+            f.write(b"!")
+    with pytest.raises(CorruptionError), q.read_inflight(_inflight(q, h[0])) as r:
+        r.read_all()
+
+
+def test_corrupt_envelope_is_quarantined_by_recovery(loaded: Any, root: str) -> None:
+    q, h = loaded
+    q.close()
+    _corrupt(os.path.join(root, "data", h[0].message_id, "envelope"), offset=40)
+    q2 = FsQueue(root)
+    assert q2.last_recovery is not None and q2.last_recovery.quarantined == 1
+    assert entries(q2) == [] and q2.footprint() == Footprint(0, 0)
+    q2.close()
+
+
+def test_corrupt_envelope_is_quarantined_by_listing(loaded: Any, root: str) -> None:
+    q, h = loaded
+    i = _inflight(q, h[0])
+    _corrupt(os.path.join(root, "data", h[0].message_id, "envelope"), offset=40)
+    assert entries(q) == []
+    with pytest.raises(CorruptionError):  # it is gone from inflight/ too
+        q.read_inflight(i)
+
+
+def test_corrupt_schedule_quarantines_only_that_entry(loaded: Any, root: str) -> None:
+    q, h = loaded
+    r = q.reschedule(h[1], Schedule(50, 2))
+    assert r is not None
+    _corrupt(os.path.join(root, "data", h[1].message_id, "rcpts", "1"), offset=-3)
+    assert entries(q) == [h[0].entry_id, h[2].entry_id]
+    qdir = sorted(os.listdir(os.path.join(root, "quarantine")))
+    assert qdir == sorted([f"{h[1].entry_id}.note", f"{h[1].entry_id}.link",
+                           f"{h[1].entry_id}.rcpt"])
+    for k in (h[0], h[2]):
+        for m in q.list_queue():
+            if m.entry_id == k.entry_id:
+                i = _inflight(q, m)
+                with q.read_inflight(i) as rd:
+                    assert len(rd.read_all()) == 256 * 800
+                p = q.send_done(i)
+                assert p is not None and q.cleanup(p)
+    assert q.footprint() == Footprint(0, 0)
+
+
+def test_corrupt_schedule_of_an_inflight_entry(loaded: Any, root: str) -> None:
+    q, h = loaded
+    i = _inflight(q, h[0])
+    path = os.path.join(root, "data", h[0].message_id, "rcpts", "0")
+    with open(path, "wb") as f:
+        f.write(b"qr-record 1 garbage")
+    with pytest.raises(CorruptionError) as ei:
+        q.read_inflight(i)
+    assert ei.value.quarantined_to is not None and ei.value.quarantined_to.endswith(".rcpt")

@@ -1,0 +1,224 @@
+"""FsQueue recovery of states that power loss (or a dead process) can leave, built by hand:
+duplicate links, orphans, interrupted enqueues and cleanups, half-done quarantines; and
+what recovery must not touch while other owners are alive."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import pytest
+
+from queue_ref.fsqueue import FsQueue
+from queue_ref.storage import Footprint, RecoveryReport, Schedule
+from tests.test_fsqueue_support import EMPTY, Crash, CrashIO, put, tree
+
+
+@pytest.fixture
+def root(tmp_path: Any) -> str:
+    return str(tmp_path / "q")
+
+
+def entries(q: FsQueue) -> list[str]:
+    return [m.entry_id for m in q.list_queue()]
+
+
+def opened(root: str) -> tuple[FsQueue, RecoveryReport]:
+    """Open (running recovery), check a second recovery finds nothing to do."""
+    q = FsQueue(root)
+    first = q.last_recovery
+    assert first is not None
+    assert q.recover() == RecoveryReport(), "recovery is not idempotent"
+    return q, first
+
+
+def link(root: str, d: str, name: str, entry: str) -> None:
+    msgid, index = entry.rsplit(".", 1)
+    os.symlink(f"../data/{msgid}/rcpts/{index}", os.path.join(root, d, name))
+
+
+def drain(q: FsQueue) -> None:
+    for m in list(q.list_queue()):
+        i = q.send_start(m)
+        assert i is not None
+        p = q.send_done(i)
+        assert p is not None and q.cleanup(p)
+    assert q.footprint() == Footprint(0, 0)
+    rest = [x for x in tree(q.root, [q.owner]) if x == "quarantine/" or
+            not x.startswith("quarantine/")]
+    assert rest == EMPTY
+
+
+def test_dead_owner_tmp_dir_and_dangling_links_are_removed(root: str) -> None:
+    io = CrashIO()
+    q = FsQueue(root, io)
+    kept = put(q, n=1)
+    # Crash at the commit rename: the links are published, the message is in tmp/.
+    io.crash_on = lambda name, args: name == "rename" and "/data/" in str(args[1])
+    with pytest.raises(Crash):
+        put(q, n=2)
+    io.kill()
+    assert len(os.listdir(os.path.join(root, "queue"))) == 3  # 1 committed, 2 dangling
+    q2, report = opened(root)
+    assert report.uncommitted_removed == 1
+    assert entries(q2) == [kept[0].entry_id]
+    assert os.listdir(os.path.join(root, "tmp")) == [q2.owner]
+    drain(q2)
+    q2.close()
+
+
+def test_live_owner_enqueue_in_progress_is_left_alone(root: str) -> None:
+    a = FsQueue(root)
+    enq = a.enqueue("a@b")
+    enq.write(b"body")
+    tx = enq._tx  # type: ignore[attr-defined]
+    os.symlink(f"../data/{tx.msgid}/rcpts/0", os.path.join(root, "queue", f"{tx.msgid}.0"))
+    b = FsQueue(root)
+    assert b.last_recovery == RecoveryReport()
+    assert os.path.exists(os.path.join(root, "tmp", a.owner, tx.msgid, "body"))
+    assert os.path.islink(os.path.join(root, "queue", f"{tx.msgid}.0"))
+    assert entries(b) == []  # listers skip the dangling link
+    b.close()
+    enq.abort()
+    a.close()
+
+
+def test_interrupted_cleanup_is_finished(root: str) -> None:
+    q = FsQueue(root)
+    h = put(q, n=2)
+    p0 = q.drop(h[0])
+    p1 = q.drop(h[1])
+    assert p0 is not None and p1 is not None
+    m = h[0].message_id
+    # Cleanup of entry 1 got as far as releasing the whole message; entry 0 not started.
+    os.unlink(os.path.join(root, "data", m, "rcpts", "1"))
+    q.close()
+    q2, report = opened(root)
+    assert report.cleaned == 2
+    assert tree(root, [q2.owner]) == EMPTY
+    q2.close()
+
+
+def test_cleanup_link_of_a_finished_cleanup_is_removed(root: str) -> None:
+    q = FsQueue(root)
+    h = put(q, n=1)
+    p = q.drop(h[0])
+    assert p is not None
+    shutil.rmtree(os.path.join(root, "data", h[0].message_id))  # data gone, link left
+    q.close()
+    q2, report = opened(root)
+    assert report.cleaned == 1 and tree(root, [q2.owner]) == EMPTY
+    q2.close()
+
+
+@pytest.mark.parametrize("dup", ["queue+cleanup", "inflight+cleanup", "queue+inflight",
+                                 "inflight+inflight"])
+def test_duplicate_links_resolve_to_the_later_state(root: str, dup: str) -> None:
+    q = FsQueue(root)
+    h = put(q, n=2)
+    e = h[0].entry_id
+    dead = "0123456789abcdef"
+    q.close()
+    os.unlink(os.path.join(root, "queue", e))
+    first, second = dup.split("+")
+    names = {"queue": e, "cleanup": e, "inflight": f"{e}@{dead}"}
+    link(root, first, names[first], e)
+    link(root, second, names[second] if first != second else f"{e}@{'f' * 16}", e)
+    q2, report = opened(root)
+    if "cleanup" in dup:
+        assert entries(q2) == [h[1].entry_id]  # retired: never back in the queue
+        assert report.cleaned == 1
+    else:
+        assert entries(q2) == [h[0].entry_id, h[1].entry_id]
+    assert os.listdir(os.path.join(root, "inflight")) == []
+    drain(q2)
+    q2.close()
+
+
+def test_orphans_are_removed(root: str) -> None:
+    q = FsQueue(root)
+    h = put(q, n=3)
+    m = h[0].message_id
+    kept = put(q, n=1)
+    lone = put(q, n=1)
+    q.close()
+    rc = os.path.join(root, "data", m, "rcpts")
+    os.unlink(os.path.join(root, "queue", h[1].entry_id))  # rcpts/1 has no link now
+    open(os.path.join(rc, f"2.{'a' * 16}.tmp"), "wb").close()  # a dead owner's temp record
+    # A message with no rcpts at all (a teardown cut short before rmdir of its directory):
+    os.unlink(os.path.join(root, "queue", lone[0].entry_id))
+    shutil.rmtree(os.path.join(root, "data", lone[0].message_id, "rcpts"))
+    q2, report = opened(root)
+    assert report.orphans_removed == 3
+    assert sorted(os.listdir(rc)) == ["0", "2"]
+    assert not os.path.exists(os.path.join(root, "data", lone[0].message_id))
+    assert entries(q2) == [h[0].entry_id, h[2].entry_id, kept[0].entry_id]
+    drain(q2)
+    q2.close()
+
+
+def test_orphan_removal_waits_while_another_owner_lives(root: str) -> None:
+    q = FsQueue(root)
+    h = put(q, n=2)
+    os.unlink(os.path.join(root, "queue", h[1].entry_id))
+    other = FsQueue(root)  # q is alive: not exclusive
+    assert other.last_recovery == RecoveryReport()
+    assert os.path.exists(os.path.join(root, "data", h[1].message_id, "rcpts", "1"))
+    other.close()
+    q.close()
+    q3, report = opened(root)  # alone now
+    assert report.orphans_removed == 1
+    drain(q3)
+    q3.close()
+
+
+def test_killed_inflight_owner_is_requeued_with_its_schedule(root: str) -> None:
+    io = CrashIO()
+    q = FsQueue(root, io)
+    h = put(q, n=2)
+    r = q.reschedule(h[1], Schedule(77, 4))
+    assert r is not None
+    assert q.send_start(h[0]) is not None and q.send_start(r) is not None
+    io.kill()  # the process dies holding both entries
+    q2, report = opened(root)
+    assert report.requeued == 2
+    assert [(m.entry_id, m.schedule) for m in q2.list_queue()] == [
+        (h[0].entry_id, Schedule(0)), (h[1].entry_id, Schedule(77, 4))]
+    drain(q2)
+    q2.close()
+
+
+def test_half_done_quarantines_are_finished(root: str) -> None:
+    q = FsQueue(root)
+    h = put(q, n=2)
+    g = put(q, n=2)
+    q.close()
+    qdir = os.path.join(root, "quarantine")
+    # Message h: data moved to quarantine, links not yet.
+    open(os.path.join(qdir, f"{h[0].message_id}.note"), "w").close()
+    os.rename(os.path.join(root, "data", h[0].message_id),
+              os.path.join(qdir, f"{h[0].message_id}.msg"))
+    # Entry g.1: note written and link moved, rcpts file not yet.
+    open(os.path.join(qdir, f"{g[1].entry_id}.note"), "w").close()
+    os.rename(os.path.join(root, "queue", g[1].entry_id),
+              os.path.join(qdir, f"{g[1].entry_id}.link"))
+    q2, _ = opened(root)
+    assert entries(q2) == [g[0].entry_id]
+    assert sorted(os.listdir(qdir)) == sorted([
+        f"{h[0].message_id}.note", f"{h[0].message_id}.msg", f"{h[0].entry_id}.link",
+        f"{h[1].entry_id}.link", f"{g[1].entry_id}.note", f"{g[1].entry_id}.link",
+        f"{g[1].entry_id}.rcpt"])
+    drain(q2)
+    q2.close()
+
+
+def test_lock_files_of_dead_owners_are_removed(root: str) -> None:
+    q = FsQueue(root)
+    put(q, n=1)
+    q.close()
+    open(os.path.join(root, "owners", f"{'b' * 16}.lock"), "w").close()
+    q2, _ = opened(root)
+    assert sorted(os.listdir(os.path.join(root, "owners"))) == sorted(
+        ["gate.lock", f"{q2.owner}.lock"])
+    q2.close()

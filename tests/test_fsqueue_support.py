@@ -1,0 +1,293 @@
+"""Helpers for the FsQueue tests, and unit tests of its small parts (ids, records, group sync).
+
+The helpers read the real directory tree directly (a backdoor, as zarr's store tests do)
+instead of trusting the API under test.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from queue_ref.fsqueue import FsQueue
+from queue_ref.fsqueue.groupsync import GroupSync
+from queue_ref.fsqueue.layout import EntryName, MessageIds, new_owner, owner_of_msgid
+from queue_ref.fsqueue.records import (
+    Envelope,
+    RecordError,
+    decode,
+    decode_schedule,
+    encode,
+    encode_schedule,
+)
+from queue_ref.io import MUTATING, OsIO
+from queue_ref.storage import QueuedMail, Recipient, Schedule
+
+MSGID = re.compile(r"[0-9a-f]{38}")
+
+
+# ---- helpers ---------------------------------------------------------------------------
+
+
+def rcpts(n: int, at: int = 0) -> list[Recipient]:
+    return [Recipient(f"user{i}@example.org", Schedule(at + i)) for i in range(n)]
+
+
+def put(q: FsQueue, n: int = 2, body: bytes = b"Subject: hi\r\n\r\nbody\r\n",
+        mail_from: str = "sender@example.com") -> list[QueuedMail]:
+    with q.enqueue(mail_from) as enq:
+        enq.write(body)
+        return enq.commit(rcpts(n))
+
+
+def tree(root: str, owners: Sequence[str] = ()) -> list[str]:
+    """Every name under ``root`` except owners/, one line each, with message ids renamed
+    M0, M1... (in id order) and the given owner tokens O0, O1...; directories end in /,
+    symlinks show their target.  Read with ``os`` directly: a backdoor."""
+    lines = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel = os.path.relpath(dirpath, root)
+        if rel == "owners" or rel.startswith("owners" + os.sep):
+            continue
+        for d in dirnames:
+            p = os.path.join(dirpath, d)
+            r = os.path.relpath(p, root)
+            if r == "owners":
+                continue
+            lines.append(f"{r} -> {os.readlink(p)}" if os.path.islink(p) else f"{r}/")
+        for f in filenames:
+            p = os.path.join(dirpath, f)
+            r = os.path.relpath(p, root)
+            lines.append(f"{r} -> {os.readlink(p)}" if os.path.islink(p) else r)
+    text = "\n".join(sorted(lines))
+    for k, m in enumerate(sorted(set(MSGID.findall(text)))):
+        text = text.replace(m, f"M{k}")
+    for k, o in enumerate(owners):
+        text = text.replace(o, f"O{k}")
+    return sorted(text.split("\n")) if text else []
+
+
+EMPTY = ["cleanup/", "data/", "inflight/", "quarantine/", "queue/", "tmp/", "tmp/O0/"]
+
+
+def body_digest(q: FsQueue, msgid: str) -> str:
+    with open(os.path.join(q.root, "data", msgid, "body"), "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+class Crash(BaseException):
+    """A simulated crash: ``except Exception`` in the backend cannot swallow it."""
+
+
+class CrashIO(OsIO):
+    """Counts mutating calls; raises Crash before call ``crash_at`` (or never).
+
+    Models a process kill: whatever the kernel accepted stays.  ``kill()`` closes every fd
+    it handed out (locks included), as the death of the process would.  fsyncs are
+    counted but skipped: they change nothing under this model.
+    """
+
+    def __init__(self, crash_at: int | None = None) -> None:
+        self.crash_at = crash_at
+        self.crash_on: Callable[[str, tuple[object, ...]], bool] | None = None
+        self.calls: list[str] = []
+        self.fds: set[int] = set()
+
+    def _tick(self, name: str, *args: object) -> None:
+        if ((self.crash_at is not None and len(self.calls) == self.crash_at)
+                or (self.crash_on is not None and self.crash_on(name, args))):
+            raise Crash(f"crash before {name}{args}")
+        self.calls.append(name)
+
+    def kill(self) -> None:
+        for fd in list(self.fds):
+            os.close(fd)
+        self.fds.clear()
+
+    def open_create(self, path: str, *, exclusive: bool = True, append: bool = False) -> int:
+        self._tick("open_create", path)
+        fd = super().open_create(path, exclusive=exclusive, append=append)
+        self.fds.add(fd)
+        return fd
+
+    def open_read(self, path: str) -> int:
+        fd = super().open_read(path)
+        self.fds.add(fd)
+        return fd
+
+    def close(self, fd: int) -> None:
+        self.fds.discard(fd)
+        super().close(fd)
+
+    def write(self, fd: int, data: bytes) -> int:
+        self._tick("write")
+        return super().write(fd, data)
+
+    def fsync(self, fd: int) -> None:
+        self._tick("fsync")
+
+    def fsync_dir(self, path: str) -> None:
+        self._tick("fsync_dir", path)
+
+    def rename(self, src: str, dst: str) -> None:
+        self._tick("rename", src, dst)
+        super().rename(src, dst)
+
+    def symlink(self, target: str, path: str) -> None:
+        self._tick("symlink", path)
+        super().symlink(target, path)
+
+    def unlink(self, path: str) -> None:
+        self._tick("unlink", path)
+        super().unlink(path)
+
+    def mkdir(self, path: str) -> None:
+        self._tick("mkdir", path)
+        super().mkdir(path)
+
+    def rmdir(self, path: str) -> None:
+        self._tick("rmdir", path)
+        super().rmdir(path)
+
+    def lock_exclusive(self, path: str, *, blocking: bool = False) -> int | None:
+        fd = super().lock_exclusive(path, blocking=blocking)
+        if fd is not None:
+            self.fds.add(fd)
+        return fd
+
+    def unlock(self, fd: int) -> None:
+        self.fds.discard(fd)
+        super().unlock(fd)
+
+
+def test_crash_io_counts_every_mutating_call_it_overrides() -> None:
+    overridden = {n for n in MUTATING if n in CrashIO.__dict__}
+    assert overridden == MUTATING - {"link", "ftruncate", "fdatasync"}
+
+
+# ---- ids and names ---------------------------------------------------------------------
+
+
+def test_message_ids_are_unique_time_ordered_and_carry_the_owner() -> None:
+    owner = new_owner()
+    ids = MessageIds(owner)
+    got = [ids.next() for _ in range(1000)]
+    assert len(set(got)) == 1000
+    assert got == sorted(got)
+    assert all(MSGID.fullmatch(m) and owner_of_msgid(m) == owner for m in got)
+
+
+def test_entry_names_parse_only_our_names() -> None:
+    m = MessageIds(new_owner()).next()
+    assert EntryName.parse(f"{m}.12") == EntryName(m, 12)
+    assert EntryName(m, 3).target == f"../data/{m}/rcpts/3"
+    for bad in (f"{m}.012", f"{m}.-1", f"{m}", f"{m}.1.tmp", "../x.0", f"{m}.1/..", ""):
+        assert EntryName.parse(bad) is None, bad
+
+
+# ---- records ---------------------------------------------------------------------------
+
+
+def test_records_round_trip_and_reject_every_single_byte_flip() -> None:
+    data = encode_schedule("e.1", Schedule(7, 2))
+    assert decode_schedule(data, "e.1") == Schedule(7, 2)
+    for i in range(len(data)):
+        flipped = data[:i] + bytes([data[i] ^ 0x01]) + data[i + 1:]
+        with pytest.raises(RecordError):
+            decode_schedule(flipped, "e.1")
+    for cut in range(len(data)):
+        with pytest.raises(RecordError):
+            decode_schedule(data[:cut], "e.1")
+    with pytest.raises(RecordError):
+        decode_schedule(data, "e.2")  # misplaced record
+    with pytest.raises(RecordError):
+        decode(encode("envelope", {}), "schedule")
+
+
+def test_envelope_round_trip() -> None:
+    env = Envelope("m" * 38, "", {"SIZE": "12"}, 12, "a" * 64,
+                   (Recipient("a@b", Schedule(1, 2), "z"), Recipient("../../x", Schedule(0))))
+    assert Envelope.decode(env.encode(), "m" * 38) == env
+    with pytest.raises(RecordError):
+        Envelope.decode(env.encode(), "n" * 38)
+
+
+# ---- group commit ----------------------------------------------------------------------
+
+
+class SlowSyncIO(OsIO):
+    def __init__(self, fail_round: int = 0) -> None:
+        self.syncs = 0
+        self.fail_round = fail_round
+        self.lock = threading.Lock()
+
+    def fsync_dir(self, path: str) -> None:
+        with self.lock:
+            self.syncs += 1
+            n = self.syncs
+        time.sleep(0.02)
+        if n == self.fail_round:
+            raise OSError(errno.EIO, "injected")
+
+
+def test_group_sync_shares_fsyncs_between_threads(tmp_path: str) -> None:
+    io = SlowSyncIO()
+    g = GroupSync(io)
+    start = threading.Barrier(16)
+
+    def worker() -> None:
+        start.wait()
+        for _ in range(5):
+            g.sync(str(tmp_path))
+
+    ts = [threading.Thread(target=worker) for _ in range(16)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert g.requests == 80
+    assert io.syncs == g.rounds
+    assert io.syncs < 40  # shared: far fewer fsyncs than callers
+
+
+def test_group_sync_waits_for_a_round_that_started_after_the_call(tmp_path: str) -> None:
+    """A caller arriving while a round runs must not be released by that round."""
+    io = SlowSyncIO()
+    g = GroupSync(io)
+    t = threading.Thread(target=g.sync, args=(str(tmp_path),))
+    t.start()
+    time.sleep(0.005)  # the first round is running now
+    g.sync(str(tmp_path))
+    t.join()
+    assert io.syncs == 2
+
+
+def test_group_sync_failure_reaches_every_caller_of_that_round(tmp_path: str) -> None:
+    io = SlowSyncIO(fail_round=2)
+    g = GroupSync(io)
+    first = threading.Thread(target=g.sync, args=(str(tmp_path),))
+    first.start()
+    time.sleep(0.005)  # round 1 runs; the callers below all need round 2, which fails
+    errors: list[BaseException] = []
+
+    def follower() -> None:
+        try:
+            g.sync(str(tmp_path))
+        except OSError as e:
+            errors.append(e)
+
+    ts = [threading.Thread(target=follower) for _ in range(5)]
+    for t in ts:
+        t.start()
+    for t in [*ts, first]:
+        t.join()
+    assert len(errors) == 5 and io.syncs == 2
+    g.sync(str(tmp_path))  # a later change gets a new round of its own
+    assert io.syncs == 3
