@@ -1,0 +1,192 @@
+"""``LevelDBEngine``: the KV interface over real LevelDB (plyvel, which bundles LevelDB 1.22).
+
+For production use.  It does not go through the I/O seam, so it is crash-tested by
+killing a child process, not by the fault injector.  Every write is a ``WriteBatch``
+with ``sync=True`` by default; LevelDB group-commits concurrent writers internally (one
+log sync for all batches waiting behind the current writer).
+
+Locking: LevelDB locks ``LOCK`` with ``fcntl``, which is per process, and a failed second
+open in the same process closes a descriptor of that file, which drops the first open's
+lock.  So the engine first takes an ``flock`` on ``queue-ref.lock`` in the database
+directory: a second engine on the same directory, in this process or another, fails
+with ``DatabaseLockedError`` before LevelDB is touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import threading
+from collections.abc import Iterator
+
+import plyvel  # type: ignore[import-untyped]
+
+from queue_ref.kv.base import KV, WriteBatch
+from queue_ref.kv.engine_errors import DatabaseCorruptError, DatabaseLockedError
+from queue_ref.storage import ClosedError
+
+LOCK_NAME = "queue-ref.lock"
+#: ``compact`` covers the keys up to this one (keys starting with more 0xFF bytes are
+#: compacted only by LevelDB's own background work).
+COMPACT_HIGH = b"\xff" * 32
+
+
+class LevelDBEngine(KV):
+    """LevelDB in directory ``path`` (created if missing).
+
+    After an ``OSError`` from ``write`` the batch may or may not be durable (LevelDB
+    decides at its next open); LevelDB itself refuses writes after a failed log sync.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = os.path.abspath(path)
+        os.makedirs(self.path, mode=0o750, exist_ok=True)
+        self._lock_fd = os.open(
+            os.path.join(self.path, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640
+        )
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise DatabaseLockedError(self.path) from None
+        try:
+            self._db = plyvel.DB(self.path, create_if_missing=True)
+        except plyvel.IOError as e:
+            os.close(self._lock_fd)
+            if "lock" in str(e):  # held by a LevelDB user outside this engine
+                raise DatabaseLockedError(self.path) from e
+            raise OSError(f"cannot open LevelDB at {self.path}: {e}") from e
+        except plyvel.CorruptionError as e:
+            os.close(self._lock_fd)
+            raise DatabaseCorruptError(self.path, str(e)) from e
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+        self._closed = False
+        # Counts running calls, so that close() waits for them instead of freeing LevelDB
+        # under a call in another thread.
+        self._active = 0
+        self._writing = 0
+        self._compacting = False  # compact() runs with writes held off
+        self._cv = threading.Condition()
+
+    @contextlib.contextmanager
+    def _op(self, *, writes: bool = False) -> Iterator[None]:
+        with self._cv:
+            while writes and self._compacting and not self._closed:
+                self._cv.wait()
+            if self._closed:
+                raise ClosedError(f"LevelDBEngine {self.path} is closed")
+            self._active += 1
+            self._writing += writes
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._active -= 1
+                self._writing -= writes
+                self._cv.notify_all()
+
+    def get(self, key: bytes) -> bytes | None:
+        if not isinstance(key, bytes):
+            raise TypeError(f"key must be bytes, not {type(key).__name__}")
+        with self._op():
+            value: bytes | None = self._db.get(key)
+            return value
+
+    def write(self, batch: WriteBatch, *, sync: bool = True) -> None:
+        if not isinstance(batch, WriteBatch):
+            raise TypeError(f"batch must be a WriteBatch, not {type(batch).__name__}")
+        for key, value in batch.ops:
+            if not isinstance(key, bytes) or not isinstance(value, bytes | None):
+                raise TypeError("batch keys and values must be bytes")
+        with self._op(writes=True):
+            if not batch.ops:
+                return
+            try:
+                with self._db.write_batch(sync=sync, transaction=True) as wb:
+                    for key, value in batch.ops:
+                        if value is None:
+                            wb.delete(key)
+                        else:
+                            wb.put(key, value)
+            except plyvel.IOError as e:
+                raise OSError(f"LevelDB write failed: {e}") from e
+
+    def iterate(
+        self, start: bytes = b"", stop: bytes | None = None
+    ) -> Iterator[tuple[bytes, bytes]]:
+        """Ascending pairs with ``start <= key < stop`` from a LevelDB snapshot taken now."""
+        if not isinstance(start, bytes) or not isinstance(stop, bytes | None):
+            raise TypeError("start and stop must be bytes")
+        with self._op():
+            it = self._db.iterator(start=start, stop=stop)
+        return self._drain(it)
+
+    def _drain(self, it: Iterator[tuple[bytes, bytes]]) -> Iterator[tuple[bytes, bytes]]:
+        try:
+            while True:
+                with self._op():
+                    item = next(it, None)
+                if item is None:
+                    return
+                yield item
+        finally:
+            with self._cv:
+                if not self._closed:
+                    it.close()  # type: ignore[attr-defined]
+
+    def compact(self) -> None:
+        """Compact every key up to ``COMPACT_HIGH`` (drops deleted keys and shadowed values).
+
+        LevelDB's ``CompactRange`` decides how deep to go before it flushes the memtable
+        and never compacts its deepest level further, so a single flush of puts and
+        deletes would stay on disk.  So: compact once (this flushes), then write a marker
+        at both ends of the range (a delete of an absent key, or a rewrite of a present
+        key with its own value: no change, as writes are held off meanwhile), whose
+        flush overlaps every table, and compact again, which merges all tables into the
+        deepest level and drops the deleted entries.
+        """
+        with self._cv:
+            while self._compacting and not self._closed:
+                self._cv.wait()
+            self._compacting = True
+        try:
+            with self._cv:
+                while self._writing and not self._closed:
+                    self._cv.wait()
+            with self._op():
+                stop = COMPACT_HIGH + b"\xff"
+                self._db.compact_range(start=b"", stop=stop)
+                with self._db.write_batch(sync=True, transaction=True) as wb:
+                    for key in (b"", COMPACT_HIGH):
+                        value = self._db.get(key)
+                        if value is None:
+                            wb.delete(key)
+                        else:
+                            wb.put(key, value)
+                self._db.compact_range(start=b"", stop=stop)
+        finally:
+            with self._cv:
+                self._compacting = False
+                self._cv.notify_all()
+
+    def disk_usage(self) -> int:
+        with self._op():
+            total = 0
+            for entry in os.scandir(self.path):
+                with contextlib.suppress(FileNotFoundError):
+                    total += entry.stat(follow_symlinks=False).st_size
+            return total
+
+    def close(self) -> None:
+        """Waits for running calls, then closes LevelDB (its iterators too) and the lock."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            while self._active:
+                self._cv.wait()
+            self._db.close()
+            os.close(self._lock_fd)

@@ -1,0 +1,427 @@
+"""``LogEngine``: a small log-structured KV engine whose every disk call goes through ``IO``.
+
+Write path: a batch is framed (length + CRC32) and appended to the log by the group-commit
+leader; one fdatasync covers the whole group; then the batch enters the memtable.  Once
+the memtable or the log passes ``memtable_limit`` bytes, the leader flushes (below) before
+the next group is taken; flushes and compactions run in the writers' path, never in a
+background thread, so a run's sequence of disk calls is deterministic.
+
+Flush (and ``compact()``, which merges everything): merge the memtable with the tables the
+policy picks (``merge.py``) into ``<n>.tbl.tmp``, fsync it, rename it to ``<n>.tbl``;
+create a new empty log; write ``MANIFEST-<m>`` (live tables, the new log) and fsync it;
+fsync the directory, so every name the manifest uses is durable; then publish by writing
+``CURRENT.tmp``, fsync, rename to ``CURRENT``, fsync the directory.  Only then are the
+old log, the old manifest and the merged tables deleted.  A crash anywhere leaves
+``CURRENT`` naming either the old manifest (whose log still holds everything) or the new
+one (whose tables do); recovery deletes the files that neither names.
+
+Recovery reads ``CURRENT``, the manifest, each live table's footer and index (not its
+data), and replays the one live log, which is at most about ``memtable_limit`` bytes:
+reopening costs time in proportion to live data, not history.  A torn log tail (short,
+bad CRC, unparseable) is dropped and the log is truncated there durably.
+
+Failure: after an I/O error while logging, flushing or compacting, the engine refuses
+further writes with ``OSError`` until it is reopened (data after a failed fsync is not
+trusted; recovery keeps exactly what the log and tables hold).  Reads keep working.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import chain
+
+from queue_ref.io import IO, OsIO, read_file, write_file_durable
+from queue_ref.kv.base import KV, WriteBatch
+from queue_ref.kv.engine_errors import DatabaseCorruptError, DatabaseLockedError
+from queue_ref.kv.logengine import format as fmt
+from queue_ref.kv.logengine.groupcommit import Writer, WriterQueue
+from queue_ref.kv.logengine.memtable import Memtable
+from queue_ref.kv.logengine.merge import drop_tombstones, merge_newest, merge_start
+from queue_ref.kv.logengine.table import Table, write_entries
+from queue_ref.kv.logengine.wal import LogWriter, replay
+from queue_ref.storage import ClosedError
+
+
+@dataclass(frozen=True)
+class RecoveryStats:
+    """What the last open read: the live log and the live tables (indexes only)."""
+
+    log_bytes: int
+    log_records: int
+    truncated_bytes: int
+    tables: int
+    table_bytes: int
+    garbage_files: int
+
+
+def _check_key(key: object, what: str = "key") -> bytes:
+    if not isinstance(key, bytes):
+        raise TypeError(f"{what} must be bytes, not {type(key).__name__}")
+    return key
+
+
+class LogEngine(KV):
+    """A crash-safe ordered KV store in one directory (see the module docstring)."""
+
+    def __init__(self, path: str, io: IO | None = None, *, memtable_limit: int = 4 << 20) -> None:
+        if memtable_limit <= 0:
+            raise ValueError("memtable_limit must be positive")
+        self.path = os.path.abspath(path)
+        self.io: IO = io if io is not None else OsIO()
+        self.memtable_limit = memtable_limit
+        self._mu = threading.Lock()  # guards _mem and _tables for readers
+        self._writers = WriterQueue()
+        self._mem = Memtable()
+        self._tables: list[Table] = []
+        self._log: LogWriter | None = None
+        self._manifest_no = 0
+        self._next_file = 1
+        self._closed = False
+        self._failed: BaseException | None = None
+        self.recovery = RecoveryStats(0, 0, 0, 0, 0, 0)
+        self._lock_fd = self._take_lock()
+        try:
+            if self.io.exists(self._p(fmt.CURRENT)):
+                self._recover()
+            else:
+                self._create()
+        except BaseException:
+            self._release_files()
+            raise
+
+    def _p(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def _alloc(self) -> int:
+        n = self._next_file
+        self._next_file += 1
+        return n
+
+    # ---- open, create, recover ---------------------------------------------------
+
+    def _take_lock(self) -> int:
+        io = self.io
+        if not io.is_dir(self.path):
+            try:
+                io.mkdir(self.path)
+            except FileExistsError:
+                pass
+            else:
+                io.fsync_dir(os.path.dirname(self.path))
+        fd = io.lock_exclusive(self._p(fmt.LOCK))
+        if fd is None:
+            raise DatabaseLockedError(self.path)
+        return fd
+
+    def _scan_dir(self, keep: set[str]) -> int:
+        """Delete our files not in ``keep``; raise ``_next_file`` past every number seen."""
+        removed = 0
+        for name in self.io.listdir(self.path):
+            parsed = fmt.parse_name(name)
+            if parsed is not None:
+                self._next_file = max(self._next_file, parsed[1] + 1)
+            if (parsed is not None or name == fmt.CURRENT + ".tmp") and name not in keep:
+                self.io.unlink(self._p(name))
+                removed += 1
+        return removed
+
+    def _create(self) -> None:
+        """A new database.  No CURRENT means no write was ever acknowledged (the first
+        CURRENT is durable before the first write), so leftovers of ours are garbage."""
+        garbage = self._scan_dir(set())
+        log_number = self._alloc()
+        self._log = LogWriter.create(self.io, self._p(fmt.log_name(log_number)))
+        self._publish(log_number, [])
+        self.recovery = RecoveryStats(0, 0, 0, 0, 0, garbage)
+
+    def _recover(self) -> None:
+        io = self.io
+        current = read_file(io, self._p(fmt.CURRENT)).decode("ascii", "replace").strip()
+        parsed = fmt.parse_name(current)
+        if parsed is None or parsed[0] != "manifest" or not io.exists(self._p(current)):
+            raise DatabaseCorruptError(self._p(fmt.CURRENT), f"names no manifest: {current!r}")
+        manifest = fmt.Manifest.decode(self._p(current), read_file(io, self._p(current)))
+        self._manifest_no = parsed[1]
+        self._next_file = manifest.next_file
+        for number, size in manifest.tables:
+            table = self._open_table(number)
+            self._tables.append(table)
+            if table.size != size:
+                raise DatabaseCorruptError(table.path, f"size {table.size}, manifest says {size}")
+        log_path = self._p(fmt.log_name(manifest.log_number))
+        if not io.exists(log_path):
+            raise DatabaseCorruptError(log_path, "live log is missing")
+        records = 0
+
+        def apply(ops: list[fmt.Op]) -> None:
+            nonlocal records
+            records += 1
+            self._mem.apply(ops)
+
+        valid, size = replay(io, log_path, apply)
+        fd = io.open_create(log_path, exclusive=False, append=True)
+        self._log = LogWriter(io, log_path, fd, valid)
+        if valid < size:
+            io.ftruncate(fd, valid)
+            io.fsync(fd)
+        keep = {current, fmt.log_name(manifest.log_number)}
+        keep |= {fmt.table_name(n) for n, _ in manifest.tables}
+        garbage = self._scan_dir(keep)
+        self.recovery = RecoveryStats(
+            valid, records, size - valid, len(self._tables),
+            sum(t.size for t in self._tables), garbage,
+        )
+        if self._over_limit():
+            self._maintain(full=False)
+
+    def _open_table(self, number: int) -> Table:
+        path = self._p(fmt.table_name(number))
+        if not self.io.exists(path):
+            raise DatabaseCorruptError(path, "live table is missing")
+        fd = self.io.open_read(path)
+        try:
+            return Table(self.io, path, number, fd)
+        except BaseException:
+            self.io.close(fd)
+            raise
+
+    def _release_files(self) -> None:
+        for table in self._tables:
+            table.release()
+        self._tables = []
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        self.io.unlock(self._lock_fd)
+
+    # ---- publishing a new state ----------------------------------------------------
+
+    def _publish(self, log_number: int, tables: list[Table]) -> int:
+        """Make (log ``log_number``, ``tables``) the durable state; returns the number of
+        the manifest it replaced.
+
+        Raises before the CURRENT rename: the old state stands.  Raises in or after it: it
+        is unknown which state is durable (the engine then refuses writes).
+        """
+        io = self.io
+        number = self._alloc()
+        manifest = fmt.Manifest(
+            self._next_file, log_number, tuple((t.number, t.size) for t in tables)
+        )
+        name = fmt.manifest_name(number)
+        fd = io.open_create(self._p(name))
+        try:
+            io.write(fd, manifest.encode())
+            io.fsync(fd)
+        finally:
+            io.close(fd)
+        io.fsync_dir(self.path)
+        write_file_durable(io, self._p(fmt.CURRENT), f"{name}\n".encode())
+        old, self._manifest_no = self._manifest_no, number
+        return old
+
+    def _write_table(self, entries: Iterator[fmt.Op]) -> Table | None:
+        """A new durable-content table (its name is made durable by ``_publish``), or None
+        if ``entries`` is empty."""
+        first = next(entries, None)
+        if first is None:
+            return None
+        io = self.io
+        number = self._alloc()
+        final = self._p(fmt.table_name(number))
+        tmp = final + ".tmp"
+        fd = io.open_create(tmp)
+        try:
+            write_entries(io, fd, chain([first], entries))
+            io.fsync(fd)
+        finally:
+            io.close(fd)
+        io.rename(tmp, final)
+        return self._open_table(number)
+
+    def _over_limit(self) -> bool:
+        assert self._log is not None
+        limit = self.memtable_limit
+        return self._mem.approx_bytes > limit or self._log.size > limit
+
+    def _maintain(self, *, full: bool) -> None:
+        """Flush the memtable merged with the tables the policy picks (all if ``full``).
+
+        Runs in an exclusive turn: no writer touches the memtable or the log meanwhile.
+        """
+        mem, old = self._mem, list(self._tables)
+        if not len(mem) and not (full and (len(old) > 1 or any(t.tombstones for t in old))):
+            return
+        start = 0 if full else merge_start([t.entries for t in old], len(mem))
+        inputs = old[start:]
+        sources = [iter(mem.range(b"", None))] + [t.scan(b"", None) for t in reversed(inputs)]
+        merged = merge_newest(sources)
+        table = self._write_table(drop_tombstones(merged) if start == 0 else merged)
+        tables = old[:start] + ([table] if table is not None else [])
+        log = None
+        try:
+            log_number = self._alloc()
+            log = LogWriter.create(self.io, self._p(fmt.log_name(log_number)))
+            old_manifest = self._publish(log_number, tables)
+        except BaseException:
+            if table is not None:
+                table.release()
+            if log is not None:
+                log.close()
+            raise
+        with self._mu:
+            self._tables = tables
+            self._mem = Memtable()
+            old_log, self._log = self._log, log
+        assert old_log is not None
+        old_log.close()
+        doomed = [old_log.path, self._p(fmt.manifest_name(old_manifest))]
+        for t in inputs:
+            doomed.append(t.path)
+            t.release()
+        for path in doomed:
+            with contextlib.suppress(OSError):  # garbage: the next open deletes it
+                self.io.unlink(path)
+
+    # ---- the KV interface ------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"LogEngine {self.path} is closed")
+
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self._failed is not None:
+            raise OSError(
+                errno.EIO, f"LogEngine {self.path} failed earlier ({self._failed!r}); reopen it"
+            ) from self._failed
+
+    def get(self, key: bytes) -> bytes | None:
+        _check_key(key)
+        self._check_open()
+        with self._mu:
+            found, value = self._mem.lookup(key)
+            if found:
+                return value
+            tables = list(self._tables)
+            for t in tables:
+                t.acquire()
+        try:
+            for t in reversed(tables):
+                found, value = t.get(key)
+                if found:
+                    return value
+            return None
+        finally:
+            for t in tables:
+                t.release()
+
+    def write(self, batch: WriteBatch, *, sync: bool = True) -> None:
+        """Atomic; durable on return when ``sync``.  On ``OSError`` the batch may or may not
+        be in the log (recovery decides), and the engine refuses writes until reopened."""
+        if not isinstance(batch, WriteBatch):
+            raise TypeError(f"batch must be a WriteBatch, not {type(batch).__name__}")
+        for key, value in batch.ops:
+            _check_key(key)
+            if value is not None:
+                _check_key(value, "value")
+        self._check_writable()
+        if not batch.ops:
+            return
+        w = Writer(fmt.encode_batch(batch.ops), list(batch.ops), sync)
+        group = self._writers.join(w)
+        if group is None:
+            return
+        try:
+            self._commit(group)
+            flush = self._over_limit()
+        except BaseException as e:
+            self._writers.finish(group, e, keep_lead=False)
+            raise
+        self._writers.finish(group, None, keep_lead=flush)
+        if flush:
+            try:
+                self._maintain(full=False)
+            except Exception as e:
+                # The batches are durable in the log; the failure stops later writes.
+                self._failed = e
+            finally:
+                self._writers.release()
+
+    def _commit(self, group: list[Writer]) -> None:
+        self._check_writable()
+        log = self._log
+        assert log is not None
+        try:
+            log.append(b"".join(x.record for x in group))
+            if any(x.sync for x in group):
+                log.sync()
+        except BaseException as e:
+            self._failed = e
+            raise
+        with self._mu:
+            for x in group:
+                self._mem.apply(x.ops)
+
+    def iterate(
+        self, start: bytes = b"", stop: bytes | None = None
+    ) -> Iterator[tuple[bytes, bytes]]:
+        """Ascending pairs with ``start <= key < stop``, as of the first ``next()``."""
+        _check_key(start, "start")
+        if stop is not None:
+            _check_key(stop, "stop")
+        self._check_open()
+        return self._iterate(start, stop)
+
+    def _iterate(self, start: bytes, stop: bytes | None) -> Iterator[tuple[bytes, bytes]]:
+        self._check_open()
+        with self._mu:
+            mem = self._mem.range(start, stop)
+            tables = list(self._tables)
+            for t in tables:
+                t.acquire()
+        try:
+            sources = [iter(mem)] + [t.scan(start, stop) for t in reversed(tables)]
+            for key, value in merge_newest(sources):
+                if value is not None:
+                    self._check_open()
+                    yield key, value
+        finally:
+            for t in tables:
+                t.release()
+
+    def compact(self) -> None:
+        """Flush the memtable and merge every table into one, dropping deleted keys and
+        shadowed values.  On ``OSError`` the contents are unchanged and the engine refuses
+        writes until reopened."""
+        self._check_writable()
+        with self._writers.exclusive():
+            self._check_writable()
+            try:
+                self._maintain(full=True)
+            except Exception as e:
+                self._failed = e
+                raise
+
+    def disk_usage(self) -> int:
+        self._check_open()
+        total = 0
+        for name in self.io.listdir(self.path):
+            with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
+                total += self.io.lstat(self._p(name)).st_size
+        return total
+
+    def close(self) -> None:
+        """Release the files and the lock; waits for a running group or compaction."""
+        if self._closed:
+            return
+        with self._writers.exclusive():
+            if not self._closed:
+                self._closed = True
+                with self._mu:
+                    self._release_files()

@@ -1,0 +1,165 @@
+"""On-disk names and encodings of the log engine (log records, batches, the manifest).
+
+Files in a database directory::
+
+    LOCK               flock'ed while an engine has the DB open (no content)
+    CURRENT            "MANIFEST-<n>\\n": names the live manifest; replaced by CURRENT.tmp + rename
+    MANIFEST-<n>       the live log number and the live tables, oldest first (text, CRC line)
+    <n>.log            write-ahead log: one framed record per WriteBatch
+    <n>.tbl            immutable sorted table (see ``table.py``); written as <n>.tbl.tmp first
+
+Every number ``<n>`` is 6+ decimal digits and unique over the life of the database.
+
+Log record framing (little endian)::
+
+    u32 length of payload | u32 crc32(length bytes + payload) | payload
+
+Batch payload::
+
+    u32 count, then per operation: u8 kind (1 put, 0 delete) | u32 key length | key
+                                   | (put only) u32 value length | value
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+import zlib
+from dataclasses import dataclass
+
+from queue_ref.kv.engine_errors import DatabaseCorruptError
+
+LOCK = "LOCK"
+CURRENT = "CURRENT"
+MANIFEST_PREFIX = "MANIFEST-"
+
+_NUMBERED = re.compile(r"^(?:MANIFEST-(\d{6,})|(\d{6,})\.(log|tbl)(\.tmp)?)$")
+
+HEADER = struct.Struct("<II")
+_U32 = struct.Struct("<I")
+_PUT = 1
+_DEL = 0
+MAX_RECORD = (1 << 32) - 1
+
+Op = tuple[bytes, bytes | None]
+
+
+def log_name(number: int) -> str:
+    return f"{number:06d}.log"
+
+
+def table_name(number: int) -> str:
+    return f"{number:06d}.tbl"
+
+
+def manifest_name(number: int) -> str:
+    return f"{MANIFEST_PREFIX}{number:06d}"
+
+
+def parse_name(name: str) -> tuple[str, int] | None:
+    """``("log"|"tbl"|"tmp"|"manifest", number)`` for a file of ours, else None."""
+    m = _NUMBERED.match(name)
+    if m is None:
+        return None
+    if m.group(1) is not None:
+        return "manifest", int(m.group(1))
+    kind = "tmp" if m.group(4) else m.group(3)
+    return kind, int(m.group(2))
+
+
+# ---- log records --------------------------------------------------------------------
+
+
+def encode_batch(ops: list[Op]) -> bytes:
+    """The framed log record of one batch."""
+    parts = [_U32.pack(len(ops))]
+    for key, value in ops:
+        if value is None:
+            parts.append(struct.pack("<BI", _DEL, len(key)))
+            parts.append(key)
+        else:
+            parts.append(struct.pack("<BI", _PUT, len(key)))
+            parts.append(key)
+            parts.append(_U32.pack(len(value)))
+            parts.append(value)
+    payload = b"".join(parts)
+    if len(payload) > MAX_RECORD:
+        raise ValueError(f"a batch of {len(payload)} bytes exceeds the {MAX_RECORD}-byte limit")
+    length = _U32.pack(len(payload))
+    crc = zlib.crc32(payload, zlib.crc32(length))
+    return length + _U32.pack(crc) + payload
+
+
+def check_record(header: bytes, payload: bytes) -> bool:
+    """Whether ``payload`` matches the CRC in its ``header``."""
+    crc: int = HEADER.unpack(header)[1]
+    return zlib.crc32(payload, zlib.crc32(header[:4])) == crc
+
+
+def decode_batch(payload: bytes) -> list[Op] | None:
+    """The operations of a CRC-checked payload, or None if its structure is invalid."""
+    try:
+        (count,) = _U32.unpack_from(payload, 0)
+        pos = 4
+        ops: list[Op] = []
+        for _ in range(count):
+            kind, klen = struct.unpack_from("<BI", payload, pos)
+            pos += 5
+            key = payload[pos : pos + klen]
+            pos += klen
+            if kind == _PUT:
+                (vlen,) = _U32.unpack_from(payload, pos)
+                pos += 4
+                value: bytes | None = payload[pos : pos + vlen]
+                pos += vlen
+            elif kind == _DEL:
+                value = None
+            else:
+                return None
+            if pos > len(payload):
+                return None
+            ops.append((key, value))
+    except struct.error:
+        return None
+    return ops if pos == len(payload) else None
+
+
+# ---- manifest ------------------------------------------------------------------------
+
+_MAGIC = "queue-ref-logengine-manifest 1"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The durable description of the database: what recovery reads first."""
+
+    next_file: int
+    log_number: int
+    tables: tuple[tuple[int, int], ...]  # (number, size in bytes), oldest first
+
+    def encode(self) -> bytes:
+        lines = [_MAGIC, f"next_file {self.next_file}", f"log {self.log_number}"]
+        lines += [f"table {n} {size}" for n, size in self.tables]
+        body = "\n".join(lines) + "\n"
+        return (body + f"crc {zlib.crc32(body.encode()):08x}\n").encode()
+
+    @staticmethod
+    def decode(path: str, data: bytes) -> Manifest:
+        try:
+            text = data.decode("ascii")
+            body, _, tail = text.rpartition("crc ")
+            if tail != f"{zlib.crc32(body.encode()):08x}\n":
+                raise DatabaseCorruptError(path, "manifest checksum mismatch")
+            lines = body.splitlines()
+            if not lines or lines[0] != _MAGIC:
+                raise DatabaseCorruptError(path, "not a log engine manifest")
+            fields = dict(line.split(" ", 1) for line in lines[1:3])
+            tables = []
+            for line in lines[3:]:
+                word, number, size = line.split(" ")
+                if word != "table":
+                    raise DatabaseCorruptError(path, f"unexpected line {line!r}")
+                tables.append((int(number), int(size)))
+            return Manifest(int(fields["next_file"]), int(fields["log"]), tuple(tables))
+        except (UnicodeDecodeError, ValueError, KeyError) as e:
+            raise DatabaseCorruptError(path, f"unparseable manifest ({e})") from e

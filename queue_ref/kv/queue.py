@@ -1,0 +1,443 @@
+"""The KV mail queue: the Storage interface over seed 000's key layout.
+
+The layout is in ``queue_ref.kv.keys``, the records in ``queue_ref.kv.records``, what is
+synced and why in ``queue_ref.kv.core``.  Each state change is one atomic write batch:
+
+=============  ===============================================================  ======
+operation      batch                                                            synced
+=============  ===============================================================  ======
+commit         chunks left, ``#``, ``*``, live count, zone and domain keys      yes
+send_start     zone and domain keys -> ``inflight <id> <idx>``                  no
+reschedule     zone key rewritten with the new schedule                         yes
+send_cancel    ``inflight`` -> zone and domain keys, new schedule               yes
+send_done      ``inflight`` -> ``cleanup <id> <idx>``                           yes
+drop           zone and domain keys -> ``cleanup``                              yes
+cleanup        ``cleanup`` deleted; live count - 1, or every message key        no
+=============  ===============================================================  ======
+
+One process owns a KV database at a time (the engines lock it), so claims are
+exclusive through in-process locks, and an INFLIGHT entry found when the queue is
+opened has no live owner: recovery puts it back in the queue.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import TypeVar
+
+from queue_ref.io import IO
+from queue_ref.kv import claims as cl
+from queue_ref.kv import keys, records
+from queue_ref.kv.base import KV, WriteBatch
+from queue_ref.kv.core import Core, io_error
+from queue_ref.kv.records import BadRecord, EntryRec
+from queue_ref.kv.streams import KvEnqueuer, KvReader
+from queue_ref.storage import (
+    Capability,
+    ClosedError,
+    CorruptionError,
+    Enqueuer,
+    EntryMeta,
+    Footprint,
+    Handle,
+    InflightMail,
+    InvalidInputError,
+    MailReader,
+    MisuseError,
+    PendingCleanupMail,
+    QueuedMail,
+    RecoveryReport,
+    Schedule,
+    Storage,
+    validate_address,
+    validate_params,
+)
+
+H = TypeVar("H", bound=Handle)
+
+_CAPS = frozenset({Capability.ZONE_LISTING, Capability.DOMAIN_INDEX,
+                   Capability.GROUP_COMMIT, Capability.STREAMING_BODIES})
+
+
+def _is_log_engine(kv: KV) -> bool:
+    try:
+        from queue_ref.kv.logengine import LogEngine
+    except ImportError:
+        return False
+    return isinstance(kv, LogEngine)
+
+
+class KvQueue(Storage):
+    """A durable mail queue over an ordered KV engine (which it owns and closes).
+
+    ``recover=True`` runs ``recover()`` when opened.  ``sync_all=True`` syncs every batch,
+    for engines that do not keep unsynced batches in log order (see ``core``).  ``owner``
+    (default ``pid <n>``) is written into inflight records for operators; ``clock`` (ns)
+    stamps creation times (pass a fixed one for byte-identical replays).  After
+    any failure the guarantees of ``queue_ref.storage`` hold; when a synced write fails
+    the engine refuses writes until the queue is reopened.
+    """
+
+    def __init__(self, kv: KV, *, recover: bool = True, sync_all: bool = False,
+                 owner: str | None = None, clock: Callable[[], int] = time.time_ns) -> None:
+        super().__init__()
+        caps = set(_CAPS)
+        if _is_log_engine(kv):
+            caps.add(Capability.IO_SEAM)
+        self.capabilities = frozenset(caps)
+        self._kv = kv
+        try:
+            self._core = Core(kv, sync_all=sync_all, clock=clock,
+                              owner=owner if owner is not None else f"pid {os.getpid()}")
+            self.last_recovery = self.recover() if recover else RecoveryReport()
+        except OSError as e:
+            raise io_error("opening the queue", e, None) from e
+
+    @classmethod
+    def open_log(cls, path: str, io: IO | None = None, *, recover: bool = True,
+                 sync_all: bool = False, clock: Callable[[], int] = time.time_ns) -> KvQueue:
+        """A queue over the log-structured engine at ``path`` (every byte through ``io``)."""
+        from queue_ref.kv.logengine import LogEngine
+        return cls._open(lambda: LogEngine(path, io=io), recover=recover, sync_all=sync_all,
+                         clock=clock)
+
+    @classmethod
+    def open_leveldb(cls, path: str, *, recover: bool = True, sync_all: bool = True,
+                     clock: Callable[[], int] = time.time_ns) -> KvQueue:
+        """A queue over real LevelDB (plyvel) at ``path``.
+
+        Every batch is synced by default: LevelDB does not fsync a log file when it
+        switches to a new one, so an unsynced batch (a body chunk) could be lost by a
+        power cut while a later synced batch (the commit that points at it) survives.
+        """
+        from queue_ref.kv.leveldb import LevelDBEngine
+        return cls._open(lambda: LevelDBEngine(path), recover=recover, sync_all=sync_all,
+                         clock=clock)
+
+    @classmethod
+    def _open(cls, make: Callable[[], KV], *, recover: bool, sync_all: bool,
+              clock: Callable[[], int]) -> KvQueue:
+        try:
+            kv = make()
+        except OSError as e:
+            raise io_error("opening the KV engine", e, None) from e
+        try:
+            return cls(kv, recover=recover, sync_all=sync_all, clock=clock)
+        except BaseException:
+            kv.close()
+            raise
+
+    @property
+    def kv(self) -> KV:
+        return self._kv
+
+    # ---- helpers --------------------------------------------------------------------
+
+    @contextmanager
+    def _io(self, what: str, handle: Handle | None = None) -> Iterator[None]:
+        try:
+            yield
+        except OSError as e:
+            if handle is not None:
+                self._give_back(handle)
+            raise io_error(what, e, handle) from e
+
+    def _locate(self, h: Handle) -> tuple[int, int, str]:
+        try:
+            mid, idx = keys.parse_entry_id(h.entry_id)
+        except ValueError as e:
+            raise MisuseError(str(e)) from None
+        if not isinstance(h._extra, str):
+            raise MisuseError(f"handle of entry {h.entry_id} was not issued by a KvQueue")
+        return mid, idx, h._extra
+
+    @contextmanager
+    def _entry_op(self, h: Handle, what: str, *more: str) -> Iterator[tuple[int, int, str]]:
+        mid, idx, zone = self._locate(h)
+        with self._io(what, h), self._core.claims.hold(
+                excl=[cl.entry(mid, idx), *more], shared=[cl.EVERYTHING, cl.message(mid)]):
+            yield mid, idx, zone
+
+    @staticmethod
+    def _schedule(schedule: object) -> Schedule:
+        if not isinstance(schedule, Schedule):
+            raise InvalidInputError(
+                f"schedule must be a Schedule, got {type(schedule).__name__}")
+        return schedule
+
+    # ---- listing --------------------------------------------------------------------
+
+    def _queued(self, start: bytes, stop: bytes) -> Iterator[QueuedMail]:
+        with self._io("listing the queue"):
+            for key, raw in self._kv.iterate(start, stop):
+                rec = self._listed(key, raw, records.QUEUED)
+                if rec is not None:
+                    yield self._issue(QueuedMail, keys.entry_id(rec.mid, rec.idx),
+                                      str(rec.mid), rec.schedule, rec.zone)
+
+    def _listed(self, key: bytes, raw: bytes, state: str) -> EntryRec | None:
+        """Decode a listed record; quarantine it (None) if it fails."""
+        try:
+            if state == records.QUEUED:
+                zone, mid, idx = keys.parse_indexed(key)
+            else:
+                mid, idx = keys.parse_entry(key)
+                zone = None
+        except keys.BadKey:
+            return None  # not an entry key; recovery deals with it
+        try:
+            rec = EntryRec.decode(raw, mid, idx, state)
+            if zone is None or rec.zone == zone:
+                return rec
+        except BadRecord:
+            pass
+        with self._core.claims.hold(excl=[cl.entry(mid, idx), cl.count(mid)],
+                                    shared=[cl.EVERYTHING, cl.message(mid)]):
+            now = self._kv.get(key)
+            if now == raw:
+                self._core.quarantine_entry(key, raw, mid, idx)
+        return None
+
+    def list_queue(self) -> Iterator[QueuedMail]:
+        self._check_open()
+        return self._queued(keys.ZONE, keys.end_of(keys.ZONE))
+
+    def list_zone(self, zone: str) -> Iterator[QueuedMail]:
+        self._check_open()
+        validate_address(zone, "zone")
+        p = keys.zone_prefix(zone)
+        return self._queued(p, keys.end_of(p))
+
+    def list_domain(self, domain: str) -> Iterator[QueuedMail]:
+        self._check_open()
+        validate_address(domain, "domain", allow_empty=True)
+        return self._by_domain(domain.lower())
+
+    def _by_domain(self, domain: str) -> Iterator[QueuedMail]:
+        p = keys.domain_prefix(domain)
+        with self._io("listing a domain"):
+            for key, raw in self._kv.iterate(p, keys.end_of(p)):
+                try:
+                    _, mid, idx = keys.parse_indexed(key)
+                    zone = records.decode_domain(raw, mid, idx)
+                except (keys.BadKey, BadRecord):
+                    continue  # derived data: recovery rebuilds it
+                zkey = keys.zone(zone, mid, idx)
+                zraw = self._kv.get(zkey)
+                if zraw is None:
+                    continue  # no longer queued
+                rec = self._listed(zkey, zraw, records.QUEUED)
+                if rec is not None and keys.domain_of(rec.address) == domain:
+                    yield self._issue(QueuedMail, keys.entry_id(mid, idx), str(mid),
+                                      rec.schedule, zone)
+
+    def find_inflight(self) -> Iterator[InflightMail]:
+        self._check_open()
+        return self._adopt()
+
+    def _adopt(self) -> Iterator[InflightMail]:
+        with self._io("listing inflight entries"):
+            for key, raw in self._kv.iterate(keys.INFLIGHT, keys.end_of(keys.INFLIGHT)):
+                rec = self._listed(key, raw, records.INFLIGHT)
+                if rec is None:
+                    continue
+                with self._core.mu:
+                    if (rec.mid, rec.idx) in self._core.inflight:
+                        continue  # a live owner in this process holds it
+                    self._core.inflight.add((rec.mid, rec.idx))
+                yield self._issue(InflightMail, keys.entry_id(rec.mid, rec.idx),
+                                  str(rec.mid), rec.schedule, rec.zone)
+
+    def find_pending_cleanup(self) -> Iterator[PendingCleanupMail]:
+        self._check_open()
+        return self._pending_cleanup()
+
+    def _pending_cleanup(self) -> Iterator[PendingCleanupMail]:
+        with self._io("listing pending cleanups"):
+            for key, raw in self._kv.iterate(keys.CLEANUP, keys.end_of(keys.CLEANUP)):
+                rec = self._listed(key, raw, records.CLEANUP)
+                if rec is not None:
+                    yield self._issue(PendingCleanupMail, keys.entry_id(rec.mid, rec.idx),
+                                      str(rec.mid), rec.schedule, rec.zone)
+
+    # ---- mail -----------------------------------------------------------------------
+
+    def enqueue(self, mail_from: str, params: Mapping[str, str] | None = None) -> Enqueuer:
+        self._check_open()
+        validate_address(mail_from, "mail_from", allow_empty=True)
+        return KvEnqueuer(self, mail_from, validate_params(params))
+
+    def read_inflight(self, mail: InflightMail) -> MailReader:
+        h = self._peek(mail, InflightMail)
+        mid, idx, _ = self._locate(h)
+        with self._io("read_inflight", h), self._core.claims.hold(
+                excl=[cl.entry(mid, idx)], shared=[cl.EVERYTHING, cl.message(mid)]):
+            rec = self._core.entry(keys.inflight(mid, idx), mid, idx, records.INFLIGHT)
+            if rec is None:
+                raise ClosedError(f"entry {h.entry_id} is no longer inflight")
+            try:
+                meta = self._core.meta(mid)
+                why = "" if meta is not None else "metadata record is missing"
+            except BadRecord as e:
+                meta, why = None, f"metadata: {e}"
+            if meta is not None and (idx >= len(meta.rcpts)
+                                     or meta.rcpts[idx] != (rec.address, rec.zone)):
+                why = "entry record disagrees with the metadata"
+        if meta is None or why:
+            with self._io("read_inflight: quarantine", h), self._core.message_exclusive(mid):
+                self._core.quarantine_message(mid, why)
+            raise CorruptionError(f"message {mid}: {why}", h.entry_id,
+                                  keys.quarantine(keys.message_prefix(mid)).decode())
+        em = EntryMeta(str(mid), h.entry_id, meta.mail_from, rec.address, idx, rec.zone,
+                       dict(meta.params), rec.schedule, meta.size)
+        return KvReader(self, em, meta)
+
+    # ---- state changes --------------------------------------------------------------
+
+    def reschedule(self, mail: QueuedMail, schedule: Schedule) -> QueuedMail | None:
+        self._check_open()
+        sched = self._schedule(schedule)
+        h = self._take(mail, QueuedMail)
+        with self._entry_op(h, "reschedule") as (mid, idx, zone):
+            zkey = keys.zone(zone, mid, idx)
+            rec = self._core.entry(zkey, mid, idx, records.QUEUED)
+            if rec is None:
+                return None
+            b = WriteBatch()
+            b.put(zkey, replace(rec, schedule=sched).encode())
+            self._core.write(b, sync=True)
+        return self._issue(QueuedMail, h.entry_id, h.message_id, sched, zone)
+
+    def send_start(self, mail: QueuedMail) -> InflightMail | None:
+        h = self._take(mail, QueuedMail)
+        with self._entry_op(h, "send_start") as (mid, idx, zone):
+            zkey = keys.zone(zone, mid, idx)
+            rec = self._core.entry(zkey, mid, idx, records.QUEUED)
+            if rec is None:
+                return None
+            b = WriteBatch()
+            b.delete(zkey)
+            b.delete(keys.domain(keys.domain_of(rec.address), mid, idx))
+            b.put(keys.inflight(mid, idx),
+                  replace(rec, state=records.INFLIGHT, owner=self._core.owner).encode())
+            self._core.write(b, sync=False)
+            with self._core.mu:
+                self._core.inflight.add((mid, idx))
+        return self._issue(InflightMail, h.entry_id, h.message_id, rec.schedule, zone)
+
+    def send_done(self, mail: InflightMail) -> PendingCleanupMail | None:
+        h = self._take(mail, InflightMail)
+        with self._entry_op(h, "send_done") as (mid, idx, zone):
+            ikey = keys.inflight(mid, idx)
+            rec = self._core.entry(ikey, mid, idx, records.INFLIGHT)
+            if rec is None:
+                return None
+            b = WriteBatch()
+            b.delete(ikey)
+            b.put(keys.cleanup(mid, idx), replace(rec, state=records.CLEANUP, owner="").encode())
+            self._core.write(b, sync=True)
+            with self._core.mu:
+                self._core.inflight.discard((mid, idx))
+        return self._issue(PendingCleanupMail, h.entry_id, h.message_id, rec.schedule, zone)
+
+    def send_cancel(self, mail: InflightMail, schedule: Schedule) -> QueuedMail | None:
+        self._check_open()
+        sched = self._schedule(schedule)
+        h = self._take(mail, InflightMail)
+        with self._entry_op(h, "send_cancel") as (mid, idx, _):
+            ikey = keys.inflight(mid, idx)
+            rec = self._core.entry(ikey, mid, idx, records.INFLIGHT)
+            if rec is None:
+                return None
+            b = WriteBatch()
+            b.delete(ikey)
+            b.put(keys.zone(rec.zone, mid, idx),
+                  replace(rec, state=records.QUEUED, owner="", schedule=sched).encode())
+            b.put(keys.domain(keys.domain_of(rec.address), mid, idx),
+                  records.domain_value(mid, idx, rec.zone))
+            self._core.write(b, sync=True)
+            with self._core.mu:
+                self._core.inflight.discard((mid, idx))
+        return self._issue(QueuedMail, h.entry_id, h.message_id, sched, rec.zone)
+
+    def drop(self, mail: QueuedMail) -> PendingCleanupMail | None:
+        h = self._take(mail, QueuedMail)
+        with self._entry_op(h, "drop") as (mid, idx, zone):
+            zkey = keys.zone(zone, mid, idx)
+            rec = self._core.entry(zkey, mid, idx, records.QUEUED)
+            if rec is None:
+                return None
+            b = WriteBatch()
+            b.delete(zkey)
+            b.delete(keys.domain(keys.domain_of(rec.address), mid, idx))
+            b.put(keys.cleanup(mid, idx), replace(rec, state=records.CLEANUP).encode())
+            self._core.write(b, sync=True)
+        return self._issue(PendingCleanupMail, h.entry_id, h.message_id, rec.schedule, zone)
+
+    def cleanup(self, mail: PendingCleanupMail) -> bool:
+        """Delete the entry; with its message's last entry, the whole message.
+
+        Unsynced: if a crash loses it, the entry is found PENDING_CLEANUP again and
+        recovery finishes it, which is where a restart takes it anyway.
+        """
+        h = self._take(mail, PendingCleanupMail)
+        with self._entry_op(h, "cleanup", cl.count(self._locate(h)[0])) as (mid, idx, _):
+            ckey = keys.cleanup(mid, idx)
+            if self._kv.get(ckey) is None:
+                return False
+            b = WriteBatch()
+            self._core.release(b, mid)
+            b.delete(ckey)
+            self._core.write(b, sync=False)
+        return True
+
+    # ---- lifecycle ------------------------------------------------------------------
+
+    def recover(self) -> RecoveryReport:
+        from queue_ref.kv.recovery import recover
+        self._check_open()
+        with self._io("recovery"), self._core.claims.hold(excl=[cl.EVERYTHING]):
+            return recover(self._core)
+
+    def footprint(self) -> Footprint:
+        """Keys of messages and entries (message, live, delivery-zone, domain, inflight,
+        cleanup) and their key + value bytes.  Not counted: ``seq`` and the quarantine."""
+        self._check_open()
+        n = size = 0
+        with self._io("footprint"):
+            for fam in keys.DATA_FAMILIES:
+                for k, v in self._kv.iterate(fam, keys.end_of(fam)):
+                    n += 1
+                    size += len(k) + len(v)
+        return Footprint(n, size)
+
+    def quarantined(self) -> list[tuple[bytes, bytes]]:
+        """Every (key, value) moved aside as corrupt, for operators and tests."""
+        self._check_open()
+        with self._io("listing the quarantine"):
+            return list(self._kv.iterate(keys.QUARANTINE, keys.end_of(keys.QUARANTINE)))
+
+    def disk_usage(self) -> int:
+        """Bytes the engine's files take on disk."""
+        self._check_open()
+        with self._io("disk usage"):
+            return self._kv.disk_usage()
+
+    def compact(self) -> bool:
+        """Ask the engine to drop deleted keys from its files; False if it cannot."""
+        self._check_open()
+        compact = getattr(self._kv, "compact", None)
+        if not callable(compact):
+            return False
+        with self._io("compact"):
+            compact()
+        return True
+
+    def close(self) -> None:
+        if not self._closed:
+            super().close()
+            self._kv.close()

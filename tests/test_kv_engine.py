@@ -1,0 +1,1060 @@
+"""The KV engines (``LogEngine`` and ``LevelDBEngine``) against the ``KV`` contract.
+
+Where both engines must behave alike the tests are parametrized over both; the log
+engine's own machinery (torn log tails, group commit counted through the I/O seam, failed
+fsyncs, reopen cost) is tested through counting and failing ``IO`` subclasses.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+)
+
+from queue_ref.io import MUTATING, OsIO
+from queue_ref.kv.base import KV, WriteBatch
+from queue_ref.kv.engine_errors import DatabaseCorruptError, DatabaseLockedError
+from queue_ref.kv.leveldb import LevelDBEngine
+from queue_ref.kv.logengine import LogEngine
+from queue_ref.kv.logengine.format import encode_batch
+from queue_ref.storage import ClosedError
+
+Engine = LogEngine | LevelDBEngine
+Opener = Callable[[str], Engine]
+
+#: A small memtable, so that a few hundred writes cross flushes and merges.
+SMALL = 4096
+
+
+def open_log(path: str) -> Engine:
+    return LogEngine(path, memtable_limit=SMALL)
+
+
+def open_leveldb(path: str) -> Engine:
+    return LevelDBEngine(path)
+
+
+ENGINES = {"log": open_log, "leveldb": open_leveldb}
+
+
+@pytest.fixture(params=sorted(ENGINES))
+def opener(request: pytest.FixtureRequest) -> Opener:
+    return ENGINES[request.param]
+
+
+@pytest.fixture
+def db(opener: Opener, tmp_path: Path) -> Iterator[Engine]:
+    kv = opener(str(tmp_path / "db"))
+    yield kv
+    kv.close()
+
+
+class CountingIO(OsIO):
+    """The real seam, counting calls and bytes read; ``sync_delay`` slows each log sync
+    down as a real disk would, which widens the window in which writers pile up."""
+
+    def __init__(self, sync_delay: float = 0.0) -> None:
+        self.sync_delay = sync_delay
+        self.calls: dict[str, int] = {}
+        self.read_bytes = 0
+        self.log_written = 0
+        self.log_synced = 0
+        self._mu = threading.Lock()
+        self._log_fds: set[int] = set()
+
+    def _count(self, name: str) -> None:
+        with self._mu:
+            self.calls[name] = self.calls.get(name, 0) + 1
+
+    def open_create(self, path: str, *, exclusive: bool = True, append: bool = False) -> int:
+        fd = super().open_create(path, exclusive=exclusive, append=append)
+        if path.endswith(".log"):
+            self._log_fds.add(fd)
+        return fd
+
+    def write(self, fd: int, data: bytes) -> int:
+        n = super().write(fd, data)
+        if fd in self._log_fds:
+            with self._mu:
+                self.log_written += n
+        return n
+
+    def fdatasync(self, fd: int) -> None:
+        self._count("fdatasync")
+        with self._mu:
+            covered = self.log_written
+        if self.sync_delay:
+            time.sleep(self.sync_delay)
+        super().fdatasync(fd)
+        with self._mu:
+            self.log_synced = max(self.log_synced, covered)
+
+    def fsync(self, fd: int) -> None:
+        self._count("fsync")
+        super().fsync(fd)
+
+    def pread(self, fd: int, n: int, offset: int) -> bytes:
+        data = super().pread(fd, n, offset)
+        with self._mu:
+            self.read_bytes += len(data)
+        return data
+
+    def read(self, fd: int, n: int) -> bytes:
+        data = super().read(fd, n)
+        with self._mu:
+            self.read_bytes += len(data)
+        return data
+
+
+class FailingIO(OsIO):
+    """Fails the ``fail_at``-th call named ``call`` with EIO (after doing nothing)."""
+
+    def __init__(self, call: str, fail_at: int) -> None:
+        self.call = call
+        self.fail_at = fail_at
+        self.seen = 0
+
+    def _maybe_fail(self, name: str) -> None:
+        if name == self.call:
+            self.seen += 1
+            if self.seen == self.fail_at:
+                raise OSError(errno.EIO, f"injected EIO in {name}")
+
+    def fdatasync(self, fd: int) -> None:
+        self._maybe_fail("fdatasync")
+        super().fdatasync(fd)
+
+    def write(self, fd: int, data: bytes) -> int:
+        self._maybe_fail("write")
+        return super().write(fd, data)
+
+    def rename(self, src: str, dst: str) -> None:
+        self._maybe_fail("rename")
+        super().rename(src, dst)
+
+
+def log_files(path: Path) -> list[Path]:
+    return sorted(path.glob("*.log"))
+
+
+# ---- basic operations (both engines) ---------------------------------------------------
+
+
+def test_put_get_delete(db: KV) -> None:
+    assert db.get(b"a") is None
+    db.put(b"a", b"1")
+    db.put(b"b", b"")
+    assert db.get(b"a") == b"1"
+    assert db.get(b"b") == b""
+    db.put(b"a", b"2")
+    assert db.get(b"a") == b"2"
+    db.delete(b"a")
+    db.delete(b"never-there")
+    assert db.get(b"a") is None
+    assert list(db.iterate()) == [(b"b", b"")]
+
+
+def test_batch_applies_in_order_and_at_once(db: KV) -> None:
+    db.put(b"old", b"x")
+    b = WriteBatch()
+    b.put(b"k", b"1")
+    b.delete(b"k")
+    b.put(b"j", b"first")
+    b.put(b"j", b"second")
+    b.delete(b"old")
+    b.put(b"\x00", b"nul")
+    db.write(b)
+    assert list(db.iterate()) == [(b"\x00", b"nul"), (b"j", b"second")]
+    db.write(WriteBatch())  # an empty batch is a no-op
+    assert db.get(b"j") == b"second"
+
+
+def test_batch_is_atomic_for_a_concurrent_reader(db: KV) -> None:
+    """A token moves between keys in one batch: every snapshot sees exactly one token,
+    whatever flushes and compactions run meanwhile."""
+    db.put(b"token-0000", b"t")
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def reader() -> None:
+        while not stop.is_set():
+            seen = [k for k, _ in db.iterate(b"token-", b"token.")]
+            if len(seen) != 1:
+                errors.append(repr(seen))
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        for i in range(300):
+            b = WriteBatch()
+            b.delete(b"token-%04d" % i)
+            b.put(b"token-%04d" % (i + 1), b"t")
+            b.put(b"filler-%04d" % i, bytes(64))
+            db.write(b, sync=False)
+    finally:
+        stop.set()
+        t.join()
+    assert errors == []
+    assert [k for k, _ in db.iterate(b"token-", b"token.")] == [b"token-0300"]
+
+
+def test_iterate_bounds(db: KV) -> None:
+    keys = [b"", b"a", b"ab", b"b", b"b\x00", b"c", b"\xff", b"\xff\xff"]
+    b = WriteBatch()
+    for k in keys:
+        b.put(k, k + b"!")
+    db.write(b)
+    assert [k for k, _ in db.iterate()] == keys
+    assert [k for k, _ in db.iterate(b"a", b"b")] == [b"a", b"ab"]
+    assert [k for k, _ in db.iterate(b"aa", b"b\x00")] == [b"ab", b"b"]
+    assert [k for k, _ in db.iterate(b"b")] == [b"b", b"b\x00", b"c", b"\xff", b"\xff\xff"]
+    assert list(db.iterate(b"c", b"c")) == []
+    assert list(db.iterate(b"d", b"a")) == []
+    assert list(db.iterate(b"\xff\xff\x00")) == []
+    assert dict(db.iterate()) == {k: k + b"!" for k in keys}
+
+
+def test_reopen_keeps_everything(opener: Opener, tmp_path: Path) -> None:
+    path = str(tmp_path / "db")
+    model: dict[bytes, bytes] = {}
+    rng = random.Random(1)
+    for _round in range(3):
+        kv = opener(path)
+        assert dict(kv.iterate()) == model
+        for i in range(400):
+            k = b"k%03d" % rng.randrange(300)
+            if rng.random() < 0.3:
+                kv.delete(k, sync=False)
+                model.pop(k, None)
+            else:
+                v = b"v%d" % i * rng.randrange(1, 40)
+                kv.put(k, v, sync=i % 50 == 0)
+                model[k] = v
+        kv.put(b"last", b"synced")
+        model[b"last"] = b"synced"
+        kv.close()
+    kv = opener(path)
+    try:
+        assert dict(kv.iterate()) == model
+        assert all(kv.get(k) == v for k, v in model.items())
+    finally:
+        kv.close()
+
+
+def test_closed_engine_refuses_every_call(opener: Opener, tmp_path: Path) -> None:
+    kv = opener(str(tmp_path / "db"))
+    kv.put(b"a", b"1")
+    it = kv.iterate()
+    kv.close()
+    kv.close()  # idempotent
+    with pytest.raises(ClosedError):
+        kv.get(b"a")
+    with pytest.raises(ClosedError):
+        kv.put(b"a", b"2")
+    with pytest.raises(ClosedError):
+        kv.iterate()
+    with pytest.raises(ClosedError):
+        kv.disk_usage()
+    with pytest.raises(ClosedError):
+        next(it)
+
+
+def test_bad_arguments_are_rejected(db: KV) -> None:
+    with pytest.raises(TypeError):
+        db.get("a")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        db.write([(b"a", b"1")])  # type: ignore[arg-type]
+    b = WriteBatch()
+    b.ops.append(("a", b"1"))  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        db.write(b)
+    with pytest.raises(TypeError):
+        db.iterate(b"a", "b")  # type: ignore[arg-type]
+    assert list(db.iterate()) == []
+
+
+# ---- many keys against a dict ----------------------------------------------------------
+
+
+def test_many_keys_across_flushes_match_a_dict(opener: Opener, tmp_path: Path) -> None:
+    path = str(tmp_path / "db")
+    kv = opener(path)
+    model: dict[bytes, bytes] = {}
+    rng = random.Random(7)
+    try:
+        for step in range(6000):
+            k = b"key-%05d" % rng.randrange(2000)
+            if rng.random() < 0.4:
+                kv.delete(k, sync=False)
+                model.pop(k, None)
+            else:
+                v = rng.randbytes(rng.choice((0, 10, 100, 2000)))
+                kv.put(k, v, sync=False)
+                model[k] = v
+            if step % 1500 == 0:
+                lo = b"key-%05d" % rng.randrange(2000)
+                want = sorted((k2, v2) for k2, v2 in model.items() if k2 >= lo)
+                assert list(kv.iterate(lo)) == want
+        if isinstance(kv, LogEngine):
+            assert kv.recovery.tables == 0  # a fresh database...
+            kv.close()
+            kv = opener(path)
+            assert isinstance(kv, LogEngine)
+            assert kv.recovery.tables >= 1  # ...that flushed to tables on the way
+        assert list(kv.iterate()) == sorted(model.items())
+        for k in (b"key-%05d" % i for i in range(0, 2000, 7)):
+            assert kv.get(k) == model.get(k)
+        kv.compact()
+        assert list(kv.iterate()) == sorted(model.items())
+    finally:
+        kv.close()
+
+
+KEYS = st.binary(max_size=3).map(lambda b: b"k" + b)
+VALUES = st.one_of(st.binary(max_size=8), st.binary(min_size=200, max_size=600))
+
+
+class KVAgainstDict(RuleBasedStateMachine):
+    """An engine and a dict in lockstep, with reopens and compactions in between."""
+
+    open_engine: Opener = staticmethod(open_log)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = tempfile.mkdtemp(prefix="kv-sm-")
+        self.path = os.path.join(self.dir, "db")
+        self.kv = self.open_engine(self.path)
+        self.model: dict[bytes, bytes] = {}
+
+    @rule(key=KEYS, value=VALUES, sync=st.booleans())
+    def put(self, key: bytes, value: bytes, sync: bool) -> None:
+        self.kv.put(key, value, sync=sync)
+        self.model[key] = value
+
+    @rule(key=KEYS)
+    def delete(self, key: bytes) -> None:
+        self.kv.delete(key, sync=False)
+        self.model.pop(key, None)
+
+    @precondition(lambda self: bool(self.model))
+    @rule(data=st.data())
+    def delete_existing(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.model)))
+        self.delete(key)
+
+    @rule(ops=st.lists(st.tuples(KEYS, st.none() | VALUES), max_size=20))
+    def batch(self, ops: list[tuple[bytes, bytes | None]]) -> None:
+        b = WriteBatch()
+        for key, value in ops:
+            if value is None:
+                b.delete(key)
+                self.model.pop(key, None)
+            else:
+                b.put(key, value)
+                self.model[key] = value
+        self.kv.write(b)
+
+    @rule()
+    def compact(self) -> None:
+        self.kv.compact()
+
+    @rule()
+    def reopen(self) -> None:
+        self.kv.close()
+        self.kv = self.open_engine(self.path)
+
+    @rule(key=KEYS)
+    def get(self, key: bytes) -> None:
+        assert self.kv.get(key) == self.model.get(key)
+
+    @rule(start=KEYS, stop=st.none() | KEYS)
+    def scan(self, start: bytes, stop: bytes | None) -> None:
+        want = sorted(
+            (k, v) for k, v in self.model.items() if k >= start and (stop is None or k < stop)
+        )
+        assert list(self.kv.iterate(start, stop)) == want
+
+    @invariant()
+    def same_contents(self) -> None:
+        assert list(self.kv.iterate()) == sorted(self.model.items())
+
+    def teardown(self) -> None:
+        self.kv.close()
+        shutil.rmtree(self.dir)
+
+
+class LevelDBAgainstDict(KVAgainstDict):
+    open_engine: Opener = staticmethod(open_leveldb)
+
+
+class TinyLogEngineAgainstDict(KVAgainstDict):
+    """A memtable of 300 bytes: nearly every write flushes, so merges run all the time."""
+
+    open_engine: Opener = staticmethod(
+        lambda path: LogEngine(path, memtable_limit=300)
+    )
+
+
+TestLogEngineAgainstDict = KVAgainstDict.TestCase
+TestTinyLogEngineAgainstDict = TinyLogEngineAgainstDict.TestCase
+TestLevelDBAgainstDict = LevelDBAgainstDict.TestCase
+
+
+# ---- space is given back -----------------------------------------------------------------
+
+
+def test_deleted_keys_are_dropped_by_compaction(opener: Opener, tmp_path: Path) -> None:
+    kv = opener(str(tmp_path / "db"))
+    try:
+        for round_ in range(2):
+            for s in range(0, 3000, 300):
+                b = WriteBatch()
+                for i in range(s, s + 300):
+                    b.put(b"message %06d %d" % (i, round_), os.urandom(1000))
+                kv.write(b)
+            full = kv.disk_usage()
+            assert full > 3_000_000
+            for s in range(0, 3000, 300):
+                b = WriteBatch()
+                for i in range(s, s + 300):
+                    b.delete(b"message %06d %d" % (i, round_))
+                kv.write(b)
+            kv.compact()
+            assert list(kv.iterate()) == []
+            # LevelDB keeps a text LOG and a MANIFEST of some KB; the log engine ~100 bytes.
+            assert kv.disk_usage() < 64 * 1024, kv.disk_usage()
+    finally:
+        kv.close()
+
+
+def test_log_engine_drops_dead_data_without_explicit_compaction(tmp_path: Path) -> None:
+    """A queue's pattern: values die soon after they are written; disk stays small."""
+    kv = LogEngine(str(tmp_path / "db"), memtable_limit=64 * 1024)
+    try:
+        live: list[bytes] = []
+        peak = 0
+        for i in range(4000):
+            b = WriteBatch()
+            key = b"message %08d" % i
+            b.put(key, os.urandom(512))
+            live.append(key)
+            if len(live) > 20:
+                b.delete(live.pop(0))
+            kv.write(b, sync=False)
+            peak = max(peak, kv.disk_usage())
+        assert sorted(k for k, _ in kv.iterate()) == live
+        # 4000 x 512 bytes went through; at most a few memtables' worth stays on disk.
+        assert peak < 6 * 64 * 1024, peak
+    finally:
+        kv.close()
+
+
+# ---- the log engine's log: torn tails, failed syncs ----------------------------------------
+
+
+def _write_records(path: str, n: int) -> None:
+    kv = LogEngine(path)
+    for i in range(n):
+        b = WriteBatch()
+        b.put(b"r%03d-a" % i, b"x" * 30)
+        b.put(b"r%03d-b" % i, b"y" * 30)
+        kv.write(b)
+    kv.close()
+
+
+def _records_present(kv: KV, n: int) -> int:
+    """How many of records 0..n-1 are present; checks each is all-or-nothing."""
+    count = 0
+    for i in range(n):
+        a, b = kv.get(b"r%03d-a" % i), kv.get(b"r%03d-b" % i)
+        assert (a is None) == (b is None), f"record {i} is half applied"
+        count += a is not None
+    return count
+
+
+RECORD = len(encode_batch([(b"r000-a", b"x" * 30), (b"r000-b", b"y" * 30)]))
+
+
+@pytest.mark.parametrize(
+    ("damage", "survivors"),
+    [
+        ("cut-1", 9),  # the last record lost its last byte
+        ("cut-header", 9),  # only 5 bytes of the last record's 8-byte header remain
+        ("garble-last", 9),  # a byte of the last payload flipped
+        ("garble-length", 9),  # the last record's length field is garbage
+        ("zeros", 10),  # a power cut extended the file with zeros
+        ("garbage", 10),  # random bytes after the last record
+        ("garble-middle", 5),  # record 5 is damaged: it and everything after it go
+    ],
+)
+def test_torn_log_tail_is_dropped_and_truncated(
+    tmp_path: Path, damage: str, survivors: int
+) -> None:
+    path = tmp_path / "db"
+    _write_records(str(path), 10)
+    (log,) = log_files(path)
+    data = bytearray(log.read_bytes())
+    assert len(data) == 10 * RECORD
+    if damage == "cut-1":
+        del data[-1:]
+    elif damage == "cut-header":
+        del data[9 * RECORD + 5 :]
+    elif damage == "garble-last":
+        data[-3] ^= 0x40
+    elif damage == "garble-length":
+        data[9 * RECORD] ^= 0x01
+    elif damage == "zeros":
+        data += bytes(4096)
+    elif damage == "garbage":
+        data += random.Random(3).randbytes(100)
+    elif damage == "garble-middle":
+        data[5 * RECORD + 12] ^= 0xFF
+    log.write_bytes(bytes(data))
+
+    kv = LogEngine(str(path))
+    try:
+        assert _records_present(kv, 10) == survivors
+        assert kv.recovery.log_records == survivors
+        assert kv.recovery.truncated_bytes == len(data) - survivors * RECORD
+        # The tail is cut off on disk, so new records follow the last good one.
+        assert log.stat().st_size == survivors * RECORD
+        kv.put(b"after", b"repair")
+    finally:
+        kv.close()
+    kv = LogEngine(str(path))
+    try:
+        assert kv.recovery.truncated_bytes == 0
+        assert _records_present(kv, 10) == survivors
+        assert kv.get(b"after") == b"repair"
+    finally:
+        kv.close()
+
+
+def test_failed_log_sync_stops_writes_until_reopen(tmp_path: Path) -> None:
+    path = str(tmp_path / "db")
+    io = FailingIO("fdatasync", fail_at=3)
+    kv = LogEngine(path, io)
+    kv.put(b"a", b"1")
+    kv.put(b"b", b"2")
+    with pytest.raises(OSError, match="injected EIO"):
+        kv.put(b"c", b"3")
+    assert kv.get(b"c") is None  # not trusted, so not shown
+    with pytest.raises(OSError, match="failed earlier"):
+        kv.put(b"d", b"4")
+    assert kv.get(b"a") == b"1"  # reads keep working
+    kv.close()
+    kv = LogEngine(path)
+    try:
+        assert kv.get(b"a") == b"1" and kv.get(b"b") == b"2"
+        assert kv.get(b"d") is None
+        kv.put(b"e", b"5")
+        assert kv.get(b"e") == b"5"
+    finally:
+        kv.close()
+
+
+def test_failed_flush_keeps_data_and_stops_writes(tmp_path: Path) -> None:
+    path = str(tmp_path / "db")
+    io = FailingIO("rename", fail_at=2)  # 1: CURRENT at creation; 2: the first table
+    kv = LogEngine(path, io, memtable_limit=2048)
+    model = {}
+    with pytest.raises(OSError, match="failed earlier"):
+        for i in range(1000):
+            kv.put(b"k%04d" % i, bytes(100))
+            model[b"k%04d" % i] = bytes(100)
+    assert dict(kv.iterate()) == model
+    kv.close()
+    kv = LogEngine(path, memtable_limit=2048)
+    try:
+        assert dict(kv.iterate()) == model
+        assert not list(Path(path).glob("*.tmp"))  # the half-made table was cleaned up
+    finally:
+        kv.close()
+
+
+def test_corrupt_table_is_reported(tmp_path: Path) -> None:
+    path = tmp_path / "db"
+    kv = LogEngine(str(path))
+    kv.put(b"a", b"x" * 100)
+    kv.compact()
+    kv.close()
+    (table,) = path.glob("*.tbl")
+    data = bytearray(table.read_bytes())
+    data[20] ^= 0x01
+    table.write_bytes(bytes(data))
+    kv = LogEngine(str(path))
+    try:
+        with pytest.raises(DatabaseCorruptError, match="checksum"):
+            kv.get(b"a")
+    finally:
+        kv.close()
+
+
+class Crash(BaseException):
+    """The program stops here (a BaseException, as ``except Exception`` must not catch it)."""
+
+
+class CrashIO(OsIO):
+    """Stops the program at its ``crash_at``-th mutating call, before the call, as a
+    killed process would; a ``write`` gets half of its bytes out first (a torn write).
+    ``die()`` then closes what the dead program held open (its lock included)."""
+
+    def __init__(self, crash_at: int) -> None:
+        self.crash_at = crash_at
+        self.count = 0
+        self.open_fds: set[int] = set()
+
+    def open_read(self, path: str) -> int:
+        fd = super().open_read(path)
+        self.open_fds.add(fd)
+        return fd
+
+    def lock_exclusive(self, path: str, *, blocking: bool = False) -> int | None:
+        fd = super().lock_exclusive(path, blocking=blocking)
+        if fd is not None:
+            self.open_fds.add(fd)
+        return fd
+
+    def close(self, fd: int) -> None:
+        self.open_fds.discard(fd)
+        super().close(fd)
+
+    def unlock(self, fd: int) -> None:
+        self.open_fds.discard(fd)
+        super().unlock(fd)
+
+    def die(self) -> None:
+        for fd in sorted(self.open_fds):
+            os.close(fd)
+        self.open_fds.clear()
+
+    def _step(self) -> None:
+        self.count += 1
+        if self.count == self.crash_at:
+            raise Crash
+
+    def write(self, fd: int, data: bytes) -> int:
+        if self.count + 1 == self.crash_at and len(data) > 1:
+            super().write(fd, data[: len(data) // 2])
+        self._step()
+        return super().write(fd, data)
+
+
+def _make_step(name: str) -> Callable[..., object]:
+    def step(self: CrashIO, *args: object, **kwargs: object) -> object:
+        self._step()
+        if name in ("fsync", "fdatasync", "fsync_dir"):
+            return None  # a killed process loses nothing the kernel has: syncs are moot
+        result = getattr(OsIO, name)(self, *args, **kwargs)
+        if name == "open_create":
+            self.open_fds.add(result)
+        return result
+
+    return step
+
+
+for _name in sorted(MUTATING):
+    if _name != "write":
+        setattr(CrashIO, _name, _make_step(_name))
+
+
+def _crash_workload() -> list[WriteBatch | None]:
+    """Batches (None: a compact) that cross flushes, merges, deletes and a compaction."""
+    rng = random.Random(11)
+    ops: list[WriteBatch | None] = []
+    for i in range(14):
+        b = WriteBatch()
+        for _ in range(rng.randrange(1, 4)):
+            k = b"k%02d" % rng.randrange(12)
+            if rng.random() < 0.3:
+                b.delete(k)
+            else:
+                b.put(k, b"%d-" % i * rng.randrange(1, 60))
+        ops.append(b)
+        if i == 9:
+            ops.append(None)
+    return ops
+
+
+def _apply(model: dict[bytes, bytes], op: WriteBatch | None) -> dict[bytes, bytes]:
+    model = dict(model)
+    for key, value in op.ops if op is not None else []:
+        if value is None:
+            model.pop(key, None)
+        else:
+            model[key] = value
+    return model
+
+
+def _run_until_crash(path: str, io: CrashIO, ops: list[WriteBatch | None]) -> int:
+    """Runs the workload; returns how many ops returned before the crash (len: none)."""
+    done = 0
+    try:
+        kv = LogEngine(path, io, memtable_limit=300)
+        for op in ops:
+            if op is None:
+                kv.compact()
+            else:
+                kv.write(op, sync=True)
+            done += 1
+        kv.close()
+    except Crash:
+        io.die()
+        return done
+    return len(ops)
+
+
+def test_crash_at_every_mutating_call_recovers_a_consistent_state(tmp_path: Path) -> None:
+    """Process-kill model: the disk keeps every completed call.  After a crash at each
+    mutating call (and a crash inside the recovery that follows), the database holds the
+    acknowledged batches, and the interrupted one wholly or not at all."""
+    ops = _crash_workload()
+    models = [{}]  # models[i]: contents after the first i ops
+    for op in ops:
+        models.append(_apply(models[-1], op))
+    probe = CrashIO(crash_at=0)
+    assert _run_until_crash(str(tmp_path / "probe"), probe, ops) == len(ops)
+    total = probe.count
+    assert total > 60  # flushes, merges and the compaction are in the run
+    for crash_at in range(1, total + 1):
+        path = str(tmp_path / f"c{crash_at}")
+        done = _run_until_crash(path, CrashIO(crash_at), ops)
+        allowed = [models[done]] + ([models[done + 1]] if done < len(ops) else [])
+        # Crash the first recovery at its first mutating calls too, then recover fully.
+        for recovery_crash in (1, 2, 3):
+            io = CrashIO(recovery_crash)
+            try:
+                LogEngine(path, io, memtable_limit=300).close()
+            except Crash:
+                io.die()
+        kv = LogEngine(path, memtable_limit=300)
+        try:
+            got = dict(kv.iterate())
+            assert got in allowed, (crash_at, done, got, allowed)
+            kv.put(b"after", b"crash")
+        finally:
+            kv.close()
+        kv = LogEngine(path, memtable_limit=300)
+        try:
+            assert dict(kv.iterate()) == {**got, b"after": b"crash"}
+        finally:
+            kv.close()
+
+
+# ---- concurrency and group commit -------------------------------------------------------
+
+
+def _hammer(
+    kv: KV,
+    threads: int,
+    per_thread: int,
+    before: Callable[[], int] = lambda: 0,
+    after: Callable[[int, int], None] = lambda _mark, _n: None,
+    unsynced_threads: int = 0,
+) -> None:
+    """Threads each write ``per_thread`` one-put batches (synced, except in the first
+    ``unsynced_threads``); ``after(before(), record length)`` runs when each synced write
+    returns.  Then every write must be present."""
+    errors: list[BaseException] = []
+
+    def worker(t: int) -> None:
+        try:
+            for i in range(per_thread):
+                b = WriteBatch()
+                b.put(b"t%02d-%04d" % (t, i), b"v" * (i % 50))
+                sync = t >= unsynced_threads
+                mark = before()
+                kv.write(b, sync=sync)
+                if sync:
+                    after(mark, len(encode_batch(b.ops)))
+        except BaseException as e:
+            errors.append(e)
+
+    workers = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert errors == []
+    got = dict(kv.iterate())
+    assert len(got) == threads * per_thread
+    for t in range(threads):
+        for i in range(per_thread):
+            assert got[b"t%02d-%04d" % (t, i)] == b"v" * (i % 50)
+
+
+def test_concurrent_writers_all_land(opener: Opener, tmp_path: Path) -> None:
+    kv = opener(str(tmp_path / "db"))
+    try:
+        _hammer(kv, threads=8, per_thread=60)
+    finally:
+        kv.close()
+
+
+def test_group_commit_shares_syncs_and_nobody_returns_early(tmp_path: Path) -> None:
+    io = CountingIO(sync_delay=0.002)
+    kv = LogEngine(str(tmp_path / "db"), io)
+    failures: list[str] = []
+
+    def synced_on_return(log_before: int, record_len: int) -> None:
+        # The record was appended after the log held ``log_before`` bytes, so it ends at
+        # or past ``log_before + record_len``; a sync begun after that must have finished.
+        if io.log_synced < log_before + record_len:
+            failures.append(f"returned with {io.log_synced} of {log_before + record_len} synced")
+
+    try:
+        before = io.calls.get("fdatasync", 0)
+        # Two threads write unsynced batches: a group led by one of them must still sync
+        # for the synced members.
+        _hammer(kv, 8, 50, lambda: io.log_written, synced_on_return, unsynced_threads=2)
+        syncs = io.calls.get("fdatasync", 0) - before
+    finally:
+        kv.close()
+    assert failures == []
+    assert io.log_synced == io.log_written  # the last writes were synced ones
+    assert 0 < syncs < 300 // 2, f"{syncs} fdatasyncs for 300 concurrent synced writes"
+
+
+class GatedIO(CountingIO):
+    """Holds the first fdatasync until ``gate`` is set, so writers queue up behind it."""
+
+    def __init__(self, fail_second: bool = False) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.first = True
+        self.fail_second = fail_second
+
+    def fdatasync(self, fd: int) -> None:
+        if self.first:
+            self.first = False
+            assert self.gate.wait(30)
+        elif self.fail_second:
+            raise OSError(errno.EIO, "injected EIO in the group's sync")
+        super().fdatasync(fd)
+
+
+def _queue_writers(
+    kv: LogEngine, io: GatedIO, writers: list[tuple[str, bool]]
+) -> dict[str, tuple[int, int] | BaseException]:
+    """Start the writers one by one, each queued behind the previous one (the first is
+    held in its sync), then open the gate; returns (synced, written) at each writer's
+    return, or its exception."""
+    queue = kv._writers._queue  # white box: wait until each writer has queued
+    seen: dict[str, tuple[int, int] | BaseException] = {}
+
+    def writer(name: str, sync: bool) -> None:
+        try:
+            kv.put(name.encode(), b"v", sync=sync)
+        except BaseException as e:
+            seen[name] = e
+        else:
+            seen[name] = (io.log_synced, io.log_written)
+
+    threads = []
+    for n, (name, sync) in enumerate(writers, 1):
+        threads.append(threading.Thread(target=writer, args=(name, sync)))
+        threads[-1].start()
+        deadline = time.monotonic() + 30
+        while len(queue) < n:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+    io.gate.set()
+    for t in threads:
+        t.join()
+    return seen
+
+
+def test_group_led_by_unsynced_writer_syncs_for_its_synced_members(tmp_path: Path) -> None:
+    io = GatedIO()
+    kv = LogEngine(str(tmp_path / "db"), io)
+    try:
+        # a's sync is held while b and c queue; then b leads the group [b, c].
+        seen = _queue_writers(kv, io, [("a", True), ("b", False), ("c", True)])
+        assert seen["c"] == (io.log_written, io.log_written)  # c returned after a sync
+        assert io.calls["fdatasync"] == 2
+        assert kv.get(b"b") == b"v" and kv.get(b"c") == b"v"
+    finally:
+        kv.close()
+
+
+def test_failed_group_sync_fails_every_member(tmp_path: Path) -> None:
+    io = GatedIO(fail_second=True)
+    kv = LogEngine(str(tmp_path / "db"), io)
+    try:
+        seen = _queue_writers(kv, io, [("a", True), ("b", True), ("c", True)])
+        assert isinstance(seen["a"], tuple)
+        assert isinstance(seen["b"], OSError) and "injected" in str(seen["b"])
+        assert isinstance(seen["c"], OSError) and "in its leader" in str(seen["c"])
+        assert kv.get(b"b") is None and kv.get(b"c") is None
+        with pytest.raises(OSError, match="failed earlier"):
+            kv.put(b"d", b"v")
+    finally:
+        kv.close()
+
+
+def test_unsynced_writes_do_not_sync(tmp_path: Path) -> None:
+    io = CountingIO()
+    kv = LogEngine(str(tmp_path / "db"), io)
+    try:
+        for i in range(100):
+            kv.put(b"k%d" % i, b"v", sync=False)
+        assert io.calls.get("fdatasync", 0) == 0
+        kv.put(b"last", b"v")
+        assert io.calls.get("fdatasync", 0) == 1
+        assert io.log_synced == io.log_written
+    finally:
+        kv.close()
+
+
+# ---- reopen cost follows live data, not history -------------------------------------------
+
+
+def test_reopen_reads_live_data_not_history(tmp_path: Path) -> None:
+    path = str(tmp_path / "db")
+    limit = 256 * 1024
+    history = 0
+    for round_ in range(4):
+        io = CountingIO()
+        kv = LogEngine(path, io, memtable_limit=limit)
+        # Reopening read the live log and the tables' indexes: bounded by the memtable
+        # limit, however many rounds came before.
+        assert io.read_bytes < 2 * limit, (round_, io.read_bytes, kv.recovery)
+        assert kv.recovery.log_bytes <= limit + 64 * 1024
+        for phase in ("put", "delete"):
+            for s in range(0, 50_000, 1000):
+                b = WriteBatch()
+                for i in range(s, s + 1000):
+                    key = b"key-%08d" % i
+                    if phase == "put":
+                        b.put(key, b"value-%d-%d" % (round_, i))
+                    else:
+                        b.delete(key)
+                kv.write(b, sync=False)
+                history += len(encode_batch(b.ops))
+        assert kv.disk_usage() < 4 * limit
+        kv.close()
+    assert history > 30 * limit
+    io = CountingIO()
+    kv = LogEngine(path, io, memtable_limit=limit)
+    try:
+        assert io.read_bytes < 2 * limit
+        assert list(kv.iterate()) == []
+    finally:
+        kv.close()
+
+
+# ---- one opener per database ----------------------------------------------------------------
+
+
+_CHILD_OPEN = textwrap.dedent(
+    """
+    import sys
+    from queue_ref.kv.engine_errors import DatabaseLockedError
+    from queue_ref.kv.leveldb import LevelDBEngine
+    from queue_ref.kv.logengine import LogEngine
+    engine = {"log": LogEngine, "leveldb": LevelDBEngine}[sys.argv[1]]
+    try:
+        engine(sys.argv[2]).close()
+    except DatabaseLockedError:
+        print("locked")
+    else:
+        print("opened")
+    """
+)
+
+
+def test_second_opener_is_rejected(opener: Opener, tmp_path: Path) -> None:
+    path = str(tmp_path / "db")
+    name = "log" if opener is open_log else "leveldb"
+    kv = opener(path)
+    kv.put(b"a", b"1")
+    try:
+        with pytest.raises(DatabaseLockedError, match="locked"):
+            opener(path)
+        # The failed attempt must not have dropped the first opener's lock.
+        child = subprocess.run(
+            [sys.executable, "-c", _CHILD_OPEN, name, path],
+            capture_output=True, text=True, timeout=60, check=True,
+        )
+        assert child.stdout.strip() == "locked"
+        assert kv.get(b"a") == b"1"
+    finally:
+        kv.close()
+    kv = opener(path)  # free again once closed
+    try:
+        assert kv.get(b"a") == b"1"
+    finally:
+        kv.close()
+
+
+# ---- a killed writer process ------------------------------------------------------------------
+
+
+_CHILD_WRITE = textwrap.dedent(
+    """
+    import sys
+    from queue_ref.kv.base import WriteBatch
+    from queue_ref.kv.leveldb import LevelDBEngine
+    from queue_ref.kv.logengine import LogEngine
+    if sys.argv[1] == "log":
+        kv = LogEngine(sys.argv[2], memtable_limit=8192)
+    else:
+        kv = LevelDBEngine(sys.argv[2])
+    i = 0
+    while True:
+        b = WriteBatch()
+        for j in range(5):
+            b.put(b"b%06d-%d" % (i, j), b"%d" % i * 40)
+        if i:
+            b.delete(b"b%06d-0" % (i - 1))
+        kv.write(b)
+        print(i, flush=True)
+        i += 1
+    """
+)
+
+
+def test_killed_writer_loses_no_acknowledged_batch(opener: Opener, tmp_path: Path) -> None:
+    path = str(tmp_path / "db")
+    name = "log" if opener is open_log else "leveldb"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD_WRITE, name, path], stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout is not None
+    acked = -1
+    for line in child.stdout:
+        acked = int(line)
+        if acked >= 300:
+            break
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    child.stdout.close()
+    kv = opener(path)
+    try:
+        present = {k for k, _ in kv.iterate()}
+        newest = max(int(k[1:7]) for k in present)
+        assert newest >= acked  # the child may have gone on a little before it died
+        want = {b"b%06d-%d" % (i, j) for i in range(newest + 1) for j in range(1, 5)}
+        want.add(b"b%06d-0" % newest)
+        assert present == want  # every batch whole, the newest one included
+    finally:
+        kv.close()
