@@ -1,0 +1,208 @@
+"""What a backend shows after recovery, and how it maps onto the model's entries.
+
+``inspect(open_storage)`` opens the backend (recovery runs), lists every entry
+(queued, inflight, pending cleanup), reads the metadata and body of each, then drains
+the queue (send_done and cleanup of everything) and measures what is left.  Reading
+the body needs an inflight handle, so queued entries are claimed first: the directory
+is a throwaway copy of the crash state, and every entry is read the same way, so views
+of different crash states compare.
+
+The result (``Recovered``) speaks the backend's ids; ``to_views`` maps it onto the
+model's numbering given the ids the run learnt.  It depends on the disk image only, so
+the explorer caches it per image.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from queue_ref.storage import (
+    CorruptionError,
+    InflightMail,
+    PendingCleanupMail,
+    QueuedMail,
+    Storage,
+)
+from spec.model import Call, EntryKey, EntryView, Model, Schedule
+from spec.states import EntryState, Op
+
+
+@dataclass(frozen=True)
+class RecoveredEntry:
+    message_id: str
+    entry_id: str
+    rcpt_index: int  # -1 when it could not be read (pending cleanup)
+    rcpt: str
+    mail_from: str
+    body_digest: str
+    schedule: Schedule
+    state: EntryState
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """Everything listed after recovery, problems met while reading, what a drain left."""
+
+    entries: tuple[RecoveredEntry, ...]
+    problems: tuple[tuple[str, str], ...] = ()  # (clause, detail)
+    quarantined: tuple[str, ...] = ()  # entry ids that raised CorruptionError
+    leftover_objects: int = 0
+    leftover_bytes: int = 0
+
+    def describe(self) -> list[str]:
+        out = [f"{e.state.value:15} msg {e.message_id} rcpt[{e.rcpt_index}] {e.rcpt} "
+               f"at={e.schedule.at} attempts={e.schedule.attempts} "
+               f"body sha256 {e.body_digest[:12]}" for e in self.entries]
+        out += [f"quarantined: {q}" for q in self.quarantined]
+        if self.leftover_objects or self.leftover_bytes:
+            out.append(f"after draining: {self.leftover_objects} objects, "
+                       f"{self.leftover_bytes} bytes")
+        return out
+
+
+def _describe_exc(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def inspect(open_storage: Callable[[], Storage], *, drain: bool = True) -> Recovered:
+    """Open (and so recover) the backend, read every entry, drain, measure leftovers."""
+    problems: list[tuple[str, str]] = []
+    try:
+        storage = open_storage()
+    except Exception as e:
+        return Recovered((), (("C10", f"recovery failed: {_describe_exc(e)}"),))
+    entries: list[RecoveredEntry] = []
+    quarantined: list[str] = []
+    claimed: list[InflightMail] = []
+    pending: list[PendingCleanupMail] = []
+    left = (0, 0)
+    try:
+        try:
+            queued = list(storage.list_queue())
+            inflight = list(storage.find_inflight())
+            pending = list(storage.find_pending_cleanup())
+        except Exception as e:
+            return Recovered((), (("C10", f"listing after recovery failed: "
+                                   f"{_describe_exc(e)}"),))
+        ids = [h.entry_id for h in (*queued, *inflight, *pending)]
+        for eid in sorted({i for i in ids if ids.count(i) > 1}):
+            problems.append(("C6", f"entry {eid} is listed {ids.count(eid)} times"))
+        for q in queued:
+            entries.extend(_read_queued(storage, q, claimed, quarantined, problems))
+        for f in inflight:
+            claimed.append(f)
+            entries.extend(_read(storage, f, f.schedule, EntryState.INFLIGHT, quarantined,
+                                 problems))
+        for p in pending:
+            entries.append(RecoveredEntry(p.message_id, p.entry_id, -1, "", "", "",
+                                          p.schedule, EntryState.PENDING_CLEANUP))
+        if drain:
+            left = _drain(storage, claimed, pending, problems)
+    finally:
+        try:
+            storage.close()
+        except Exception as e:
+            problems.append(("C10", f"close after recovery failed: {_describe_exc(e)}"))
+    entries.sort(key=lambda e: (e.message_id, e.rcpt_index, e.entry_id, e.state.value))
+    return Recovered(tuple(entries), tuple(problems), tuple(sorted(quarantined)), *left)
+
+
+def _read_queued(storage: Storage, q: QueuedMail, claimed: list[InflightMail],
+                 quarantined: list[str], problems: list[tuple[str, str]]
+                 ) -> list[RecoveredEntry]:
+    try:
+        f = storage.send_start(q)
+    except Exception as e:
+        problems.append(("C10", f"entry {q.entry_id} is listed but send_start failed: "
+                                f"{_describe_exc(e)}"))
+        return []
+    if f is None:
+        if quarantined:
+            # reading an earlier entry quarantined its message, this entry with it
+            quarantined.append(q.entry_id)
+        else:
+            problems.append(("C10", f"entry {q.entry_id} is listed as queued but could not "
+                                    "be claimed"))
+        return []
+    claimed.append(f)
+    return _read(storage, f, q.schedule, EntryState.QUEUED, quarantined, problems)
+
+
+def _read(storage: Storage, f: InflightMail, schedule: Schedule, state: EntryState,
+          quarantined: list[str], problems: list[tuple[str, str]]) -> list[RecoveredEntry]:
+    try:
+        with storage.read_inflight(f) as reader:
+            body = reader.read_all()
+            meta = reader.meta
+    except CorruptionError:
+        quarantined.append(f.entry_id)
+        return []
+    except Exception as e:
+        problems.append(("C6", f"entry {f.entry_id} could not be read: {_describe_exc(e)}"))
+        return []
+    if meta.schedule != schedule:
+        problems.append(("C5", f"entry {f.entry_id} is listed with {schedule} but its "
+                               f"metadata says {meta.schedule}"))
+    if meta.body_size != len(body):
+        problems.append(("C6", f"entry {f.entry_id} claims {meta.body_size} bytes of body, "
+                               f"{len(body)} were read"))
+    return [RecoveredEntry(meta.message_id, meta.entry_id, meta.rcpt_index, meta.rcpt,
+                           meta.mail_from, hashlib.sha256(body).hexdigest(), schedule, state)]
+
+
+def _drain(storage: Storage, claimed: list[InflightMail], pending: list[PendingCleanupMail],
+           problems: list[tuple[str, str]]) -> tuple[int, int]:
+    try:
+        for f in claimed:
+            p = storage.send_done(f)
+            if p is not None:
+                pending.append(p)
+        for p in pending:
+            storage.cleanup(p)
+        rest = (list(storage.list_queue()), list(storage.find_inflight()),
+                list(storage.find_pending_cleanup()))
+        if any(rest):
+            problems.append(("C8", f"after draining, {sum(len(r) for r in rest)} entries are "
+                                   "still listed"))
+        fp = storage.footprint()
+    except Exception as e:
+        problems.append(("C8", f"draining the recovered queue failed: {_describe_exc(e)}"))
+        return (0, 0)
+    if fp.objects or fp.bytes:
+        problems.append(("C8", f"after draining everything, {fp.objects} objects and "
+                               f"{fp.bytes} bytes remain"))
+    return (fp.objects, fp.bytes)
+
+
+def to_views(rec: Recovered, message_ids: Mapping[str, int],
+             entry_keys: Mapping[str, EntryKey], before: Model, call: Call | None
+             ) -> frozenset[EntryView]:
+    """The recovered entries in the model's numbering.
+
+    Messages the run committed map to their model numbers; of the others, the first (by
+    id) is the interrupted enqueue's message (``before.next_id``) when ``call`` is an
+    enqueue, and the rest get negative numbers, which ``judge`` reports.
+    """
+    unknown = sorted({e.message_id for e in rec.entries} - set(message_ids))
+    ids = dict(message_ids)
+    start = 0
+    if call is not None and call.op is Op.ENQUEUE and unknown:
+        ids[unknown[0]] = before.next_id
+        start = 1
+    for n, mid in enumerate(unknown[start:], 1):
+        ids[mid] = -n
+    out = set()
+    for e in rec.entries:
+        m = ids[e.message_id]
+        index, rcpt, mail_from, digest = e.rcpt_index, e.rcpt, e.mail_from, e.body_digest
+        if index < 0:
+            # a pending-cleanup entry: its key and content come from the run
+            key = entry_keys.get(e.entry_id)
+            index = key[1] if key is not None else 0
+            msg = before.messages.get(m)
+            if msg is not None and index < len(msg.rcpts):
+                rcpt, mail_from, digest = msg.rcpts[index], msg.mail_from, msg.digest
+        out.add(EntryView(m, index, rcpt, mail_from, digest, e.schedule, e.state))
+    return frozenset(out)

@@ -1,0 +1,274 @@
+"""The moving parts of crash exploration: traced runs, rebuilt disks, recovery.
+
+* ``run_workload``: run a workload on a fresh directory through ``FaultyIO`` (optionally
+  crashing or failing at a mutating call), keeping the trace, the model state before
+  every call, and the ids the backend gave.
+* ``recover_image``: materialize a crash state's disk in a fresh directory, open the
+  backend there with a plain seam (``ScratchIO``; recovery runs) and read everything
+  back (``recovered.inspect``).  Cached per disk image: equal disks recover equally.
+* ``recovery_crash_states``: rerun that recovery crashing after one of its mutating
+  calls and rebuild the disks the crash may leave.
+
+Every directory made here is removed before the function returns (a ``root`` passed in
+is the caller's).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import shutil
+import tempfile
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from conformance.crash.backends import BackendSpec
+from conformance.crash.driver import Divergence, Driver, spare_plan
+from conformance.crash.recovered import Recovered, inspect
+from conformance.crash.workloads import Workload
+from faultinject.disk import DiskImage, materialize
+from faultinject.errors import Crash
+from faultinject.models import CrashState, crash_states
+from faultinject.seam import FaultPlan, FaultyIO
+from faultinject.trace import TraceEvent
+from queue_ref.io import OsIO
+from queue_ref.storage import Storage
+from spec.model import Call, Model
+
+OPEN = -1  # the "call" index of opening the queue (before the workload's first call)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How many crash states to build per crash point (see ``faultinject.models``)."""
+
+    exhaustive_limit: int = 10
+    random_states: int = 8
+    seed: int = 0
+
+
+def scratch_base() -> str | None:
+    """Where scratch directories go: ``$QUEUE_REF_SCRATCH``, else ``/dev/shm`` (a tmpfs:
+    exploration creates and removes thousands of small trees), else the system default."""
+    env = os.environ.get("QUEUE_REF_SCRATCH")
+    if env:
+        return env
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        return "/dev/shm"
+    return None
+
+
+@contextmanager
+def scratch_dir(prefix: str = "queue-ref-crash-") -> Iterator[str]:
+    d = tempfile.mkdtemp(prefix=prefix, dir=scratch_base())
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def image_digest(image: DiskImage) -> str:
+    """A short stable name of a disk image's contents."""
+    return hashlib.sha256(pickle.dumps(image, protocol=4)).hexdigest()[:16]
+
+
+class ScratchIO(OsIO):
+    """``OsIO`` whose syncs only check their argument: crash states are built from the
+    trace, never from what the real disk kept, so the exploration's throwaway
+    directories need no real fsync (and run many times faster without)."""
+
+    def fsync(self, fd: int) -> None:
+        os.fstat(fd)
+
+    def fdatasync(self, fd: int) -> None:
+        os.fstat(fd)
+
+    def fsync_dir(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        os.close(fd)
+
+
+@dataclass
+class Run:
+    """One run of a workload through ``FaultyIO``."""
+
+    workload: Workload
+    initial: DiskImage
+    events: list[TraceEvent]
+    trace_hash: str
+    models: list[Model]  # models[i]: the state call i met; then the state after the last
+    op_starts: list[int]  # the mutating-call count when call i began
+    op_ends: list[int]  # ... and when it returned (or raised)
+    message_ids: dict[str, int] = field(default_factory=dict)
+    entry_keys: dict[str, tuple[int, int]] = field(default_factory=dict)
+    stopped_in: int | None = None  # call index where a Crash or an error stopped the run
+    crashed: bool = False
+    error: BaseException | None = None  # what a call raised (not a Crash)
+    divergence: Divergence | None = None
+    mutating_total: int = 0
+    open_end: int = 0  # the mutating-call count when opening the queue returned
+    workload_end: int = 0  # len(events) when the last call returned (before any close)
+
+    def interrupted(self) -> tuple[Model, Call | None]:
+        """The model state the interrupted call met, and the call (None: opening)."""
+        i = self.stopped_in
+        if i is None or i == OPEN:
+            return Model(), None
+        return self.models[i], self.workload[i]
+
+    def call_of_event(self, event_index: int) -> int:
+        """The workload call during which trace event ``event_index`` was made (OPEN for
+        opening the queue, len(workload) for closing it)."""
+        m = sum(1 for e in self.events[:event_index] if e.mutating)
+        for i in range(len(self.op_starts)):
+            if self.op_starts[i] <= m < self.op_ends[i]:
+                return i
+        return OPEN if not self.op_starts or m < self.op_starts[0] else len(self.workload)
+
+
+def run_workload(backend: BackendSpec, workload: Workload, plan: FaultPlan | None = None,
+                 *, root: str | None = None) -> Run:
+    """Run ``workload`` through ``FaultyIO`` with ``plan``; stop at a crash or an error.
+
+    A call that raises (an injected EIO) ends the run there.  The trace (``events``,
+    ``trace_hash``) ends where the workload stopped: a power cut that follows sees the
+    disk as the last call left it.  Unless the process "died", the queue is then closed
+    to release its files; those calls are not in the trace.
+    """
+    if root is None:
+        with scratch_dir() as d:
+            return run_workload(backend, workload, plan, root=d)
+    io = FaultyIO(root, plan, inner=ScratchIO())
+    models = [Model()]
+    starts: list[int] = []
+    ends: list[int] = []
+    run = Run(workload, io.initial, io.events, "", models, starts, ends)
+    storage: Storage | None = None
+    current = OPEN
+    driver: Driver | None = None
+    try:
+        storage = backend.open(root, io)
+        run.open_end = io.mutating_count
+        driver = Driver(storage)
+        spares = spare_plan(workload)
+        for i, call in enumerate(workload):
+            current = i
+            starts.append(io.mutating_count)
+            try:
+                models.append(driver.step(i, models[-1], call))
+            except Divergence as d:
+                run.divergence = d
+                run.stopped_in = i
+                ends.append(io.mutating_count)
+                break
+            except Exception as e:
+                run.error = e
+                run.stopped_in = i
+                ends.append(io.mutating_count)
+                break
+            ends.append(io.mutating_count)
+            if i in spares:
+                driver.take_spares(spares[i])
+        else:
+            current = len(workload)
+    except Crash:
+        run.crashed = True
+        run.stopped_in = current
+        if len(ends) < len(starts):
+            ends.append(io.mutating_count)
+    except Exception as e:
+        if current != OPEN:
+            raise
+        run.error = e  # opening failed (an injected fault in the queue's creation)
+        run.stopped_in = OPEN
+    if driver is not None:
+        run.message_ids = dict(driver.message_ids)
+        run.entry_keys = dict(driver.entry_keys)
+    run.events = list(io.events)
+    run.workload_end = len(run.events)
+    run.trace_hash = io.trace_hash()
+    run.mutating_total = io.mutating_count
+    if storage is not None and not run.crashed:
+        storage.close()
+    return run
+
+
+# ---- recovering rebuilt disks -------------------------------------------------------------
+
+_CACHE_SIZE = 4096
+_recovered: OrderedDict[tuple[str, DiskImage], Recovered] = OrderedDict()
+
+
+def clear_cache() -> None:
+    """Forget every cached recovery (for measurements from a cold start)."""
+    _recovered.clear()
+
+
+def _cached(key: tuple[str, DiskImage]) -> Recovered | None:
+    got = _recovered.get(key)
+    if got is not None:
+        _recovered.move_to_end(key)
+    return got
+
+
+def recover_image(backend: BackendSpec, image: DiskImage) -> Recovered:
+    """Open the backend on ``image`` (recovery runs), read everything, drain, measure."""
+    key = (backend.name, image)
+    got = _cached(key)
+    if got is not None:
+        return got
+    with scratch_dir() as d:
+        materialize(image, d)
+        rec = inspect(lambda: backend.open(d, ScratchIO()))
+    _recovered[key] = rec
+    if len(_recovered) > _CACHE_SIZE:
+        _recovered.popitem(last=False)
+    return rec
+
+
+def recovery_trace(backend: BackendSpec, image: DiskImage,
+                   plan: FaultPlan | None = None) -> tuple[DiskImage, list[TraceEvent], bool]:
+    """Open the backend on ``image`` through ``FaultyIO`` with ``plan``.
+
+    Returns the disk before the open, the trace of the open (recovery included; the
+    orderly close is not part of it) and whether it crashed.
+    """
+    with scratch_dir() as d:
+        materialize(image, d)
+        io = FaultyIO(d, plan, inner=ScratchIO())
+        try:
+            store = backend.open(d, io)
+        except Crash:
+            return io.initial, list(io.events), True
+        except Exception:
+            return io.initial, list(io.events), False
+        events = list(io.events)
+        store.close()
+        return io.initial, events, False
+
+
+def recovery_crash_points(backend: BackendSpec, image: DiskImage) -> int:
+    """How many mutating calls opening (recovering) the queue on ``image`` makes."""
+    _, events, _ = recovery_trace(backend, image)
+    return sum(1 for e in events if e.mutating)
+
+
+def recovery_crash_states(backend: BackendSpec, image: DiskImage, index: int, model: str,
+                          limits: Limits) -> tuple[list[CrashState], str]:
+    """Crash states of a recovery on ``image`` that dies after its mutating call ``index``.
+
+    (Crashing before call ``index + 1`` leaves the same disks, so "after" covers both.)
+    Returns the states and the trace hash of the crashed recovery.
+    """
+    initial, events, crashed = recovery_trace(
+        backend, image, FaultPlan(crash_at=index, crash_when="after"))
+    if not crashed:
+        raise ValueError(f"recovery made fewer than {index + 1} mutating calls")
+    from faultinject.trace import trace_hash
+
+    states = crash_states(initial, events, model, exhaustive_limit=limits.exhaustive_limit,
+                          random_states=limits.random_states, seed=limits.seed)
+    return states, trace_hash(events)

@@ -1,0 +1,150 @@
+"""Scenario ids: one short string that names a crash state and rebuilds it.
+
+Grammar (``-`` separates parts; a state key's own ``-`` is written ``_``)::
+
+    <backend>-<model>-<workload>-c<N><b|a>-s<key>                 crash before/after call N
+    <backend>-<model>-<workload>-c<N><b|a>-s<key>-r<M>-s<key2>    ... then recovery crashed
+                                                                  after its call M
+    <backend>-<model>-<workload>-e<N>-s<key>                      call N failed (EIO), then
+                                                                  power was lost
+    <backend>-none-<workload>-rest                                no crash: the run and an
+                                                                  orderly restart
+
+``N`` and ``M`` count mutating calls from 0 (``FaultPlan``); ``key`` is the crash state's key
+(``faultinject.models``: ``all``, ``d3.5~9``, ``t7:512``...).  Workloads are named by how
+they were made: ``b3w17`` (number 17 of the exhaustive enumeration of bound 3), ``r5n20``
+(``random_workload(5, 20)``) or ``x<base32>`` (the calls themselves, compressed).
+Example: ``fs-weak-b3w17-c9b-sd12``.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import zlib
+from dataclasses import dataclass
+
+from conformance.crash.workloads import (
+    Workload,
+    enumerate_steps,
+    random_workload,
+    workload_at,
+)
+from spec.model import Call, Schedule
+from spec.states import Op
+
+NO_CRASH = "none"
+KINDS = ("crash", "recovery", "eio", "rest")
+
+_WL = r"b\d+w\d+|r\d+n\d+|x[a-z2-7]+"
+_ID = re.compile(rf"^(?P<head>.+?)-(?P<wl>{_WL})-(?P<tail>.+)$")
+_TAIL = re.compile(
+    r"^(?:c(?P<c>\d+)(?P<w>[ba])|e(?P<e>\d+))-s(?P<key>[^-]+)"
+    r"(?:-r(?P<r>\d+)-s(?P<key2>[^-]+))?$")
+
+
+class ScenarioError(ValueError):
+    """A scenario id that cannot be read."""
+
+
+# ---- workload ids ----------------------------------------------------------------------
+
+def _sched(s: Schedule | None) -> list[int] | None:
+    return None if s is None else [s.at, s.attempts]
+
+
+def encode_workload(workload: Workload) -> str:
+    """``x<base32>``: the calls themselves, for workloads made neither way."""
+    rows = [[c.op.value, list(c.key) if c.key else None, _sched(c.schedule), c.mail_from,
+             c.body.decode("latin-1"), [[r, s.at, s.attempts] for r, s in c.rcpts]]
+            for c in workload]
+    raw = zlib.compress(json.dumps(rows, separators=(",", ":")).encode(), 9)
+    return "x" + base64.b32encode(raw).decode().rstrip("=").lower()
+
+
+def workload_id(workload: Workload) -> str:
+    """The shortest id of ``workload``: its number in the enumeration of its own length
+    (up to 4 calls), else the calls themselves."""
+    n = len(workload)
+    if n <= 4:
+        for step in enumerate_steps(n):
+            if step.workload == workload:
+                return f"b{n}w{step.index}"
+    return encode_workload(workload)
+
+
+def decode_workload(wid: str) -> Workload:
+    """The workload a workload id names."""
+    m = re.fullmatch(r"b(\d+)w(\d+)", wid)
+    if m:
+        return workload_at(int(m[1]), int(m[2]))
+    m = re.fullmatch(r"r(\d+)n(\d+)", wid)
+    if m:
+        return random_workload(int(m[1]), int(m[2]))
+    if not re.fullmatch(r"x[a-z2-7]+", wid):
+        raise ScenarioError(f"{wid!r} is not a workload id (b<bound>w<n>, r<seed>n<len>, x...)")
+    text = wid[1:].upper()
+    try:
+        raw = base64.b32decode(text + "=" * (-len(text) % 8))
+        rows = json.loads(zlib.decompress(raw))
+        return tuple(
+            Call(Op(op), (key[0], key[1]) if key else None,
+                 Schedule(*sched) if sched else None, mail_from, body.encode("latin-1"),
+                 tuple((r, Schedule(at, att)) for r, at, att in rcpts))
+            for op, key, sched, mail_from, body, rcpts in rows)
+    except (ValueError, TypeError, zlib.error) as e:
+        raise ScenarioError(f"workload id {wid[:20]}... does not decode: {e}") from e
+
+
+# ---- scenario ids ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ScenarioId:
+    backend: str
+    model: str  # a persistence model, or NO_CRASH
+    workload_id: str
+    kind: str  # "crash", "recovery", "eio" or "rest"
+    index: int = -1  # the crashing (or failing) mutating call
+    when: str = "after"
+    key: str = ""
+    recovery_index: int = -1
+    recovery_key: str = ""
+
+    def __str__(self) -> str:
+        head = f"{self.backend}-{self.model}-{self.workload_id}"
+        if self.kind == "rest":
+            return f"{head}-rest"
+        key = "s" + self.key.replace("-", "_")
+        if self.kind == "eio":
+            return f"{head}-e{self.index}-{key}"
+        out = f"{head}-c{self.index}{self.when[0]}-{key}"
+        if self.kind == "recovery":
+            out += f"-r{self.recovery_index}-s{self.recovery_key.replace('-', '_')}"
+        return out
+
+
+def parse(text: str, models: tuple[str, ...]) -> ScenarioId:
+    """Read a scenario id; ``models`` are the persistence model names it may name."""
+    m = _ID.match(text.strip())
+    if m is None:
+        raise ScenarioError(f"{text!r} is not a scenario id (see conformance/crash/scenario.py)")
+    head, wid, tail = m["head"], m["wl"], m["tail"]
+    model = next((x for x in (*models, NO_CRASH) if head.endswith("-" + x)), None)
+    if model is None:
+        raise ScenarioError(f"{text!r}: no known model ({', '.join(models)}) before the "
+                            "workload id")
+    backend = head[:-len(model) - 1]
+    if tail == "rest":
+        return ScenarioId(backend, model, wid, "rest")
+    t = _TAIL.match(tail)
+    if t is None or model == NO_CRASH:
+        raise ScenarioError(f"{text!r}: cannot read {tail!r}")
+    key = t["key"].replace("_", "-")
+    if t["e"] is not None:
+        return ScenarioId(backend, model, wid, "eio", int(t["e"]), "after", key)
+    when = "before" if t["w"] == "b" else "after"
+    if t["r"] is not None:
+        return ScenarioId(backend, model, wid, "recovery", int(t["c"]), when, key,
+                          int(t["r"]), t["key2"].replace("_", "-"))
+    return ScenarioId(backend, model, wid, "crash", int(t["c"]), when, key)

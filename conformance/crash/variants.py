@@ -1,0 +1,308 @@
+"""Broken filesystem queues: FsQueue with exactly one protocol step left out or misplaced.
+
+They show that crash exploration is sharp: each breaks the clause named in ``VARIANTS``,
+and the explorer finds it with a short scenario.  They register as backends
+``fs-broken-<name>`` on import.  Never use them for mail.
+
+Each class overrides one step of ``queue_ref.fsqueue.steps.FsSteps`` (or the one method
+that holds the step) and otherwise runs FsQueue's code unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+from dataclasses import dataclass
+
+from conformance.crash.backends import BackendSpec, deterministic_fs, register
+from conformance.crash.workloads import Workload, enqueue_call
+from queue_ref.fsqueue import FsQueue
+from queue_ref.fsqueue.diskutil import if_exists, readlink_or_none
+from queue_ref.fsqueue.layout import EntryName
+from queue_ref.fsqueue.records import Envelope, encode_schedule
+from queue_ref.fsqueue.recovery import Recovery
+from queue_ref.fsqueue.steps import MessageTx
+from queue_ref.io import IO
+from queue_ref.storage import (
+    InflightMail,
+    PendingCleanupMail,
+    QueuedMail,
+    RecoveryReport,
+    Schedule,
+    StorageIOError,
+)
+from spec.model import Call
+from spec.states import Op
+
+# ---- enqueue ------------------------------------------------------------------------------
+
+
+class NoBodyFsync(FsQueue):
+    """The body is closed without fsync before the commit rename publishes it."""
+
+    def _finish_body(self, tx: MessageTx) -> None:
+        assert tx.body_fd is not None
+        fd, tx.body_fd = tx.body_fd, None
+        self.io.close(fd)
+
+
+class SwallowFsyncError(FsQueue):
+    """A failed fsync of a file is logged and forgotten ("retry the fsync later"): the
+    enqueue reports success for a body the disk may not hold (PostgreSQL before 2018)."""
+
+    def _sync_file(self, fd: int) -> None:
+        with contextlib.suppress(OSError):
+            self.io.fsync(fd)
+
+
+class NoEnvelopeFsync(FsQueue):
+    """The envelope record is written without fsync."""
+
+    def _write_envelope(self, tx: MessageTx, env: Envelope) -> None:
+        fd = self.io.open_create(self.layout.envelope(tx.base))
+        try:
+            self.io.write(fd, env.encode())
+        finally:
+            self.io.close(fd)
+
+
+class NoLinksDirFsync(FsQueue):
+    """queue/ is not fsynced after the links are created, before the commit rename."""
+
+    def _commit_message(self, tx: MessageTx, env: Envelope) -> None:
+        n = len(env.rcpts)
+        self._write_envelope(tx, env)
+        self._finish_body(tx)
+        self._create_rcpt_files(tx, n)
+        self._sync_message_dirs(tx)
+        self._publish_links(tx, n)
+        self._commit_rename(tx)
+        self._sync_dirs(self.layout.data, self.layout.tmp_owner(self.owner))
+
+
+class NoCommitDirFsync(FsQueue):
+    """data/ is not fsynced after the commit rename: commit returns before it is durable."""
+
+    def _commit_message(self, tx: MessageTx, env: Envelope) -> None:
+        n = len(env.rcpts)
+        self._write_envelope(tx, env)
+        self._finish_body(tx)
+        self._create_rcpt_files(tx, n)
+        self._sync_message_dirs(tx)
+        self._publish_links(tx, n)
+        self._sync_dirs(self.layout.queue)
+        self._commit_rename(tx)
+
+
+class BodyAfterPublish(FsQueue):
+    """The body is fsynced only after the commit rename published the message (maddy)."""
+
+    def _commit_message(self, tx: MessageTx, env: Envelope) -> None:
+        n = len(env.rcpts)
+        self._write_envelope(tx, env)
+        self._create_rcpt_files(tx, n)
+        self._sync_message_dirs(tx)
+        self._publish_links(tx, n)
+        self._sync_dirs(self.layout.queue)
+        self._commit_rename(tx)
+        self._sync_dirs(self.layout.data, self.layout.tmp_owner(self.owner))
+        self._finish_body(tx)
+
+
+# ---- state changes ----------------------------------------------------------------------
+
+
+class NoDoneDirFsync(FsQueue):
+    """send_done renames the link to cleanup/ without fsyncing the directories."""
+
+    def send_done(self, mail: InflightMail) -> PendingCleanupMail | None:
+        h = self._take(mail, InflightMail)
+        e = self._entry(h)
+        with self._guard("send_done", h):
+            if not self._move_link(self.layout.inflight_link(e, self.owner),
+                                   self.layout.cleanup_link(e)):
+                return None
+        return self._issue(PendingCleanupMail, h.entry_id, h.message_id, h.schedule)
+
+
+class NoDropDirFsync(FsQueue):
+    """drop renames the link to cleanup/ without fsyncing the directories."""
+
+    def drop(self, mail: QueuedMail) -> PendingCleanupMail | None:
+        h = self._take(mail, QueuedMail)
+        e = self._entry(h)
+        with self._guard("drop", h):
+            if not self._move_link(self._queued_link(h, e), self.layout.cleanup_link(e)):
+                return None
+            h._extra = None
+        return self._issue(PendingCleanupMail, h.entry_id, h.message_id, h.schedule)
+
+
+class NoScheduleFsync(FsQueue):
+    """The new schedule record is renamed into place without having been fsynced."""
+
+    def _write_schedule_temp(self, e: EntryName, schedule: Schedule) -> str:
+        tmp = self.layout.rcpt_tmp(e, self.owner)
+        if_exists(self.io.unlink, tmp)
+        fd = self.io.open_create(tmp)
+        try:
+            self.io.write(fd, encode_schedule(e.entry_id, schedule))
+        finally:
+            self.io.close(fd)
+        return tmp
+
+
+class NoScheduleDirFsync(FsQueue):
+    """The schedule record's rename is not made durable (rcpts/ is not fsynced)."""
+
+    def _write_schedule(self, e: EntryName, schedule: Schedule) -> None:
+        tmp = self._write_schedule_temp(e, schedule)
+        self._install_schedule(e, tmp)
+
+
+class CleanupSharedData(FsQueue):
+    """cleanup deletes the message's body and envelope with its first entry, although
+    other entries of the message still need them."""
+
+    def _remove_rcpts_dir(self, msgid: str) -> bool:
+        try:
+            self.io.rmdir(self.layout.rcpts(self.layout.msg_dir(msgid)))
+        except OSError as err:
+            if err.errno not in (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST):
+                raise
+        return True
+
+
+class CleanupLinkFirst(FsQueue):
+    """cleanup unlinks the cleanup/ link first and releases the data afterwards."""
+
+    def _cleanup_entry(self, e: EntryName) -> bool:
+        removed = self._unlink_link(self.layout.cleanup_link(e))
+        self._sync_dirs(self.layout.cleanup)
+        self._unlink_rcpt(e)
+        if self._remove_rcpts_dir(e.msgid):
+            self._delete_message_data(e.msgid)
+            self._sync_dirs(self.layout.data)
+        return removed
+
+
+# ---- recovery -----------------------------------------------------------------------------
+
+
+class _OwnRecovery(FsQueue):
+    """FsQueue whose recovery is ``recovery_class`` (opened without FsQueue's, then run)."""
+
+    recovery_class: type[Recovery] = Recovery
+
+    def __init__(self, root: str, io: IO | None = None, *, recover: bool = True) -> None:
+        super().__init__(root, io, recover=False)
+        if recover:
+            try:
+                self.recover()
+            except BaseException:
+                self._release_owner()
+                self._closed = True
+                raise
+
+    def recover(self) -> RecoveryReport:
+        self._check_open()
+        try:
+            with self._rw.exclusive(), self._owners.gate():
+                report = self.recovery_class(self).run()
+        except OSError as e:
+            raise StorageIOError(f"recovery failed: {e}") from e
+        self.last_recovery = report
+        return report
+
+
+class _NoOrphanScan(Recovery):
+    def remove_orphans(self) -> None:
+        return None
+
+
+class NoOrphanScan(_OwnRecovery):
+    """Recovery never removes orphans (a schedule temp file of a crashed reschedule)."""
+
+    recovery_class = _NoOrphanScan
+
+
+class _UnlinkFirstRequeue(Recovery):
+    def requeue(self) -> None:
+        for e, links in sorted(self.inflight.items()):
+            for owner, path in links:
+                if owner == self.q.owner or self.alive(owner):
+                    continue
+                if readlink_or_none(self.io, path) is None:
+                    continue
+                self.io.unlink(path)
+                self.q._sync_dirs(self.lay.inflight)
+                self.io.symlink(e.target, self.lay.queue_link(e))
+                self.q._sync_dirs(self.lay.queue)
+                self.requeued += 1
+                self.queue[e] = self.lay.queue_link(e)
+
+
+class RequeueUnlinkFirst(_OwnRecovery):
+    """Recovery requeues an inflight entry by deleting its link and creating a new one in
+    queue/, each durably, instead of one rename: a crash in between loses the entry."""
+
+    recovery_class = _UnlinkFirstRequeue
+
+
+# ---- the registry ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A broken queue, the clause it breaks ("" for a mistake FsQueue's other defences
+    absorb, see ``note``), and the shortest workload that shows it (the *witness*; the
+    explorer crashes it inside its last call)."""
+
+    name: str
+    cls: type[FsQueue]
+    clause: str
+    witness: Workload
+    note: str = ""
+
+
+_E1 = enqueue_call(0, 1)
+_E2 = enqueue_call(0, 2)
+_K = (0, 0)
+_START = Call(Op.SEND_START, _K)
+_RESCHED = Call(Op.RESCHEDULE, _K, Schedule(1100))
+
+VARIANTS: tuple[Variant, ...] = (
+    Variant("fs-broken-nofsync", NoBodyFsync, "C1", (_E1, _RESCHED)),
+    Variant("fs-broken-nosync-envelope", NoEnvelopeFsync, "C1", (_E1, _RESCHED)),
+    Variant("fs-broken-nosync-links", NoLinksDirFsync, "C1", (_E1, _RESCHED)),
+    Variant("fs-broken-nosync-commit", NoCommitDirFsync, "C1", (_E1, _RESCHED)),
+    Variant("fs-broken-swallow-eio", SwallowFsyncError, "C9", (_E1,)),
+    Variant("fs-broken-nosync-done", NoDoneDirFsync, "C3",
+            (_E1, _START, Call(Op.SEND_DONE, _K), Call(Op.CLEANUP, _K))),
+    Variant("fs-broken-nosync-drop", NoDropDirFsync, "C3",
+            (_E1, Call(Op.DROP, _K), Call(Op.CLEANUP, _K))),
+    Variant("fs-broken-nosync-schedule", NoScheduleFsync, "C5", (_E1, _RESCHED, _START)),
+    Variant("fs-broken-nosync-schedule-dir", NoScheduleDirFsync, "C5",
+            (_E1, _RESCHED, _START)),
+    Variant("fs-broken-cleanup-shared", CleanupSharedData, "C1",
+            (_E2, Call(Op.DROP, _K), Call(Op.CLEANUP, _K))),
+    Variant("fs-broken-noorphans", NoOrphanScan, "C8", (_E1, _RESCHED)),
+    Variant("fs-broken-requeue-unlink-first", RequeueUnlinkFirst, "C10", (_E1, _START)),
+    Variant("fs-broken-body-after-publish", BodyAfterPublish, "", (_E2,),
+            "absorbed: the envelope holds the body's sha256, so a body torn before its "
+            "fsync fails the check on read, the message is quarantined, and that is the "
+            "interrupted enqueue not having happened"),
+    Variant("fs-broken-cleanup-link-first", CleanupLinkFirst, "",
+            (_E1, Call(Op.DROP, _K), Call(Op.CLEANUP, _K)),
+            "absorbed: recovery's orphan scan removes recipient files and message "
+            "directories no link names"),
+)
+
+BY_NAME = {v.name: v for v in VARIANTS}
+
+for _v in VARIANTS:
+    register(BackendSpec(_v.name, deterministic_fs(_v.cls),
+                         f"BROKEN ({_v.clause or 'absorbed'}): "
+                         f"{' '.join((_v.cls.__doc__ or '').split())}", "queue_ref.fsqueue"))
+
+__all__ = ["BY_NAME", "VARIANTS", "Variant"]

@@ -1,0 +1,173 @@
+"""Workloads for crash exploration: short sequences of queue operations in model terms.
+
+A workload is a tuple of ``spec.model.Call``.  Two sources:
+
+* ``enumerate_workloads(bound)``: EVERY sequence of at most ``bound`` operations over at
+  most two messages of one or two recipients, in a fixed order (depth first, options in
+  the order of ``_options``).  Each operation is valid in the model state it meets, except
+  a few *stale* ones: ``send_start`` or ``reschedule`` through a handle listed while the
+  entry was still QUEUED (the race of a second worker), which the model answers VANISHED.
+  Because a sequence and all its prefixes are enumerated, a crash inside operation ``i``
+  of a long sequence is the crash inside the last operation of its prefix of length
+  ``i + 1``: the explorer crashes each sequence only inside its last operation.
+* ``random_workload(seed, length)``: a longer sequence drawn by ``random.Random(seed)``.
+
+Messages and schedules are chosen so that every message has a distinct body, sender and
+schedules, and every schedule change gives a schedule the entry never had: a recovered
+entry then tells which state it came from.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from spec.model import Call, EntryKey, Model, Schedule, run
+from spec.states import EntryState, Op, Outcome
+
+Workload = tuple[Call, ...]
+
+MAX_MESSAGES = 2  # messages of an exhaustive workload
+MAX_RCPTS = 2  # recipients of one message
+STALE_OPS = (Op.SEND_START, Op.RESCHEDULE)  # the VANISHED calls workloads may contain
+
+
+def body_of(mid: int) -> bytes:
+    """A small body, distinct per message (a few lines, so torn writes show)."""
+    return (f"From: sender{mid}@example.org\r\nSubject: message {mid}\r\n\r\n"
+            f"body of message {mid}\r\n" + "x" * (40 + 17 * mid) + "\r\n").encode()
+
+
+def enqueue_call(mid: int, nrcpts: int) -> Call:
+    rcpts = tuple((f"rcpt{i}.m{mid}@example.net", _schedule(mid, i)) for i in range(nrcpts))
+    return Call(Op.ENQUEUE, mail_from=f"sender{mid}@example.org", body=body_of(mid),
+                rcpts=rcpts)
+
+
+def _schedule(mid: int, index: int) -> Schedule:
+    return Schedule(at=100 * (mid + 1) + index)
+
+
+def _bumped(model: Model, key: EntryKey, *, attempt: bool) -> Schedule:
+    """A schedule the entry never had: later than any it had (times only grow)."""
+    e = model.entries.get(key)
+    base = e.schedule if e is not None else Schedule(0)
+    return Schedule(at=base.at + 1000, attempts=base.attempts + (1 if attempt else 0))
+
+
+@dataclass(frozen=True)
+class Step:
+    """A workload prefix and the model state it leads to (a node of the enumeration)."""
+
+    index: int
+    workload: Workload
+    before: Model  # the state the last call met
+    after: Model
+
+
+def stale_candidates(history: Sequence[Model], model: Model) -> list[EntryKey]:
+    """Entries that were QUEUED at some point of ``history`` and are not QUEUED now."""
+    seen: set[EntryKey] = set()
+    for m in history:
+        seen.update(m.keys_in(EntryState.QUEUED))
+    return sorted(k for k in seen if model.state_of(k) is not EntryState.QUEUED)
+
+
+def _options(history: Sequence[Model], model: Model, max_messages: int,
+             stale: bool) -> list[Call]:
+    out: list[Call] = []
+    if model.next_id < max_messages:
+        out.extend(enqueue_call(model.next_id, n) for n in range(1, MAX_RCPTS + 1))
+    for key in sorted(model.entries):
+        state = model.entries[key].state
+        if state is EntryState.QUEUED:
+            out.append(Call(Op.RESCHEDULE, key, _bumped(model, key, attempt=False)))
+            out.append(Call(Op.SEND_START, key))
+            out.append(Call(Op.DROP, key))
+        elif state is EntryState.INFLIGHT:
+            out.append(Call(Op.SEND_CANCEL, key, _bumped(model, key, attempt=True)))
+            out.append(Call(Op.SEND_DONE, key))
+        elif state is EntryState.PENDING_CLEANUP:
+            out.append(Call(Op.CLEANUP, key))
+    if stale:
+        for key in stale_candidates(history, model):
+            out.append(Call(Op.SEND_START, key))
+            out.append(Call(Op.RESCHEDULE, key, _bumped(model, key, attempt=False)))
+    return out
+
+
+def enumerate_steps(bound: int = 3, *, max_messages: int = MAX_MESSAGES,
+                    stale: bool = True) -> Iterator[Step]:
+    """Every workload of 0..``bound`` calls, depth first; index 0 is the empty workload.
+
+    The empty workload stands for opening a new queue: its crash points are those of
+    creating the queue's directories.
+    """
+    if bound < 0:
+        raise ValueError(f"bound must be >= 0, got {bound}")
+    counter = 0
+
+    def walk(prefix: Workload, history: tuple[Model, ...]) -> Iterator[Step]:
+        nonlocal counter
+        model = history[-1]
+        if len(prefix) >= bound:
+            return
+        for call in _options(history, model, max_messages, stale):
+            after, _ = run(model, call)
+            counter += 1
+            wl = (*prefix, call)
+            yield Step(counter, wl, model, after)
+            yield from walk(wl, (*history, after))
+
+    yield Step(0, (), Model(), Model())
+    yield from walk((), (Model(),))
+
+
+def enumerate_workloads(bound: int = 3, **kw: object) -> list[Workload]:
+    """The workloads of ``enumerate_steps``, in order (``[i]`` is workload ``w<i>``)."""
+    return [s.workload for s in enumerate_steps(bound, **kw)]  # type: ignore[arg-type]
+
+
+def workload_at(bound: int, index: int) -> Workload:
+    """Workload number ``index`` of the enumeration with ``bound``."""
+    for s in enumerate_steps(bound):
+        if s.index == index:
+            return s.workload
+    raise ValueError(f"the enumeration of bound {bound} has no workload {index}")
+
+
+def random_workload(seed: int, length: int, *, max_live: int = 3) -> Workload:
+    """``length`` calls drawn by ``random.Random(seed)``: mostly valid, a few stale.
+
+    At most ``max_live`` messages are stored at once; message numbers keep growing.
+    """
+    if length < 0:
+        raise ValueError(f"length must be >= 0, got {length}")
+    rng = random.Random(seed)
+    model = Model()
+    history: list[Model] = [model]
+    calls: list[Call] = []
+    while len(calls) < length:
+        live = len(model.messages)
+        opts = _options(history, model, model.next_id + (1 if live < max_live else 0),
+                        stale=rng.random() < 0.1)
+        enq = [c for c in opts if c.op is Op.ENQUEUE]
+        rest = [c for c in opts if c.op is not Op.ENQUEUE]
+        pool = enq if enq and (not rest or rng.random() < 0.3) else rest
+        call = rng.choice(pool)
+        model, _ = run(model, call)
+        history.append(model)
+        calls.append(call)
+    return tuple(calls)
+
+
+def outcomes(workload: Workload) -> list[tuple[Model, Outcome | int]]:
+    """The model state each call meets and the call's result, in order."""
+    model = Model()
+    out: list[tuple[Model, Outcome | int]] = []
+    for call in workload:
+        after, res = run(model, call)
+        out.append((model, res))
+        model = after
+    return out

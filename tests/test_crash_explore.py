@@ -1,0 +1,246 @@
+"""Crash exploration of the filesystem queue: no violations, determinism, reproduction.
+
+The exhaustive pass runs at bound 2 here (bound 3 under QUEUE_REF_PROFILE=thorough);
+``queue-ref crash explore --backend fs --model all --bound 3`` is the full run.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+
+import pytest
+
+from conformance.cli import main
+from conformance.crash.cases import CaseInput, CaseOutcome, build_case, run_case
+from conformance.crash.explore import ExploreConfig, explore, plan
+from conformance.crash.report import reproduce
+from conformance.crash.runner import recover_image, recovery_crash_points, run_workload
+from conformance.crash.scenario import (
+    ScenarioError,
+    ScenarioId,
+    decode_workload,
+    encode_workload,
+    parse,
+    workload_id,
+)
+from conformance.crash.tasks import explore_task, task_for
+from conformance.crash.workloads import (
+    enqueue_call,
+    enumerate_steps,
+    outcomes,
+    random_workload,
+)
+from faultinject.models import MODELS, crash_states
+from faultinject.seam import FaultPlan
+from spec.model import Call, Schedule
+from spec.states import Op, Outcome
+from tests.conftest import thorough
+
+ALL_MODELS = tuple(MODELS)
+BOUND = 3 if thorough() else 2
+E1 = enqueue_call(0, 1)
+START = Call(Op.SEND_START, (0, 0))
+
+
+# ---- workloads -----------------------------------------------------------------------
+
+def test_enumeration_is_exhaustive_and_deterministic() -> None:
+    steps = list(enumerate_steps(3))
+    assert [len(list(enumerate_steps(b))) for b in range(4)] == [1, 3, 16, len(steps)]
+    assert [s.workload for s in steps] == [s.workload for s in enumerate_steps(3)]
+    assert len({s.workload for s in steps}) == len(steps)
+    # every prefix of a workload is itself enumerated (crashes inside earlier calls)
+    seen = {s.workload for s in steps}
+    assert all(s.workload[:-1] in seen for s in steps if s.workload)
+    for s in steps:
+        for (before, result), call in zip(outcomes(s.workload), s.workload, strict=True):
+            if result is Outcome.VANISHED:  # only stale send_start / reschedule
+                assert call.op in (Op.SEND_START, Op.RESCHEDULE)
+            assert before.next_id <= 2
+    ops = {c.op for s in steps for c in s.workload}
+    assert ops == set(Op)
+    # two recipients at most, bodies distinct per message
+    enq = [c for s in steps for c in s.workload if c.op is Op.ENQUEUE]
+    assert {len(c.rcpts) for c in enq} == {1, 2}
+    assert len({c.body for c in enq}) == 2
+
+
+def test_random_workloads_are_seeded() -> None:
+    a, b = random_workload(7, 30), random_workload(7, 30)
+    assert a == b and len(a) == 30
+    assert random_workload(8, 30) != a
+    outcomes(a)  # every call is one the model accepts
+
+
+@pytest.mark.parametrize("workload", [
+    (), (E1,), random_workload(3, 9),
+    (E1, Call(Op.RESCHEDULE, (0, 0), Schedule(5, 1)), Call(Op.DROP, (0, 0))),
+])
+def test_workload_ids_round_trip(workload: tuple[Call, ...]) -> None:
+    wid = workload_id(workload)
+    assert decode_workload(wid) == workload
+    assert decode_workload(encode_workload(workload)) == workload
+
+
+def test_scenario_ids_round_trip() -> None:
+    for sid in (
+        ScenarioId("fs", "weak", "b3w17", "crash", 9, "before", "d12.14~16-t3:512"),
+        ScenarioId("fs-broken-nosync-drop", "ext4-ordered", "r5n20", "recovery", 3, "after",
+                   "all", 4, "g7"),
+        ScenarioId("pkg.mod:make", "process-kill", "b1w1", "eio", 16, "after", "all"),
+        ScenarioId("fs", "none", "b2w3", "rest"),
+    ):
+        text = str(sid)
+        assert " " not in text
+        assert parse(text, ALL_MODELS) == sid
+    assert str(ScenarioId("fs", "weak", "b3w17", "crash", 9, "before", "d12")) == \
+        "fs-weak-b3w17-c9b-sd12"
+    for bad in ("", "fs-weak", "fs-nomodel-b3w1-c1b-sall", "fs-weak-b3w1-c1x-sall"):
+        with pytest.raises(ScenarioError):
+            parse(bad, ALL_MODELS)
+
+
+# ---- the filesystem queue has no violations ------------------------------------------
+
+@pytest.mark.parametrize("model", ALL_MODELS)
+def test_fs_exhaustive_has_no_violations(model: str) -> None:
+    cfg = ExploreConfig(backend="fs", models=(model,), bound=BOUND,
+                        recovery_sample=3 if thorough() else 1)
+    s = explore(cfg)
+    assert s.workloads == len(plan(cfg)) == len(list(enumerate_steps(BOUND)))
+    st = s.per_model[model]
+    assert st.points > 100 and st.states >= st.points and st.recovery_states > 0
+    assert st.eio_states > 0
+    assert not s.errors
+    assert not s.failures, [f"{f.scenario}: {f.violations}" for f in s.failures[:5]]
+
+
+def test_fs_random_workload_has_no_violations() -> None:
+    s = explore(ExploreConfig(backend="fs", models=("weak",), bound=0, random=1,
+                              random_length=8 if not thorough() else 25, seed=11,
+                              recovery_sample=1))
+    assert s.workloads == 2 and s.crash_points > 50
+    assert not s.failures and not s.errors
+
+
+# ---- determinism, reproduction, distribution -----------------------------------------
+
+def test_same_seed_same_trace_hash() -> None:
+    wl = random_workload(5, 12)
+    first = run_workload_hash(wl)
+    assert first == run_workload_hash(wl)
+    assert first != run_workload_hash(random_workload(6, 12))
+    case = CaseInput("fs", "r5n12", wl, "crash", "weak", 30, "before", "all")
+    a, b = run_case(case), run_case(case)
+    assert a.trace_hash == b.trace_hash and a.image == b.image and a.ok and b.ok
+
+
+def run_workload_hash(wl: tuple[Call, ...]) -> str:
+    from conformance.crash.backends import resolve
+
+    run = run_workload(resolve("fs"), wl)
+    assert not run.crashed and run.error is None
+    return run.trace_hash
+
+
+def test_reproduce_round_trip() -> None:
+    """Every state a task judged can be rebuilt from its id alone, with the same result."""
+    r = explore_task(task_for("fs-broken-nosync-commit", (E1, START), ("weak",),
+                              recovery=False, eio=False))
+    assert r.failures
+    for f in r.failures[:3]:
+        case = CaseInput.from_scenario(parse(f.scenario, ALL_MODELS))
+        assert case == f.case
+        again = run_case(case)
+        assert again.violations == f.violations
+        assert (again.trace_hash, again.image) == (f.trace_hash, f.image)
+    rep = reproduce(r.failures[0].scenario)
+    assert rep.outcome.clauses == ("C1",)
+    assert re.search(r" at queue_ref/fsqueue/\w+\.py:\d+ in \w+$", rep.crash), rep.crash
+    assert rep.dropped and any("[call 0]" in d for d in rep.dropped)
+    assert rep.operations[1].endswith("<-- crashed inside")
+
+
+def test_cases_pickle_and_run_in_other_processes() -> None:
+    wl = (E1, START)
+    cases = [CaseInput("fs", workload_id(wl), wl, "crash", m, i, w, "all")
+             for m in ALL_MODELS for i in (15, 20) for w in ("before", "after")]
+    for c in cases:
+        assert pickle.loads(pickle.dumps(c)) == c
+    here = [run_case(c) for c in cases]
+    for o in here:
+        assert pickle.loads(pickle.dumps(o)) == o
+        assert o.ok, o
+    with ProcessPoolExecutor(2, mp_context=get_context("spawn")) as pool:
+        there = list(pool.map(run_case, cases))
+    assert [(o.violations, o.trace_hash, o.image) for o in there] == \
+        [(o.violations, o.trace_hash, o.image) for o in here]
+
+
+def test_parallel_exploration_agrees() -> None:
+    cfg = ExploreConfig(backend="fs-broken-nosync-commit", models=("ext4-ordered",),
+                        bound=2, recovery=False, eio=False)
+    one = explore(cfg)
+    two = explore(ExploreConfig(**{**cfg.__dict__, "jobs": 2}))
+    assert one.to_json() | {"seconds": 0} == two.to_json() | {"seconds": 0}
+    assert one.violations.get("C1")
+
+
+# ---- crashes inside recovery, and EIO ---------------------------------------------------
+
+def test_recovery_crash_path() -> None:
+    from conformance.crash.backends import resolve
+
+    backend = resolve("fs")
+    claim = run_workload(backend, (E1, START)).op_starts[1]  # the rename of send_start
+    run = run_workload(backend, (E1, START), FaultPlan(crash_at=claim, crash_when="after"))
+    assert run.crashed and run.stopped_in == 1
+    state = crash_states(run.initial, run.events, "weak")[0]
+    assert recovery_crash_points(backend, state.image) > 3  # requeue, lock cleanup...
+    r = explore_task(task_for("fs", (E1, START), ("weak",), recovery_sample=0, eio=False))
+    assert r.per_model["weak"].recovery_states > 20 and not r.failures
+    case = CaseInput("fs", "b2w5", (E1, START), "recovery", "weak", claim, "after", "all",
+                     2, "all")
+    built = build_case(case)
+    assert built.outcome.ok and built.second is not None, built.outcome
+    assert recover_image(backend, built.second.image).entries
+
+
+def test_eio_path() -> None:
+    r = explore_task(task_for("fs", (E1,), ALL_MODELS, recovery=False))
+    assert r.eio_points >= 3 and not r.failures  # the enqueue raised each time
+    assert all(r.per_model[m].eio_states > 0 for m in ALL_MODELS)
+    bad = explore_task(task_for("fs-broken-swallow-eio", (E1,), ("process-kill",),
+                                recovery=False))
+    assert {c for f in bad.failures for c in f.clauses} == {"C9"}
+
+
+# ---- the command ----------------------------------------------------------------------
+
+def test_cli_explore_and_reproduce(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["crash", "explore", "--backend", "fs-broken-nosync-commit", "--model",
+                 "process-kill,ext4-ordered", "--bound", "2", "--no-recovery", "--json"])
+    out = capsys.readouterr().out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert code == 1
+    assert summary["violations"]["C1"] > 0 and summary["workloads"] == 16
+    assert set(summary["by_model"]) == {"process-kill", "ext4-ordered"}
+    assert summary["by_model"]["process-kill"]["violations"] == {}
+    sid = summary["minimal"]["C1"]
+    code = main(["crash", "reproduce", sid, "--json"])
+    rep = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 1 and rep["scenario"] == sid and rep["clauses"] == ["C1"]
+    assert main(["crash", "reproduce", "nonsense"]) == 2
+    assert main(["crash", "explore", "--backend", "nope", "--bound", "0"]) == 2
+
+
+def test_cli_clean_run_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["crash", "explore", "--backend", "fs", "--model", "all", "--bound", "1",
+                 "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["violations"] == {} and summary["states"] > summary["crash_points"]
+    assert isinstance(CaseOutcome, type)
