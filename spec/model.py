@@ -23,7 +23,10 @@ EntryKey = tuple[int, int]
 
 @dataclass(frozen=True, order=True)
 class Schedule:
-    """When an entry is next due, and how many delivery attempts it has had."""
+    """When an entry is next due, and how many delivery attempts it has had.
+
+    inv: self.at >= 0 and self.attempts >= 0
+    """
 
     at: int
     attempts: int = 0
@@ -89,6 +92,10 @@ class Model:
     def keys_in(self, state: EntryState) -> list[EntryKey]:
         return sorted(k for k, e in self.entries.items() if e.state is state)
 
+    def entries_of(self, mid: int) -> list[Entry]:
+        """The stored entries of message ``mid``, in recipient order."""
+        return [e for (m, _), e in sorted(self.entries.items(), key=lambda kv: kv[0]) if m == mid]
+
     def canonical(self) -> tuple[object, ...]:
         """A hashable form, equal for equal models."""
         return (
@@ -110,7 +117,16 @@ class Model:
     def enqueue(
         self, mail_from: str, body: bytes, rcpts: Sequence[tuple[str, Schedule]]
     ) -> tuple[Model, int]:
-        """Commit a message with its recipients: all entries appear at once."""
+        """Commit a message with its recipients: all entries appear at once.
+
+        pre: len(rcpts) > 0
+        pre: all(m < self.next_id for m, _ in self.entries)
+        post: __return__[1] == self.next_id and __return__[0].next_id == self.next_id + 1
+        post: len(__return__[0].entries) == len(self.entries) + len(rcpts)
+        post: all(e.state == EntryState.QUEUED for e in __return__[0].entries_of(self.next_id))
+        post: [e.schedule for e in __return__[0].entries_of(self.next_id)] == [s for _, s in rcpts]
+        post: __return__[0].retired == self.retired
+        """
         if not rcpts:
             raise ValueError("a message needs at least one recipient")
         mid = self.next_id
@@ -125,7 +141,17 @@ class Model:
     def apply(
         self, op: Op, key: EntryKey, schedule: Schedule | None = None
     ) -> tuple[Model, Outcome]:
-        """Apply a single-entry operation.  Returns the new model and the outcome."""
+        """Apply a single-entry operation.  Returns the new model and the outcome.
+
+        pre: op != Op.ENQUEUE
+        pre: (schedule is not None) == TABLE[op].changes_schedule
+        pre: all(k in self.retired for k in self.keys_in(EntryState.PENDING_CLEANUP))
+        post: (__return__[1] == Outcome.MOVED) == (self.state_of(key) == TABLE[op].source)
+        post: __return__[1] != Outcome.VANISHED or __return__[0] is self
+        post: __return__[1] != Outcome.MOVED or __return__[0].state_of(key) == TABLE[op].target
+        post: __return__[0].next_id == self.next_id and self.retired <= __return__[0].retired
+        post: all(__return__[0].entries.get(k) == e for k, e in self.entries.items() if k != key)
+        """
         if op is Op.ENQUEUE:
             raise ValueError("use Model.enqueue for ENQUEUE")
         t = TABLE[op]
@@ -151,7 +177,12 @@ class Model:
         return replace(self, entries=entries, retired=retired, messages=messages), outcome
 
     def restart(self) -> Model:
-        """The model as recovery after a restart must leave it (rule 5)."""
+        """The model as recovery after a restart must leave it (rule 5).
+
+        post: all(e.state == EntryState.QUEUED for e in __return__.entries.values())
+        post: __return__.retired == self.retired and __return__.next_id == self.next_id
+        post: __return__.restart() == __return__
+        """
         entries: dict[EntryKey, Entry] = {}
         for k, e in self.entries.items():
             s = after_restart(e.state)

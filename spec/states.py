@@ -95,11 +95,11 @@ RESTART: dict[EntryState, EntryState] = {
 def step(state: EntryState, op: Op) -> tuple[Outcome, EntryState]:
     """Apply ``op`` to one entry in ``state`` (rules 1 and 2).
 
-    pre: op != Op.ENQUEUE or state in (EntryState.ABSENT, EntryState.GONE, EntryState.QUEUED,
-         EntryState.INFLIGHT, EntryState.PENDING_CLEANUP)
+    post: (__return__[0] == Outcome.MOVED) == (state == TABLE[op].source)
     post: __return__[0] != Outcome.MOVED or __return__[1] == TABLE[op].target
     post: __return__[0] != Outcome.VANISHED or __return__[1] == state
     post: state != EntryState.GONE or __return__[1] == EntryState.GONE
+    post: state != EntryState.PENDING_CLEANUP or __return__[1] in (state, EntryState.GONE)
     """
     t = TABLE[op]
     if state is t.source:
@@ -112,6 +112,9 @@ def after_restart(state: EntryState) -> EntryState:
 
     post: __return__ in (EntryState.QUEUED, EntryState.GONE, EntryState.ABSENT)
     post: state != EntryState.GONE or __return__ == EntryState.GONE
+    post: state != EntryState.INFLIGHT or __return__ == EntryState.QUEUED
+    post: state != EntryState.PENDING_CLEANUP or __return__ == EntryState.GONE
+    post: state not in LIVE_STATES or __return__ in (EntryState.QUEUED, EntryState.GONE)
     """
     if state in RESTART:
         return RESTART[state]
