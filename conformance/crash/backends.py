@@ -9,10 +9,11 @@ backend outside this project is explored the same way.
 
 Crash exploration reruns a workload once per crash point and compares the traces, so a
 backend must make the same calls each run.  The filesystem queue draws a random owner
-token and time-based message ids; ``deterministic_fs`` opens it with tokens and ids
-derived from what is already on disk instead (a fresh owner sorts after every owner the
-directory has seen, as a random one almost surely would not), which changes no protocol
-step, only names.
+token and time-based message ids by default; ``deterministic_fs`` opens it with its
+``owner`` and ``clock`` parameters instead: an owner token derived from what is already on
+disk (one more than every token the directory shows, so it is fresh, as FsQueue requires;
+it sorts after them, as a random one almost surely would not) and a clock counting 1, 2,
+3... per message.  That changes no protocol step, only names.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import importlib
 import itertools
 import os
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -55,23 +55,6 @@ def register(spec: BackendSpec) -> BackendSpec:
 
 # ---- the filesystem queue, with names that do not change from run to run ---------------
 
-_patch_lock = threading.Lock()
-
-
-class _CountingIds:
-    """Message ids ``<n:016x><n:06x><owner>``: the shape of FsQueue's, counted, not timed."""
-
-    def __init__(self, owner: str) -> None:
-        self.owner = owner
-        self._n = itertools.count(1)
-        self._lock = threading.Lock()
-
-    def next(self) -> str:
-        with self._lock:
-            n = next(self._n)
-        return f"{n:016x}{n % (1 << 24):06x}{self.owner}"
-
-
 def _owners_on_disk(root: str) -> list[int]:
     """Every owner token found in the names under ``root`` (as ints)."""
     from queue_ref.fsqueue import layout as fl
@@ -104,20 +87,15 @@ def _owners_on_disk(root: str) -> list[int]:
 
 def deterministic_fs(cls: Any) -> Opener:
     """An opener of the FsQueue class ``cls`` whose owner token and message ids depend only
-    on the directory's contents, so that reruns of a workload make identical calls."""
+    on the directory's contents, so that reruns of a workload make identical calls.
+
+    ``cls`` takes FsQueue's ``owner`` and ``clock`` keyword arguments; message ids are
+    ``<n:016x><n:06x><owner>`` for the n-th message of this opening.
+    """
 
     def open_fs(root: str, io: IO) -> Storage:
-        from queue_ref.fsqueue import queue as fq
-
         owner = f"{max(_owners_on_disk(root), default=0) + 1:016x}"
-        with _patch_lock:
-            saved = getattr(fq, "new_owner")  # noqa: B009 (not exported; replaced briefly)
-            setattr(fq, "new_owner", lambda: owner)  # noqa: B010
-            try:
-                store = cls(root, io)
-            finally:
-                setattr(fq, "new_owner", saved)  # noqa: B010
-        store.ids = _CountingIds(owner)
+        store = cls(root, io, owner=owner, clock=itertools.count(1).__next__)
         if not isinstance(store, Storage):
             raise TypeError(f"{cls!r} did not make a Storage")
         return store

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from conformance.crash.backends import BackendSpec, deterministic_fs, register
@@ -194,8 +196,9 @@ class _OwnRecovery(FsQueue):
 
     recovery_class: type[Recovery] = Recovery
 
-    def __init__(self, root: str, io: IO | None = None, *, recover: bool = True) -> None:
-        super().__init__(root, io, recover=False)
+    def __init__(self, root: str, io: IO | None = None, *, recover: bool = True,
+                 owner: str | None = None, clock: Callable[[], int] = time.time_ns) -> None:
+        super().__init__(root, io, recover=False, owner=owner, clock=clock)
         if recover:
             try:
                 self.recover()

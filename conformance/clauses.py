@@ -1,0 +1,125 @@
+"""Which checks test which clause of the contract, at which level, needing what.
+
+Every clause C1..C10 of ``spec.crash.CLAUSES`` is tested by at least one check (the
+module asserts it on import).  A check is *core* (every backend must pass it) or
+*optional* (it needs a capability; a backend that does not declare the capability is
+reported "unsupported" for it, which is never counted as a pass).
+
+Crash checks run once per crash model:
+
+* ``process-kill``: the process dies (SIGKILL); everything the kernel accepted survives.
+* ``weak``, ``ext4-ordered``, ...: power loss under a persistence model of
+  ``faultinject`` (unsynced data and directory entries may be lost).  Only backends
+  whose disk calls go through the I/O seam (``Capability.IO_SEAM``) can be explored
+  under these; for other backends the cells are "unsupported".
+
+Checks that involve no crash report under the column ``no-crash``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from queue_ref.storage import Capability
+from spec.crash import CLAUSES
+
+#: The column of checks that involve no crash.
+NO_CRASH = "no-crash"
+#: The black-box crash model every backend can be tested under.
+PROCESS_KILL = "process-kill"
+#: Clause ids, in order, plus API for answers that break the interface itself.
+API = "API"
+ROWS: dict[str, str] = {**CLAUSES, API: "Interface (answers, listings, handles)"}
+
+
+class Level(enum.Enum):
+    CORE = "core"
+    OPTIONAL = "optional"
+
+
+class Kind(enum.Enum):
+    LOCKSTEP = "lockstep model test"
+    BAD_INPUT = "bad input"
+    SCALE = "scale"
+    CONCURRENCY = "concurrency"
+    PROCESS_KILL = "black-box process kill"
+    CRASH_EXPLORATION = "crash exploration"
+    FAULTS = "I/O faults"
+    STREAMING = "streaming"
+
+
+@dataclass(frozen=True)
+class CheckSpec:
+    id: str
+    title: str
+    kind: Kind
+    clauses: tuple[str, ...]
+    level: Level = Level.CORE
+    requires: tuple[Capability, ...] = ()
+    crash: bool = False  # runs once per crash model
+    seam_only: bool = False  # the crash models it covers need the I/O seam
+
+    def supported(self, caps: frozenset[Capability]) -> bool:
+        return all(c in caps for c in self.requires)
+
+
+CHECKS: tuple[CheckSpec, ...] = (
+    CheckSpec("lockstep", "backend and model in lockstep under random operations "
+              "(hypothesis state machine), stale handles, reads, drain to zero",
+              Kind.LOCKSTEP, ("C2", "C3", "C5", "C6", "C7", "C8", "C9", API)),
+    CheckSpec("restart", "lockstep with orderly restarts: close and reopen keeps every "
+              "acknowledged entry; recovery requeues inflight, finishes cleanups",
+              Kind.LOCKSTEP, ("C1", "C3", "C4", "C10", API)),
+    CheckSpec("listing", "zone and domain listings agree with the model",
+              Kind.LOCKSTEP, (API,), Level.OPTIONAL,
+              (Capability.ZONE_LISTING,)),
+    CheckSpec("bad-input", "foreign, consumed and wrong-type handles, closed queue, "
+              "malformed addresses: the documented error, and nothing changes",
+              Kind.BAD_INPUT, ("C9", "C7")),
+    CheckSpec("many-recipients", "one message to 10,000 recipients: all listed, each "
+              "entry its own recipient, drained to zero", Kind.SCALE, ("C2", "C6", "C8")),
+    CheckSpec("threads", "threads racing send_start on the same entries and enqueuing "
+              "together: one claim per entry, nothing lost", Kind.CONCURRENCY,
+              ("C7", "C2", "C8")),
+    CheckSpec("process-kill", "a child process runs a workload and is killed with SIGKILL "
+              "at random moments; the reopened queue is judged by the pending-op oracle",
+              Kind.PROCESS_KILL, ("C1", "C2", "C3", "C4", "C5", "C6", "C8", "C10"),
+              crash=True),
+    CheckSpec("recovery-rerun", "recovery itself is killed, then run again: the result is "
+              "still one the crash condition allows, and recover() is idempotent",
+              Kind.PROCESS_KILL, ("C10", "C1", "C3"), crash=True),
+    CheckSpec("crash-exploration", "every crash point of short workloads (and random long "
+              "ones) under each persistence model, judged by the pending-op oracle; "
+              "crashes inside recovery; fsyncs failing with EIO",
+              Kind.CRASH_EXPLORATION,
+              ("C1", "C2", "C3", "C4", "C5", "C6", "C8", "C9", "C10"), Level.OPTIONAL,
+              (Capability.IO_SEAM,), crash=True, seam_only=True),
+    CheckSpec("io-errors", "a disk call fails with EIO or ENOSPC: the operation raises "
+              "StorageIOError (never reports success), and a restart shows the old or the "
+              "new state", Kind.FAULTS, ("C9", "C2", "C5"), Level.OPTIONAL,
+              (Capability.IO_SEAM,)),
+    CheckSpec("multi-process", "processes sharing one queue race for the same entries; "
+              "entries of a killed owner are found again", Kind.CONCURRENCY,
+              ("C7", "C4"), Level.OPTIONAL, (Capability.MULTI_PROCESS,)),
+    CheckSpec("streaming", "a 100 MB body enqueued and read back in bounded memory, "
+              "byte for byte", Kind.STREAMING, ("C6",), Level.OPTIONAL,
+              (Capability.STREAMING_BODIES,)),
+)
+
+BY_ID: dict[str, CheckSpec] = {c.id: c for c in CHECKS}
+
+
+def checks_for(clause: str) -> list[CheckSpec]:
+    """The checks that test ``clause``."""
+    return [c for c in CHECKS if clause in c.clauses]
+
+
+def clause_table() -> list[tuple[str, str, list[str]]]:
+    """(clause, name, check ids) for every row, in order."""
+    return [(k, v, [c.id for c in checks_for(k)]) for k, v in ROWS.items()]
+
+
+_untested = [k for k in CLAUSES if not checks_for(k)]
+if _untested:  # pragma: no cover - a guard on the table above
+    raise RuntimeError(f"clauses without a check: {_untested}")

@@ -1,0 +1,41 @@
+"""Factories of the project's own backends, in the form ``queue-ref certify`` takes.
+
+    queue-ref certify conformance.examples.backends:fs
+    queue-ref certify conformance.examples.backends:kv_log
+    queue-ref certify conformance.examples.backends:kv_leveldb
+
+Opened through an I/O seam (crash exploration, I/O faults), the filesystem queue gets
+owner tokens and message ids derived from what is on disk
+(``conformance.crash.backends``), so that every rerun of a workload makes the same
+calls; opened without one it is the plain ``FsQueue``.
+"""
+
+from __future__ import annotations
+
+from queue_ref.io import IO
+from queue_ref.storage import Storage
+
+
+def fs(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue (``queue_ref.fsqueue.FsQueue``)."""
+    if io is None:
+        from queue_ref.fsqueue import FsQueue
+
+        return FsQueue(root)
+    from conformance.crash.backends import resolve
+
+    return resolve("fs").open(root, io)
+
+
+def kv_log(root: str, io: IO | None = None) -> Storage:
+    """The KV queue over the Python log engine (every byte through the seam)."""
+    from queue_ref.kv.queue import KvQueue
+
+    return KvQueue.open_log(root, io)
+
+
+def kv_leveldb(root: str) -> Storage:
+    """The KV queue over real LevelDB (plyvel); no seam, so crash-tested by killing."""
+    from queue_ref.kv.queue import KvQueue
+
+    return KvQueue.open_leveldb(root)

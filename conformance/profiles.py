@@ -1,0 +1,76 @@
+"""How hard the suite tries: the ``quick`` and ``thorough`` profiles.
+
+``quick`` is for every commit (a backend is certified in about a minute on two cores);
+``thorough`` is for a release.  Both run every check; they differ in how many examples,
+crash trials and workloads they try, and in whether a failing lockstep run is shrunk to
+a minimal one (thorough) or reported as found (quick: the run stops at the first
+violating step, so the steps shown end there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, Phase, Verbosity, settings
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    lockstep_examples: int
+    lockstep_steps: int
+    kill_trials: int  # black-box process-kill trials
+    kill_ops: int  # length of the workload a killed child runs
+    recovery_trials: int
+    crash_bound: int  # exhaustive crash exploration: workloads of up to this many calls
+    crash_random: int  # random long workloads explored
+    crash_random_length: int
+    fault_trials: int  # I/O-error injections
+    many_recipients: int
+    many_full_drain: bool  # lifecycle of every one of the many entries, or of a sample
+    streaming_bytes: int
+    streaming_peak_limit: int  # bytes of Python heap allowed while streaming
+    threads: int
+    thread_messages: int
+    processes: int
+    shrink: bool  # shrink a failing lockstep run to a minimal one (slow: many reruns)
+
+    def hypothesis_settings(self) -> settings:
+        phases = [Phase.explicit, Phase.reuse, Phase.generate]
+        return settings(
+            phases=[*phases, Phase.shrink] if self.shrink else phases,
+            max_examples=self.lockstep_examples,
+            stateful_step_count=self.lockstep_steps,
+            deadline=None,
+            database=None,
+            derandomize=False,
+            print_blob=False,
+            verbosity=Verbosity.quiet,
+            suppress_health_check=list(HealthCheck),
+        )
+
+
+QUICK = Profile(
+    name="quick", lockstep_examples=25, lockstep_steps=25, kill_trials=8, kill_ops=40,
+    recovery_trials=3, crash_bound=2, crash_random=2, crash_random_length=8,
+    fault_trials=12, many_recipients=10_000, many_full_drain=False,
+    streaming_bytes=100 * 1024 * 1024, streaming_peak_limit=16 * 1024 * 1024,
+    threads=4, thread_messages=10, processes=3, shrink=False,
+)
+
+THOROUGH = Profile(
+    name="thorough", lockstep_examples=200, lockstep_steps=60, kill_trials=60,
+    kill_ops=120, recovery_trials=20, crash_bound=3, crash_random=20,
+    crash_random_length=20, fault_trials=80, many_recipients=10_000, many_full_drain=True,
+    streaming_bytes=100 * 1024 * 1024, streaming_peak_limit=16 * 1024 * 1024,
+    threads=8, thread_messages=40, processes=4, shrink=True,
+)
+
+PROFILES: dict[str, Profile] = {p.name: p for p in (QUICK, THOROUGH)}
+
+
+def get(name: str) -> Profile:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ValueError(f"unknown profile {name!r}; choose from {', '.join(PROFILES)}") from None

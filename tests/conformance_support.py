@@ -1,0 +1,40 @@
+"""Backends with one planted bug each, for the conformance suite's own tests.
+
+Each is MemoryStorage with one rule broken; the suite must name the clause.
+"""
+
+from __future__ import annotations
+
+from queue_ref.memory import MemoryStorage
+from queue_ref.storage import InflightMail, PendingCleanupMail, QueuedMail
+
+
+class DoubleClaim(MemoryStorage):
+    """send_start claims an entry even when another worker already holds it (C7)."""
+
+    def send_start(self, mail: QueuedMail) -> InflightMail | None:
+        h = self._take(mail, QueuedMail)
+        with self._lock:
+            e = self._entries.get(h.entry_id)
+            if e is None or e.state == "cleanup":
+                return None
+            e.state = "inflight"
+            return self._issue(InflightMail, h.entry_id, e.message_id, e.schedule)
+
+
+class LeakyCleanup(MemoryStorage):
+    """cleanup forgets to free the message with its last entry (C8)."""
+
+    def cleanup(self, mail: PendingCleanupMail) -> bool:
+        h = self._take(mail, PendingCleanupMail)
+        with self._lock:
+            e = self._entries.get(h.entry_id)
+            if e is None or e.state != "cleanup":
+                return False
+            del self._entries[h.entry_id]
+            return True
+
+
+def memory(root: str) -> MemoryStorage:
+    """factory(root) for MemoryStorage (the root is ignored: nothing is kept)."""
+    return MemoryStorage()
