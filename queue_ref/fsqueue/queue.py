@@ -23,7 +23,8 @@ What holds after failures, beyond ``queue_ref.storage``:
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 
 from queue_ref.fsqueue.diskutil import (
@@ -35,7 +36,15 @@ from queue_ref.fsqueue.diskutil import (
 )
 from queue_ref.fsqueue.enqueue import FsEnqueuer
 from queue_ref.fsqueue.groupsync import GroupSync
-from queue_ref.fsqueue.layout import EntryName, Layout, MessageIds, new_owner, parse_inflight
+from queue_ref.fsqueue.layout import (
+    OWNER_LEN,
+    EntryName,
+    Layout,
+    MessageIds,
+    is_owner_token,
+    new_owner,
+    parse_inflight,
+)
 from queue_ref.fsqueue.metadata import Corrupt, EnvelopeCache, FsMetadata
 from queue_ref.fsqueue.owners import Owners
 from queue_ref.fsqueue.reader import FsMailReader
@@ -75,19 +84,42 @@ class FsQueue(FsMetadata, Storage):
     capabilities = frozenset({Capability.GROUP_COMMIT, Capability.STREAMING_BODIES,
                               Capability.MULTI_PROCESS, Capability.IO_SEAM})
 
-    def __init__(self, root: str, io: IO | None = None, *, recover: bool = True) -> None:
+    def __init__(self, root: str, io: IO | None = None, *, recover: bool = True,
+                 owner: str | None = None, clock: Callable[[], int] = time.time_ns) -> None:
         """Open (creating it durably if missing) the queue at ``root``.
 
-        Takes a fresh owner token and its liveness lock, and with ``recover`` runs
-        ``recover()`` before returning.  Raises StorageIOError if the disk fails; nothing
-        is then held open.
+        Takes an owner token and its liveness lock, and with ``recover`` runs ``recover()``
+        before returning.
+
+        ``owner``: the token naming this open queue in inflight links, temporary
+        directories and message ids (``OWNER_LEN`` lowercase hex digits); default a random
+        one.  A given token must be fresh: never used on this root before.  Other queues
+        take a token whose liveness lock is free for a dead owner's, for good, so a reused
+        token would let them requeue or adopt this queue's entries.  ``clock``: nanoseconds
+        for message ids (default ``time.time_ns``), called once per enqueue; ids stay
+        ordered and unique if it stalls or goes back.  A fixed owner and a counting clock
+        make every run of a workload issue the same calls (crash exploration replays them).
+
+        Raises InvalidInputError for a malformed ``owner`` or a ``clock`` that is not
+        callable (before touching the disk); OwnerInUseError (a MisuseError) if another open
+        queue holds ``owner``, or if the token's lock file or temporary directory is left
+        on disk by a queue that died; StorageIOError if the disk fails.  After any failure
+        nothing is held open.
         """
         Storage.__init__(self)
+        if owner is None:
+            owner = new_owner()
+        elif not is_owner_token(owner):
+            raise InvalidInputError(f"owner must be {OWNER_LEN} lowercase hex digits, "
+                                    f"got {owner!r}")
+        if not callable(clock):
+            raise InvalidInputError(f"clock must be a callable returning nanoseconds, "
+                                    f"got {clock!r}")
         self.io: IO = io if io is not None else OsIO()
         self.root = os.path.abspath(root)
         self.layout = Layout(self.root)
-        self.owner = new_owner()
-        self.ids = MessageIds(self.owner)
+        self.owner = owner
+        self.ids = MessageIds(self.owner, clock)
         self._group = GroupSync(self.io)
         self._poisoned: str | None = None
         self._rw = SharedExclusive()
@@ -237,7 +269,10 @@ class FsQueue(FsMetadata, Storage):
         self._check_open()
         validate_address(mail_from, "mail_from", allow_empty=True)
         checked = validate_params(params)
-        msgid = self.ids.next()
+        try:
+            msgid = self.ids.next()
+        except ValueError as e:  # the clock given at opening misbehaves
+            raise InvalidInputError(str(e)) from e
         tx = MessageTx(msgid, self.layout.tmp_msg(self.owner, msgid), mail_from, checked)
         return FsEnqueuer(self, tx)
 
@@ -343,7 +378,11 @@ class FsQueue(FsMetadata, Storage):
                     return None
             elif not self._claim(e):
                 return None
-        return self._issue(InflightMail, h.entry_id, h.message_id, h.schedule)
+            # The stored schedule, not the handle's: another handle may have rescheduled it.
+            got = self._verified(e, self.layout.inflight_link(e, self.owner))
+        if got is None:  # cleaned up meanwhile, or its metadata was corrupt (quarantined)
+            return None
+        return self._issue(InflightMail, h.entry_id, h.message_id, got[1])
 
     def reschedule(self, mail: QueuedMail, schedule: Schedule) -> QueuedMail | None:
         _check_schedule(schedule)
@@ -413,7 +452,12 @@ class FsQueue(FsMetadata, Storage):
                 return None
             h._extra = None
             self._sync_move(os.path.dirname(src), self.layout.cleanup)
-        return self._issue(PendingCleanupMail, h.entry_id, h.message_id, h.schedule)
+            try:
+                got = self._load_entry(e)
+            except Corrupt:
+                got = None
+        sched = got[1] if got is not None else h.schedule
+        return self._issue(PendingCleanupMail, h.entry_id, h.message_id, sched)
 
     def cleanup(self, mail: PendingCleanupMail) -> bool:
         h = self._take(mail, PendingCleanupMail)
