@@ -2,7 +2,8 @@
 
 Measured in one run, on one directory, so the ratios compare like with like:
 
-* lifecycle rate with 1 and with 16 concurrent producers (threads), per backend;
+* lifecycle rate with 1 and with 16 concurrent producers (threads), per backend, and the
+  bytes its directory holds once drained (and after ``compact()``, for backends with one);
 * one message to 1,000 recipients (enqueue, then every entry's lifecycle);
 * peak Python memory while enqueuing and reading back a 100 MB body (in a child process);
 * the raw floor on the same directory: create a file, write 4 KiB, fsync it, fsync the
@@ -88,6 +89,18 @@ def run_producers(q: Storage, producers: int, messages: int) -> float:
     if errors:
         raise errors[0]
     return messages / elapsed
+
+
+def disk_bytes(root: str) -> int:
+    """Bytes of the files under ``root`` (what the queue's directory holds on disk)."""
+    total = 0
+    for d, _, files in os.walk(root):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(d, f)).st_size
+            except FileNotFoundError:
+                continue
+    return total
 
 
 def raw_floor(directory: str, messages: int) -> float:
@@ -186,6 +199,11 @@ def bench_backend(name: str, base: str, messages: int, say: Callable[[str], None
         res[f"lifecycle_{producers}p_per_s"] = run_producers(q, producers, n)
         fp = q.footprint()
         res[f"footprint_after_{producers}p"] = {"objects": fp.objects, "bytes": fp.bytes}
+        res[f"disk_after_{producers}p_bytes"] = disk_bytes(root)
+        compact = getattr(q, "compact", None)
+        if callable(compact):
+            compact()
+            res[f"disk_after_{producers}p_compact_bytes"] = disk_bytes(root)
         q.close()
         shutil.rmtree(root)
         say(f"{name}: {producers:2d} producers: {res[f'lifecycle_{producers}p_per_s']:.0f} msg/s")

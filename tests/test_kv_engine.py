@@ -855,26 +855,28 @@ class GatedIO(CountingIO):
 def _queue_writers(
     kv: LogEngine, io: GatedIO, writers: list[tuple[str, bool]]
 ) -> dict[str, tuple[int, int] | BaseException]:
-    """Start the writers one by one, each queued behind the previous one (the first is
-    held in its sync), then open the gate; returns (synced, written) at each writer's
-    return, or its exception."""
+    """Start the synced writers one by one: the first is held in its sync, the others
+    queue behind it; then open the gate.  Returns (synced, written) at each writer's
+    return, or its exception.  Each writer puts its name as key and value."""
     queue = kv._writers._queue  # white box: wait until each writer has queued
     seen: dict[str, tuple[int, int] | BaseException] = {}
 
     def writer(name: str, sync: bool) -> None:
         try:
-            kv.put(name.encode(), b"v", sync=sync)
+            kv.put(name.encode(), name.encode(), sync=sync)
         except BaseException as e:
             seen[name] = e
         else:
             seen[name] = (io.log_synced, io.log_written)
 
     threads = []
-    for n, (name, sync) in enumerate(writers, 1):
+    for n, (name, sync) in enumerate(writers):
         threads.append(threading.Thread(target=writer, args=(name, sync)))
         threads[-1].start()
         deadline = time.monotonic() + 30
-        while len(queue) < n:
+        # The first writer's group is appended (pending) and its sync held; each later
+        # one waits in the queue for the sync lock.
+        while not kv._pending if n == 0 else len(queue) < n:
             assert time.monotonic() < deadline
             time.sleep(0.001)
     io.gate.set()
@@ -883,15 +885,82 @@ def _queue_writers(
     return seen
 
 
-def test_group_led_by_unsynced_writer_syncs_for_its_synced_members(tmp_path: Path) -> None:
+def _hold_first_sync(kv: LogEngine, io: GatedIO, key: bytes) -> threading.Thread:
+    """Start a synced put of ``key`` and return once its sync is held by the gate."""
+    t = threading.Thread(target=kv.put, args=(key, b"synced"))
+    t.start()
+    deadline = time.monotonic() + 30
+    while not kv._pending:  # white box: the group is appended, its sync held
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    return t
+
+
+def test_writers_queued_behind_a_sync_share_the_next_one(tmp_path: Path) -> None:
     io = GatedIO()
     kv = LogEngine(str(tmp_path / "db"), io)
     try:
         # a's sync is held while b and c queue; then b leads the group [b, c].
-        seen = _queue_writers(kv, io, [("a", True), ("b", False), ("c", True)])
-        assert seen["c"] == (io.log_written, io.log_written)  # c returned after a sync
+        seen = _queue_writers(kv, io, [("a", True), ("b", True), ("c", True)])
+        assert seen["b"] == seen["c"] == (io.log_written, io.log_written)
         assert io.calls["fdatasync"] == 2
-        assert kv.get(b"b") == b"v" and kv.get(b"c") == b"v"
+        assert (kv.get(b"a"), kv.get(b"b"), kv.get(b"c")) == (b"a", b"b", b"c")
+    finally:
+        kv.close()
+
+
+def test_unsynced_write_of_a_key_being_synced_waits_and_stays_in_log_order(
+        tmp_path: Path) -> None:
+    io = GatedIO()
+    kv = LogEngine(str(tmp_path / "db"), io)
+    done = threading.Event()
+
+    def unsynced() -> None:
+        kv.put(b"k", b"unsynced", sync=False)
+        done.set()
+
+    t = _hold_first_sync(kv, io, b"k")
+    u = threading.Thread(target=unsynced)
+    try:
+        u.start()
+        assert not done.wait(0.2)  # it queued behind the synced write of the same key
+        assert kv.get(b"k") is None  # neither is visible before the sync
+        io.gate.set()
+        t.join()
+        u.join()
+        assert kv.get(b"k") == b"unsynced"  # applied after the synced write, as logged
+        assert io.calls["fdatasync"] == 1
+    finally:
+        io.gate.set()
+        t.join()
+        u.join()
+        kv.close()
+    kv = LogEngine(str(tmp_path / "db"))
+    try:
+        assert kv.get(b"k") == b"unsynced"
+    finally:
+        kv.close()
+
+
+def test_unsynced_write_does_not_wait_for_another_groups_sync(tmp_path: Path) -> None:
+    io = GatedIO()
+    kv = LogEngine(str(tmp_path / "db"), io)
+    t = _hold_first_sync(kv, io, b"a")
+    try:
+        kv.put(b"b", b"2", sync=False)  # returns while a's sync is still held
+        assert t.is_alive()
+        assert kv.get(b"b") == b"2" and kv.get(b"a") is None  # a is not visible before durable
+        assert io.log_synced == 0 and io.log_written > 0
+        io.gate.set()
+        t.join()
+        assert kv.get(b"a") == b"synced" and io.log_synced == io.log_written
+    finally:
+        io.gate.set()
+        t.join()
+        kv.close()
+    kv = LogEngine(str(tmp_path / "db"))
+    try:
+        assert (kv.get(b"a"), kv.get(b"b")) == (b"synced", b"2")  # the log holds both
     finally:
         kv.close()
 
@@ -904,7 +973,7 @@ def test_failed_group_sync_fails_every_member(tmp_path: Path) -> None:
         assert isinstance(seen["a"], tuple)
         assert isinstance(seen["b"], OSError) and "injected" in str(seen["b"])
         assert isinstance(seen["c"], OSError) and "in its leader" in str(seen["c"])
-        assert kv.get(b"b") is None and kv.get(b"c") is None
+        assert kv.get(b"a") == b"a" and kv.get(b"b") is None and kv.get(b"c") is None
         with pytest.raises(OSError, match="failed earlier"):
             kv.put(b"d", b"v")
     finally:

@@ -198,6 +198,26 @@ def test_key_layout_after_each_operation(env: Env) -> None:
     assert raw_keys(q) == {b"seq"}
 
 
+@pytest.mark.parametrize("text", ["a@x", "", "é \"q\"\n\\ z", "\udcff", "ü" * 300])
+def test_records_formatted_directly_equal_the_generic_encoding(text: str) -> None:
+    S = Schedule
+    entry = records.EntryRec(12, 3, "inflight", text, text + "z", S(10**18, 7), text)
+    assert entry.encode() == records.seal({
+        "k": "entry", "e": "12.3", "state": "inflight", "addr": text, "zone": text + "z",
+        "at": 10**18, "n": 7, "owner": text})
+    assert records.EntryRec.decode(entry.encode(), 12, 3, "inflight") == entry
+    assert records.domain_value(12, 3, text) == records.seal(
+        {"k": "domain", "e": "12.3", "zone": text})
+    assert records.live_value(12, 4) == records.seal({"k": "live", "id": 12, "n": 4})
+    assert records.created_value(12, 99) == records.seal({"k": "created", "id": 12, "at": 99})
+    for params in ({}, {text: text, "a": "1"}):
+        meta = records.MetaRec(12, text, params, 5, "0" * 64, 1, 99, ((text, "d"), ("b", text)))
+        assert meta.encode() == records.seal({
+            "k": "meta", "id": 12, "from": text, "params": params, "size": 5,
+            "sha256": "0" * 64, "chunks": 1, "created": 99, "rcpts": [[text, "d"], ["b", text]]})
+        assert records.MetaRec.decode(meta.encode(), 12) == meta
+
+
 def test_sync_policy_of_each_batch(dict_env: Env) -> None:
     q = dict_env.open()
     log = dict_env.store.writes

@@ -11,6 +11,11 @@ Guarantees an engine gives:
 * With ``sync=True`` (the default) a write is durable when it returns; concurrent
   synced writers may share one fsync (group commit), and none returns before the fsync
   that covers it.
+* With ``sync=False`` a write is visible when it returns but promises nothing after a
+  crash: a power cut, or for the log engine (which keeps up to 64 KiB of them in memory
+  until the next write to its log) even a process kill, may lose it.  Whether a synced
+  write also makes the unsynced writes before it durable depends on the engine (see
+  ``queue_ref.kv.core``: the log engine does, LevelDB nearly does).
 * ``iterate`` yields keys in ascending bytewise order, as of a consistent snapshot.
 * After ``close`` every call raises ``queue_ref.storage.ClosedError``.
 * An I/O failure raises ``OSError``; after a failed synced write the engine refuses

@@ -1,9 +1,11 @@
 """The KV queue's shared machinery: writes, reads of checked records, ids, quarantine.
 
-Durability assumption (every engine must give it, see ``queue_ref.kv.base``): batches
-become durable in the order they were written, as a prefix of one log.  A synced batch
-therefore also makes every earlier unsynced batch durable.  The queue relies on it in
-three places, each of which is harmless on its own if an unsynced batch is lost:
+Durability assumption (the ordered log): batches become durable in the order they were
+written, as a prefix of one log.  A synced batch therefore also makes every batch written
+before it durable, synced or not.  The log engine gives it (one log file; unsynced
+records it still holds in memory go to the log ahead of the next group's, in one write).
+The queue relies on it in three places, each of which is harmless on its own if an
+unsynced batch is lost:
 
 * body chunks are written unsynced while the body streams in; the synced commit batch
   makes them durable with it (so a committed message never lacks a chunk);
@@ -38,13 +40,13 @@ from queue_ref.kv import claims as cl
 from queue_ref.kv import keys, records
 from queue_ref.kv.base import KV, WriteBatch
 from queue_ref.kv.claims import Claims
-from queue_ref.kv.records import BadRecord, EntryRec, MetaRec
+from queue_ref.kv.records import BadRecord, EntryRec, MetaRec, Stored
 from queue_ref.storage import CorruptionError, Handle, NoSpaceError, StorageIOError
 
 CHUNK = 64 * 1024
 BATCH_BYTES = 1 << 20  # body bytes per unsynced batch while a body streams in
 ID_BLOCK = 1024  # ids reserved per synced write of the high-water mark
-META_CACHE = 16  # decoded metadata records kept (a 10,000-recipient one is large)
+META_CACHE = 32  # decoded metadata records kept (a 10,000-recipient one is large)
 MOVE_BATCH = 16  # chunks moved per batch when a body goes to quarantine
 
 
@@ -66,7 +68,7 @@ class Core:
         self.mu = threading.Lock()  # guards the sets and counters below
         self.inflight: set[tuple[int, int]] = set()  # claimed by this process
         self.enqueuing: set[int] = set()  # ids of open enqueuers (chunks, no commit yet)
-        self._metas: OrderedDict[int, MetaRec] = OrderedDict()
+        self._metas: OrderedDict[int, tuple[bytes, MetaRec]] = OrderedDict()
         self.next_id = self._load_seq()
         self.id_limit = self.next_id  # ids below it are covered by the persisted mark
 
@@ -129,34 +131,48 @@ class Core:
     # ---- checked reads ------------------------------------------------------------
 
     def meta(self, mid: int) -> MetaRec | None:
-        """The message's metadata (None if it is not committed).  BadRecord if corrupt."""
-        with self.mu:
-            m = self._metas.get(mid)
-            if m is not None:
-                self._metas.move_to_end(mid)
-                return m
+        """The message's metadata (None if it is not committed).  BadRecord if corrupt.
+
+        Always read from the engine; decoded only if the bytes differ from the cached
+        ones (equal bytes passed the checksum already), so corruption on disk is seen.
+        """
         raw = self.kv.get(keys.meta(mid))
         if raw is None:
             return None
-        m = MetaRec.decode(raw, mid)
         with self.mu:
-            self._metas[mid] = m
+            hit = self._metas.get(mid)
+            if hit is not None and hit[0] == raw:
+                self._metas.move_to_end(mid)
+                return hit[1]
+        m = MetaRec.decode(raw, mid)
+        self.remember_meta(raw, m)
+        return m
+
+    def remember_meta(self, raw: bytes, m: MetaRec) -> None:
+        """Cache a metadata record (its stored bytes) this process wrote or decoded."""
+        with self.mu:
+            self._metas[m.mid] = (raw, m)
+            self._metas.move_to_end(m.mid)
             while len(self._metas) > META_CACHE:
                 self._metas.popitem(last=False)
-        return m
 
     def forget_meta(self, mid: int) -> None:
         with self.mu:
             self._metas.pop(mid, None)
 
-    def entry(self, key: bytes, mid: int, idx: int, state: str) -> EntryRec | None:
+    def entry(self, key: bytes, mid: int, idx: int, state: str,
+              known: Stored | None = None) -> EntryRec | None:
         """The entry record under ``key``, or None.  Corrupt: quarantined, CorruptionError.
 
-        The caller holds the entry's claim and a shared claim on its message.
+        If the stored bytes are those of ``known`` (what the caller's handle saw), its
+        decoding is used.  The caller holds the entry's claim and a shared claim on its
+        message.
         """
         raw = self.kv.get(key)
         if raw is None:
             return None
+        if known is not None and raw == known.raw:
+            return known.rec
         try:
             return EntryRec.decode(raw, mid, idx, state)
         except BadRecord as e:

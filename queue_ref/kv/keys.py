@@ -23,11 +23,14 @@ verbatim except through the escaped domain, and nothing here is ever a file name
 
 from __future__ import annotations
 
+import functools
 import re
 
 ID_WIDTH = 20  # message ids: up to 2**64
 SEQ_WIDTH = 8  # body chunks: up to 10**8 - 1 chunks of 64 KiB
 IDX_WIDTH = 6  # recipients: up to 10**6 - 1 per message
+
+_LIMITS = {w: 10**w for w in (ID_WIDTH, SEQ_WIDTH, IDX_WIDTH)}
 
 MAX_ID = 10**ID_WIDTH - 1
 MAX_SEQ = 10**SEQ_WIDTH - 1
@@ -58,6 +61,7 @@ class BadKey(ValueError):
     """A key of a known family that does not parse (treated as corruption)."""
 
 
+@functools.lru_cache(maxsize=4096)
 def escape(text: str) -> bytes:
     """Zone or domain as a key field: printable ASCII without space or ``%``."""
     raw = text.encode("utf-8", "surrogatepass")
@@ -82,7 +86,7 @@ def unescape(field: bytes) -> str:
 
 
 def num(n: int, width: int) -> bytes:
-    if not 0 <= n < 10**width:
+    if not 0 <= n < (_LIMITS.get(width) or 10**width):
         raise ValueError(f"{n} does not fit in {width} digits")
     return b"%0*d" % (width, n)
 

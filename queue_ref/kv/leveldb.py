@@ -18,7 +18,7 @@ import contextlib
 import fcntl
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import plyvel  # type: ignore[import-untyped]
 
@@ -69,31 +69,44 @@ class LevelDBEngine(KV):
         self._active = 0
         self._writing = 0
         self._compacting = False  # compact() runs with writes held off
-        self._cv = threading.Condition()
+        self._mu = threading.Lock()
+        self._cv = threading.Condition(self._mu)
+        self._waiters = 0  # close() or compact() waiting for running calls to end
 
-    @contextlib.contextmanager
-    def _op(self, *, writes: bool = False) -> Iterator[None]:
-        with self._cv:
+    def _begin(self, writes: bool = False) -> None:
+        with self._mu:
             while writes and self._compacting and not self._closed:
                 self._cv.wait()
             if self._closed:
                 raise ClosedError(f"LevelDBEngine {self.path} is closed")
             self._active += 1
             self._writing += writes
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._active -= 1
-                self._writing -= writes
+
+    def _end(self, writes: bool = False) -> None:
+        with self._mu:
+            self._active -= 1
+            self._writing -= writes
+            if self._waiters:
                 self._cv.notify_all()
+
+    def _wait(self, done: Callable[[], bool]) -> None:
+        """Wait (holding ``_cv``) until ``done()``; calls ending meanwhile wake it."""
+        self._waiters += 1
+        try:
+            while not done():
+                self._cv.wait()
+        finally:
+            self._waiters -= 1
 
     def get(self, key: bytes) -> bytes | None:
         if not isinstance(key, bytes):
             raise TypeError(f"key must be bytes, not {type(key).__name__}")
-        with self._op():
+        self._begin()
+        try:
             value: bytes | None = self._db.get(key)
             return value
+        finally:
+            self._end()
 
     def write(self, batch: WriteBatch, *, sync: bool = True) -> None:
         if not isinstance(batch, WriteBatch):
@@ -101,18 +114,23 @@ class LevelDBEngine(KV):
         for key, value in batch.ops:
             if not isinstance(key, bytes) or not isinstance(value, bytes | None):
                 raise TypeError("batch keys and values must be bytes")
-        with self._op(writes=True):
-            if not batch.ops:
-                return
-            try:
-                with self._db.write_batch(sync=sync, transaction=True) as wb:
-                    for key, value in batch.ops:
-                        if value is None:
-                            wb.delete(key)
-                        else:
-                            wb.put(key, value)
-            except plyvel.IOError as e:
-                raise OSError(f"LevelDB write failed: {e}") from e
+        if not batch.ops:
+            with self._cv:
+                if self._closed:
+                    raise ClosedError(f"LevelDBEngine {self.path} is closed")
+            return
+        self._begin(writes=True)
+        try:
+            with self._db.write_batch(sync=sync, transaction=True) as wb:
+                for key, value in batch.ops:
+                    if value is None:
+                        wb.delete(key)
+                    else:
+                        wb.put(key, value)
+        except plyvel.IOError as e:
+            raise OSError(f"LevelDB write failed: {e}") from e
+        finally:
+            self._end(writes=True)
 
     def iterate(
         self, start: bytes = b"", stop: bytes | None = None
@@ -120,15 +138,21 @@ class LevelDBEngine(KV):
         """Ascending pairs with ``start <= key < stop`` from a LevelDB snapshot taken now."""
         if not isinstance(start, bytes) or not isinstance(stop, bytes | None):
             raise TypeError("start and stop must be bytes")
-        with self._op():
+        self._begin()
+        try:
             it = self._db.iterator(start=start, stop=stop)
+        finally:
+            self._end()
         return self._drain(it)
 
     def _drain(self, it: Iterator[tuple[bytes, bytes]]) -> Iterator[tuple[bytes, bytes]]:
         try:
             while True:
-                with self._op():
+                self._begin()
+                try:
                     item = next(it, None)
+                finally:
+                    self._end()
                 if item is None:
                     return
                 yield item
@@ -149,14 +173,12 @@ class LevelDBEngine(KV):
         deepest level and drops the deleted entries.
         """
         with self._cv:
-            while self._compacting and not self._closed:
-                self._cv.wait()
+            self._wait(lambda: not self._compacting or self._closed)
             self._compacting = True
         try:
             with self._cv:
-                while self._writing and not self._closed:
-                    self._cv.wait()
-            with self._op():
+                self._wait(lambda: not self._writing or self._closed)
+            with self._running():
                 stop = COMPACT_HIGH + b"\xff"
                 self._db.compact_range(start=b"", stop=stop)
                 with self._db.write_batch(sync=True, transaction=True) as wb:
@@ -172,8 +194,16 @@ class LevelDBEngine(KV):
                 self._compacting = False
                 self._cv.notify_all()
 
+    @contextlib.contextmanager
+    def _running(self) -> Iterator[None]:
+        self._begin()
+        try:
+            yield
+        finally:
+            self._end()
+
     def disk_usage(self) -> int:
-        with self._op():
+        with self._running():
             total = 0
             for entry in os.scandir(self.path):
                 with contextlib.suppress(FileNotFoundError):
@@ -186,7 +216,7 @@ class LevelDBEngine(KV):
             if self._closed:
                 return
             self._closed = True
-            while self._active:
-                self._cv.wait()
+            self._cv.notify_all()  # writers waiting for a compaction give up
+            self._wait(lambda: not self._active)
             self._db.close()
             os.close(self._lock_fd)

@@ -25,16 +25,16 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
-from dataclasses import replace
+from types import TracebackType
 from typing import TypeVar
 
 from queue_ref.io import IO
 from queue_ref.kv import claims as cl
 from queue_ref.kv import keys, records
 from queue_ref.kv.base import KV, WriteBatch
+from queue_ref.kv.claims import Held
 from queue_ref.kv.core import Core, io_error
-from queue_ref.kv.records import BadRecord, EntryRec
+from queue_ref.kv.records import BadRecord, EntryRec, Stored
 from queue_ref.kv.streams import KvEnqueuer, KvReader
 from queue_ref.storage import (
     Capability,
@@ -137,30 +137,20 @@ class KvQueue(Storage):
 
     # ---- helpers --------------------------------------------------------------------
 
-    @contextmanager
-    def _io(self, what: str, handle: Handle | None = None) -> Iterator[None]:
-        try:
-            yield
-        except OSError as e:
-            if handle is not None:
-                self._give_back(handle)
-            raise io_error(what, e, handle) from e
+    def _io(self, what: str, handle: Handle | None = None) -> _IoGuard:
+        """Turns an OSError in its block into StorageIOError (re-arming ``handle``)."""
+        return _IoGuard(self, what, handle)
 
-    def _locate(self, h: Handle) -> tuple[int, int, str]:
-        try:
-            mid, idx = keys.parse_entry_id(h.entry_id)
-        except ValueError as e:
-            raise MisuseError(str(e)) from None
-        if not isinstance(h._extra, str):
+    def _locate(self, h: Handle) -> tuple[int, int, Stored]:
+        ref = h._extra
+        if not isinstance(ref, Stored):
             raise MisuseError(f"handle of entry {h.entry_id} was not issued by a KvQueue")
-        return mid, idx, h._extra
+        return ref.rec.mid, ref.rec.idx, ref
 
-    @contextmanager
-    def _entry_op(self, h: Handle, what: str, *more: str) -> Iterator[tuple[int, int, str]]:
-        mid, idx, zone = self._locate(h)
-        with self._io(what, h), self._core.claims.hold(
-                excl=[cl.entry(mid, idx), *more], shared=[cl.EVERYTHING, cl.message(mid)]):
-            yield mid, idx, zone
+    def _entry_op(self, h: Handle, what: str, mid: int, idx: int, *more: str) -> _IoGuard:
+        """Holds the entry's claim (and ``more``) and maps OSError, around one operation."""
+        return _IoGuard(self, what, h, self._core.claims.hold(
+            excl=(cl.entry(mid, idx), *more), shared=(cl.EVERYTHING, cl.message(mid))))
 
     @staticmethod
     def _schedule(schedule: object) -> Schedule:
@@ -174,12 +164,13 @@ class KvQueue(Storage):
     def _queued(self, start: bytes, stop: bytes) -> Iterator[QueuedMail]:
         with self._io("listing the queue"):
             for key, raw in self._kv.iterate(start, stop):
-                rec = self._listed(key, raw, records.QUEUED)
-                if rec is not None:
+                ref = self._listed(key, raw, records.QUEUED)
+                if ref is not None:
+                    rec = ref.rec
                     yield self._issue(QueuedMail, keys.entry_id(rec.mid, rec.idx),
-                                      str(rec.mid), rec.schedule, rec.zone)
+                                      str(rec.mid), rec.schedule, ref)
 
-    def _listed(self, key: bytes, raw: bytes, state: str) -> EntryRec | None:
+    def _listed(self, key: bytes, raw: bytes, state: str) -> Stored | None:
         """Decode a listed record; quarantine it (None) if it fails."""
         try:
             if state == records.QUEUED:
@@ -192,7 +183,7 @@ class KvQueue(Storage):
         try:
             rec = EntryRec.decode(raw, mid, idx, state)
             if zone is None or rec.zone == zone:
-                return rec
+                return Stored(raw, rec)
         except BadRecord:
             pass
         with self._core.claims.hold(excl=[cl.entry(mid, idx), cl.count(mid)],
@@ -230,10 +221,10 @@ class KvQueue(Storage):
                 zraw = self._kv.get(zkey)
                 if zraw is None:
                     continue  # no longer queued
-                rec = self._listed(zkey, zraw, records.QUEUED)
-                if rec is not None and keys.domain_of(rec.address) == domain:
+                ref = self._listed(zkey, zraw, records.QUEUED)
+                if ref is not None and keys.domain_of(ref.rec.address) == domain:
                     yield self._issue(QueuedMail, keys.entry_id(mid, idx), str(mid),
-                                      rec.schedule, zone)
+                                      ref.rec.schedule, ref)
 
     def find_inflight(self) -> Iterator[InflightMail]:
         self._check_open()
@@ -242,15 +233,16 @@ class KvQueue(Storage):
     def _adopt(self) -> Iterator[InflightMail]:
         with self._io("listing inflight entries"):
             for key, raw in self._kv.iterate(keys.INFLIGHT, keys.end_of(keys.INFLIGHT)):
-                rec = self._listed(key, raw, records.INFLIGHT)
-                if rec is None:
+                ref = self._listed(key, raw, records.INFLIGHT)
+                if ref is None:
                     continue
+                rec = ref.rec
                 with self._core.mu:
                     if (rec.mid, rec.idx) in self._core.inflight:
                         continue  # a live owner in this process holds it
                     self._core.inflight.add((rec.mid, rec.idx))
                 yield self._issue(InflightMail, keys.entry_id(rec.mid, rec.idx),
-                                  str(rec.mid), rec.schedule, rec.zone)
+                                  str(rec.mid), rec.schedule, ref)
 
     def find_pending_cleanup(self) -> Iterator[PendingCleanupMail]:
         self._check_open()
@@ -259,10 +251,11 @@ class KvQueue(Storage):
     def _pending_cleanup(self) -> Iterator[PendingCleanupMail]:
         with self._io("listing pending cleanups"):
             for key, raw in self._kv.iterate(keys.CLEANUP, keys.end_of(keys.CLEANUP)):
-                rec = self._listed(key, raw, records.CLEANUP)
-                if rec is not None:
+                ref = self._listed(key, raw, records.CLEANUP)
+                if ref is not None:
+                    rec = ref.rec
                     yield self._issue(PendingCleanupMail, keys.entry_id(rec.mid, rec.idx),
-                                      str(rec.mid), rec.schedule, rec.zone)
+                                      str(rec.mid), rec.schedule, ref)
 
     # ---- mail -----------------------------------------------------------------------
 
@@ -273,10 +266,9 @@ class KvQueue(Storage):
 
     def read_inflight(self, mail: InflightMail) -> MailReader:
         h = self._peek(mail, InflightMail)
-        mid, idx, _ = self._locate(h)
-        with self._io("read_inflight", h), self._core.claims.hold(
-                excl=[cl.entry(mid, idx)], shared=[cl.EVERYTHING, cl.message(mid)]):
-            rec = self._core.entry(keys.inflight(mid, idx), mid, idx, records.INFLIGHT)
+        mid, idx, ref = self._locate(h)
+        with self._entry_op(h, "read_inflight", mid, idx):
+            rec = self._core.entry(keys.inflight(mid, idx), mid, idx, records.INFLIGHT, ref)
             if rec is None:
                 raise ClosedError(f"entry {h.entry_id} is no longer inflight")
             try:
@@ -302,81 +294,89 @@ class KvQueue(Storage):
         self._check_open()
         sched = self._schedule(schedule)
         h = self._take(mail, QueuedMail)
-        with self._entry_op(h, "reschedule") as (mid, idx, zone):
-            zkey = keys.zone(zone, mid, idx)
-            rec = self._core.entry(zkey, mid, idx, records.QUEUED)
+        mid, idx, ref = self._locate(h)
+        with self._entry_op(h, "reschedule", mid, idx):
+            zkey = keys.zone(ref.rec.zone, mid, idx)
+            rec = self._core.entry(zkey, mid, idx, records.QUEUED, ref)
             if rec is None:
                 return None
+            new = Stored.of(rec.moved(records.QUEUED, schedule=sched))
             b = WriteBatch()
-            b.put(zkey, replace(rec, schedule=sched).encode())
+            b.put(zkey, new.raw)
             self._core.write(b, sync=True)
-        return self._issue(QueuedMail, h.entry_id, h.message_id, sched, zone)
+        return self._issue(QueuedMail, h.entry_id, h.message_id, sched, new)
 
     def send_start(self, mail: QueuedMail) -> InflightMail | None:
         h = self._take(mail, QueuedMail)
-        with self._entry_op(h, "send_start") as (mid, idx, zone):
-            zkey = keys.zone(zone, mid, idx)
-            rec = self._core.entry(zkey, mid, idx, records.QUEUED)
+        mid, idx, ref = self._locate(h)
+        with self._entry_op(h, "send_start", mid, idx):
+            zkey = keys.zone(ref.rec.zone, mid, idx)
+            rec = self._core.entry(zkey, mid, idx, records.QUEUED, ref)
             if rec is None:
                 return None
+            new = Stored.of(rec.moved(records.INFLIGHT, owner=self._core.owner))
             b = WriteBatch()
             b.delete(zkey)
             b.delete(keys.domain(keys.domain_of(rec.address), mid, idx))
-            b.put(keys.inflight(mid, idx),
-                  replace(rec, state=records.INFLIGHT, owner=self._core.owner).encode())
+            b.put(keys.inflight(mid, idx), new.raw)
             self._core.write(b, sync=False)
             with self._core.mu:
                 self._core.inflight.add((mid, idx))
-        return self._issue(InflightMail, h.entry_id, h.message_id, rec.schedule, zone)
+        return self._issue(InflightMail, h.entry_id, h.message_id, rec.schedule, new)
 
     def send_done(self, mail: InflightMail) -> PendingCleanupMail | None:
         h = self._take(mail, InflightMail)
-        with self._entry_op(h, "send_done") as (mid, idx, zone):
+        mid, idx, ref = self._locate(h)
+        with self._entry_op(h, "send_done", mid, idx):
             ikey = keys.inflight(mid, idx)
-            rec = self._core.entry(ikey, mid, idx, records.INFLIGHT)
+            rec = self._core.entry(ikey, mid, idx, records.INFLIGHT, ref)
             if rec is None:
                 return None
+            new = Stored.of(rec.moved(records.CLEANUP))
             b = WriteBatch()
             b.delete(ikey)
-            b.put(keys.cleanup(mid, idx), replace(rec, state=records.CLEANUP, owner="").encode())
+            b.put(keys.cleanup(mid, idx), new.raw)
             self._core.write(b, sync=True)
             with self._core.mu:
                 self._core.inflight.discard((mid, idx))
-        return self._issue(PendingCleanupMail, h.entry_id, h.message_id, rec.schedule, zone)
+        return self._issue(PendingCleanupMail, h.entry_id, h.message_id, rec.schedule, new)
 
     def send_cancel(self, mail: InflightMail, schedule: Schedule) -> QueuedMail | None:
         self._check_open()
         sched = self._schedule(schedule)
         h = self._take(mail, InflightMail)
-        with self._entry_op(h, "send_cancel") as (mid, idx, _):
+        mid, idx, ref = self._locate(h)
+        with self._entry_op(h, "send_cancel", mid, idx):
             ikey = keys.inflight(mid, idx)
-            rec = self._core.entry(ikey, mid, idx, records.INFLIGHT)
+            rec = self._core.entry(ikey, mid, idx, records.INFLIGHT, ref)
             if rec is None:
                 return None
+            new = Stored.of(rec.moved(records.QUEUED, schedule=sched))
             b = WriteBatch()
             b.delete(ikey)
-            b.put(keys.zone(rec.zone, mid, idx),
-                  replace(rec, state=records.QUEUED, owner="", schedule=sched).encode())
+            b.put(keys.zone(rec.zone, mid, idx), new.raw)
             b.put(keys.domain(keys.domain_of(rec.address), mid, idx),
                   records.domain_value(mid, idx, rec.zone))
             self._core.write(b, sync=True)
             with self._core.mu:
                 self._core.inflight.discard((mid, idx))
-        return self._issue(QueuedMail, h.entry_id, h.message_id, sched, rec.zone)
+        return self._issue(QueuedMail, h.entry_id, h.message_id, sched, new)
 
     def drop(self, mail: QueuedMail) -> PendingCleanupMail | None:
         h = self._take(mail, QueuedMail)
-        with self._entry_op(h, "drop") as (mid, idx, zone):
-            zkey = keys.zone(zone, mid, idx)
-            rec = self._core.entry(zkey, mid, idx, records.QUEUED)
+        mid, idx, ref = self._locate(h)
+        with self._entry_op(h, "drop", mid, idx):
+            zkey = keys.zone(ref.rec.zone, mid, idx)
+            rec = self._core.entry(zkey, mid, idx, records.QUEUED, ref)
             if rec is None:
                 return None
+            new = Stored.of(rec.moved(records.CLEANUP))
             b = WriteBatch()
             b.delete(zkey)
             b.delete(keys.domain(keys.domain_of(rec.address), mid, idx))
-            b.put(keys.cleanup(mid, idx), replace(rec, state=records.CLEANUP).encode())
+            b.put(keys.cleanup(mid, idx), new.raw)
             self._core.write(b, sync=True)
-        return self._issue(PendingCleanupMail, h.entry_id, h.message_id, rec.schedule, zone)
+        return self._issue(PendingCleanupMail, h.entry_id, h.message_id, rec.schedule, new)
 
     def cleanup(self, mail: PendingCleanupMail) -> bool:
         """Delete the entry; with its message's last entry, the whole message.
@@ -385,7 +385,8 @@ class KvQueue(Storage):
         recovery finishes it, which is where a restart takes it anyway.
         """
         h = self._take(mail, PendingCleanupMail)
-        with self._entry_op(h, "cleanup", cl.count(self._locate(h)[0])) as (mid, idx, _):
+        mid, idx, _ = self._locate(h)
+        with self._entry_op(h, "cleanup", mid, idx, cl.count(mid)):
             ckey = keys.cleanup(mid, idx)
             if self._kv.get(ckey) is None:
                 return False
@@ -441,3 +442,30 @@ class KvQueue(Storage):
         if not self._closed:
             super().close()
             self._kv.close()
+
+
+class _IoGuard:
+    """The context of one queue call: holds ``held`` (claims, if any) and turns an
+    ``OSError`` into ``StorageIOError``, re-arming ``handle`` so the caller can retry."""
+
+    __slots__ = ("_handle", "_held", "_queue", "_what")
+
+    def __init__(self, queue: KvQueue, what: str, handle: Handle | None,
+                 held: Held | None = None) -> None:
+        self._queue = queue
+        self._what = what
+        self._handle = handle
+        self._held = held
+
+    def __enter__(self) -> None:
+        if self._held is not None:
+            self._held.__enter__()
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._held is not None:
+            self._held.__exit__(et, ev, tb)
+        if isinstance(ev, OSError):
+            if self._handle is not None:
+                self._queue._give_back(self._handle)
+            raise io_error(self._what, ev, self._handle) from ev

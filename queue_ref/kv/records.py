@@ -1,9 +1,11 @@
 """Values of the KV queue: JSON records that carry their own checksum.
 
-Every record is a JSON object in canonical form (sorted keys, no spaces, ASCII) with a
-field ``k`` naming its kind and a field ``sum``: the first 16 hex digits of the SHA-256 of
-the canonical form of the other fields.  ``unseal`` refuses a record whose bytes, kind or
-fields do not check out by raising ``BadRecord``; the queue then quarantines it.
+Every record is a JSON object (sorted keys, no spaces, ASCII) with a field ``k`` naming
+its kind and, last, a field ``sum``: the first 16 hex digits of the SHA-256 of the exact
+bytes of the object without it (``{...}``, the bytes before ``,"sum":`` plus the closing
+brace).  So checking a record hashes its bytes as stored and never re-encodes it, and a
+record is written with one JSON encoding.  ``unseal`` refuses a record whose bytes, kind
+or fields do not check out by raising ``BadRecord``; the queue then quarantines it.
 
 Body chunks are raw bytes; the metadata record holds the SHA-256 of the whole body, which
 ``read_inflight`` checks before it hands out the last bytes.
@@ -15,6 +17,7 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii as _q
 from typing import Any
 
 from queue_ref.kv import keys
@@ -30,30 +33,51 @@ class BadRecord(ValueError):
     """A stored value failed its checksum or does not have the expected shape."""
 
 
-def _canon(obj: Mapping[str, object]) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+_SUM_HEAD = b',"sum":"'
+_SUM_LEN = 16
+_TRAILER = len(_SUM_HEAD) + _SUM_LEN + 2  # ,"sum":"<16 hex>"}
 
 
-def _sum(body: bytes) -> str:
-    return hashlib.sha256(body).hexdigest()[:16]
+def _sum(body: bytes) -> bytes:
+    return hashlib.sha256(body).hexdigest()[:_SUM_LEN].encode("ascii")
 
 
 def seal(obj: Mapping[str, object]) -> bytes:
-    """The record's bytes, checksum included."""
-    return _canon({**obj, "sum": _sum(_canon(obj))})
+    """The record's bytes, checksum included (``obj`` must not have a ``sum`` field)."""
+    return _seal_body(_ENCODER.encode(obj).encode("ascii"))
+
+
+def _seal_body(body: bytes) -> bytes:
+    return body[:-1] + _SUM_HEAD + _sum(body) + b'"}'
+
+
+# The records written on every operation are formatted directly, in the exact form the
+# encoder above gives (sorted keys, no spaces, ASCII), which skips building a dict and
+# the encoder's per-call setup.  _q is json's C string quoting.
+_ENTRY_FMT = ('{"addr":%s,"at":%d,"e":"%d.%d","k":"entry","n":%d,"owner":%s,"state":%s,'
+              '"zone":%s}')
+_DOMAIN_FMT = '{"e":"%d.%d","k":"domain","zone":%s}'
+_LIVE_FMT = '{"id":%d,"k":"live","n":%d}'
+_CREATED_FMT = '{"at":%d,"id":%d,"k":"created"}'
+_META_FMT = ('{"chunks":%d,"created":%d,"from":%s,"id":%d,"k":"meta","params":%s,"rcpts":[%s],'
+             '"sha256":%s,"size":%d}')
 
 
 def unseal(raw: bytes, kind: str) -> dict[str, Any]:
     """The fields of a record of ``kind`` (without ``sum``); BadRecord if it fails."""
+    cut = len(raw) - _TRAILER
+    if cut < 1 or raw[cut:cut + len(_SUM_HEAD)] != _SUM_HEAD or raw[-2:] != b'"}':
+        raise BadRecord("not a sealed record")
+    body = raw[:cut] + b"}"
+    if raw[cut + len(_SUM_HEAD):-2] != _sum(body):
+        raise BadRecord("checksum mismatch")
     try:
-        obj = json.loads(raw.decode("ascii"))
+        obj = json.loads(body.decode("ascii"))
     except (UnicodeDecodeError, ValueError) as e:
         raise BadRecord(f"not a JSON record: {e}") from None
     if not isinstance(obj, dict):
         raise BadRecord("not a JSON object")
-    got = obj.pop("sum", None)
-    if got != _sum(_canon(obj)):
-        raise BadRecord("checksum mismatch")
     if obj.get("k") != kind:
         raise BadRecord(f"expected a {kind} record, found {obj.get('k')!r}")
     return obj
@@ -89,11 +113,15 @@ class EntryRec:
     owner: str = ""
 
     def encode(self) -> bytes:
-        return seal({
-            "k": "entry", "e": keys.entry_id(self.mid, self.idx), "state": self.state,
-            "addr": self.address, "zone": self.zone, "at": self.schedule.at,
-            "n": self.schedule.attempts, "owner": self.owner,
-        })
+        """``seal`` of {k: entry, e, state, addr, zone, at, n, owner}, formatted directly."""
+        return _seal_body((_ENTRY_FMT % (
+            _q(self.address), self.schedule.at, self.mid, self.idx, self.schedule.attempts,
+            _q(self.owner), _q(self.state), _q(self.zone))).encode("ascii"))
+
+    def moved(self, state: str, *, owner: str = "", schedule: Schedule | None = None) -> EntryRec:
+        """The same entry in ``state`` (with ``owner``, and ``schedule`` if given)."""
+        return EntryRec(self.mid, self.idx, state, self.address, self.zone,
+                        self.schedule if schedule is None else schedule, owner)
 
     @staticmethod
     def decode(raw: bytes, mid: int, idx: int, state: str) -> EntryRec:
@@ -107,8 +135,23 @@ class EntryRec:
                         _schedule(obj), _get(obj, "owner", str))
 
 
+@dataclass(frozen=True)
+class Stored:
+    """An entry record as this process wrote it or last checked it: its exact bytes and
+    their decoding.  Handles carry one, so an operation that reads the same bytes back
+    needs no second decoding (equal bytes passed the checksum already)."""
+
+    raw: bytes
+    rec: EntryRec
+
+    @staticmethod
+    def of(rec: EntryRec) -> Stored:
+        return Stored(rec.encode(), rec)
+
+
 def domain_value(mid: int, idx: int, zone: str) -> bytes:
-    return seal({"k": "domain", "e": keys.entry_id(mid, idx), "zone": zone})
+    """``seal`` of {k: domain, e, zone}."""
+    return _seal_body((_DOMAIN_FMT % (mid, idx, _q(zone))).encode("ascii"))
 
 
 def decode_domain(raw: bytes, mid: int, idx: int) -> str:
@@ -137,11 +180,12 @@ class MetaRec:
     rcpts: tuple[tuple[str, str], ...]  # (address, zone) per recipient index
 
     def encode(self) -> bytes:
-        return seal({
-            "k": "meta", "id": self.mid, "from": self.mail_from, "params": dict(self.params),
-            "size": self.size, "sha256": self.sha256, "chunks": self.chunks,
-            "created": self.created, "rcpts": [list(r) for r in self.rcpts],
-        })
+        """``seal`` of {k: meta, id, from, params, size, sha256, chunks, created, rcpts}."""
+        params = _ENCODER.encode(dict(self.params)) if self.params else "{}"
+        rcpts = ",".join(f"[{_q(a)},{_q(z)}]" for a, z in self.rcpts)
+        return _seal_body((_META_FMT % (
+            self.chunks, self.created, _q(self.mail_from), self.mid, params, rcpts,
+            _q(self.sha256), self.size)).encode("ascii"))
 
     @property
     def zones(self) -> frozenset[str]:
@@ -167,7 +211,8 @@ class MetaRec:
 
 
 def created_value(mid: int, at_ns: int) -> bytes:
-    return seal({"k": "created", "id": mid, "at": at_ns})
+    """``seal`` of {k: created, id, at}."""
+    return _seal_body((_CREATED_FMT % (at_ns, mid)).encode("ascii"))
 
 
 def check_created(raw: bytes, mid: int) -> int:
@@ -179,7 +224,8 @@ def check_created(raw: bytes, mid: int) -> int:
 
 
 def live_value(mid: int, n: int) -> bytes:
-    return seal({"k": "live", "id": mid, "n": n})
+    """``seal`` of {k: live, id, n}."""
+    return _seal_body((_LIVE_FMT % (mid, n)).encode("ascii"))
 
 
 def decode_live(raw: bytes, mid: int) -> int:

@@ -10,7 +10,7 @@ from queue_ref.kv import claims as cl
 from queue_ref.kv import keys, records
 from queue_ref.kv.base import WriteBatch
 from queue_ref.kv.core import BATCH_BYTES, CHUNK, Core, io_error
-from queue_ref.kv.records import EntryRec, MetaRec
+from queue_ref.kv.records import EntryRec, MetaRec, Stored
 from queue_ref.storage import (
     ClosedError,
     CorruptionError,
@@ -116,11 +116,14 @@ class KvEnqueuer(Enqueuer):
                        self._seq, self._core.clock(), tuple((r.address, r.zone) for r in checked))
         b = self._batch
         b.put(keys.created(mid), records.created_value(mid, meta.created))
-        b.put(keys.meta(mid), meta.encode())
+        meta_raw = meta.encode()
+        b.put(keys.meta(mid), meta_raw)
         b.put(keys.live(mid), records.live_value(mid, len(checked)))
+        stored = []
         for i, r in enumerate(checked):
-            b.put(keys.zone(r.zone, mid, i),
-                  EntryRec(mid, i, records.QUEUED, r.address, r.zone, r.schedule).encode())
+            ref = Stored.of(EntryRec(mid, i, records.QUEUED, r.address, r.zone, r.schedule))
+            stored.append(ref)
+            b.put(keys.zone(r.zone, mid, i), ref.raw)
             b.put(keys.domain(keys.domain_of(r.address), mid, i),
                   records.domain_value(mid, i, r.zone))
         self._done = True
@@ -134,9 +137,10 @@ class KvEnqueuer(Enqueuer):
         finally:
             with self._core.mu:
                 self._core.enqueuing.discard(mid)
+        self._core.remember_meta(meta_raw, meta)
         q = self._queue
-        return [q._issue(QueuedMail, keys.entry_id(mid, i), str(mid), r.schedule, r.zone)
-                for i, r in enumerate(checked)]
+        return [q._issue(QueuedMail, keys.entry_id(mid, i), str(mid), r.schedule, ref)
+                for i, (r, ref) in enumerate(zip(checked, stored, strict=True))]
 
     def abort(self) -> None:
         """Drop the uncommitted message.  Idempotent.

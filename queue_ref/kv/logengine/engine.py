@@ -1,10 +1,17 @@
 """``LogEngine``: a small log-structured KV engine whose every disk call goes through ``IO``.
 
-Write path: a batch is framed (length + CRC32) and appended to the log by the group-commit
-leader; one fdatasync covers the whole group; then the batch enters the memtable.  Once
-the memtable or the log passes ``memtable_limit`` bytes, the leader flushes (below) before
-the next group is taken; flushes and compactions run in the writers' path, never in a
-background thread, so a run's sequence of disk calls is deterministic.
+Write path: a batch is framed (length + CRC32) and appended to the log with the rest of
+its group by the group-commit leader; one fdatasync covers the whole group, then the group
+enters the memtable, so a synced batch becomes visible only once it is durable (see
+``groupcommit``).  An unsynced batch does not queue behind a group's fdatasync: it is
+appended to the log and enters the memtable at once, unless it touches a key of a group
+that is appended but not yet in the memtable (then it queues behind that group).  So the
+log order and the memtable order agree on every key, the log stays one ordered sequence
+(a synced batch makes every batch appended before it durable), and a thread's unsynced
+write never waits for another thread's fsync.  Once the memtable or the log passes
+``memtable_limit`` bytes, the writer that noticed flushes (below) in an exclusive turn;
+flushes and compactions run in the writers' path, never in a background thread, so a
+single-threaded run's sequence of disk calls is deterministic.
 
 Flush (and ``compact()``, which merges everything): merge the memtable with the tables the
 policy picks (``merge.py``) into ``<n>.tbl.tmp``, fsync it, rename it to ``<n>.tbl``;
@@ -31,7 +38,10 @@ import contextlib
 import errno
 import os
 import threading
-from collections.abc import Iterator
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
 
@@ -39,7 +49,7 @@ from queue_ref.io import IO, OsIO, read_file, write_file_durable
 from queue_ref.kv.base import KV, WriteBatch
 from queue_ref.kv.engine_errors import DatabaseCorruptError, DatabaseLockedError
 from queue_ref.kv.logengine import format as fmt
-from queue_ref.kv.logengine.groupcommit import Writer, WriterQueue
+from queue_ref.kv.logengine.groupcommit import Group, Writer, WriterQueue
 from queue_ref.kv.logengine.memtable import Memtable
 from queue_ref.kv.logengine.merge import drop_tombstones, merge_newest, merge_start
 from queue_ref.kv.logengine.table import Table, write_entries
@@ -65,6 +75,18 @@ def _check_key(key: object, what: str = "key") -> bytes:
     return key
 
 
+#: Unsynced records kept in memory before they are written to the log on their own.
+BUFFER_LIMIT = 64 * 1024
+
+
+def _check_ops(ops: Sequence[tuple[object, object]]) -> None:
+    for key, value in ops:
+        if not isinstance(key, bytes):
+            _check_key(key)
+        if value is not None and not isinstance(value, bytes):
+            _check_key(value, "value")
+
+
 class LogEngine(KV):
     """A crash-safe ordered KV store in one directory (see the module docstring)."""
 
@@ -76,6 +98,17 @@ class LogEngine(KV):
         self.memtable_limit = memtable_limit
         self._mu = threading.Lock()  # guards _mem and _tables for readers
         self._writers = WriterQueue()
+        # Guards appending to the log, the order of memtable updates, _pending (groups
+        # appended but not yet in the memtable, in log order) and _durable (a log offset
+        # up to which a finished fdatasync made the current log durable).
+        self._append_mu = threading.Lock()
+        self._pending: deque[Group] = deque()
+        self._durable = 0
+        # Unsynced records not yet written to the log (see the module docstring).
+        self._buffer: list[bytes] = []
+        self._buffered = 0
+        self._drained = threading.Condition(self._append_mu)
+        self._sync_mu = threading.Lock()  # held through each fdatasync of the log
         self._mem = Memtable()
         self._tables: list[Table] = []
         self._log: LogWriter | None = None
@@ -177,7 +210,7 @@ class LogEngine(KV):
             sum(t.size for t in self._tables), garbage,
         )
         if self._over_limit():
-            self._maintain(full=False)
+            self._delete(self._maintain(full=False))
 
     def _open_table(self, number: int) -> Table:
         path = self._p(fmt.table_name(number))
@@ -245,18 +278,23 @@ class LogEngine(KV):
         return self._open_table(number)
 
     def _over_limit(self) -> bool:
-        assert self._log is not None
+        log = self._log
+        if log is None:  # closed
+            return False
         limit = self.memtable_limit
-        return self._mem.approx_bytes > limit or self._log.size > limit
+        return self._mem.approx_bytes > limit or log.size + self._buffered > limit
 
-    def _maintain(self, *, full: bool) -> None:
+    def _maintain(self, *, full: bool) -> list[str]:
         """Flush the memtable merged with the tables the policy picks (all if ``full``).
 
         Runs in an exclusive turn: no writer touches the memtable or the log meanwhile.
+        Returns the files it made garbage (the old log and manifest, the merged tables),
+        for the caller to delete after the turn (``_delete``): unlinking a log of
+        megabytes takes long, and the next open deletes what is left anyway.
         """
         mem, old = self._mem, list(self._tables)
         if not len(mem) and not (full and (len(old) > 1 or any(t.tombstones for t in old))):
-            return
+            return []
         start = 0 if full else merge_start([t.entries for t in old], len(mem))
         inputs = old[start:]
         sources = [iter(mem.range(b"", None))] + [t.scan(b"", None) for t in reversed(inputs)]
@@ -278,12 +316,18 @@ class LogEngine(KV):
             self._tables = tables
             self._mem = Memtable()
             old_log, self._log = self._log, log
+            self._durable = 0
+            self._buffer.clear()  # its batches are in the new table
+            self._buffered = 0
         assert old_log is not None
         old_log.close()
         doomed = [old_log.path, self._p(fmt.manifest_name(old_manifest))]
         for t in inputs:
             doomed.append(t.path)
             t.release()
+        return doomed
+
+    def _delete(self, doomed: list[str]) -> None:
         for path in doomed:
             with contextlib.suppress(OSError):  # garbage: the next open deletes it
                 self.io.unlink(path)
@@ -326,47 +370,136 @@ class LogEngine(KV):
         be in the log (recovery decides), and the engine refuses writes until reopened."""
         if not isinstance(batch, WriteBatch):
             raise TypeError(f"batch must be a WriteBatch, not {type(batch).__name__}")
-        for key, value in batch.ops:
-            _check_key(key)
-            if value is not None:
-                _check_key(value, "value")
+        _check_ops(batch.ops)
         self._check_writable()
         if not batch.ops:
             return
-        w = Writer(fmt.encode_batch(batch.ops), list(batch.ops), sync)
-        group = self._writers.join(w)
-        if group is None:
-            return
-        try:
-            self._commit(group)
-            flush = self._over_limit()
-        except BaseException as e:
-            self._writers.finish(group, e, keep_lead=False)
-            raise
-        self._writers.finish(group, None, keep_lead=flush)
-        if flush:
-            try:
-                self._maintain(full=False)
-            except Exception as e:
-                # The batches are durable in the log; the failure stops later writes.
-                self._failed = e
-            finally:
-                self._writers.release()
+        record = fmt.encode_batch(batch.ops)
+        ops = list(batch.ops)
+        if sync or not self._append_now(record, ops):
+            self._commit(Writer(record, ops, sync))
+        if self._over_limit():
+            self._flush()
 
-    def _commit(self, group: list[Writer]) -> None:
-        self._check_writable()
+    def _append_now(self, record: bytes, ops: list[fmt.Op]) -> bool:
+        """Append an unsynced batch and apply it at once; False if it touches a key of a
+        pending group (it must then queue behind it)."""
+        with self._append_mu:
+            if self._pending:
+                touched = [k for k, _ in ops]
+                if any(not g.keys.isdisjoint(touched) for g in self._pending):
+                    return False
+            self._check_writable()
+            self._buffer.append(record)
+            self._buffered += len(record)
+            if self._buffered >= BUFFER_LIMIT:
+                self._append([])
+            with self._mu:
+                self._mem.apply(ops)
+        return True
+
+    def _append(self, records: list[bytes]) -> LogWriter:
+        """Append the buffered unsynced records, then ``records``, with one write (the
+        caller holds ``_append_mu``).  On error the engine refuses further writes."""
         log = self._log
         assert log is not None
+        self._buffer.extend(records)
+        data = b"".join(self._buffer)
+        self._buffer.clear()
+        self._buffered = 0
         try:
-            log.append(b"".join(x.record for x in group))
-            if any(x.sync for x in group):
-                log.sync()
+            log.append(data)
         except BaseException as e:
             self._failed = e
             raise
-        with self._mu:
-            for x in group:
-                self._mem.apply(x.ops)
+        return log
+
+    def _commit(self, w: Writer) -> None:
+        """Commit ``w`` in a group (see ``groupcommit``); raises its group's error."""
+        if not self._writers.join(w):
+            return
+        with self._sync_mu if w.sync else contextlib.nullcontext():
+            writers = self._writers.group()
+            try:
+                with self._append_mu:
+                    self._check_writable()
+                    log = self._append([x.record for x in writers])
+                    group = Group(writers, log.size)
+                    self._pending.append(group)
+            except BaseException as e:
+                self._writers.handoff(writers)
+                Group(writers, 0).finish(e)
+                raise
+            self._writers.handoff(writers)
+            if group.sync:
+                self._sync(group, log)
+        with self._append_mu:
+            self._apply_ready()
+            if not w.done:
+                group.leader_waits = True
+        if group.leader_waits:
+            w.wake.acquire()
+        if w.error is not None:
+            raise w.error
+
+    def _sync(self, group: Group, log: LogWriter) -> None:
+        """Make the log durable up to ``group.end`` unless a finished sync covers it (the
+        caller holds ``_sync_mu``)."""
+        with self._append_mu:
+            if group.writers[0].done or self._durable >= group.end:
+                return
+            size = log.size
+        started = time.monotonic()
+        try:
+            log.sync()
+        except BaseException as e:
+            with self._append_mu:
+                self._failed = e
+                self._fail_pending(e)
+            return
+        self._writers.note_sync(time.monotonic() - started)
+        with self._append_mu:
+            self._durable = max(self._durable, size)
+
+    def _apply_ready(self) -> None:
+        """Apply, in log order, the pending groups that may become visible (the caller
+        holds ``_append_mu``)."""
+        pending = self._pending
+        while pending and (not pending[0].sync or pending[0].end <= self._durable):
+            group = pending.popleft()
+            with self._mu:
+                for x in group.writers:
+                    self._mem.apply(x.ops)
+            group.finish(None)
+        if not pending:
+            self._drained.notify_all()
+
+    def _fail_pending(self, e: BaseException) -> None:
+        """Fail every pending group (an fdatasync failed; the caller holds ``_append_mu``)."""
+        while self._pending:
+            self._pending.popleft().finish(e)
+        self._drained.notify_all()
+
+    @contextmanager
+    def _turn(self) -> Iterator[None]:
+        """An exclusive turn: no group pending or forming, no unsynced write appending."""
+        with self._writers.exclusive(), self._append_mu:
+            while self._pending:
+                self._drained.wait()
+            yield
+
+    def _flush(self) -> None:
+        """Flush in an exclusive turn if still over the limit."""
+        doomed: list[str] = []
+        with self._turn():
+            if self._closed or self._failed is not None or not self._over_limit():
+                return
+            try:
+                doomed = self._maintain(full=False)
+            except Exception as e:
+                # The batches are in the log; the failure stops later writes.
+                self._failed = e
+        self._delete(doomed)
 
     def iterate(
         self, start: bytes = b"", stop: bytes | None = None
@@ -400,13 +533,14 @@ class LogEngine(KV):
         shadowed values.  On ``OSError`` the contents are unchanged and the engine refuses
         writes until reopened."""
         self._check_writable()
-        with self._writers.exclusive():
+        with self._turn():
             self._check_writable()
             try:
-                self._maintain(full=True)
+                doomed = self._maintain(full=True)
             except Exception as e:
                 self._failed = e
                 raise
+        self._delete(doomed)
 
     def disk_usage(self) -> int:
         self._check_open()
@@ -420,8 +554,12 @@ class LogEngine(KV):
         """Release the files and the lock; waits for a running group or compaction."""
         if self._closed:
             return
-        with self._writers.exclusive():
+        with self._turn():
             if not self._closed:
+                if self._buffer and self._failed is None:
+                    # Unsynced batches promise nothing: losing them to an error is allowed.
+                    with contextlib.suppress(OSError):
+                        self._append([])
                 self._closed = True
                 with self._mu:
                     self._release_files()

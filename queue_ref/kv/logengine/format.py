@@ -70,18 +70,24 @@ def parse_name(name: str) -> tuple[str, int] | None:
 # ---- log records --------------------------------------------------------------------
 
 
+_OP_HEAD = struct.Struct("<BI")
+
+
 def encode_batch(ops: list[Op]) -> bytes:
     """The framed log record of one batch."""
-    parts = [_U32.pack(len(ops))]
+    head = _OP_HEAD.pack
+    u32 = _U32.pack
+    parts = [u32(len(ops))]
+    add = parts.append
     for key, value in ops:
         if value is None:
-            parts.append(struct.pack("<BI", _DEL, len(key)))
-            parts.append(key)
+            add(head(_DEL, len(key)))
+            add(key)
         else:
-            parts.append(struct.pack("<BI", _PUT, len(key)))
-            parts.append(key)
-            parts.append(_U32.pack(len(value)))
-            parts.append(value)
+            add(head(_PUT, len(key)))
+            add(key)
+            add(u32(len(value)))
+            add(value)
     payload = b"".join(parts)
     if len(payload) > MAX_RECORD:
         raise ValueError(f"a batch of {len(payload)} bytes exceeds the {MAX_RECORD}-byte limit")
@@ -103,7 +109,7 @@ def decode_batch(payload: bytes) -> list[Op] | None:
         pos = 4
         ops: list[Op] = []
         for _ in range(count):
-            kind, klen = struct.unpack_from("<BI", payload, pos)
+            kind, klen = _OP_HEAD.unpack_from(payload, pos)
             pos += 5
             key = payload[pos : pos + klen]
             pos += klen
