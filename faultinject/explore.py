@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from faultinject.disk import DiskImage
 from faultinject.errors import ModelError
 from faultinject.inodes import FsState
-from faultinject.ops import SyncDir, SyncFile
+from faultinject.ops import Create, DataOp, EntryOp, SyncDir, SyncFile
 from faultinject.persistence import Choice, Opt, PersistenceModel, Unit
 from faultinject.replay import Replayed
 
@@ -138,37 +138,60 @@ def _targeted(units: Sequence[Unit]) -> Iterator[Choice]:
 
 
 class Builder:
-    """Builds the disk image of a choice: durable operations, then the chosen pending ones."""
+    """Builds the disk image of a choice: durable operations, then the chosen pending ones.
+
+    Inodes whose creation is pending exist from the start, as orphans (no name reaches
+    them until their creation is applied), so the data of a file whose name did not persist
+    lands somewhere nobody sees.  An operation that cannot be applied raises
+    ``ModelError``: with the dependency closure of the models (``Unit.needs``) that is a
+    bug, never something to skip.
+    """
 
     def __init__(self, replayed: Replayed, units: Sequence[Unit]) -> None:
         self.units = units
         self.pos_of = {u.index: p for p, u in enumerate(units)}
         first = units[0].index if units else None
         self.base = replayed.initial.copy()
-        self.tail = []
+        self.tail: list[EntryOp | DataOp] = []
         for op in replayed.ops:
             if isinstance(op, SyncFile | SyncDir):
                 continue
             if first is None or op.index < first:
-                self.base.apply(op)
+                _apply(self.base, op, "durable")
             else:
                 self.tail.append(op)
+        for op in self.tail:
+            if isinstance(op, Create):
+                self.base.add_orphan(op)
 
     def state(self, choice: Choice) -> FsState:
         s = self.base.copy()
         for op in self.tail:
             pos = self.pos_of.get(op.index)
             opt: Opt = "k" if pos is None else choice[pos]
+            if opt == "d":
+                continue
+            what = "durable" if pos is None else "kept"
             if opt == "k":
-                s.apply(op)
+                _apply(s, op, what)
             elif opt == "g":
-                s.apply(op, junk=True)
-            elif isinstance(opt, int):
-                s.apply(op, keep=opt)
+                _apply(s, op, what, junk=True)
+            else:
+                assert isinstance(opt, int)
+                _apply(s, op, what, keep=opt)
         return s
 
     def image(self, choice: Choice) -> DiskImage:
         return self.state(choice).to_image()
+
+
+def _apply(state: FsState, op: EntryOp | DataOp, what: str, *, keep: int | None = None,
+           junk: bool = False) -> None:
+    try:
+        state.apply(op, keep=keep, junk=junk)
+    except ModelError as e:
+        raise ModelError(f"cannot build the crash state: {what} operation #{op.index} does not "
+                         f"apply ({e}); its dependencies were not kept") from e
 
 
 def describe(model: PersistenceModel, replayed: Replayed, units: Sequence[Unit],

@@ -1,10 +1,17 @@
 """An inode-level model of a directory tree, and how operations change it.
 
 ``FsState`` keeps directories (name -> inode), file contents, symlink targets and link
-counts.  ``apply`` is lenient, as a crash state needs: an operation whose preconditions do
-not hold in this state (its directory never persisted, the entry it renames or removes is
-not the inode it was in the trace, the directory to remove is not empty) is skipped and
-``apply`` returns ``False``.
+counts.  An inode exists apart from its names: one that no name reaches is an orphan,
+absent from ``to_image`` (a file whose creation did not persist may still hold data that
+was fsynced; nobody can see it).
+
+``apply`` is strict: an operation whose preconditions do not hold (the entry it renames or
+removes does not name its inode, the name it creates is taken, the directory it removes is
+not empty, the directory it changes does not exist) raises ``ModelError`` and changes
+nothing.  Crash states never meet that: they keep, with every operation, the earlier ones
+it ``needs`` (``faultinject.ops``) and create the inodes of dropped creations as orphans
+(``add_orphan``), so an operation that cannot be applied is a bug of the model or a trace
+that does not match its tree.
 """
 
 from __future__ import annotations
@@ -88,45 +95,62 @@ class FsState:
 
     # ---- applying operations --------------------------------------------------------
 
-    def apply(self, op: EntryOp | DataOp, *, keep: int | None = None, junk: bool = False) -> bool:
+    def add_orphan(self, op: Create) -> None:
+        """Create the inode of ``op`` without a name (a creation a crash state dropped,
+        whose inode later kept operations may still write to, link or fill)."""
+        if op.kind == "d":
+            self.dirs.setdefault(op.ino, {})
+            return
+        if op.kind == "l":
+            self.links[op.ino] = op.target
+        else:
+            self.files.setdefault(op.ino, b"")
+        self.nlink.setdefault(op.ino, 0)
+
+    def apply(self, op: EntryOp | DataOp, *, keep: int | None = None, junk: bool = False) -> None:
         """Apply ``op``; a write keeps only ``keep`` bytes, or holds garbage if ``junk``.
 
-        Returns ``False`` (and changes nothing) when ``op`` cannot happen in this state.
+        Raises ``ModelError`` (and changes nothing) when ``op`` cannot happen in this state.
         """
         if isinstance(op, Write):
-            return self._write(op, keep, junk)
-        if isinstance(op, Truncate):
-            return self._truncate(op)
-        if isinstance(op, Create):
-            return self._create(op)
-        if isinstance(op, Link):
-            return self._link(op)
-        if isinstance(op, Remove):
-            return self._remove(op)
-        return self._rename(op)
-
-    def _alive(self, ino: int) -> bool:
-        return self.nlink.get(ino, 0) > 0
-
-    def _drop_entry_target(self, old: int) -> bool:
-        """Forget a replaced entry's inode; ``False`` if it is a non-empty directory."""
-        if old in self.dirs:
-            if self.dirs[old]:
-                return False
-            del self.dirs[old]
+            self._write(op, keep, junk)
+        elif isinstance(op, Truncate):
+            self._truncate(op)
+        elif isinstance(op, Create):
+            self._create(op)
+        elif isinstance(op, Link):
+            self._link(op)
+        elif isinstance(op, Remove):
+            self._remove(op)
         else:
-            self.nlink[old] = self.nlink.get(old, 1) - 1
-        return True
+            self._rename(op)
 
-    def _create(self, op: Create) -> bool:
-        entries = self.dirs.get(op.parent)
+    def _dir(self, ino: int, what: str) -> dict[str, int]:
+        entries = self.dirs.get(ino)
         if entries is None:
-            return False
-        old = entries.get(op.name)
-        if old is not None and (old in self.dirs or not self._drop_entry_target(old)):
-            return False
+            raise ModelError(f"{what}: directory inode {ino} does not exist")
+        return entries
+
+    def _free_name(self, parent: int, name: str, what: str) -> dict[str, int]:
+        entries = self._dir(parent, what)
+        if name in entries:
+            raise ModelError(f"{what}: the name {name!r} is taken (inode {entries[name]})")
+        return entries
+
+    def _unname(self, ino: int, what: str) -> None:
+        """One name of ``ino`` goes; a directory must be empty (it is then forgotten)."""
+        if ino in self.dirs:
+            if self.dirs[ino]:
+                raise ModelError(f"{what}: directory inode {ino} is not empty "
+                                 f"({sorted(self.dirs[ino])})")
+            del self.dirs[ino]
+        else:
+            self.nlink[ino] = self.nlink.get(ino, 1) - 1
+
+    def _create(self, op: Create) -> None:
+        entries = self._free_name(op.parent, op.name, f"create #{op.index}")
         if op.kind == "d":
-            self.dirs[op.ino] = {}
+            self.dirs.setdefault(op.ino, {})
         else:
             if op.kind == "l":
                 self.links[op.ino] = op.target
@@ -134,29 +158,27 @@ class FsState:
                 self.files.setdefault(op.ino, b"")
             self.nlink[op.ino] = self.nlink.get(op.ino, 0) + 1
         entries[op.name] = op.ino
-        return True
 
-    def _link(self, op: Link) -> bool:
-        entries = self.dirs.get(op.parent)
-        if entries is None or not self._alive(op.ino):
-            return False
-        old = entries.get(op.name)
-        if old == op.ino:
-            return True
-        if old is not None and (old in self.dirs or not self._drop_entry_target(old)):
-            return False
+    def _link(self, op: Link) -> None:
+        what = f"link #{op.index}"
+        if op.ino not in self.files and op.ino not in self.links:
+            raise ModelError(f"{what}: inode {op.ino} is not a file or symlink")
+        entries = self._free_name(op.parent, op.name, what)
         entries[op.name] = op.ino
-        self.nlink[op.ino] += 1
-        return True
+        self.nlink[op.ino] = self.nlink.get(op.ino, 0) + 1
 
-    def _remove(self, op: Remove) -> bool:
-        entries = self.dirs.get(op.parent)
-        if entries is None or entries.get(op.name) != op.ino:
-            return False
-        if not self._drop_entry_target(op.ino):
-            return False
+    def _named(self, parent: int, name: str, ino: int, what: str) -> dict[str, int]:
+        entries = self._dir(parent, what)
+        if entries.get(name) != ino:
+            raise ModelError(f"{what}: {name!r} names inode {entries.get(name)}, "
+                             f"not inode {ino}")
+        return entries
+
+    def _remove(self, op: Remove) -> None:
+        what = f"remove #{op.index}"
+        entries = self._named(op.parent, op.name, op.ino, what)
+        self._unname(op.ino, what)
         del entries[op.name]
-        return True
 
     def _inside(self, top: int, ino: int) -> bool:
         """Whether directory ``ino`` is ``top`` or lies under it."""
@@ -172,48 +194,44 @@ class FsState:
             stack.extend(c for c in self.dirs.get(cur, {}).values() if c in self.dirs)
         return False
 
-    def _rename(self, op: Rename) -> bool:
-        src = self.dirs.get(op.src_parent)
-        dst = self.dirs.get(op.dst_parent)
-        if src is None or dst is None or src.get(op.src_name) != op.ino:
-            return False
+    def _rename(self, op: Rename) -> None:
+        what = f"rename #{op.index}"
+        src = self._named(op.src_parent, op.src_name, op.ino, what)
+        dst = self._dir(op.dst_parent, what)
         if (op.src_parent, op.src_name) == (op.dst_parent, op.dst_name):
-            return True
+            return
         is_dir = op.ino in self.dirs
         if is_dir and self._inside(op.ino, op.dst_parent):
-            return False
+            raise ModelError(f"{what}: directory inode {op.ino} would move under itself")
         old = dst.get(op.dst_name)
         if old == op.ino:
-            return False
-        if old is not None and (
-            (old in self.dirs) != is_dir or not self._drop_entry_target(old)
-        ):
-            return False
+            raise ModelError(f"{what}: {op.dst_name!r} already names inode {op.ino}")
+        if old is not None:
+            if (old in self.dirs) != is_dir:
+                raise ModelError(f"{what}: cannot replace inode {old} by one of another type")
+            self._unname(old, what)
         del src[op.src_name]
         dst[op.dst_name] = op.ino
-        return True
 
-    def _write(self, op: Write, keep: int | None, junk: bool) -> bool:
+    def _write(self, op: Write, keep: int | None, junk: bool) -> None:
         content = self.files.get(op.ino)
         if content is None:
-            return False
+            raise ModelError(f"write #{op.index}: inode {op.ino} is not a file")
         payload = op.data if keep is None else op.data[:keep]
         if junk:
             payload = garbage(op.index, len(payload))
         if op.offset > len(content):
             content += bytes(op.offset - len(content))
         self.files[op.ino] = content[:op.offset] + payload + content[op.offset + len(payload):]
-        return True
 
-    def _truncate(self, op: Truncate) -> bool:
+    def _truncate(self, op: Truncate) -> None:
         content = self.files.get(op.ino)
         if content is None:
-            return False
+            raise ModelError(f"truncate #{op.index}: inode {op.ino} is not a file")
         if op.length <= len(content):
             self.files[op.ino] = content[:op.length]
         else:
             self.files[op.ino] = content + bytes(op.length - len(content))
-        return True
 
     # ---- looking up and listing -----------------------------------------------------
 

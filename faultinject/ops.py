@@ -3,6 +3,12 @@
 ``faultinject.replay`` turns a trace into these; ``faultinject.inodes`` applies them to a
 state.  Every operation names inodes, not paths, so that applying a subset of them (a crash
 state) respects identity: a rename moves *that* file, not whatever has the name.
+
+Directory-entry operations carry ``needs``: the trace indexes of the earlier entry
+operations without which they cannot take effect as they did in the trace (see
+``faultinject.replay``, which computes them).  A crash state that keeps an operation keeps
+everything it needs, transitively; so every kept operation finds the state it found in the
+trace for the names it touches.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ class Create:
     ino: int
     kind: str
     target: str = ""
+    needs: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -30,6 +37,7 @@ class Link:
     parent: int
     name: str
     ino: int
+    needs: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,7 @@ class Remove:
     parent: int
     name: str
     ino: int
+    needs: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,7 @@ class Rename:
     dst_parent: int
     dst_name: str
     ino: int
+    needs: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

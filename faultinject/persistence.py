@@ -9,8 +9,10 @@ with the options a crash may leave it in:
 * ``"g"``: the write's size persisted but its bytes are garbage.
 
 A *choice* gives one option per unit (a tuple in unit order).  ``repair`` maps any choice to a
-valid one of the model (the identity for models whose units are independent); ``enumerate``
-lists every valid choice.  See docs/persistence-models.md for the assumptions and sources.
+valid one of the model; ``enumerate`` lists every valid choice.  Whatever the model, a choice
+is valid only if the set of operations it applies is closed under ``needs``
+(``faultinject.ops``): a durable operation makes what it needs durable, a kept one keeps
+what it needs.  See docs/persistence-models.md for the assumptions and sources.
 """
 
 from __future__ import annotations
@@ -65,7 +67,9 @@ class Unit:
     ``group`` is ``"free"`` (independent), ``"meta"`` (ext4: part of the journal, persisted
     in order) or ``"chain"`` (ext4: new data of inode ``chain``, persisted in order and only
     when at least ``needs_meta`` pending metadata units persisted).  ``lost`` marks data a
-    failed fsync covered.
+    failed fsync covered.  ``needs`` are the positions (in the unit list) of the earlier
+    pending units this one cannot persist without (its operation's ``needs`` that are
+    pending); those units are directory-entry operations, with options ``"k"``/``"d"``.
     """
 
     op: EntryOp | DataOp
@@ -74,6 +78,7 @@ class Unit:
     chain: int = -1
     needs_meta: int = 0
     lost: bool = False
+    needs: tuple[int, ...] = ()
 
     @property
     def index(self) -> int:
@@ -133,7 +138,8 @@ class Weak(PersistenceModel):
     name = "weak"
     summary = ("Power loss on the weakest POSIX file system (ALICE's default): unsynced file "
                "data may be absent, a prefix torn at 512/4096 bytes, or garbage; each unsynced "
-               "directory-entry change persists or not on its own.")
+               "directory-entry change persists or not, together with the earlier changes it "
+               "needs (a durable one makes them durable).")
     sources = ("Pillai et al., All File Systems Are Not Created Equal (ALICE), OSDI 2014",
                "Rebello et al., Can Applications Recover from fsync Failures? (ATC 2020)")
 
@@ -163,17 +169,116 @@ class Weak(PersistenceModel):
                 needs[op.index] = set(entry_dirs(op))
                 for d in needs[op.index]:
                     pending_entries.setdefault(d, []).append(op.index)
-        out = []
+        _close_durable(ops, covered)
+        out: list[Unit] = []
+        pos_of: dict[int, int] = {}
         for op in ops:
             if isinstance(op, SyncFile | SyncDir) or op.index in covered:
                 continue
             if isinstance(op, Write):
                 options: tuple[Opt, ...] = (
                     "k", "d", *tear_points(op.offset, len(op.data), (SECTOR, PAGE)), "g")
+                after: tuple[int, ...] = ()
             else:
                 options = ("k", "d")
-            out.append(Unit(op, options, lost=op.index in lost))
+                after = tuple(pos_of[i] for i in _op_needs(op) if i in pos_of)
+            pos_of[op.index] = len(out)
+            out.append(Unit(op, options, lost=op.index in lost, needs=after))
         return out
+
+    def repair(self, units: Sequence[Unit], choice: Choice) -> Choice:
+        """Options a unit lacks become ``"d"``; then every unit a kept one needs is kept."""
+        return _close_kept(units, super().repair(units, choice))
+
+    def count(self, units: Sequence[Unit]) -> int:
+        """Independent units multiply; each group of units linked by ``needs`` counts its
+        closed choices by search.  Exact when no group has more than ``2 ** 16`` raw
+        combinations (always so for the few units that are enumerated exhaustively);
+        otherwise that group counts its raw combinations, an upper bound."""
+        total = 1
+        for group in _groups(units):
+            raw = math.prod(len(units[p].options) for p in group)
+            if len(group) == 1 or raw > 2 ** 16:
+                total *= raw
+            else:
+                total *= sum(1 for _ in _closed(units, group))
+        return total
+
+    def enumerate(self, units: Sequence[Unit]) -> Iterator[Choice]:
+        """Every choice whose kept units are closed under ``needs``, in product order."""
+        if not any(u.needs for u in units):
+            return itertools.product(*(u.options for u in units))
+        return _closed(units, list(range(len(units))))
+
+    def random_choice(self, units: Sequence[Unit], rng: random.Random) -> Choice:
+        return _close_kept(units, super().random_choice(units, rng))
+
+
+def _op_needs(op: Op) -> tuple[int, ...]:
+    return () if isinstance(op, DataOp | SyncFile | SyncDir) else op.needs
+
+
+def _close_durable(ops: Sequence[Op], durable: set[int]) -> None:
+    """Add to ``durable`` (trace indexes) everything a durable operation needs, transitively:
+    an operation that persisted for sure proves that what it acted on persisted."""
+    by_index = {op.index: op for op in ops}
+    todo = [i for i in durable if i in by_index]
+    while todo:
+        for j in _op_needs(by_index[todo.pop()]):
+            if j not in durable:
+                durable.add(j)
+                todo.append(j)
+
+
+def _close_kept(units: Sequence[Unit], choice: Choice) -> Choice:
+    """``choice`` with every unit a kept (not dropped) unit needs kept, transitively."""
+    out = list(choice)
+    for pos in range(len(units) - 1, -1, -1):  # needs point backwards: one pass suffices
+        if out[pos] != "d":
+            for q in units[pos].needs:
+                if out[q] == "d":
+                    out[q] = "k"
+    return tuple(out)
+
+
+def _groups(units: Sequence[Unit]) -> list[list[int]]:
+    """Positions of units, grouped into the connected parts of the ``needs`` relation."""
+    parent = list(range(len(units)))
+
+    def root(p: int) -> int:
+        while parent[p] != p:
+            parent[p] = parent[parent[p]]
+            p = parent[p]
+        return p
+
+    for pos, u in enumerate(units):
+        for q in u.needs:
+            parent[root(pos)] = root(q)
+    groups: dict[int, list[int]] = {}
+    for pos in range(len(units)):
+        groups.setdefault(root(pos), []).append(pos)
+    return list(groups.values())
+
+
+def _closed(units: Sequence[Unit], positions: list[int]) -> Iterator[Choice]:
+    """Every assignment of options to ``positions`` (ascending, closed under ``needs``)
+    whose kept units have their needs kept; yielded as full-length tuples in product
+    order (units outside ``positions`` are ``"d"``)."""
+    out: list[Opt] = ["d"] * len(units)
+
+    def walk(i: int) -> Iterator[Choice]:
+        if i == len(positions):
+            yield tuple(out)
+            return
+        pos = positions[i]
+        for opt in units[pos].options:
+            if opt != "d" and any(out[q] == "d" for q in units[pos].needs):
+                continue
+            out[pos] = opt
+            yield from walk(i + 1)
+        out[pos] = "d"
+
+    return walk(0)
 
 
 class Ext4Ordered(PersistenceModel):

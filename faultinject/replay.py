@@ -5,16 +5,24 @@ and checks that every call that succeeded on the real disk is possible in the mo
 otherwise it raises ``ModelError`` naming the event (the directory was changed outside the
 seam, or a path left the root).  Calls that had no effect (failed, or crashed before) are
 skipped, except failed fsyncs, whose failure the persistence models need to know.
+
+Each directory-entry operation gets its ``needs`` (``faultinject.ops``): the last earlier
+operation that changed each directory entry (parent inode, name) it reads or writes; for the
+removal or replacement of a directory, the last change of every entry that directory ever
+had (they emptied it); for the move of a directory, the operations that put the
+destination and each of its ancestors where they are (so no crash state can move a
+directory under itself).  Inode creation is not a need: a write, or a link, to an inode
+whose creation was dropped lands in an orphan inode (``FsState.add_orphan``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from faultinject.disk import DiskImage
 from faultinject.errors import ModelError
-from faultinject.inodes import FsState
+from faultinject.inodes import ROOT, FsState
 from faultinject.ops import (
     Create,
     DataOp,
@@ -56,6 +64,13 @@ class _Replayer:
         self.fds: dict[str, _Fd] = {}
         self.low_water: dict[int, int] = {}
         self.event: TraceEvent | None = None
+        self.last_change: dict[tuple[int, str], int] = {}  # (dir, name) -> op index
+        self.touched: dict[int, set[str]] = {}  # dir -> names ever changed in it
+        self.place: dict[int, tuple[int, str]] = {  # dir -> (parent, name) naming it
+            child: (parent, name)
+            for parent, entries in self.state.dirs.items()
+            for name, child in entries.items() if child in self.state.dirs
+        }
 
     def fail(self, why: str) -> ModelError:
         where = self.event.short() if self.event is not None else "?"
@@ -66,9 +81,54 @@ class _Replayer:
         return self.next_ino - 1
 
     def emit(self, op: EntryOp | DataOp) -> None:
-        if not self.state.apply(op):
-            raise self.fail("the model state does not allow it (changed outside the seam?)")
+        if not isinstance(op, Write | Truncate):
+            op = self.with_needs(op)
+        try:
+            self.state.apply(op)
+        except ModelError as e:
+            raise self.fail(f"the model state does not allow it ({e}; changed outside the "
+                            "seam?)") from e
         self.ops.append(op)
+        if not isinstance(op, Write | Truncate):
+            self.record_changes(op)
+
+    def entries_of(self, d: int) -> set[tuple[int, str]]:
+        return {(d, n) for n in self.touched.get(d, ())}
+
+    def with_needs(self, op: EntryOp) -> EntryOp:
+        """``op`` with its ``needs`` (see the module docstring), from the state before it."""
+        keys: set[tuple[int, str]] = set()
+        if isinstance(op, Rename):
+            keys |= {(op.src_parent, op.src_name), (op.dst_parent, op.dst_name)}
+            old = self.state.dirs.get(op.dst_parent, {}).get(op.dst_name)
+            if old is not None and old in self.state.dirs:
+                keys |= self.entries_of(old)
+            if op.ino in self.state.dirs:
+                d = op.dst_parent
+                while d != ROOT and d in self.place:
+                    keys.add(self.place[d])
+                    d = self.place[d][0]
+        else:
+            keys.add((op.parent, op.name))
+            if isinstance(op, Remove) and op.ino in self.state.dirs:
+                keys |= self.entries_of(op.ino)
+        needs = sorted({self.last_change[k] for k in keys if k in self.last_change})
+        return replace(op, needs=tuple(needs))
+
+    def record_changes(self, op: EntryOp) -> None:
+        if isinstance(op, Rename):
+            changed = [(op.src_parent, op.src_name), (op.dst_parent, op.dst_name)]
+            if op.ino in self.state.dirs:
+                self.place[op.ino] = (op.dst_parent, op.dst_name)
+        else:
+            changed = [(op.parent, op.name)]
+            if isinstance(op, Create) and op.kind == "d":
+                self.place[op.ino] = (op.parent, op.name)
+            elif isinstance(op, Remove):
+                self.place.pop(op.ino, None)
+        for key in changed:
+            self.last_change[key] = op.index
+            self.touched.setdefault(key[0], set()).add(key[1])
 
     def lw(self, ino: int) -> int:
         return self.low_water.setdefault(ino, len(self.state.files.get(ino, b"")))

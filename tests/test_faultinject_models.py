@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from faultinject import MODELS, FaultPlan, FaultyIO, snapshot
+from faultinject import MODELS, FaultPlan, FaultyIO, ModelError, crash_state, get_model, snapshot
+from faultinject.explore import Builder
 from faultinject.persistence import tear_points
+from faultinject.replay import replay
 from queue_ref.io import write_file_durable
 from tests.faultinject_support import (
     ALL_MODELS,
@@ -281,3 +283,130 @@ def test_lock_files_and_hard_links_appear_in_crash_states(tmp_path: Path, model:
     io = run(str(tmp_path), script)
     for img in images(io, model):
         assert img.hardlinks == (("a", "b"),) and img.file("LOCK") == b""
+
+
+# ---- dependencies: a durable operation never goes, and brings what it acts on --------------
+
+def three_dirs(root: str) -> None:
+    for d in ("q", "i", "c"):
+        Path(root, d).mkdir()
+    Path(root, "q", "x").write_bytes(OLD)
+
+
+def move_twice(io: FaultyIO, root: str) -> None:
+    """The queue's claim then completion: rename q/x -> i/x unsynced, then i/x -> c/x with
+    both directories fsynced (the second rename is durable)."""
+    io.rename(f"{root}/q/x", f"{root}/i/x")
+    io.rename(f"{root}/i/x", f"{root}/c/x")
+    io.fsync_dir(f"{root}/i")
+    io.fsync_dir(f"{root}/c")
+
+
+def test_a_durable_rename_makes_the_rename_it_moves_durable(tmp_path: Path) -> None:
+    three_dirs(str(tmp_path))
+    io = run(str(tmp_path), move_twice)
+    for model in ALL_MODELS:
+        assert file_sets(io, model) == {frozenset({"c/x"})}, model
+        assert contents(io, model, "c/x") == {OLD}
+    # the first rename is not pending any more: it is durable with the second
+    assert all(not s.dropped for s in states(io, "weak"))
+
+
+def test_a_rename_chain_keeps_its_dependencies_when_pending(tmp_path: Path) -> None:
+    three_dirs(str(tmp_path))
+
+    def script(io: FaultyIO, root: str) -> None:
+        io.rename(f"{root}/q/x", f"{root}/i/x")
+        io.rename(f"{root}/i/x", f"{root}/c/x")  # no fsync at all
+
+    io = run(str(tmp_path), script)
+    # never both names of one file, never the second move without the first
+    assert file_sets(io, "weak") == {frozenset({"q/x"}), frozenset({"i/x"}), frozenset({"c/x"})}
+    first, second = [e.index for e in io.events if e.name == "rename"]
+    only_first = crash_state(io.initial, io.events, "weak", f"d{second}")
+    assert only_first.image.file("i/x") == OLD
+    with pytest.raises(ModelError):  # the second kept without the first: not a state
+        crash_state(io.initial, io.events, "weak", f"d{first}")
+
+
+def test_the_builder_refuses_a_choice_that_breaks_a_dependency(tmp_path: Path) -> None:
+    three_dirs(str(tmp_path))
+
+    def script(io: FaultyIO, root: str) -> None:
+        io.rename(f"{root}/q/x", f"{root}/i/x")
+        io.rename(f"{root}/i/x", f"{root}/c/x")
+
+    io = run(str(tmp_path), script)
+    model = get_model("weak")
+    replayed = replay(io.initial, io.events)
+    units = model.units(replayed.ops)
+    assert [u.needs for u in units] == [(), (0,)]
+    assert model.repair(units, ("d", "k")) == ("k", "k")
+    assert model.count(units) == len(list(model.enumerate(units))) == 3
+    with pytest.raises(ModelError, match="does not apply"):
+        Builder(replayed, units).image(("d", "k"))  # never skipped silently
+
+
+def test_a_durable_unlink_makes_the_names_it_removes_durable(tmp_path: Path) -> None:
+    def setup(root: str) -> None:
+        Path(root, "d1").mkdir()
+        Path(root, "d2").mkdir()
+
+    setup(str(tmp_path))
+
+    def script(io: FaultyIO, root: str) -> None:
+        write_file(io, f"{root}/d1/a", NEW)  # d1 never fsynced
+        io.rename(f"{root}/d1/a", f"{root}/d2/a")
+        io.unlink(f"{root}/d2/a")
+        io.fsync_dir(f"{root}/d2")
+
+    io = run(str(tmp_path), script)
+    for model in POWER_MODELS:
+        assert file_sets(io, model) == {frozenset()}, model
+
+
+def test_a_durable_rmdir_makes_the_moves_out_of_the_directory_durable(tmp_path: Path) -> None:
+    def script(io: FaultyIO, root: str) -> None:
+        io.mkdir(f"{root}/d")
+        io.fsync_dir(root)
+        write_file(io, f"{root}/d/f", NEW)
+        io.fsync_dir(f"{root}/d")
+        io.rename(f"{root}/d/f", f"{root}/f")
+        io.rmdir(f"{root}/d")
+        io.fsync_dir(root)  # rmdir and the rename's new name durable; d never fsynced again
+
+    io = run(str(tmp_path), script)
+    for model in POWER_MODELS:
+        imgs = images(io, model)
+        assert {img.paths() for img in imgs} == {("f",)}, model
+
+
+def test_fsynced_data_of_a_file_whose_name_was_lost_is_invisible_not_an_error(
+        tmp_path: Path) -> None:
+    def script(io: FaultyIO, root: str) -> None:
+        io.mkdir(f"{root}/t")
+        io.mkdir(f"{root}/d")
+        io.fsync_dir(root)
+        write_file(io, f"{root}/t/x", NEW)  # data fsynced; t/ is not: the name may go
+        io.link(f"{root}/t/x", f"{root}/d/x")
+        io.fsync_dir(f"{root}/d")  # the second name is durable, with the data
+
+    io = run(str(tmp_path), script)
+    weak = images(io, "weak")
+    assert {img.file("t/x") for img in weak} == {None, NEW}
+    assert {img.file("d/x") for img in weak} == {NEW}
+
+
+def test_a_directory_never_moves_under_itself_in_a_crash_state(tmp_path: Path) -> None:
+    def script(io: FaultyIO, root: str) -> None:
+        io.mkdir(f"{root}/x")
+        io.mkdir(f"{root}/x/y")
+        io.fsync_dir(root)
+        io.fsync_dir(f"{root}/x")
+        io.rename(f"{root}/x/y", f"{root}/y")
+        io.rename(f"{root}/x", f"{root}/y/x")  # only possible once y left x
+
+    io = run(str(tmp_path), script)
+    for model in POWER_MODELS:
+        assert {img.dirs for img in images(io, model)} == {
+            ("y", "y/x"), ("x", "y"), ("x", "x/y")}, model

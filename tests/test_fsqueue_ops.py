@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from queue_ref.fsqueue import FsQueue
+from queue_ref.fsqueue.owners import OwnerInUseError
 from queue_ref.storage import (
     Capability,
     Footprint,
     InflightMail,
+    InvalidInputError,
+    MisuseError,
     QueuedMail,
     Recipient,
     Schedule,
@@ -234,3 +239,102 @@ def test_threads_of_one_queue_claim_each_entry_once(q: FsQueue) -> None:
         th.join()
     assert sorted(claimed) == everything
     assert list(q.list_queue()) == []
+
+
+# ---- explicit owner token and clock ----------------------------------------------------------
+
+OWNER = "00000000000000a1"
+
+
+def test_owner_and_clock_name_the_queue_and_its_message_ids(tmp_path: Path) -> None:
+    ticks = iter([5_000, 7_000, 6_000])  # the third goes back in time
+    q = FsQueue(str(tmp_path / "q"), owner=OWNER, clock=lambda: next(ticks))
+    try:
+        assert q.owner == OWNER
+        assert f"{OWNER}.lock" in os.listdir(os.path.join(q.root, "owners"))
+        assert os.path.isdir(os.path.join(q.root, "tmp", OWNER))
+        ids = [put(q, 1)[0].message_id for _ in range(3)]
+        assert ids == [f"{5_000:016x}{1:06x}{OWNER}", f"{7_000:016x}{2:06x}{OWNER}",
+                       f"{7_000:016x}{3:06x}{OWNER}"]  # never back in time, still unique
+        assert [h.message_id for h in q.list_queue()] == ids
+    finally:
+        q.close()
+
+
+def test_the_same_owner_and_clock_give_the_same_names(tmp_path: Path) -> None:
+    trees = []
+    for name in ("one", "two"):
+        q = FsQueue(str(tmp_path / name), owner=OWNER, clock=itertools.count(1).__next__)
+        try:
+            h = put(q, 2)
+            assert q.send_start(h[0]) is not None
+            trees.append(sorted(os.path.relpath(os.path.join(d, n), q.root)
+                                for d, dirs, files in os.walk(q.root) for n in dirs + files))
+        finally:
+            q.close()
+    assert trees[0] == trees[1]  # real names, nothing random left in them
+    msgid = f"{1:016x}{1:06x}{OWNER}"
+    assert f"inflight/{msgid}.0@{OWNER}" in trees[0] and f"queue/{msgid}.1" in trees[0]
+
+
+@pytest.mark.parametrize("bad", ["", "00000000000000A1", "0000000000000a1", "g" * 16,
+                                 "0" * 17, "../../etc/passwd", 12, b"00000000000000a1"])
+def test_a_malformed_owner_is_refused_before_touching_the_disk(tmp_path: Path,
+                                                               bad: object) -> None:
+    root = str(tmp_path / "q")
+    with pytest.raises(InvalidInputError, match="owner"):
+        FsQueue(root, owner=bad)  # type: ignore[arg-type]
+    assert not os.path.exists(root)
+
+
+def test_a_clock_must_be_callable_and_give_nanoseconds(tmp_path: Path) -> None:
+    root = str(tmp_path / "q")
+    with pytest.raises(InvalidInputError, match="clock"):
+        FsQueue(root, clock=12)  # type: ignore[arg-type]
+    assert not os.path.exists(root)
+    for bad in (1.5, -1, None, True):
+        q = FsQueue(root, clock=lambda b=bad: b)  # type: ignore[misc]
+        try:
+            with pytest.raises(InvalidInputError, match="clock"):
+                q.enqueue("a@b")
+            assert q.footprint() == Footprint(0, 0)
+        finally:
+            q.close()
+
+
+def test_an_owner_held_by_an_open_queue_is_refused(tmp_path: Path) -> None:
+    root = str(tmp_path / "q")
+    first = FsQueue(root, owner=OWNER)
+    try:
+        (h,) = put(first, 1)
+        with pytest.raises(OwnerInUseError, match="held by another open queue") as err:
+            FsQueue(root, owner=OWNER)
+        assert isinstance(err.value, MisuseError)
+        other = FsQueue(root)  # a queue with its own token sees the first one alive
+        try:
+            assert other._owners.alive(OWNER)
+            assert other.send_start(next(iter(other.list_queue()))) is not None
+        finally:
+            other.close()
+        assert first.send_start(h) is None  # the other queue claimed it; first still works
+        assert f"{OWNER}.lock" in os.listdir(os.path.join(root, "owners"))
+    finally:
+        first.close()
+
+
+def test_an_owner_a_dead_queue_left_on_disk_is_never_reused(tmp_path: Path) -> None:
+    root = str(tmp_path / "q")
+    FsQueue(root).close()
+    for leftover in (f"owners/{OWNER}.lock", f"tmp/{OWNER}"):
+        path = os.path.join(root, leftover)
+        if leftover.startswith("tmp/"):
+            os.mkdir(path)
+        else:
+            open(path, "wb").close()
+        with pytest.raises(OwnerInUseError, match="used before"):
+            FsQueue(root, owner=OWNER)
+        assert os.path.exists(path)  # a dead owner's files are recovery's to remove
+        assert sorted(os.listdir(os.path.join(root, "owners"))) == sorted(
+            {"gate.lock", f"{OWNER}.lock"} if leftover.startswith("owners/") else {"gate.lock"})
+        FsQueue(root).close()  # recovery removes them
+        assert not os.path.exists(path)

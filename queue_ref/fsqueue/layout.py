@@ -17,8 +17,10 @@ Layout under the queue's root (seed 001, with ``tmp/``, ``quarantine/`` and ``ow
     owners/gate.lock             serialises opening and recovery (see recovery.py)
 
 Ids are never built from addresses.  A message id is ``<time_ns:016x><counter:06x><owner>``:
-time-ordered, and unique across processes because ``owner`` is a fresh random token per open
-queue.  An entry id is ``<msgid>.<index>``.  Nothing here touches the disk.
+time-ordered, and unique across processes because ``owner`` is a fresh token per open queue
+(random unless given; see ``FsQueue``).  The time comes from the queue's ``clock``
+(``time.time_ns`` unless given).  An entry id is ``<msgid>.<index>``.  Nothing here touches
+the disk.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import re
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from os.path import join
 
@@ -57,6 +60,11 @@ GATE = "gate.lock"
 def new_owner() -> str:
     """A fresh random owner token (64 bits)."""
     return secrets.token_hex(OWNER_LEN // 2)
+
+
+def is_owner_token(value: object) -> bool:
+    """Whether ``value`` is an owner token: ``OWNER_LEN`` lowercase hex digits."""
+    return isinstance(value, str) and OWNER_RE.match(value) is not None
 
 
 def owner_of_msgid(msgid: str) -> str:
@@ -169,17 +177,29 @@ class Layout:
 
 
 class MessageIds:
-    """Time-ordered message ids for one owner; thread-safe."""
+    """Time-ordered message ids for one owner; thread-safe.
 
-    def __init__(self, owner: str) -> None:
+    ``clock`` gives nanoseconds (a non-negative int); it is called once per id, under a
+    lock.  Ids never go back in time even if the clock does, and stay unique within the
+    owner through the counter (24 bits, wrapping).
+    """
+
+    def __init__(self, owner: str, clock: Callable[[], int] = time.time_ns) -> None:
         self.owner = owner
+        self.clock = clock
         self._lock = threading.Lock()
         self._last = 0
         self._counter = 0
 
     def next(self) -> str:
+        """The next id.  ``ValueError`` (nothing consumed) if the clock returns anything
+        but a non-negative int."""
         with self._lock:
-            now = max(time.time_ns(), self._last)
+            t = self.clock()
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise ValueError(f"the message id clock returned {t!r}, not a non-negative "
+                                 "int of nanoseconds")
+            now = max(t, self._last)
             self._last = now
             self._counter = (self._counter + 1) % (1 << 24)
             return f"{now % (1 << 64):016x}{self._counter:06x}{self.owner}"

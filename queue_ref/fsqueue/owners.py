@@ -1,10 +1,11 @@
 """Owners: which open queues (processes, or several FsQueue objects of one process) are alive.
 
-Each open FsQueue has a random owner token and holds an exclusive ``flock`` on
+Each open FsQueue has an owner token (random, or given fresh) and holds an exclusive ``flock`` on
 ``owners/<token>.lock`` for as long as it is open; the kernel drops the lock when the
 process dies, whatever the way.  Another queue tests an owner by trying to take that lock
 (``IO.lock_exclusive``, non-blocking): if it gets it, or the file does not exist, the owner
-is dead.  A dead owner stays dead (tokens are never reused), so deaths are cached.
+is dead.  A dead owner stays dead (tokens are never reused), so deaths are cached;
+``register`` refuses a token that is held, or that a dead owner left on disk.
 
 ``owners/gate.lock`` is taken (blocking) around registering a new owner and around every
 recovery.  A recovery that holds the gate and finds every other owner dead therefore runs
@@ -21,6 +22,11 @@ from contextlib import contextmanager
 from queue_ref.fsqueue.diskutil import if_exists, listdir_or_empty
 from queue_ref.fsqueue.layout import OWNER_LOCK_RE, Layout
 from queue_ref.io import IO
+from queue_ref.storage import MisuseError
+
+
+class OwnerInUseError(MisuseError):
+    """The owner token asked for is held by another open queue, or was used before."""
 
 
 class Owners:
@@ -42,10 +48,27 @@ class Owners:
             self.io.unlock(fd)
 
     def register(self) -> int:
-        """Take our own liveness lock; returns the fd that holds it."""
-        fd = self.io.lock_exclusive(self.layout.owner_lock(self.me))
+        """Take our own liveness lock; returns the fd that holds it.  Call with the gate held.
+
+        OwnerInUseError if another open queue holds the token, or if a queue that died
+        used it (its lock file or ``tmp/<token>`` is still there): a token is never
+        reused.  Nothing is then held, and nothing of the dead owner's is removed (that is
+        recovery's work).
+        """
+        path = self.layout.owner_lock(self.me)
+        existed = self.io.exists(path)
+        fd = self.io.lock_exclusive(path)
         if fd is None:
-            raise OSError(f"owner lock {self.me} is already held")
+            raise OwnerInUseError(f"owner token {self.me} is held by another open queue on "
+                                  f"{self.layout.root}")
+        if existed or self.io.exists(self.layout.tmp_owner(self.me)):
+            if existed:
+                self.io.unlock(fd)
+            else:
+                self.release(fd)  # the lock file is ours: leave nothing behind
+            raise OwnerInUseError(f"owner token {self.me} was used before on "
+                                  f"{self.layout.root} by a queue that is gone; owner tokens "
+                                  "must never be reused")
         return fd
 
     def alive(self, owner: str) -> bool:
