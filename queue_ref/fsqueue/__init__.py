@@ -1,6 +1,6 @@
 """The filesystem queue backend (seed 001's layout, crash-safe under power loss).
 
-``FsQueue(root, io=None, *, recover=True)``; the protocol is documented in ``steps.py``,
+``FsQueue(root, io=None, *, recover=True, owner=None, clock=time.time_ns)``; the protocol is documented in ``steps.py``,
 recovery in ``recovery.py``, names and paths in ``layout.py``.
 """
 
