@@ -18,7 +18,12 @@ from conformance.cli import main
 from conformance.crash.cases import CaseInput, CaseOutcome, build_case, run_case
 from conformance.crash.explore import ExploreConfig, explore, plan
 from conformance.crash.report import reproduce
-from conformance.crash.runner import recover_image, recovery_crash_points, run_workload
+from conformance.crash.runner import (
+    Run,
+    recover_image,
+    recovery_crash_points,
+    run_workload,
+)
 from conformance.crash.scenario import (
     ScenarioError,
     ScenarioId,
@@ -93,12 +98,16 @@ def test_scenario_ids_round_trip() -> None:
                    "all", 4, "g7"),
         ScenarioId("pkg.mod:make", "process-kill", "b1w1", "eio", 16, "after", "all"),
         ScenarioId("fs", "none", "b2w3", "rest"),
+        ScenarioId("fs", "weak", "b3w17", "crash", 3, "rest", "d12.14~16"),
+        ScenarioId("fs", "weak", "r5n20", "recovery", 0, "rest", "all", 4, "g7"),
     ):
         text = str(sid)
         assert " " not in text
         assert parse(text, ALL_MODELS) == sid
     assert str(ScenarioId("fs", "weak", "b3w17", "crash", 9, "before", "d12")) == \
         "fs-weak-b3w17-c9b-sd12"
+    assert str(ScenarioId("fs", "weak", "b3w17", "crash", 3, "rest", "all")) == \
+        "fs-weak-b3w17-rest3-sall"
     for bad in ("", "fs-weak", "fs-nomodel-b3w1-c1b-sall", "fs-weak-b3w1-c1x-sall"):
         with pytest.raises(ScenarioError):
             parse(bad, ALL_MODELS)
@@ -124,6 +133,8 @@ def test_fs_random_workload_has_no_violations() -> None:
                               random_length=8 if not thorough() else 25, seed=11,
                               recovery_sample=1))
     assert s.workloads == 2 and s.crash_points > 50
+    # at rest: after opening (the empty workload), and after every call of the random one
+    assert s.rest_points == 1 + (8 if not thorough() else 25)
     assert not s.failures and not s.errors
 
 
@@ -243,4 +254,79 @@ def test_cli_clean_run_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
                  "--json"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["violations"] == {} and summary["states"] > summary["crash_points"]
+    assert summary["rest_points"] == summary["workloads"]  # one per workload at bound 1
     assert isinstance(CaseOutcome, type)
+
+
+# ---- crashes at rest ----------------------------------------------------------------------
+
+ZONEMTA = "conformance.examples.peers.zonemta:factory"
+
+
+def test_at_rest_point_catches_what_in_call_points_cannot() -> None:
+    """A commit that returns before its names are durable: every crash inside the enqueue
+    may lose the message (the enqueue did not happen), but once commit returned, a power
+    cut must not.  Only the crash at rest after the call shows it."""
+    name = "fs-broken-nosync-after-body"
+    blind = explore_task(task_for(name, (E1,), ALL_MODELS, at_rest=False))
+    assert blind.points > 10 and blind.rest_points == 0
+    assert not blind.failures and not blind.errors  # vacuously certified
+    r = explore_task(task_for(name, (E1,), ALL_MODELS))
+    assert r.points == blind.points + 1 and r.rest_points == 1
+    assert r.failures and not r.errors
+    assert {f.case.when for f in r.failures} == {"rest"}
+    assert {c for f in r.failures for c in f.clauses} == {"C1"}
+    assert not r.per_model["process-kill"].violations  # the kernel had every name
+    first = r.failures[0]
+    assert re.fullmatch(rf"{name}-(weak|ext4-ordered)-b1w1-rest1-s\S+", first.scenario)
+    case = CaseInput.from_scenario(parse(first.scenario, ALL_MODELS))
+    assert case == first.case
+    again = run_case(case)
+    assert (again.violations, again.trace_hash, again.image) == \
+        (first.violations, first.trace_hash, first.image)
+    rep = reproduce(first.scenario)
+    assert rep.outcome.clauses == ("C1",)
+    assert rep.crash.startswith("at rest: the process died after 1 call(s) returned")
+    assert rep.operations[0].endswith("<-- returned; then the process died (at rest)")
+    assert len(rep.allowed) == 1 and rep.allowed[0] and not rep.recovered
+    assert any(line.startswith("  at rest: m0[0] ") for line in rep.lines())
+
+
+def test_buffered_backend_loses_acknowledged_data_even_on_process_kill() -> None:
+    """The ZoneMTA re-creation keeps unsynced log records in its memory: its enqueue makes
+    no mutating call at all, so only the point at rest exists, and there even a process
+    kill (the kernel keeps what reached it; the process's buffers die) loses the message."""
+    r = explore_task(task_for(ZONEMTA, (E1,), ("process-kill",), recovery=False, eio=False))
+    assert (r.points, r.rest_points) == (1, 1) and not r.errors
+    assert [(f.case.when, f.clauses) for f in r.failures] == [("rest", ("C1",))]
+    assert r.failures[0].scenario == f"{ZONEMTA}-process-kill-b1w1-rest1-sall"
+    assert reproduce(r.failures[0].scenario).outcome.violations == r.failures[0].violations
+
+
+def test_at_rest_after_every_call_and_inside_recovery() -> None:
+    """A task over every call crashes at rest after opening and after each call; a crash
+    at rest followed by a crash inside recovery replays from its id too."""
+    wl = (E1, START)
+    r = explore_task(task_for("fs", wl, ("weak",), whole=True, recovery=False, eio=False))
+    assert r.rest_points == 3 and not r.failures and not r.errors
+    run = run_workload_for_rest(wl)
+    assert [run.rest_cut(n) for n in range(3)] == [run.open_events, *run.event_ends]
+    assert run.rest_cut(2) == run.workload_end
+    with pytest.raises(ValueError):
+        run.rest_cut(3)
+    case = CaseInput("fs", workload_id(wl), wl, "recovery", "weak", 2, "rest", "all", 0,
+                     "all")
+    assert CaseInput.from_scenario(parse(str(case.scenario), ALL_MODELS)) == case
+    built = build_case(case)
+    assert built.outcome.ok and built.at_rest == 2 and built.second is not None, built.outcome
+    assert built.recovered is not None and built.recovered.entries  # requeued, not lost
+    bad = run_case(CaseInput("fs", workload_id(wl), wl, "crash", "weak", 3, "rest", "all"))
+    assert bad.error and "no rest point after 3 calls" in bad.error
+
+
+def run_workload_for_rest(wl: tuple[Call, ...]) -> Run:
+    from conformance.crash.backends import resolve
+
+    run = run_workload(resolve("fs"), wl)
+    assert not run.crashed and run.returned() == len(wl)
+    return run

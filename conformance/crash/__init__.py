@@ -1,5 +1,6 @@
-"""Crash exploration: crash a backend at every mutating call, rebuild the disk as each
-persistence model allows, recover, and judge the result against ``spec.crash``.
+"""Crash exploration: crash a backend at every mutating call and at rest between calls,
+rebuild the disk as each persistence model allows, recover, and judge the result against
+``spec.crash``.
 
 Modules: ``workloads`` (what to run), ``driver`` (running it in lockstep with the model),
 ``runner`` (traced runs, rebuilt disks, recovery), ``recovered`` (reading a recovered

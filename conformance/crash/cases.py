@@ -7,9 +7,11 @@ of it; it needs no state of the caller, so a cluster can spread cases over machi
 
 Judging (``judge_recovered``): the recovered entries, mapped to the model's numbering,
 must be the restart view of the state before the interrupted call or after it
-(``spec.crash.judge``); problems met while reading them back and draining the queue to
-zero objects (C6, C8, C10) are added.  A violation seen only after a second crash, inside
-recovery, is reported as C10 with the first clause in its detail.
+(``spec.crash.judge``), or, after a crash at rest (between calls, ``when == "rest"``),
+exactly the restart view of the state the returned calls left (``call`` None); problems
+met while reading them back and draining the queue to zero objects (C6, C8, C10) are
+added.  A violation seen only after a second crash, inside recovery, is reported as C10
+with the first clause in its detail.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from conformance.crash.runner import (
     run_workload,
     scratch_dir,
 )
-from conformance.crash.scenario import NO_CRASH, ScenarioId, decode_workload
+from conformance.crash.scenario import AT_REST, NO_CRASH, WHENS, ScenarioId, decode_workload
 from conformance.crash.workloads import Workload
 from faultinject.errors import ModelError
 from faultinject.models import CrashState, crash_state
@@ -50,8 +52,8 @@ class CaseInput:
     workload: Workload
     kind: str = "crash"  # "crash", "recovery", "eio" or "rest"
     model: str = NO_CRASH
-    index: int = -1  # mutating call that crashed (or failed, for "eio")
-    when: str = "after"
+    index: int = -1  # mutating call that crashed (or failed, for "eio"); at rest: calls
+    when: str = "after"  # "before", "after", or AT_REST: between calls, ``index`` returned
     state_key: str = ""
     recovery_index: int = -1
     recovery_key: str = ""
@@ -191,6 +193,18 @@ class Built:
     second: CrashState | None = None  # the state left by the crash inside recovery
     recovery_events: list[TraceEvent] = field(default_factory=list)
     recovered: Recovered | None = None
+    at_rest: int | None = None  # a crash at rest: how many calls had returned
+
+
+def rest_run(backend: BackendSpec, workload: Workload, calls: int) -> tuple[Run, int]:
+    """Run ``workload`` without faults; the run and how many of its events a crash at rest
+    after ``calls`` returned calls keeps (``ValueError`` if the run stopped earlier)."""
+    run = run_workload(backend, workload)
+    what = run.divergence if run.divergence is not None else run.error
+    if what is not None and run.returned() < calls:
+        raise ValueError(f"call {run.stopped_in} stopped the run before {calls} calls "
+                         f"returned: {type(what).__name__}: {what}")
+    return run, run.rest_cut(calls)
 
 
 def run_case(case: CaseInput) -> CaseOutcome:
@@ -223,25 +237,36 @@ def _build(case: CaseInput, sid: str) -> Built:
                                  state.description), run, failed, state, recovered=rec)
     if case.kind not in ("crash", "recovery"):
         raise ValueError(f"unknown case kind {case.kind!r}")
-    run = run_workload(backend, case.workload,
-                       FaultPlan(crash_at=case.index, crash_when=case.when))
-    if not run.crashed:
-        return Built(CaseOutcome(case, sid, (), run.trace_hash, error=(
-            f"no crash: the run made only {run.mutating_total} mutating calls")), run)
-    before, call = run.interrupted()
-    state = crash_state(run.initial, run.events, case.model, case.state_key)
+    if case.when not in WHENS:
+        raise ValueError(f"unknown crash moment {case.when!r}; known: {', '.join(WHENS)}")
+    call: Call | None
+    interrupted: int | None
+    at_rest: int | None = None
+    if case.when == AT_REST:
+        run, cut = rest_run(backend, case.workload, case.index)
+        at_rest, interrupted = case.index, None
+        before, call = run.models[case.index], None
+    else:
+        run = run_workload(backend, case.workload,
+                           FaultPlan(crash_at=case.index, crash_when=case.when))
+        if not run.crashed:
+            return Built(CaseOutcome(case, sid, (), run.trace_hash, error=(
+                f"no crash: the run made only {run.mutating_total} mutating calls")), run)
+        cut, interrupted = len(run.events), run.stopped_in
+        before, call = run.interrupted()
+    state = crash_state(run.initial, run.events[:cut], case.model, case.state_key)
     rec = recover_image(backend, state.image)
     if case.kind == "crash":
         found = judge_recovered(rec, run, before, call)
         return Built(CaseOutcome(case, sid, found, run.trace_hash, image_digest(state.image),
-                                 state.description), run, run.stopped_in, state,
-                     recovered=rec)
+                                 state.description), run, interrupted, state,
+                     recovered=rec, at_rest=at_rest)
     initial, events, crashed = recovery_trace(
         backend, state.image, FaultPlan(crash_at=case.recovery_index, crash_when="after"))
     if not crashed:
         return Built(CaseOutcome(case, sid, (), run.trace_hash, error=(
             f"recovery made fewer than {case.recovery_index + 1} mutating calls")), run,
-            run.stopped_in, state)
+            interrupted, state, at_rest=at_rest)
     second = crash_state(initial, events, case.model, case.recovery_key)
     rec2 = recover_image(backend, second.image)
     found = as_recovery_violations(judge_recovered(rec2, run, before, call),
@@ -249,4 +274,4 @@ def _build(case: CaseInput, sid: str) -> Built:
     return Built(CaseOutcome(case, sid, found, run.trace_hash, image_digest(second.image),
                              f"first crash: {state.description}; crash in recovery: "
                              f"{second.description}"),
-                 run, run.stopped_in, state, second, events, rec2)
+                 run, interrupted, state, second, events, rec2, at_rest)

@@ -36,7 +36,8 @@ def register(subparsers: Any) -> None:
     sub = p.add_subparsers(dest="crash_command", required=True, metavar="SUBCOMMAND")
 
     e = sub.add_parser("explore", help="crash a backend at every mutating call of short "
-                                       "workloads and judge every recovered state")
+                                       "workloads and at rest after them, and judge every "
+                                       "recovered state")
     e.add_argument("--backend", default="fs",
                    help="registered name (see 'crash backends') or package.module:factory")
     e.add_argument("--model", default="weak",
@@ -126,9 +127,10 @@ def _print_summary(out: Console, s: Summary) -> None:
         t.add_row(m, str(st.points), str(st.states), str(st.recovery_states),
                   str(st.eio_states), str(len(st.images)), bad)
     out.print(t)
-    out.print(f"workloads {s.workloads}, crash points {s.crash_points} (+ {s.eio_points} "
-              f"fsyncs failed with EIO), states explored {s.states}, distinct states "
-              f"{s.distinct_states}, time {s.seconds:.1f}s")
+    out.print(f"workloads {s.workloads}, crash points {s.crash_points} ({s.rest_points} at "
+              f"rest, between calls; + {s.eio_points} fsyncs failed with EIO), states "
+              f"explored {s.states}, distinct states {s.distinct_states}, "
+              f"time {s.seconds:.1f}s")
     rest = s.per_model.get("none")
     if rest is not None and rest.violations:
         out.print(f"[red]without any crash:[/red] {rest.violations}")

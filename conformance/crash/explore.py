@@ -1,8 +1,9 @@
 """The exploration: every workload's task, run here or in worker processes, summed up.
 
 ``plan(config)`` lists the tasks: one per workload of the exhaustive enumeration (crash
-points inside its last call; the empty workload covers opening a new queue), and one per
-random workload (crash points inside every call).  ``explore(config)`` runs them, with
+points inside its last call and at rest after it; the empty workload covers opening a new
+queue), and one per random workload (crash points inside every call and at rest after
+each).  ``explore(config)`` runs them, with
 ``jobs`` worker processes when asked, and returns a ``Summary``.
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 from conformance.crash.backends import resolve
 from conformance.crash.cases import CaseOutcome
 from conformance.crash.runner import OPEN, Limits
-from conformance.crash.scenario import NO_CRASH
+from conformance.crash.scenario import AT_REST, NO_CRASH
 from conformance.crash.tasks import (
     DEFAULT_LIMITS,
     RECOVERY_LIMITS,
@@ -46,6 +47,7 @@ class ExploreConfig:
     recovery_sample: int = 3
     recovery_limits: Limits = RECOVERY_LIMITS
     eio: bool = True
+    at_rest: bool = True  # also crash at rest, after the calls (see ``tasks``)
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.models if m not in MODELS]
@@ -60,7 +62,7 @@ class ExploreConfig:
 def plan(cfg: ExploreConfig) -> list[Task]:
     def task(wid: str, workload: tuple[Any, ...], first: int) -> Task:
         return Task(cfg.backend, wid, workload, first, cfg.models, cfg.limits, cfg.recovery,
-                    cfg.recovery_limits, cfg.recovery_sample, cfg.eio)
+                    cfg.recovery_limits, cfg.recovery_sample, cfg.eio, cfg.at_rest)
 
     out = [task(f"b{cfg.bound}w{s.index}", s.workload, len(s.workload) - 1 if s.workload
                 else OPEN) for s in enumerate_steps(cfg.bound)]
@@ -74,7 +76,8 @@ def plan(cfg: ExploreConfig) -> list[Task]:
 class Summary:
     config: ExploreConfig
     workloads: int = 0
-    crash_points: int = 0
+    crash_points: int = 0  # at rest included
+    rest_points: int = 0
     eio_points: int = 0
     per_model: dict[str, ModelStats] = field(default_factory=dict)
     failures: list[CaseOutcome] = field(default_factory=list)
@@ -84,6 +87,7 @@ class Summary:
     def add(self, r: TaskResult) -> None:
         self.workloads += 1
         self.crash_points += r.points
+        self.rest_points += r.rest_points
         self.eio_points += r.eio_points
         for m, st in r.per_model.items():
             self.per_model.setdefault(m, ModelStats()).merge(st)
@@ -131,7 +135,7 @@ class Summary:
             "backend": c.backend, "models": list(c.models), "bound": c.bound,
             "random": c.random, "random_length": c.random_length, "seed": c.seed,
             "workloads": self.workloads, "crash_points": self.crash_points,
-            "eio_points": self.eio_points,
+            "rest_points": self.rest_points, "eio_points": self.eio_points,
             "states": self.states, "distinct_states": self.distinct_states,
             "violations": self.violations, "violating_states": self.violating,
             "minimal": {k: v.scenario for k, v in self.minimal().items()},
@@ -146,9 +150,12 @@ class Summary:
         }
 
 
-def minimal_key(f: CaseOutcome) -> tuple[int, int, int, int, str]:
+def minimal_key(f: CaseOutcome) -> tuple[int, int, int, int, int, str]:
+    """Shortest workload first; then a crash inside a call before one at rest (it shows
+    where the process died) of the same kind, then the fewest dropped or torn writes."""
     c = f.case
-    return (len(c.workload), KIND_ORDER.get(c.kind, 9), len(c.state_key), c.index, f.scenario)
+    return (len(c.workload), KIND_ORDER.get(c.kind, 9), int(c.when == AT_REST),
+            len(c.state_key), c.index, f.scenario)
 
 
 def _results(tasks: list[Task], jobs: int) -> Iterator[TaskResult]:

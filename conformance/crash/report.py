@@ -8,7 +8,7 @@ from typing import Any
 from conformance.crash.cases import Built, CaseInput, CaseOutcome, build_case
 from conformance.crash.recovered import to_views
 from conformance.crash.runner import OPEN, Run
-from conformance.crash.scenario import parse
+from conformance.crash.scenario import AT_REST, parse
 from faultinject.models import MODELS, CrashState
 from faultinject.trace import TraceEvent
 from spec.crash import CLAUSES, allowed_views
@@ -62,7 +62,11 @@ class Reproduction:
         out += [f"  torn:    {t}" for t in self.torn]
         out.append("recovered:")
         out += [f"  {r}" for r in self.recovered or ["(nothing listed)"]]
-        if o.violations:
+        if o.violations and o.case.when == AT_REST and o.case.kind in ("crash", "recovery"):
+            out.append("allowed after recovery (the state the returned calls left):")
+            for view in self.allowed:
+                out.append(f"  at rest: {'; '.join(view) or '(empty)'}")
+        elif o.violations:
             out.append("allowed after recovery (the state before or after the call):")
             for i, view in enumerate(self.allowed):
                 out.append(f"  {'before' if i == 0 else 'after'}: {'; '.join(view) or '(empty)'}")
@@ -109,14 +113,25 @@ def explain(built: Built) -> Reproduction:
     case = o.case
     for i, op in enumerate(case.workload):
         mark = ""
-        if built.call is not None and i == built.call:
+        if built.at_rest is not None:
+            if i == built.at_rest - 1:
+                mark = "   <-- returned; then the process died (at rest)"
+            elif i >= built.at_rest:
+                mark = "   (not reached)"
+        elif built.call is not None and i == built.call:
             mark = "   <-- failed here" if case.kind == "eio" else "   <-- crashed inside"
         elif built.call is not None and i > built.call:
             mark = "   (not reached)"
         rep.operations.append(f"{i}: {op.describe()}{mark}")
     if built.call == OPEN:
         rep.operations.insert(0, "(crashed while opening the queue)")
-    if run is not None:
+    if built.at_rest is not None:
+        if built.at_rest == 0:
+            rep.operations.insert(0, "(the process died right after opening the queue)")
+        rep.crash = (f"at rest: the process died after {built.at_rest} call(s) returned, "
+                     "with no call in flight and without closing the queue (what the "
+                     "backend kept in memory is lost)")
+    elif run is not None:
         hit = next((e for e in run.events if e.crash is not None or e.injected), None)
         if hit is not None:
             rep.crash = _event_line(run, hit)
@@ -134,7 +149,9 @@ def explain(built: Built) -> Reproduction:
     if run is None:
         return rep
     call: Call | None
-    if built.call is not None and built.call != OPEN:
+    if built.at_rest is not None:
+        before, call = run.models[built.at_rest], None
+    elif built.call is not None and built.call != OPEN:
         before, call = run.models[built.call], case.workload[built.call]
     elif built.call == OPEN:
         before, call = run.models[0], None

@@ -3,6 +3,9 @@
 * ``run_workload``: run a workload on a fresh directory through ``FaultyIO`` (optionally
   crashing or failing at a mutating call), keeping the trace, the model state before
   every call, and the ids the backend gave.
+* ``Run.rest_cut``: where in the trace of a run that did not crash a crash *at rest*
+  falls: after a number of calls returned, with no operation in flight and the backend
+  not closed (whatever it kept in its own memory dies with the process).
 * ``recover_image``: materialize a crash state's disk in a fresh directory, open the
   backend there with a plain seam (``ScratchIO``; recovery runs) and read everything
   back (``recovered.inspect``).  Cached per disk image: equal disks recover equally.
@@ -111,6 +114,27 @@ class Run:
     mutating_total: int = 0
     open_end: int = 0  # the mutating-call count when opening the queue returned
     workload_end: int = 0  # len(events) when the last call returned (before any close)
+    open_events: int = 0  # len(events) when opening the queue returned
+    event_ends: list[int] = field(default_factory=list)  # len(events) when call i returned
+
+    def returned(self) -> int:
+        """How many calls of the workload returned (raising counts as not returning)."""
+        if self.stopped_in is None:
+            return len(self.workload)
+        return max(self.stopped_in, 0)
+
+    def rest_cut(self, calls: int) -> int:
+        """How many trace events a crash at rest after ``calls`` calls returned keeps.
+
+        The process dies between two calls: no operation is in flight and the backend is
+        not closed, so what it kept in memory is lost; what reached the seam is in the
+        trace.  ``calls`` is 0 (right after opening the queue) up to ``returned()``.
+        Raises ``ValueError`` for a point the run did not reach.
+        """
+        if self.stopped_in == OPEN or not 0 <= calls <= self.returned():
+            raise ValueError(f"the run has no rest point after {calls} calls (it returned "
+                             f"from {self.returned()} of {len(self.workload)} calls)")
+        return self.open_events if calls == 0 else self.event_ends[calls - 1]
 
     def interrupted(self) -> tuple[Model, Call | None]:
         """The model state the interrupted call met, and the call (None: opening)."""
@@ -136,7 +160,8 @@ def run_workload(backend: BackendSpec, workload: Workload, plan: FaultPlan | Non
     A call that raises (an injected EIO) ends the run there.  The trace (``events``,
     ``trace_hash``) ends where the workload stopped: a power cut that follows sees the
     disk as the last call left it.  Unless the process "died", the queue is then closed
-    to release its files; those calls are not in the trace.
+    to release its files; those calls are not in the trace, so a crash at the end of the
+    trace (``rest_cut``) is one of a process that never closed the queue.
     """
     if root is None:
         with scratch_dir() as d:
@@ -149,9 +174,11 @@ def run_workload(backend: BackendSpec, workload: Workload, plan: FaultPlan | Non
     storage: Storage | None = None
     current = OPEN
     driver: Driver | None = None
+    event_ends = run.event_ends
     try:
         storage = backend.open(root, io)
         run.open_end = io.mutating_count
+        run.open_events = len(io.events)
         driver = Driver(storage)
         spares = spare_plan(workload)
         for i, call in enumerate(workload):
@@ -170,6 +197,7 @@ def run_workload(backend: BackendSpec, workload: Workload, plan: FaultPlan | Non
                 ends.append(io.mutating_count)
                 break
             ends.append(io.mutating_count)
+            event_ends.append(len(io.events))
             if i in spares:
                 driver.take_spares(spares[i])
         else:

@@ -5,16 +5,26 @@ Grammar (``-`` separates parts; a state key's own ``-`` is written ``_``)::
     <backend>-<model>-<workload>-c<N><b|a>-s<key>                 crash before/after call N
     <backend>-<model>-<workload>-c<N><b|a>-s<key>-r<M>-s<key2>    ... then recovery crashed
                                                                   after its call M
+    <backend>-<model>-<workload>-rest<K>-s<key>                   crash at rest, after K
+                                                                  workload calls returned
+    <backend>-<model>-<workload>-rest<K>-s<key>-r<M>-s<key2>      ... then recovery crashed
+                                                                  after its call M
     <backend>-<model>-<workload>-e<N>-s<key>                      call N failed (EIO), then
                                                                   power was lost
     <backend>-none-<workload>-rest                                no crash: the run and an
                                                                   orderly restart
 
 ``N`` and ``M`` count mutating calls from 0 (``FaultPlan``); ``key`` is the crash state's key
-(``faultinject.models``: ``all``, ``d3.5~9``, ``t7:512``...).  Workloads are named by how
-they were made: ``b3w17`` (number 17 of the exhaustive enumeration of bound 3), ``r5n20``
-(``random_workload(5, 20)``) or ``x<base32>`` (the calls themselves, compressed).
-Example: ``fs-weak-b3w17-c9b-sd12``.
+(``faultinject.models``: ``all``, ``d3.5~9``, ``t7:512``...).  A crash *at rest* comes
+between two calls of the workload, with no operation in flight: ``K`` counts the calls that
+had returned (0: right after opening the queue); the process dies without closing the
+queue, so the disk is what reached the I/O seam by then, as the persistence model keeps
+it, and recovery must show exactly the restart view of the model after those ``K`` calls.
+In ``ScenarioId`` it is kind ``crash`` (or ``recovery``) with ``when == "rest"`` and
+``index == K``.  Workloads are named by how they were made: ``b3w17`` (number 17 of the
+exhaustive enumeration of bound 3), ``r5n20`` (``random_workload(5, 20)``) or ``x<base32>``
+(the calls themselves, compressed).  Examples: ``fs-weak-b3w17-c9b-sd12``,
+``fs-weak-b3w17-rest3-sall``.
 """
 
 from __future__ import annotations
@@ -36,11 +46,14 @@ from spec.states import Op
 
 NO_CRASH = "none"
 KINDS = ("crash", "recovery", "eio", "rest")
+#: ``ScenarioId.when`` of a crash at rest (between calls; ``index`` counts returned calls).
+AT_REST = "rest"
+WHENS = ("before", "after", AT_REST)
 
 _WL = r"b\d+w\d+|r\d+n\d+|x[a-z2-7]+"
 _ID = re.compile(rf"^(?P<head>.+?)-(?P<wl>{_WL})-(?P<tail>.+)$")
 _TAIL = re.compile(
-    r"^(?:c(?P<c>\d+)(?P<w>[ba])|e(?P<e>\d+))-s(?P<key>[^-]+)"
+    r"^(?:c(?P<c>\d+)(?P<w>[ba])|rest(?P<q>\d+)|e(?P<e>\d+))-s(?P<key>[^-]+)"
     r"(?:-r(?P<r>\d+)-s(?P<key2>[^-]+))?$")
 
 
@@ -105,8 +118,8 @@ class ScenarioId:
     model: str  # a persistence model, or NO_CRASH
     workload_id: str
     kind: str  # "crash", "recovery", "eio" or "rest"
-    index: int = -1  # the crashing (or failing) mutating call
-    when: str = "after"
+    index: int = -1  # the crashing (or failing) mutating call; at rest: calls returned
+    when: str = "after"  # "before", "after" or AT_REST
     key: str = ""
     recovery_index: int = -1
     recovery_key: str = ""
@@ -118,7 +131,10 @@ class ScenarioId:
         key = "s" + self.key.replace("-", "_")
         if self.kind == "eio":
             return f"{head}-e{self.index}-{key}"
-        out = f"{head}-c{self.index}{self.when[0]}-{key}"
+        if self.when == AT_REST:
+            out = f"{head}-rest{self.index}-{key}"
+        else:
+            out = f"{head}-c{self.index}{self.when[0]}-{key}"
         if self.kind == "recovery":
             out += f"-r{self.recovery_index}-s{self.recovery_key.replace('-', '_')}"
         return out
@@ -143,8 +159,11 @@ def parse(text: str, models: tuple[str, ...]) -> ScenarioId:
     key = t["key"].replace("_", "-")
     if t["e"] is not None:
         return ScenarioId(backend, model, wid, "eio", int(t["e"]), "after", key)
-    when = "before" if t["w"] == "b" else "after"
+    if t["q"] is not None:
+        when, index = AT_REST, int(t["q"])
+    else:
+        when, index = ("before" if t["w"] == "b" else "after"), int(t["c"])
     if t["r"] is not None:
-        return ScenarioId(backend, model, wid, "recovery", int(t["c"]), when, key,
+        return ScenarioId(backend, model, wid, "recovery", index, when, key,
                           int(t["r"]), t["key2"].replace("_", "-"))
-    return ScenarioId(backend, model, wid, "crash", int(t["c"]), when, key)
+    return ScenarioId(backend, model, wid, "crash", index, when, key)

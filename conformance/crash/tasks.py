@@ -4,6 +4,12 @@
 orderly restart and a drain to zero), then for each mutating call of the calls it covers
 reruns the workload crashing before and after that call, builds every crash state each
 persistence model allows (``faultinject.models.crash_states``), recovers and judges each.
+Then it crashes *at rest*: after each call it covers returned (the last one at least),
+with no operation in flight, the process dies without closing the queue; the states are
+built from the fault-free run's trace up to that moment and must recover to exactly the
+restart view of the model there.  Only these points show a backend that acknowledges
+operations without writing them (kept in its memory, or written but never synced): it
+may make no mutating call after its last acknowledgement, or none at all.
 Recoveries are cached per disk image, so states that several crash points share cost one
 recovery.  States that pass are then crashed again inside their recovery (a sample of
 them per crash point, see ``Task.recovery_sample``), and the last call's fsyncs are each
@@ -40,12 +46,13 @@ from conformance.crash.runner import (
     recovery_crash_states,
     run_workload,
 )
-from conformance.crash.scenario import NO_CRASH, workload_id
+from conformance.crash.scenario import AT_REST, NO_CRASH, workload_id
 from conformance.crash.workloads import Workload
 from faultinject.disk import DiskImage
 from faultinject.errors import ModelError
-from faultinject.models import crash_states
+from faultinject.models import CrashState, crash_states
 from faultinject.seam import FaultPlan
+from spec.model import Call, Model
 
 DEFAULT_LIMITS = Limits()
 #: States per crash inside recovery: fewer, since every passing first state has its own.
@@ -67,6 +74,7 @@ class Task:
     recovery_limits: Limits = RECOVERY_LIMITS
     recovery_sample: int = 3  # first-level states per crash point and model (0: all)
     eio: bool = True  # also fail each fsync of the last call with EIO (C9)
+    at_rest: bool = True  # also crash at rest, after each call covered returned
 
 
 def task_for(backend: str, workload: Workload, models: tuple[str, ...], *,
@@ -109,7 +117,8 @@ class ModelStats:
 @dataclass
 class TaskResult:
     workload_id: str
-    points: int = 0  # crash points (each mutating call, before and after)
+    points: int = 0  # crash points (each mutating call, before and after; and at rest)
+    rest_points: int = 0  # of which at rest (between calls, nothing in flight)
     eio_points: int = 0  # fsyncs failed with EIO
     per_model: dict[str, ModelStats] = field(default_factory=dict)
     failures: list[CaseOutcome] = field(default_factory=list)
@@ -143,6 +152,13 @@ def _crash_points(ref: Run, first_call: int) -> Iterator[int]:
     return iter(range(start, end))
 
 
+def rest_points(ref: Run, first_call: int) -> list[int]:
+    """The crash points at rest of a task: how many calls had returned at each (after
+    every call it covers; with OPEN, right after opening too)."""
+    first = 0 if first_call == OPEN else first_call + 1
+    return list(range(first, ref.returned() + 1))
+
+
 def explore_task(task: Task) -> TaskResult:
     """Explore every crash point of one workload (see ``Task``)."""
     t0 = time.perf_counter()
@@ -156,8 +172,7 @@ def explore_task(task: Task) -> TaskResult:
     if ref.divergence is not None or ref.error is not None:
         out.seconds = time.perf_counter() - t0
         return out
-    recovery_cache: dict[tuple[str, object], list[_Second]] = {}
-    lim = task.limits
+    judge = _Judge(backend, task, base, out)
     for m in _crash_points(ref, task.first_call):
         for when in ("before", "after"):
             out.points += 1
@@ -167,51 +182,17 @@ def explore_task(task: Task) -> TaskResult:
                                   "(the rerun made fewer calls than the first run)")
                 continue
             before, call = run.interrupted()
-            for model in task.models:
-                stats = out.stats(model)
-                stats.points += 1
-                try:
-                    states = crash_states(run.initial, run.events, model,
-                                          exhaustive_limit=lim.exhaustive_limit,
-                                          random_states=lim.random_states, seed=lim.seed)
-                except ModelError as e:
-                    out.errors.append(f"{task.workload_id} crash {when} #{m} under {model}: "
-                                      f"the trace cannot be replayed: {e}")
-                    continue
-                sampled = _sample(len(states), task.recovery_sample)
-                for pos, st in enumerate(states):
-                    digest = image_digest(st.image)
-                    found = judge_recovered(recover_image(backend, st.image), run, before, call)
-                    if found:
-                        case = replace(base, kind="crash", model=model, index=m, when=when,
-                                       state_key=st.key)
-                        out.record(model, CaseOutcome(case, str(case.scenario), found,
-                                                      run.trace_hash, digest, st.description))
-                        continue
-                    stats.count(digest)
-                    if not task.recovery or pos not in sampled:
-                        continue
-                    ck = (model, st.image)
-                    if ck not in recovery_cache:
-                        try:
-                            recovery_cache[ck] = _recovery_states(backend, st.image, model,
-                                                                  task.recovery_limits)
-                        except ModelError as e:
-                            out.errors.append(f"{task.workload_id}: a crash inside recovery "
-                                              f"cannot be replayed: {e}")
-                            recovery_cache[ck] = []
-                    for second in recovery_cache[ck]:
-                        found2 = judge_recovered(second.recovered, run, before, call)
-                        if not found2:
-                            stats.count(second.digest, "recovery")
-                            continue
-                        c2 = replace(base, kind="recovery", model=model, index=m, when=when,
-                                     state_key=st.key, recovery_index=second.index,
-                                     recovery_key=second.key)
-                        out.record(model, CaseOutcome(
-                            c2, str(c2.scenario), as_recovery_violations(found2, second.index),
-                            run.trace_hash, second.digest, second.description),
-                            kind="recovery")
+            judge.point(run, len(run.events), before, call, m, when,
+                        f"crash {when} #{m}")
+    if task.at_rest:
+        # The process dies between calls, without closing the queue: the disk is what
+        # reached the seam, as each model keeps it (buffered data is lost even under
+        # process-kill), and recovery must show exactly the state after those calls.
+        for n in rest_points(ref, task.first_call):
+            out.points += 1
+            out.rest_points += 1
+            judge.point(ref, ref.rest_cut(n), ref.models[n], None, n, AT_REST,
+                        f"crash at rest after {n} calls")
     if task.eio and task.workload:
         last = len(task.workload) - 1
         if task.first_call == OPEN or task.first_call <= last:
@@ -219,6 +200,73 @@ def explore_task(task: Task) -> TaskResult:
                 _explore_eio(backend, task, base, m, out)
     out.seconds = time.perf_counter() - t0
     return out
+
+
+@dataclass
+class _Judge:
+    """Builds, recovers and judges the states of one crash point under each model, and
+    crashes a sample of the passing ones again inside their recovery."""
+
+    backend: BackendSpec
+    task: Task
+    base: CaseInput
+    out: TaskResult
+    recovery_cache: dict[tuple[str, object], list[_Second]] = field(default_factory=dict)
+
+    def point(self, run: Run, cut: int, before: Model, call: Call | None, index: int,
+              when: str, label: str) -> None:
+        """The crash point that keeps ``run.events[:cut]``: the interrupted ``call`` met
+        ``before`` (``call`` None: at rest, or while opening)."""
+        task, out, lim = self.task, self.out, self.task.limits
+        for model in task.models:
+            stats = out.stats(model)
+            stats.points += 1
+            try:
+                states = crash_states(run.initial, run.events[:cut], model,
+                                      exhaustive_limit=lim.exhaustive_limit,
+                                      random_states=lim.random_states, seed=lim.seed)
+            except ModelError as e:
+                out.errors.append(f"{task.workload_id} {label} under {model}: "
+                                  f"the trace cannot be replayed: {e}")
+                continue
+            sampled = _sample(len(states), task.recovery_sample)
+            for pos, st in enumerate(states):
+                digest = image_digest(st.image)
+                found = judge_recovered(recover_image(self.backend, st.image), run, before,
+                                        call)
+                if found:
+                    case = replace(self.base, kind="crash", model=model, index=index,
+                                   when=when, state_key=st.key)
+                    out.record(model, CaseOutcome(case, str(case.scenario), found,
+                                                  run.trace_hash, digest, st.description))
+                    continue
+                stats.count(digest)
+                if task.recovery and pos in sampled:
+                    self._in_recovery(run, before, call, model, st, index, when)
+
+    def _in_recovery(self, run: Run, before: Model, call: Call | None, model: str,
+                     st: CrashState, index: int, when: str) -> None:
+        task, out = self.task, self.out
+        ck = (model, st.image)
+        if ck not in self.recovery_cache:
+            try:
+                self.recovery_cache[ck] = _recovery_states(self.backend, st.image, model,
+                                                           task.recovery_limits)
+            except ModelError as e:
+                out.errors.append(f"{task.workload_id}: a crash inside recovery "
+                                  f"cannot be replayed: {e}")
+                self.recovery_cache[ck] = []
+        for second in self.recovery_cache[ck]:
+            found2 = judge_recovered(second.recovered, run, before, call)
+            if not found2:
+                out.stats(model).count(second.digest, "recovery")
+                continue
+            c2 = replace(self.base, kind="recovery", model=model, index=index, when=when,
+                         state_key=st.key, recovery_index=second.index,
+                         recovery_key=second.key)
+            out.record(model, CaseOutcome(
+                c2, str(c2.scenario), as_recovery_violations(found2, second.index),
+                run.trace_hash, second.digest, second.description), kind="recovery")
 
 
 def _sample(n: int, k: int) -> set[int]:

@@ -96,6 +96,21 @@ class NoCommitDirFsync(FsQueue):
         self._commit_rename(tx)
 
 
+class NoSyncAfterBody(FsQueue):
+    """Commit fsyncs the envelope and the body, then creates every name (recipient files,
+    links, the commit rename) and returns without fsyncing any directory: an acknowledged
+    message lives in the page cache only.  No crash inside the enqueue can show it (losing
+    the message is the enqueue not having happened); a crash at rest after it does."""
+
+    def _commit_message(self, tx: MessageTx, env: Envelope) -> None:
+        n = len(env.rcpts)
+        self._write_envelope(tx, env)
+        self._finish_body(tx)
+        self._create_rcpt_files(tx, n)
+        self._publish_links(tx, n)
+        self._commit_rename(tx)
+
+
 class BodyAfterPublish(FsQueue):
     """The body is fsynced only after the commit rename published the message (maddy)."""
 
@@ -259,7 +274,7 @@ class RequeueUnlinkFirst(_OwnRecovery):
 class Variant:
     """A broken queue, the clause it breaks ("" for a mistake FsQueue's other defences
     absorb, see ``note``), and the shortest workload that shows it (the *witness*; the
-    explorer crashes it inside its last call)."""
+    explorer crashes it inside its last call and at rest after it)."""
 
     name: str
     cls: type[FsQueue]
@@ -279,6 +294,7 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("fs-broken-nosync-envelope", NoEnvelopeFsync, "C1", (_E1, _RESCHED)),
     Variant("fs-broken-nosync-links", NoLinksDirFsync, "C1", (_E1, _RESCHED)),
     Variant("fs-broken-nosync-commit", NoCommitDirFsync, "C1", (_E1, _RESCHED)),
+    Variant("fs-broken-nosync-after-body", NoSyncAfterBody, "C1", (_E1,)),
     Variant("fs-broken-swallow-eio", SwallowFsyncError, "C9", (_E1,)),
     Variant("fs-broken-nosync-done", NoDoneDirFsync, "C3",
             (_E1, _START, Call(Op.SEND_DONE, _K), Call(Op.CLEANUP, _K))),
