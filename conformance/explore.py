@@ -3,10 +3,12 @@
 The suite hands the backend to the crash explorer (``conformance.crash.explore``): every
 workload of up to ``profile.crash_bound`` calls (and ``profile.crash_random`` random
 longer ones) is run through ``faultinject.FaultyIO``, crashed before and after each
-mutating call, the disk rebuilt as each persistence model allows, recovered and judged;
+mutating call and at rest after its calls returned, the disk rebuilt as each persistence
+model allows, recovered and judged;
 passing states are crashed again inside recovery, and the last call's fsyncs fail with
 EIO once.  The explorer's failures become findings, per model, with its scenario ids
-(``<backend>-<model>-<workload>-c<N><b|a>-s<key>``), which
+(``<backend>-<model>-<workload>-c<N><b|a>-s<key>`` for a crash inside a call,
+``...-rest<K>-s<key>`` for one at rest after K calls returned), which
 ``queue-ref certify FACTORY --scenario ID`` (or ``queue-ref crash reproduce ID``) rebuilds.
 
 Exploration reruns each workload once per crash point, so the backend must make the
@@ -24,6 +26,7 @@ from conformance.crash.backends import REGISTRY, BackendSpec, UnknownBackendErro
 from conformance.crash.cases import CaseOutcome
 from conformance.crash.explore import ExploreConfig, explore
 from conformance.crash.report import reproduce
+from conformance.crash.scenario import AT_REST
 from conformance.crash.scenario import NO_CRASH as CRASH_NO_CRASH
 from conformance.factory import Backend
 from conformance.profiles import Profile
@@ -62,7 +65,10 @@ def _steps(outcome: CaseOutcome, explain: bool) -> tuple[str, ...]:
             return (f"(could not rebuild the scenario: {type(e).__name__}: {e})",)
     case = outcome.case
     lines = [f"{i}: {c.describe()}" for i, c in enumerate(case.workload)]
-    if case.kind != "rest":
+    if case.kind == "rest" or case.when == AT_REST:
+        lines.append(f"crash at rest after {case.index} call(s) returned; "
+                     f"disk: {outcome.description}")
+    else:
         lines.append(f"{case.kind} at mutating call #{case.index} ({case.when}); "
                      f"disk: {outcome.description}")
     return tuple(lines)

@@ -5,9 +5,11 @@ as ZoneMTA's wiki describes) over the Python log engine, with one change: the en
 ignores ``sync=True`` and appends every batch to its log without an fsync, as ZoneMTA
 passed ``{sync: false}`` to every LevelDB write.
 
-What the suite shows: a process kill loses nothing (the kernel has the log), but a
-power cut loses acknowledged messages (C1) and can bring back sent ones (C3): the log
-records that said "committed" or "done" were never made durable.  ZoneMTA's README
+What the suite shows: a power cut loses acknowledged messages (C1) and can bring back
+sent ones (C3): the log records that said "committed" or "done" were never made durable.
+In this re-creation even a process kill loses them, because the Python log engine keeps
+unsynced records in the process's memory until a synced write comes (real LevelDB hands
+each record to the kernel, so there only a power cut loses them).  ZoneMTA's README
 answered corruption with "start with an empty queue"; the fix is a synced write (or a
 group-committed one) before acknowledging.
 """
