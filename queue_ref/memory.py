@@ -8,10 +8,12 @@ model and the durable backends, and it is a template for backend authors.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from queue_ref.storage import (
+    BufferedEnqueuer,
+    BytesReader,
     Capability,
     ClosedError,
     Enqueuer,
@@ -27,7 +29,6 @@ from queue_ref.storage import (
     Storage,
     validate_address,
     validate_params,
-    validate_recipients,
 )
 
 
@@ -98,14 +99,14 @@ class MemoryStorage(Storage):
     def enqueue(self, mail_from: str, params: Mapping[str, str] | None = None) -> Enqueuer:
         self._check_open()
         validate_address(mail_from, "mail_from", allow_empty=True)
-        return _MemEnqueuer(self, mail_from, validate_params(params))
+        return BufferedEnqueuer(self._commit, mail_from, validate_params(params))
 
-    def _commit(self, enq: _MemEnqueuer, rcpts: list[Recipient]) -> list[QueuedMail]:
+    def _commit(self, enq: BufferedEnqueuer, rcpts: list[Recipient]) -> list[QueuedMail]:
         with self._lock:
             self._check_open()
             mid = str(self._next)
             self._next += 1
-            msg = _Msg(enq.mail_from, enq.params, b"".join(enq.chunks), rcpts)
+            msg = _Msg(enq.mail_from, enq.params, enq.body, rcpts)
             self._msgs[mid] = msg
             out = []
             for i, r in enumerate(rcpts):
@@ -125,7 +126,7 @@ class MemoryStorage(Storage):
             r = m.rcpts[e.index]
             meta = EntryMeta(e.message_id, mail.entry_id, m.mail_from, r.address, e.index,
                              r.zone, dict(m.params), e.schedule, len(m.body))
-            return _MemReader(meta, m.body)
+            return BytesReader(meta, m.body)
 
     def _move(self, entry_id: str, src: str, dst: str, sched: Schedule | None) -> _Entry | None:
         with self._lock:
@@ -188,46 +189,3 @@ class MemoryStorage(Storage):
             return Footprint(len(self._msgs) + len(self._entries),
                              sum(len(m.body) for m in self._msgs.values()))
 
-
-class _MemEnqueuer(Enqueuer):
-    def __init__(self, store: MemoryStorage, mail_from: str, params: dict[str, str]) -> None:
-        self.store = store
-        self.mail_from = mail_from
-        self.params = params
-        self.chunks: list[bytes] = []
-        self.done = False
-
-    def write(self, data: bytes) -> None:
-        if self.done:
-            raise ClosedError("this Enqueuer was committed or aborted")
-        self.chunks.append(bytes(data))
-
-    def commit(self, rcpts: Sequence[Recipient]) -> list[QueuedMail]:
-        if self.done:
-            raise ClosedError("this Enqueuer was committed or aborted")
-        checked = validate_recipients(rcpts)
-        self.done = True
-        return self.store._commit(self, checked)
-
-    def abort(self) -> None:
-        self.done = True
-        self.chunks = []
-
-
-class _MemReader(MailReader):
-    def __init__(self, meta: EntryMeta, body: bytes) -> None:
-        self.meta = meta
-        self._body = body
-        self._pos = 0
-        self._closed = False
-
-    def read(self, n: int = -1) -> bytes:
-        if self._closed:
-            raise ClosedError("this MailReader is closed")
-        end = len(self._body) if n < 0 else min(len(self._body), self._pos + n)
-        b = self._body[self._pos:end]
-        self._pos = end
-        return b
-
-    def close(self) -> None:
-        self._closed = True

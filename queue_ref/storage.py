@@ -32,7 +32,7 @@ import abc
 import enum
 import itertools
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TypeVar
@@ -41,6 +41,8 @@ from spec import Schedule
 
 __all__ = [
     "MAX_ADDRESS",
+    "BufferedEnqueuer",
+    "BytesReader",
     "Capability",
     "ClosedError",
     "CorruptionError",
@@ -330,6 +332,69 @@ class MailReader(abc.ABC):
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+class BufferedEnqueuer(Enqueuer):
+    """An Enqueuer that keeps the body in memory and hands itself to ``on_commit``.
+
+    For backends that store a body in one piece (small bodies only: it does not declare
+    Capability.STREAMING_BODIES).  ``on_commit(enqueuer, checked_rcpts)`` reads
+    ``mail_from``, ``params`` and ``body``.  An InvalidInputError from commit leaves the
+    Enqueuer usable; after commit or abort every call raises ClosedError.
+    """
+
+    def __init__(
+        self,
+        on_commit: Callable[[BufferedEnqueuer, list[Recipient]], list[QueuedMail]],
+        mail_from: str,
+        params: dict[str, str],
+    ) -> None:
+        self._on_commit = on_commit
+        self.mail_from = mail_from
+        self.params = params
+        self._chunks: list[bytes] = []
+        self._done = False
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(self._chunks)
+
+    def write(self, data: bytes) -> None:
+        if self._done:
+            raise ClosedError("this Enqueuer was committed or aborted")
+        self._chunks.append(bytes(data))
+
+    def commit(self, rcpts: Sequence[Recipient]) -> list[QueuedMail]:
+        if self._done:
+            raise ClosedError("this Enqueuer was committed or aborted")
+        checked = validate_recipients(rcpts)
+        self._done = True
+        return self._on_commit(self, checked)
+
+    def abort(self) -> None:
+        self._done = True
+        self._chunks = []
+
+
+class BytesReader(MailReader):
+    """A MailReader over a body already in memory (and already verified)."""
+
+    def __init__(self, meta: EntryMeta, body: bytes) -> None:
+        self.meta = meta
+        self._body = body
+        self._pos = 0
+        self._closed = False
+
+    def read(self, n: int = -1) -> bytes:
+        if self._closed:
+            raise ClosedError("this MailReader is closed")
+        end = len(self._body) if n < 0 else min(len(self._body), self._pos + n)
+        out = self._body[self._pos:end]
+        self._pos = end
+        return out
+
+    def close(self) -> None:
+        self._closed = True
 
 
 # ---- the interface --------------------------------------------------------------------

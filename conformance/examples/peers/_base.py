@@ -19,12 +19,14 @@ from __future__ import annotations
 import abc
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
-from queue_ref.io import IO, OsIO
+from queue_ref.io import IO, OsIO, read_file
 from queue_ref.storage import (
+    BufferedEnqueuer,
+    BytesReader,
     Capability,
     ClosedError,
     Enqueuer,
@@ -42,7 +44,6 @@ from queue_ref.storage import (
     StorageIOError,
     validate_address,
     validate_params,
-    validate_recipients,
 )
 
 T = TypeVar("T")
@@ -196,15 +197,15 @@ class PeerQueue(Storage):
     def enqueue(self, mail_from: str, params: Mapping[str, str] | None = None) -> Enqueuer:
         self._check_open()
         validate_address(mail_from, "mail_from", allow_empty=True)
-        return _PeerEnqueuer(self, mail_from, validate_params(params))
+        return BufferedEnqueuer(self._commit, mail_from, validate_params(params))
 
-    def _commit(self, enq: _PeerEnqueuer, rcpts: list[Recipient]) -> list[QueuedMail]:
+    def _commit(self, enq: BufferedEnqueuer, rcpts: list[Recipient]) -> list[QueuedMail]:
         with self._lock:
             self._check_open()
             mid = self._next
             self._next += 1
             self._guard("committing", lambda: self._store(mid, enq.mail_from, enq.params,
-                                                          b"".join(enq.chunks), rcpts))
+                                                          enq.body, rcpts))
         return [self._issue(QueuedMail, f"{mid}.{i}", str(mid), r.schedule)
                 for i, r in enumerate(rcpts)]
 
@@ -218,7 +219,7 @@ class PeerQueue(Storage):
         addr, zone = m.rcpts[e.index]
         meta = EntryMeta(str(e.mid), e.id, m.mail_from, addr, e.index, zone, m.params,
                          e.schedule, len(m.body))
-        return _PeerReader(meta, m.body)
+        return BytesReader(meta, m.body)
 
     def reschedule(self, mail: QueuedMail, schedule: Schedule) -> QueuedMail | None:
         h = self._take(mail, QueuedMail)
@@ -274,49 +275,6 @@ class PeerQueue(Storage):
             return self._guard("measuring", self._usage)
 
 
-class _PeerEnqueuer(Enqueuer):
-    def __init__(self, store: PeerQueue, mail_from: str, params: dict[str, str]) -> None:
-        self.store = store
-        self.mail_from = mail_from
-        self.params = params
-        self.chunks: list[bytes] = []
-        self.done = False
-
-    def write(self, data: bytes) -> None:
-        if self.done:
-            raise ClosedError("this Enqueuer was committed or aborted")
-        self.chunks.append(bytes(data))
-
-    def commit(self, rcpts: Sequence[Recipient]) -> list[QueuedMail]:
-        if self.done:
-            raise ClosedError("this Enqueuer was committed or aborted")
-        checked = validate_recipients(rcpts)
-        self.done = True
-        return self.store._commit(self, checked)
-
-    def abort(self) -> None:
-        self.done = True
-        self.chunks = []
-
-
-class _PeerReader(MailReader):
-    def __init__(self, meta: EntryMeta, body: bytes) -> None:
-        self.meta = meta
-        self._body = body
-        self._pos = 0
-        self._closed = False
-
-    def read(self, n: int = -1) -> bytes:
-        if self._closed:
-            raise ClosedError("this MailReader is closed")
-        end = len(self._body) if n < 0 else min(len(self._body), self._pos + n)
-        out = self._body[self._pos:end]
-        self._pos = end
-        return out
-
-    def close(self) -> None:
-        self._closed = True
-
 
 def write_file(io: IO, path: str, data: bytes, *, sync: bool) -> None:
     """Create (or replace) ``path`` with ``data``; fsync the file when ``sync``."""
@@ -331,13 +289,5 @@ def write_file(io: IO, path: str, data: bytes, *, sync: bool) -> None:
 
 
 def read_all(io: IO, path: str) -> bytes:
-    fd = io.open_read(path)
-    try:
-        parts: list[bytes] = []
-        while True:
-            b = io.read(fd, 65536)
-            if not b:
-                return b"".join(parts)
-            parts.append(b)
-    finally:
-        io.close(fd)
+    """The whole file at ``path``, through the seam."""
+    return read_file(io, path, limit=1 << 40)
