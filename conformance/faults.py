@@ -34,7 +34,7 @@ from spec.crash import judge
 from spec.model import Call, Model
 
 #: Calls whose failure means data or names may not be on disk as the operation wanted.
-PERSISTING = frozenset({"write", "fsync", "fdatasync", "fsync_dir", "rename", "link",
+PERSISTING = frozenset({"write", "fsync", "fdatasync", "fsync_dir", "syncfs", "rename", "link",
                         "symlink", "open_create", "mkdir", "ftruncate"})
 WORKLOAD_LENGTH = 8
 

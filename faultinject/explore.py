@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from faultinject.disk import DiskImage
 from faultinject.errors import ModelError
 from faultinject.inodes import FsState
-from faultinject.ops import Create, DataOp, EntryOp, SyncDir, SyncFile
+from faultinject.ops import Create, DataOp, EntryOp, SyncOp
 from faultinject.persistence import Choice, Opt, PersistenceModel, Unit
 from faultinject.replay import Replayed
 
@@ -154,7 +154,7 @@ class Builder:
         self.base = replayed.initial.copy()
         self.tail: list[EntryOp | DataOp] = []
         for op in replayed.ops:
-            if isinstance(op, SyncFile | SyncDir):
+            if isinstance(op, SyncOp):
                 continue
             if first is None or op.index < first:
                 _apply(self.base, op, "durable")
@@ -197,7 +197,7 @@ def _apply(state: FsState, op: EntryOp | DataOp, what: str, *, keep: int | None 
 def describe(model: PersistenceModel, replayed: Replayed, units: Sequence[Unit],
              choice: Choice, *, limit: int = 12) -> str:
     """Human-readable: which pending operations were dropped, torn or kept."""
-    durable = sum(1 for op in replayed.ops if not isinstance(op, SyncFile | SyncDir)) - len(units)
+    durable = sum(1 for op in replayed.ops if not isinstance(op, SyncOp)) - len(units)
     head = f"{model.name}: {durable} operation(s) durable"
     if not units:
         return head + "; nothing pending: every applied call persisted"

@@ -104,9 +104,19 @@ class SyncDir:
     ok: bool
 
 
+@dataclass(frozen=True)
+class SyncFs:
+    """syncfs of the whole file system: every file's data and every directory's entries;
+    ``ok`` false when the call failed."""
+
+    index: int
+    ok: bool
+
+
 EntryOp = Create | Link | Remove | Rename
 DataOp = Write | Truncate
-Op = Create | Link | Remove | Rename | Write | Truncate | SyncFile | SyncDir
+SyncOp = SyncFile | SyncDir | SyncFs
+Op = Create | Link | Remove | Rename | Write | Truncate | SyncFile | SyncDir | SyncFs
 
 
 def entry_dirs(op: EntryOp) -> tuple[int, ...]:

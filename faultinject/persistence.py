@@ -30,6 +30,8 @@ from faultinject.ops import (
     Op,
     SyncDir,
     SyncFile,
+    SyncFs,
+    SyncOp,
     Truncate,
     Write,
     entry_dirs,
@@ -155,6 +157,14 @@ class Weak(PersistenceModel):
             elif isinstance(op, SyncFile):
                 for i in pending_data.pop(op.ino, []):
                     (covered if op.ok else lost).add(i)
+            elif isinstance(op, SyncFs):
+                for i in [i for ids in pending_data.values() for i in ids]:
+                    (covered if op.ok else lost).add(i)
+                pending_data.clear()
+                for i in {i for ids in pending_entries.values() for i in ids}:
+                    if i not in lost and i not in covered:
+                        (covered if op.ok else lost).add(i)
+                pending_entries.clear()
             elif isinstance(op, SyncDir):
                 for i in pending_entries.pop(op.ino, []):
                     if i in lost or i in covered:
@@ -173,7 +183,7 @@ class Weak(PersistenceModel):
         out: list[Unit] = []
         pos_of: dict[int, int] = {}
         for op in ops:
-            if isinstance(op, SyncFile | SyncDir) or op.index in covered:
+            if isinstance(op, SyncOp) or op.index in covered:
                 continue
             if isinstance(op, Write):
                 options: tuple[Opt, ...] = (
@@ -215,7 +225,7 @@ class Weak(PersistenceModel):
 
 
 def _op_needs(op: Op) -> tuple[int, ...]:
-    return () if isinstance(op, DataOp | SyncFile | SyncDir) else op.needs
+    return () if isinstance(op, DataOp | SyncOp) else op.needs
 
 
 def _close_durable(ops: Sequence[Op], durable: set[int]) -> None:
@@ -300,20 +310,24 @@ class Ext4Ordered(PersistenceModel):
         for op in ops:
             if isinstance(op, Write):
                 pending.setdefault(op.ino, []).append(op.index)
-            elif isinstance(op, SyncFile | SyncDir):
+            elif isinstance(op, SyncOp):
                 if isinstance(op, SyncFile):
                     for i in pending.pop(op.ino, []):
                         (covered if op.ok else lost).add(i)
+                elif isinstance(op, SyncFs):
+                    for i in [i for ids in pending.values() for i in ids]:
+                        (covered if op.ok else lost).add(i)
+                    pending.clear()
                 if op.ok and not frozen:
                     committed = seen_meta
-                if isinstance(op, SyncDir) and not op.ok:
+                if isinstance(op, SyncDir | SyncFs) and not op.ok:
                     frozen = True  # a failed journal commit: nothing later is guaranteed
             else:
                 seen_meta += 1
         out: list[Unit] = []
         meta_seen = meta_units = 0
         for op in ops:
-            if isinstance(op, SyncFile | SyncDir):
+            if isinstance(op, SyncOp):
                 continue
             if not isinstance(op, Write):
                 meta_seen += 1

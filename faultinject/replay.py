@@ -33,6 +33,7 @@ from faultinject.ops import (
     Rename,
     SyncDir,
     SyncFile,
+    SyncFs,
     Truncate,
     Write,
 )
@@ -185,7 +186,7 @@ class _Replayer:
             return
         if event.crash == "before":
             return
-        if name in ("fsync", "fdatasync", "fsync_dir"):
+        if name in ("fsync", "fdatasync", "fsync_dir", "syncfs"):
             if event.applied or event.error is not None:
                 self.sync(event)
             return
@@ -249,6 +250,12 @@ class _Replayer:
 
     def sync(self, event: TraceEvent) -> None:
         ok = event.applied and event.error is None
+        if event.name == "syncfs":
+            if ok:  # every file's data up to now is durable: writes past it are new regions
+                for ino, data in self.state.files.items():
+                    self.low_water[ino] = len(data)
+            self.ops.append(SyncFs(event.index, ok))
+            return
         if event.name == "fsync_dir":
             try:
                 ino = self.lookup(self.path_arg(event.args[0]), follow=True, want="dir")[2]

@@ -313,6 +313,17 @@ class FaultyIO(IO):
     def fsync_dir(self, path: str) -> None:
         self._call("fsync_dir", (self.rel(path),), lambda: self.inner.fsync_dir(path))
 
+    def syncfs(self, path: str) -> None:
+        """Recorded with the path it was given; it makes the whole file system durable."""
+        self._call("syncfs", (self.rel(path),), lambda: self.inner.syncfs(path))
+
+    def pin_dir(self, path: str) -> None:
+        """Forwarded, not recorded: holding a directory open changes nothing on disk."""
+        self.inner.pin_dir(path)
+
+    def unpin_dir(self, path: str) -> None:
+        self.inner.unpin_dir(path)
+
     def rename(self, src: str, dst: str) -> None:
         self._call("rename", (self.rel(src), self.rel(dst)), lambda: self.inner.rename(src, dst))
 

@@ -21,9 +21,9 @@ fsize               (fid,)                       int
 ftruncate           (fid, length)                None
 fsync / fdatasync   (fid,)                       None
 close / unlock      (fid,)                       None
-fsync_dir, mkdir,   (path,)                      None (listdir: tuple of names;
-rmdir, unlink,                                   exists/is_dir/is_symlink: bool;
-listdir, exists...                               lstat: (kind, size), kind in
+fsync_dir, syncfs,  (path,)                      None (listdir: tuple of names;
+mkdir, rmdir,                                    exists/is_dir/is_symlink: bool;
+unlink, listdir...                               lstat: (kind, size), kind in
                                                  file/dir/symlink/other, size 0 for dirs)
 rename / link       (src, dst)                   None
 symlink             (target, path)               None  (target verbatim)
@@ -41,7 +41,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 #: Calls that make data or directory entries durable.
-SYNC_CALLS = frozenset({"fsync", "fdatasync", "fsync_dir"})
+SYNC_CALLS = frozenset({"fsync", "fdatasync", "fsync_dir", "syncfs"})
 
 
 @dataclass(frozen=True)

@@ -14,16 +14,51 @@ Rules for backends:
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import os
+import platform
+import re
 import stat as stat_mod
+import sys
+from collections.abc import Callable
+from typing import cast
 
 #: Calls that change persistent state (file data, directory entries) or make it durable.
 MUTATING = frozenset({
     "open_create", "write", "ftruncate", "fsync", "fdatasync", "fsync_dir",
-    "rename", "link", "symlink", "unlink", "mkdir", "rmdir",
+    "rename", "link", "symlink", "unlink", "mkdir", "rmdir", "syncfs",
 })
+
+
+def _load_syncfs() -> Callable[[int], int] | None:
+    """libc's ``syncfs``, or None where there is none (ctypes calls release the GIL)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return cast(Callable[[int], int], fn)
+
+
+_SYNCFS = _load_syncfs()
+
+
+def syncfs_reports_errors(release: str | None = None) -> bool:
+    """Whether ``IO.syncfs`` works here and reports writeback errors.
+
+    Linux has syncfs(2) since 2.6.39, but before 5.8 it returned 0 even when the writeback
+    it waited for had failed, which would let a queue acknowledge mail the disk lost.
+    ``release`` is a kernel release string (default: this machine's).
+    """
+    if _SYNCFS is None:
+        return False
+    m = re.match(r"(\d+)\.(\d+)", release if release is not None else platform.release())
+    return m is not None and (int(m[1]), int(m[2])) >= (5, 8)
 
 
 class IO:
@@ -77,11 +112,69 @@ class IO:
 
     def fsync_dir(self, path: str) -> None:
         """Make the directory's entries (creates, renames, unlinks in it) durable."""
+        pinned = self._pins().get(path)
+        if pinned is not None:
+            os.fsync(pinned[0])
+            return
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+    def syncfs(self, path: str) -> None:
+        """Make everything on the filesystem that holds ``path`` durable: the data and the
+        directory entries of every file, whoever wrote them (Linux ``syncfs(2)``).
+
+        One device flush covers any number of files, which is what lets a queue share it
+        between producers.  Raises the writeback error of any file of that filesystem
+        since the previous call (check ``syncfs_reports_errors`` before relying on that),
+        and OSError(ENOSYS) where the call does not exist.
+        """
+        if _SYNCFS is None:
+            raise OSError(errno.ENOSYS, "syncfs is not available on this system")
+        pinned = self._pins().get(path)
+        fd = pinned[0] if pinned is not None else os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if _SYNCFS(fd) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"syncfs of {path}: {os.strerror(err)}")
+        finally:
+            if pinned is None:
+                os.close(fd)
+
+    def _pins(self) -> dict[str, list[int]]:
+        """Directories held open by ``pin_dir``: path -> [fd, count].  Made on first use, so
+        that subclasses need not call an ``__init__``."""
+        table: dict[str, list[int]] | None = self.__dict__.get("_pin_table")
+        if table is None:
+            table = self.__dict__["_pin_table"] = {}
+        return table
+
+    def pin_dir(self, path: str) -> None:
+        """Hold directory ``path`` open, so that ``fsync_dir(path)`` and ``syncfs(path)``
+        are one system call each.  Not a change to the disk, and not recorded.
+
+        The caller promises that ``path`` stays the same directory (is not removed or
+        replaced) until its matching ``unpin_dir``, and that nobody syncs ``path`` through
+        this object while that ``unpin_dir`` runs.  Pins are counted.
+        """
+        pins = self._pins()
+        if path in pins:
+            pins[path][1] += 1
+        else:
+            pins[path] = [os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), 1]
+
+    def unpin_dir(self, path: str) -> None:
+        """Undo one ``pin_dir(path)``; the last one closes the descriptor."""
+        pins = self._pins()
+        entry = pins.get(path)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del pins[path]
+            os.close(entry[0])
 
     def rename(self, src: str, dst: str) -> None:
         """Atomic replace of ``dst`` by ``src`` (POSIX rename)."""

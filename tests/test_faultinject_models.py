@@ -410,3 +410,76 @@ def test_a_directory_never_moves_under_itself_in_a_crash_state(tmp_path: Path) -
     for model in POWER_MODELS:
         assert {img.dirs for img in images(io, model)} == {
             ("y", "y/x"), ("x", "y"), ("x", "x/y")}, model
+
+
+# ---- syncfs: one call makes the whole file system durable ---------------------------------
+
+
+def unsynced_tree(io: FaultyIO, root: str) -> None:
+    """Two directories, files in each, a rename across them: nothing fsynced."""
+    io.mkdir(f"{root}/a")
+    io.mkdir(f"{root}/b")
+    write_file(io, f"{root}/a/x", NEW, fsync=False)
+    write_file(io, f"{root}/a/y", OLD, fsync=False)
+    io.rename(f"{root}/a/y", f"{root}/b/y")
+    io.symlink("../a/x", f"{root}/b/link")
+
+
+def test_syncfs_makes_every_file_and_name_durable(tmp_path: Path) -> None:
+    def script(io: FaultyIO, root: str) -> None:
+        unsynced_tree(io, root)
+        io.syncfs(root)
+
+    io = run(str(tmp_path), script)
+    assert [e.name for e in io.events if e.mutating][-1] == "syncfs"
+    for model in ALL_MODELS:
+        (only,) = images(io, model)
+        assert only.file("a/x") == NEW and only.file("b/y") == OLD, model
+        assert only.file("a/y") is None and ("b/link", "../a/x") in only.symlinks, model
+
+
+def test_without_syncfs_the_same_tree_may_lose_anything(tmp_path: Path) -> None:
+    io = run(str(tmp_path), unsynced_tree)
+    weak = images(io, "weak")
+    assert {img.file("a/x") for img in weak} >= {None, b"", NEW}
+    assert any(img.file("a/x") not in (None, NEW) and img.file("a/x") != b"" for img in weak)
+
+
+def test_writes_after_a_syncfs_are_pending_again(tmp_path: Path) -> None:
+    def script(io: FaultyIO, root: str) -> None:
+        unsynced_tree(io, root)
+        io.syncfs(root)
+        fd = io.open_create(f"{root}/a/x", exclusive=False, append=True)
+        io.write(fd, b"more")
+        io.close(fd)
+        io.unlink(f"{root}/b/y")
+
+    io = run(str(tmp_path), script)
+    for model in POWER_MODELS:
+        assert contents(io, model, "a/x") >= {NEW, NEW + b"more"}, model
+        assert contents(io, model, "b/y") == {OLD, None}, model
+    # the appended bytes are a new region: ext4 never shows them as garbage
+    assert contents(io, "ext4-ordered", "a/x") <= {NEW, NEW + b"more"}
+
+
+def test_a_failed_syncfs_makes_nothing_durable_not_even_after_a_retry(tmp_path: Path) -> None:
+    """fsyncgate for the whole file system: what a failed syncfs covered is never trusted."""
+
+    def script(io: FaultyIO, root: str) -> None:
+        write_file(io, f"{root}/x", NEW, fsync=False)
+        try:
+            io.syncfs(root)
+        except OSError as e:
+            assert e.errno == errno.EIO
+            io.syncfs(root)  # retried: succeeds, as on Linux
+
+    (tmp_path / "ok").mkdir()
+    (tmp_path / "eio").mkdir()
+    control = run(str(tmp_path / "ok"), script)
+    failed = run(str(tmp_path / "eio"), script, FaultPlan(fail_at=2))  # open, write, syncfs
+    assert [e.name for e in failed.events if e.injected] == ["syncfs"]
+    for model in POWER_MODELS:
+        assert contents(control, model, "x") == {NEW}, model
+        lost = contents(failed, model, "x")
+        assert None in lost and NEW in lost, model
+    assert contents(failed, "process-kill", "x") == {NEW}

@@ -12,7 +12,8 @@ import pytest
 
 from faultinject import Crash, FaultPlan, FaultyIO, crash_states, snapshot, trace_hash
 from faultinject.seam import public_io_methods
-from queue_ref.io import MUTATING, OsIO, read_file, write_file_durable
+from faultinject.trace import SYNC_CALLS
+from queue_ref.io import MUTATING, OsIO, read_file, syncfs_reports_errors, write_file_durable
 from tests.faultinject_support import run, write_file
 
 
@@ -266,3 +267,44 @@ def test_a_real_short_write_before_an_error_is_recorded(tmp_path: Path, append: 
     (state,) = crash_states(io.initial, io.events, "process-kill")
     assert state.image == snapshot(str(tmp_path))
     assert state.image.file("x") == (b"old-oldabc" if append else b"abc-old")
+
+
+def test_syncfs_is_a_recorded_crash_point_and_pins_are_not_recorded(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    io = FaultyIO(root, FaultPlan(crash_at=1, crash_when="before"))
+    io.pin_dir(root)
+    try:
+        io.mkdir(f"{root}/d")
+        with pytest.raises(Crash):
+            io.syncfs(f"{root}/d")
+    finally:
+        io.unpin_dir(root)
+    assert [(e.name, e.args, e.crash) for e in io.events] == [
+        ("mkdir", ("d",), None), ("syncfs", ("d",), "before")]
+    assert "syncfs" in MUTATING and "syncfs" in SYNC_CALLS
+
+
+def test_real_syncfs_and_pinned_directories(tmp_path: Path) -> None:
+    io = OsIO()
+    root = str(tmp_path)
+    io.syncfs(root)  # a real syncfs(2) of the test's file system
+    io.pin_dir(root)
+    io.pin_dir(root)
+    fd = io._pins()[root][0]
+    io.fsync_dir(root)
+    io.syncfs(root)
+    io.unpin_dir(root)
+    assert io._pins()[root] == [fd, 1]  # counted: still held once
+    io.unpin_dir(root)
+    assert root not in io._pins()
+    with pytest.raises(OSError):
+        os.fstat(fd)  # the last unpin closed it
+    io.unpin_dir(root)  # unbalanced: nothing to undo
+
+
+@pytest.mark.parametrize(("release", "ok"), [("5.8.0", True), ("6.18.44-fc-v782", True),
+                                             ("5.7.19", False), ("4.19.0-27-amd64", False),
+                                             ("junk", False)])
+def test_syncfs_is_trusted_only_where_it_reports_writeback_errors(release: str,
+                                                                  ok: bool) -> None:
+    assert syncfs_reports_errors(release) is ok

@@ -136,6 +136,9 @@ class CrashIO(OsIO):
     def fsync_dir(self, path: str) -> None:
         self._tick("fsync_dir", path)
 
+    def syncfs(self, path: str) -> None:
+        self._tick("syncfs", path)
+
     def rename(self, src: str, dst: str) -> None:
         self._tick("rename", src, dst)
         super().rename(src, dst)

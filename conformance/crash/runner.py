@@ -93,6 +93,9 @@ class ScratchIO(OsIO):
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         os.close(fd)
 
+    def syncfs(self, path: str) -> None:
+        os.close(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+
 
 @dataclass
 class Run:
