@@ -99,8 +99,9 @@ def run_demo(root: str, console: Console, quiet: bool = False) -> dict[str, Any]
             enq.write(body)
             first = enq.commit([Recipient("bob@example.net", Schedule(now)),
                                 Recipient("carol@example.com", Schedule(now))])
-        show("2. one message, two recipients, committed: "
-             "body and envelope in data/, a link per recipient in queue/")
+        show(f"2. one message, two recipients, committed ({q.sync_mode} group commit): "
+             "one file in data/ (body, envelope), a hard link per recipient, "
+             "a link per recipient in queue/")
         inflight = q.send_start(first[0])
         assert inflight is not None
         show("3. send_start: bob's link moved to inflight/, named with this process's owner token")
@@ -109,7 +110,7 @@ def run_demo(root: str, console: Console, quiet: bool = False) -> dict[str, Any]
         assert done is not None
         show("4. delivered over SMTP, send_done: the link is in cleanup/; it is never sent again")
         q.cleanup(done)
-        show("5. cleanup: bob's recipient file and link are gone; the body stays for carol")
+        show("5. cleanup: bob's hard link and link are gone; the message stays for carol")
         carol = q.send_start(first[1])
         assert carol is not None
         later = q.send_cancel(carol, Schedule(now + RETRY_DELAY, attempts=1))
@@ -129,13 +130,14 @@ def run_demo(root: str, console: Console, quiet: bool = False) -> dict[str, Any]
             finished = q.send_done(taken)
             assert finished is not None
             q.cleanup(finished)
-        show("9. carol delivered and cleaned up: the last recipient takes the body with it")
+        show("9. carol delivered and cleaned up: the last recipient takes the message with it")
         footprint = q.footprint()
         q.close()
     finally:
         controller.stop()
     return {
         "queue": root,
+        "sync_mode": q.sync_mode,
         "delivered_to": received,
         "recovery": {"requeued": report.requeued, "cleaned": report.cleaned},
         "footprint_after_drain": {"objects": footprint.objects, "bytes": footprint.bytes},

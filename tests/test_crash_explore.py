@@ -179,7 +179,7 @@ def test_reproduce_round_trip() -> None:
 def test_cases_pickle_and_run_in_other_processes() -> None:
     wl = (E1, START)
     cases = [CaseInput("fs", workload_id(wl), wl, "crash", m, i, w, "all")
-             for m in ALL_MODELS for i in (15, 20) for w in ("before", "after")]
+             for m in ALL_MODELS for i in (10, 15) for w in ("before", "after")]
     for c in cases:
         assert pickle.loads(pickle.dumps(c)) == c
     here = [run_case(c) for c in cases]
@@ -221,9 +221,10 @@ def test_recovery_crash_path() -> None:
     assert recover_image(backend, built.second.image).entries
 
 
-def test_eio_path() -> None:
-    r = explore_task(task_for("fs", (E1,), ALL_MODELS, recovery=False))
-    assert r.eio_points >= 3 and not r.failures  # the enqueue raised each time
+@pytest.mark.parametrize(("backend", "syncs"), [("fs-syncfs", 2), ("fs-fsync", 4)])
+def test_eio_path(backend: str, syncs: int) -> None:
+    r = explore_task(task_for(backend, (E1,), ALL_MODELS, recovery=False))
+    assert r.eio_points == syncs and not r.failures  # the enqueue raised each time
     assert all(r.per_model[m].eio_states > 0 for m in ALL_MODELS)
     bad = explore_task(task_for("fs-broken-swallow-eio", (E1,), ("process-kill",),
                                 recovery=False))
@@ -269,7 +270,7 @@ def test_at_rest_point_catches_what_in_call_points_cannot() -> None:
     cut must not.  Only the crash at rest after the call shows it."""
     name = "fs-broken-nosync-after-body"
     blind = explore_task(task_for(name, (E1,), ALL_MODELS, at_rest=False))
-    assert blind.points > 10 and blind.rest_points == 0
+    assert blind.points >= 10 and blind.rest_points == 0
     assert not blind.failures and not blind.errors  # vacuously certified
     r = explore_task(task_for(name, (E1,), ALL_MODELS))
     assert r.points == blind.points + 1 and r.rest_points == 1

@@ -21,7 +21,7 @@ from queue_ref.fsqueue import FsQueue
 from queue_ref.fsqueue.layout import EntryName, parse_inflight
 from queue_ref.storage import Footprint, Schedule
 from spec import Call, EntryState, EntryView, Model, Op, judge
-from tests.test_fsqueue_support import Crash, CrashIO
+from tests.test_fsqueue_support import Crash, CrashIO, message_parts
 
 FROM = "sender@example.com"
 BODY = b"Subject: crash\r\n\r\n" + b"x" * 5000
@@ -112,8 +112,8 @@ def recovered_views(q: FsQueue) -> set[EntryView]:
         got = q._load_entry(e)
         assert got is not None, f"{e} dangles after recovery"
         env, sched = got
-        with open(os.path.join(q.root, "data", e.msgid, "body"), "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()
+        digest = hashlib.sha256(message_parts(os.path.join(q.root, "data", e.msgid))[0]
+                                ).hexdigest()
         out.add(EntryView(number[e.msgid], e.index, env.rcpts[e.index].address, env.mail_from,
                           digest, sched, state))
     return out

@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 
 from queue_ref.fsqueue import FsQueue
+from queue_ref.fsqueue.records import trailer
+from queue_ref.fsqueue.steps import BODY_BUFFER
 from queue_ref.io import OsIO
 from queue_ref.storage import (
     CorruptionError,
@@ -21,7 +23,7 @@ from queue_ref.storage import (
     Schedule,
     StorageIOError,
 )
-from tests.test_fsqueue_support import EMPTY, put, rcpts, tree
+from tests.test_fsqueue_support import EMPTY, message_parts, put, rcpts, tree
 
 
 @pytest.fixture
@@ -70,8 +72,8 @@ def test_junk_is_quarantined_reported_never_followed(tmp_path: Any, root: str) -
     assert len(quarantined) == len(junk)
     assert tree(root, [q.owner]) == sorted(
         [x for x in EMPTY if x != "quarantine/"]
-        + [f"data/M0/{n}" for n in ("", "body", "envelope", "rcpts/", "rcpts/0", "rcpts/1")]
-        + ["queue/M0.0 -> ../data/M0/rcpts/0", "queue/M0.1 -> ../data/M0/rcpts/1"]
+        + ["data/M0", "data/M0.0", "data/M0.1"]
+        + ["queue/M0.0 -> ../data/M0", "queue/M0.1 -> ../data/M0"]
         + [line for line in tree(root, [q.owner]) if line.startswith("quarantine/")])
     assert q.recover().problems == ()  # idempotent: nothing more to report
     q.close()
@@ -105,6 +107,10 @@ class FaultyIO(OsIO):
         self._check("fsync_dir", path)
         super().fsync_dir(path)
 
+    def syncfs(self, path: str) -> None:
+        self._check("syncfs", path)
+        super().syncfs(path)
+
     def rename(self, src: str, dst: str) -> None:
         self._check("rename", dst)
         super().rename(src, dst)
@@ -120,7 +126,7 @@ def test_unreadable_body_is_an_io_error_not_corruption(root: str) -> None:
     h = put(q, n=1)
     i = q.send_start(h[0])
     assert i is not None
-    io.faults[("open_read", "/body")] = PermissionError(errno.EACCES, "denied")
+    io.faults[("open_read", f"/{h[0].message_id}")] = PermissionError(errno.EACCES, "denied")
     with pytest.raises(StorageIOError) as ei:
         q.read_inflight(i)
     assert ei.value.handle is i and not isinstance(ei.value, NoSpaceError)
@@ -135,7 +141,8 @@ def test_unreadable_schedule_record_fails_listing_honestly(root: str) -> None:
     q = FsQueue(root, io)
     h = put(q, n=2)
     assert q.reschedule(h[1], Schedule(5)) is not None
-    io.faults[("open_read", "/rcpts/1")] = PermissionError(errno.EACCES, "denied")
+    io.faults[("open_read", f"/{h[1].entry_id}.sched")] = PermissionError(errno.EACCES,
+                                                                          "denied")
     with pytest.raises(StorageIOError):
         entries(q)
     io.faults.clear()
@@ -172,13 +179,15 @@ def test_failed_reschedule_leaves_the_entry_queued_with_the_old_schedule(root: s
     assert r is not None and [m.schedule for m in q.list_queue()] == [Schedule(77)]
 
 
-def test_failed_directory_fsync_poisons_until_reopened(root: str) -> None:
+@pytest.mark.parametrize("mode", ["syncfs", "fsync"])
+def test_failed_shared_sync_poisons_until_reopened(root: str, mode: str) -> None:
     io = FaultyIO()
-    q = FsQueue(root, io)
+    q = FsQueue(root, io, sync=mode)
     h = put(q, n=2)
     i = q.send_start(h[0])
     assert i is not None
-    io.faults[("fsync_dir", "/inflight")] = OSError(errno.EIO, "injected")
+    fault = ("fsync_dir", "/inflight") if mode == "fsync" else ("syncfs", "/data")
+    io.faults[fault] = OSError(errno.EIO, "injected")
     with pytest.raises(StorageIOError) as ei:
         q.send_done(i)
     assert ei.value.handle is i and q.poisoned
@@ -200,10 +209,11 @@ def test_write_error_discards_the_message(root: str) -> None:
     io = FaultyIO()
     q = FsQueue(root, io)
     enq = q.enqueue("a@b")
-    enq.write(b"first")
+    enq.write(b"first" * BODY_BUFFER)  # written: more than is held back
+    assert tree(root, [q.owner]) == sorted([*EMPTY, "tmp/O0/M0"])
     io.faults[("write", "")] = OSError(errno.ENOSPC, "full")
     with pytest.raises(NoSpaceError):
-        enq.write(b"second")
+        enq.write(b"second" * BODY_BUFFER)
     io.faults.clear()
     assert tree(root, [q.owner]) == EMPTY
     enq.abort()
@@ -212,9 +222,18 @@ def test_write_error_discards_the_message(root: str) -> None:
 # ---- a full disk (pyfakefs) -------------------------------------------------------------
 
 
+class FakeFsIO(OsIO):
+    """pyfakefs patches ``os.lseek`` and ``os.read`` but not ``os.pread``: read at an
+    offset through those.  (It has no ``syncfs`` either: the queue runs in fsync mode.)"""
+
+    def pread(self, fd: int, n: int, offset: int) -> bytes:
+        os.lseek(fd, offset, os.SEEK_SET)
+        return os.read(fd, n)
+
+
 def test_full_disk_gives_no_space_error_and_loses_nothing(fs: Any) -> None:
     fs.create_dir("/spool")
-    q = FsQueue("/spool/q")
+    q = FsQueue("/spool/q", FakeFsIO(), sync="fsync")
     kept = put(q, n=3, body=b"x" * 1000)
     i = q.send_start(kept[0])
     assert i is not None
@@ -233,7 +252,7 @@ def test_full_disk_gives_no_space_error_and_loses_nothing(fs: Any) -> None:
         assert r.read_all() == b"x" * 1000
     q.close()
     fs.set_disk_usage(10 ** 9)
-    q = FsQueue("/spool/q")
+    q = FsQueue("/spool/q", FakeFsIO(), sync="fsync")
     assert q.last_recovery is not None and q.last_recovery.requeued == 1
     assert sorted(m.entry_id for m in q.list_queue()) == [k.entry_id for k in kept]
     q.close()
@@ -248,6 +267,11 @@ def _corrupt(path: str, offset: int = -1) -> None:
         data[offset] ^= 0xFF
         f.seek(0)
         f.write(bytes(data))
+
+
+def _envelope_offset(path: str) -> int:
+    """Where the envelope record starts in the message file at ``path``."""
+    return len(message_parts(path)[0])
 
 
 @pytest.fixture
@@ -266,7 +290,7 @@ def _inflight(q: FsQueue, h: QueuedMail) -> InflightMail:
 def test_corrupt_body_raises_before_the_last_bytes(loaded: Any, root: str) -> None:
     q, h = loaded
     m = h[0].message_id
-    _corrupt(os.path.join(root, "data", m, "body"), offset=-10)
+    _corrupt(os.path.join(root, "data", m), offset=256 * 800 - 10)  # in the body
     r = q.read_inflight(_inflight(q, h[0]))
     got = b""
     with pytest.raises(CorruptionError) as ei:
@@ -283,24 +307,31 @@ def test_corrupt_body_raises_before_the_last_bytes(loaded: Any, root: str) -> No
     assert entries(q) == [] and q.footprint() == Footprint(0, 0)
 
 
-@pytest.mark.parametrize("change", ["truncate", "extend"])
-def test_body_of_the_wrong_size_is_corrupt(loaded: Any, root: str, change: str) -> None:
+@pytest.mark.parametrize("change", ["shorter body", "longer body", "truncated", "appended"])
+def test_a_message_file_of_the_wrong_shape_is_corrupt(loaded: Any, root: str,
+                                                      change: str) -> None:
     q, h = loaded
-    path = os.path.join(root, "data", h[0].message_id, "body")
-    with open(path, "r+b") as f:
-        if change == "truncate":
-            f.truncate(1000)
-        else:
-            f.seek(0, 2)
-            f.write(b"!")
-    with pytest.raises(CorruptionError), q.read_inflight(_inflight(q, h[0])) as r:
+    path = os.path.join(root, "data", h[0].message_id)
+    body, record = message_parts(path)
+    whole = body + record + trailer(len(record))
+    new = {"shorter body": body[:-1] + record + trailer(len(record)),
+           "longer body": body + b"!" + record + trailer(len(record)),
+           "truncated": whole[:1000], "appended": whole + b"!"}[change]
+    with open(path, "r+b") as f:  # the same inode: every hard link sees it
+        f.truncate(0)
+        f.write(new)
+    i = _inflight(q, h[0])
+    with pytest.raises(CorruptionError), q.read_inflight(i) as r:
         r.read_all()
+    assert entries(q) == [] and q.footprint() == Footprint(0, 0)
+    assert f"{h[0].message_id}.msg" in os.listdir(os.path.join(root, "quarantine"))
 
 
 def test_corrupt_envelope_is_quarantined_by_recovery(loaded: Any, root: str) -> None:
     q, h = loaded
     q.close()
-    _corrupt(os.path.join(root, "data", h[0].message_id, "envelope"), offset=40)
+    path = os.path.join(root, "data", h[0].message_id)
+    _corrupt(path, offset=_envelope_offset(path) + 40)
     q2 = FsQueue(root)
     assert q2.last_recovery is not None and q2.last_recovery.quarantined == 1
     assert entries(q2) == [] and q2.footprint() == Footprint(0, 0)
@@ -310,7 +341,8 @@ def test_corrupt_envelope_is_quarantined_by_recovery(loaded: Any, root: str) -> 
 def test_corrupt_envelope_is_quarantined_by_listing(loaded: Any, root: str) -> None:
     q, h = loaded
     i = _inflight(q, h[0])
-    _corrupt(os.path.join(root, "data", h[0].message_id, "envelope"), offset=40)
+    path = os.path.join(root, "data", h[0].message_id)
+    _corrupt(path, offset=_envelope_offset(path) + 40)
     assert entries(q) == []
     with pytest.raises(CorruptionError):  # it is gone from inflight/ too
         q.read_inflight(i)
@@ -320,11 +352,12 @@ def test_corrupt_schedule_quarantines_only_that_entry(loaded: Any, root: str) ->
     q, h = loaded
     r = q.reschedule(h[1], Schedule(50, 2))
     assert r is not None
-    _corrupt(os.path.join(root, "data", h[1].message_id, "rcpts", "1"), offset=-3)
+    _corrupt(os.path.join(root, "data", f"{h[1].entry_id}.sched"), offset=-3)
     assert entries(q) == [h[0].entry_id, h[2].entry_id]
     qdir = sorted(os.listdir(os.path.join(root, "quarantine")))
     assert qdir == sorted([f"{h[1].entry_id}.note", f"{h[1].entry_id}.link",
-                           f"{h[1].entry_id}.rcpt"])
+                           f"{h[1].entry_id}.sched"])
+    assert not os.path.exists(os.path.join(root, "data", h[1].entry_id))  # released
     for k in (h[0], h[2]):
         for m in q.list_queue():
             if m.entry_id == k.entry_id:
@@ -339,9 +372,9 @@ def test_corrupt_schedule_quarantines_only_that_entry(loaded: Any, root: str) ->
 def test_corrupt_schedule_of_an_inflight_entry(loaded: Any, root: str) -> None:
     q, h = loaded
     i = _inflight(q, h[0])
-    path = os.path.join(root, "data", h[0].message_id, "rcpts", "0")
+    path = os.path.join(root, "data", f"{h[0].entry_id}.sched")
     with open(path, "wb") as f:
         f.write(b"qr-record 1 garbage")
     with pytest.raises(CorruptionError) as ei:
         q.read_inflight(i)
-    assert ei.value.quarantined_to is not None and ei.value.quarantined_to.endswith(".rcpt")
+    assert ei.value.quarantined_to is not None and ei.value.quarantined_to.endswith(".sched")

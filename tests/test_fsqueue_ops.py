@@ -11,6 +11,8 @@ import pytest
 
 from queue_ref.fsqueue import FsQueue
 from queue_ref.fsqueue.owners import OwnerInUseError
+from queue_ref.fsqueue.records import Envelope, decode_schedule
+from queue_ref.fsqueue.steps import BODY_BUFFER
 from queue_ref.storage import (
     Capability,
     Footprint,
@@ -21,7 +23,7 @@ from queue_ref.storage import (
     Recipient,
     Schedule,
 )
-from tests.test_fsqueue_support import EMPTY, put, rcpts, tree
+from tests.test_fsqueue_support import EMPTY, message_parts, put, rcpts, tree
 
 
 @pytest.fixture
@@ -35,7 +37,9 @@ def t(q: FsQueue) -> list[str]:
     return tree(q.root, [q.owner])
 
 
-MESSAGE = ["data/M0/", "data/M0/body", "data/M0/envelope", "data/M0/rcpts/"]
+MESSAGE = ["data/M0"]  # the message file: body, envelope record, trailer
+REFS = ["data/M0.0", "data/M0.1"]  # hard links: one per entry of a 2-recipient message
+QUEUED = ["queue/M0.0 -> ../data/M0", "queue/M0.1 -> ../data/M0"]
 
 
 def with_(*lines: str, base: list[str] = EMPTY) -> list[str]:
@@ -55,15 +59,27 @@ def test_enqueue_tree_while_building_and_after_commit(q: FsQueue) -> None:
     enq = q.enqueue("a@b")
     assert t(q) == EMPTY  # nothing before the first write
     enq.write(b"hello")
-    assert t(q) == with_("tmp/O0/M0/", "tmp/O0/M0/body", "tmp/O0/M0/rcpts/")
+    assert t(q) == EMPTY  # small bodies are held back until commit (or 64 KiB)
+    enq.write(b"x" * BODY_BUFFER)
+    assert t(q) == with_("tmp/O0/M0")
+    assert os.path.getsize(os.path.join(q.root, "tmp", q.owner, enq.message_id)) == (
+        BODY_BUFFER + 5)
     assert list(q.list_queue()) == []
     handles = enq.commit(rcpts(2))
     assert [h.entry_id.split(".")[1] for h in handles] == ["0", "1"]
-    assert t(q) == with_(*MESSAGE, "data/M0/rcpts/0", "data/M0/rcpts/1",
-                         "queue/M0.0 -> ../data/M0/rcpts/0",
-                         "queue/M0.1 -> ../data/M0/rcpts/1")
-    assert q.footprint().objects == 6  # dir, body, envelope, rcpts/, two rcpts files
-    assert q.footprint().bytes > 5
+    assert t(q) == with_(*MESSAGE, *REFS, *QUEUED)
+    assert os.stat(os.path.join(q.root, "data", enq.message_id)).st_nlink == 3
+    body, record = message_parts(os.path.join(q.root, "data", enq.message_id))
+    assert body == b"hello" + b"x" * BODY_BUFFER
+    assert Envelope.decode(record, enq.message_id).rcpts == tuple(rcpts(2))
+    assert q.footprint().objects == 3  # the message file and its two hard links
+    assert q.footprint().bytes > 3 * len(body)
+
+
+def test_a_one_recipient_message_is_one_file_and_one_link(q: FsQueue) -> None:
+    (h,) = put(q, n=1)
+    assert t(q) == with_(*MESSAGE, "queue/M0.0 -> ../data/M0")
+    assert os.stat(os.path.join(q.root, "data", h.message_id)).st_nlink == 1
 
 
 def test_abort_removes_everything(q: FsQueue) -> None:
@@ -78,20 +94,17 @@ def test_send_start_moves_the_link_to_inflight_with_our_owner(q: FsQueue) -> Non
     h = put(q)
     i = q.send_start(h[0])
     assert isinstance(i, InflightMail) and i.schedule == h[0].schedule
-    assert t(q) == with_(*MESSAGE, "data/M0/rcpts/0", "data/M0/rcpts/1",
-                         "inflight/M0.0@O0 -> ../data/M0/rcpts/0",
-                         "queue/M0.1 -> ../data/M0/rcpts/1")
+    assert t(q) == with_(*MESSAGE, *REFS, "inflight/M0.0@O0 -> ../data/M0",
+                         "queue/M0.1 -> ../data/M0")
 
 
 def test_reschedule_writes_the_record_and_leaves_the_link_queued(q: FsQueue) -> None:
     h = put(q)
     r = q.reschedule(h[1], Schedule(500, 3))
     assert isinstance(r, QueuedMail) and r.schedule == Schedule(500, 3)
-    assert t(q) == with_(*MESSAGE, "data/M0/rcpts/0", "data/M0/rcpts/1",
-                         "queue/M0.0 -> ../data/M0/rcpts/0",
-                         "queue/M0.1 -> ../data/M0/rcpts/1")
-    assert os.path.getsize(os.path.join(q.root, "data", h[1].message_id, "rcpts", "1")) > 0
-    assert os.path.getsize(os.path.join(q.root, "data", h[1].message_id, "rcpts", "0")) == 0
+    assert t(q) == with_(*MESSAGE, *REFS, *QUEUED, "data/M0.1.sched")
+    with open(os.path.join(q.root, "data", f"{h[1].entry_id}.sched"), "rb") as f:
+        assert decode_schedule(f.read(), h[1].entry_id) == Schedule(500, 3)
     assert [m.schedule for m in q.list_queue()] == [Schedule(0), Schedule(500, 3)]
 
 
@@ -101,9 +114,7 @@ def test_send_cancel_writes_the_schedule_and_requeues(q: FsQueue) -> None:
     assert i is not None
     back = q.send_cancel(i, Schedule(900, 1))
     assert back is not None and back.schedule == Schedule(900, 1)
-    assert t(q) == with_(*MESSAGE, "data/M0/rcpts/0", "data/M0/rcpts/1",
-                         "queue/M0.0 -> ../data/M0/rcpts/0",
-                         "queue/M0.1 -> ../data/M0/rcpts/1")
+    assert t(q) == with_(*MESSAGE, *REFS, *QUEUED, "data/M0.0.sched")
     assert {m.entry_id: m.schedule for m in q.list_queue()}[h[0].entry_id] == Schedule(900, 1)
 
 
@@ -113,19 +124,22 @@ def test_send_done_moves_to_cleanup_and_cleanup_releases_the_entry(q: FsQueue) -
     assert i is not None
     p = q.send_done(i)
     assert p is not None
-    assert t(q) == with_(*MESSAGE, "data/M0/rcpts/0", "data/M0/rcpts/1",
-                         "cleanup/M0.0 -> ../data/M0/rcpts/0",
-                         "queue/M0.1 -> ../data/M0/rcpts/1")
+    assert t(q) == with_(*MESSAGE, *REFS, "cleanup/M0.0 -> ../data/M0",
+                         "queue/M0.1 -> ../data/M0")
     assert [c.entry_id for c in q.find_pending_cleanup()] == [h[0].entry_id]
     assert q.cleanup(p) is True
-    assert t(q) == with_(*MESSAGE, "data/M0/rcpts/1", "queue/M0.1 -> ../data/M0/rcpts/1")
+    assert t(q) == with_(*MESSAGE, "data/M0.1", "queue/M0.1 -> ../data/M0")
+    assert os.stat(os.path.join(q.root, "data", h[1].message_id)).st_nlink == 2
+    p1 = q.drop(h[1])
+    assert p1 is not None and q.cleanup(p1) is True  # the last entry frees the file
+    assert t(q) == EMPTY
 
 
 def test_drop_then_cleanup_of_the_last_entry_removes_the_message(q: FsQueue) -> None:
     h = put(q, n=1)
     p = q.drop(h[0])
     assert p is not None
-    assert t(q) == with_(*MESSAGE, "data/M0/rcpts/0", "cleanup/M0.0 -> ../data/M0/rcpts/0")
+    assert t(q) == with_(*MESSAGE, "cleanup/M0.0 -> ../data/M0")
     assert q.cleanup(p) is True
     assert t(q) == EMPTY
     assert q.footprint() == Footprint(0, 0)
@@ -203,8 +217,7 @@ def test_close_hands_inflight_entries_to_the_next_owner(tmp_path: str) -> None:
     adopted = list(b.find_inflight())
     assert [m.entry_id for m in adopted] == [h[0].entry_id]
     assert tree(root, [b.owner, a.owner]) == with_(
-        *MESSAGE, "data/M0/rcpts/0", "data/M0/rcpts/1",
-        "inflight/M0.0@O0 -> ../data/M0/rcpts/0", "queue/M0.1 -> ../data/M0/rcpts/1")
+        *MESSAGE, *REFS, "inflight/M0.0@O0 -> ../data/M0", "queue/M0.1 -> ../data/M0")
     p = b.send_done(adopted[0])
     assert p is not None and b.cleanup(p)
     b.close()

@@ -5,12 +5,12 @@ what recovery must not touch while other owners are alive."""
 from __future__ import annotations
 
 import os
-import shutil
 from typing import Any
 
 import pytest
 
 from queue_ref.fsqueue import FsQueue
+from queue_ref.fsqueue.steps import BODY_BUFFER
 from queue_ref.storage import Footprint, RecoveryReport, Schedule
 from tests.test_fsqueue_support import EMPTY, Crash, CrashIO, put, tree
 
@@ -34,8 +34,8 @@ def opened(root: str) -> tuple[FsQueue, RecoveryReport]:
 
 
 def link(root: str, d: str, name: str, entry: str) -> None:
-    msgid, index = entry.rsplit(".", 1)
-    os.symlink(f"../data/{msgid}/rcpts/{index}", os.path.join(root, d, name))
+    msgid = entry.rsplit(".", 1)[0]
+    os.symlink(f"../data/{msgid}", os.path.join(root, d, name))
 
 
 def drain(q: FsQueue) -> None:
@@ -71,12 +71,12 @@ def test_dead_owner_tmp_dir_and_dangling_links_are_removed(root: str) -> None:
 def test_live_owner_enqueue_in_progress_is_left_alone(root: str) -> None:
     a = FsQueue(root)
     enq = a.enqueue("a@b")
-    enq.write(b"body")
+    enq.write(b"b" * BODY_BUFFER)  # large enough to be on disk already
     tx = enq._tx  # type: ignore[attr-defined]
-    os.symlink(f"../data/{tx.msgid}/rcpts/0", os.path.join(root, "queue", f"{tx.msgid}.0"))
+    os.symlink(f"../data/{tx.msgid}", os.path.join(root, "queue", f"{tx.msgid}.0"))
     b = FsQueue(root)
     assert b.last_recovery == RecoveryReport()
-    assert os.path.exists(os.path.join(root, "tmp", a.owner, tx.msgid, "body"))
+    assert os.path.getsize(os.path.join(root, "tmp", a.owner, tx.msgid)) == BODY_BUFFER
     assert os.path.islink(os.path.join(root, "queue", f"{tx.msgid}.0"))
     assert entries(b) == []  # listers skip the dangling link
     b.close()
@@ -90,9 +90,8 @@ def test_interrupted_cleanup_is_finished(root: str) -> None:
     p0 = q.drop(h[0])
     p1 = q.drop(h[1])
     assert p0 is not None and p1 is not None
-    m = h[0].message_id
-    # Cleanup of entry 1 got as far as releasing the whole message; entry 0 not started.
-    os.unlink(os.path.join(root, "data", m, "rcpts", "1"))
+    # Cleanup of entry 1 got as far as releasing its hard link; entry 0 not started.
+    os.unlink(os.path.join(root, "data", h[1].entry_id))
     q.close()
     q2, report = opened(root)
     assert report.cleaned == 2
@@ -105,7 +104,7 @@ def test_cleanup_link_of_a_finished_cleanup_is_removed(root: str) -> None:
     h = put(q, n=1)
     p = q.drop(h[0])
     assert p is not None
-    shutil.rmtree(os.path.join(root, "data", h[0].message_id))  # data gone, link left
+    os.unlink(os.path.join(root, "data", h[0].message_id))  # data gone, link left
     q.close()
     q2, report = opened(root)
     assert report.cleaned == 1 and tree(root, [q2.owner]) == EMPTY
@@ -140,19 +139,19 @@ def test_orphans_are_removed(root: str) -> None:
     q = FsQueue(root)
     h = put(q, n=3)
     m = h[0].message_id
+    assert q.reschedule(h[1], Schedule(9)) is not None
     kept = put(q, n=1)
     lone = put(q, n=1)
     q.close()
-    rc = os.path.join(root, "data", m, "rcpts")
-    os.unlink(os.path.join(root, "queue", h[1].entry_id))  # rcpts/1 has no link now
-    open(os.path.join(rc, f"2.{'a' * 16}.tmp"), "wb").close()  # a dead owner's temp record
-    # A message with no rcpts at all (a teardown cut short before rmdir of its directory):
-    os.unlink(os.path.join(root, "queue", lone[0].entry_id))
-    shutil.rmtree(os.path.join(root, "data", lone[0].message_id, "rcpts"))
+    data = os.path.join(root, "data")
+    os.unlink(os.path.join(root, "queue", h[1].entry_id))  # entry 1 has no link now
+    open(os.path.join(data, f"{m}.2.{'a' * 16}.tmp"), "wb").close()  # a dead owner's temp
+    os.unlink(os.path.join(root, "queue", lone[0].entry_id))  # a message no link names
     q2, report = opened(root)
-    assert report.orphans_removed == 3
-    assert sorted(os.listdir(rc)) == ["0", "2"]
-    assert not os.path.exists(os.path.join(root, "data", lone[0].message_id))
+    assert report.orphans_removed == 4  # hard link, schedule record, temp record, message
+    assert sorted(n for n in os.listdir(data) if n.startswith(m)) == [m, f"{m}.0", f"{m}.2"]
+    assert os.stat(os.path.join(data, m)).st_nlink == 3
+    assert not os.path.exists(os.path.join(data, lone[0].message_id))
     assert entries(q2) == [h[0].entry_id, h[2].entry_id, kept[0].entry_id]
     drain(q2)
     q2.close()
@@ -164,7 +163,7 @@ def test_orphan_removal_waits_while_another_owner_lives(root: str) -> None:
     os.unlink(os.path.join(root, "queue", h[1].entry_id))
     other = FsQueue(root)  # q is alive: not exclusive
     assert other.last_recovery == RecoveryReport()
-    assert os.path.exists(os.path.join(root, "data", h[1].message_id, "rcpts", "1"))
+    assert os.path.exists(os.path.join(root, "data", h[1].entry_id))
     other.close()
     q.close()
     q3, report = opened(root)  # alone now
@@ -192,14 +191,16 @@ def test_killed_inflight_owner_is_requeued_with_its_schedule(root: str) -> None:
 def test_half_done_quarantines_are_finished(root: str) -> None:
     q = FsQueue(root)
     h = put(q, n=2)
+    assert q.reschedule(h[0], Schedule(5)) is not None
     g = put(q, n=2)
+    assert q.reschedule(g[1], Schedule(6)) is not None
     q.close()
     qdir = os.path.join(root, "quarantine")
-    # Message h: data moved to quarantine, links not yet.
+    data = os.path.join(root, "data")
+    # Message h: file moved to quarantine; schedule record, hard links and links not yet.
     open(os.path.join(qdir, f"{h[0].message_id}.note"), "w").close()
-    os.rename(os.path.join(root, "data", h[0].message_id),
-              os.path.join(qdir, f"{h[0].message_id}.msg"))
-    # Entry g.1: note written and link moved, rcpts file not yet.
+    os.rename(os.path.join(data, h[0].message_id), os.path.join(qdir, f"{h[0].message_id}.msg"))
+    # Entry g.1: note written and link moved; its schedule record and hard link not yet.
     open(os.path.join(qdir, f"{g[1].entry_id}.note"), "w").close()
     os.rename(os.path.join(root, "queue", g[1].entry_id),
               os.path.join(qdir, f"{g[1].entry_id}.link"))
@@ -207,8 +208,9 @@ def test_half_done_quarantines_are_finished(root: str) -> None:
     assert entries(q2) == [g[0].entry_id]
     assert sorted(os.listdir(qdir)) == sorted([
         f"{h[0].message_id}.note", f"{h[0].message_id}.msg", f"{h[0].entry_id}.link",
-        f"{h[1].entry_id}.link", f"{g[1].entry_id}.note", f"{g[1].entry_id}.link",
-        f"{g[1].entry_id}.rcpt"])
+        f"{h[1].entry_id}.link", f"{h[0].entry_id}.sched", f"{g[1].entry_id}.note",
+        f"{g[1].entry_id}.link", f"{g[1].entry_id}.sched"])
+    assert sorted(os.listdir(data)) == sorted([g[0].message_id, g[0].entry_id])
     drain(q2)
     q2.close()
 

@@ -20,12 +20,15 @@ from queue_ref.fsqueue import FsQueue
 from queue_ref.fsqueue.groupsync import GroupSync
 from queue_ref.fsqueue.layout import EntryName, MessageIds, new_owner, owner_of_msgid
 from queue_ref.fsqueue.records import (
+    TRAILER_LEN,
     Envelope,
     RecordError,
     decode,
     decode_schedule,
     encode,
     encode_schedule,
+    parse_trailer,
+    trailer,
 )
 from queue_ref.io import MUTATING, OsIO
 from queue_ref.storage import QueuedMail, Recipient, Schedule
@@ -77,9 +80,16 @@ def tree(root: str, owners: Sequence[str] = ()) -> list[str]:
 EMPTY = ["cleanup/", "data/", "inflight/", "quarantine/", "queue/", "tmp/", "tmp/O0/"]
 
 
+def message_parts(path: str) -> tuple[bytes, bytes]:
+    """(body, envelope record) of the message file at ``path``, read with ``os``."""
+    with open(path, "rb") as f:
+        data = f.read()
+    n = parse_trailer(data[-TRAILER_LEN:])
+    return data[:-TRAILER_LEN - n], data[-TRAILER_LEN - n:-TRAILER_LEN]
+
+
 def body_digest(q: FsQueue, msgid: str) -> str:
-    with open(os.path.join(q.root, "data", msgid, "body"), "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
+    return hashlib.sha256(message_parts(os.path.join(q.root, "data", msgid))[0]).hexdigest()
 
 
 class Crash(BaseException):
@@ -139,6 +149,10 @@ class CrashIO(OsIO):
     def syncfs(self, path: str) -> None:
         self._tick("syncfs", path)
 
+    def link(self, src: str, dst: str) -> None:
+        self._tick("link", src, dst)
+        super().link(src, dst)
+
     def rename(self, src: str, dst: str) -> None:
         self._tick("rename", src, dst)
         super().rename(src, dst)
@@ -172,7 +186,7 @@ class CrashIO(OsIO):
 
 def test_crash_io_counts_every_mutating_call_it_overrides() -> None:
     overridden = {n for n in MUTATING if n in CrashIO.__dict__}
-    assert overridden == MUTATING - {"link", "ftruncate", "fdatasync"}
+    assert overridden == MUTATING - {"ftruncate", "fdatasync"}
 
 
 # ---- ids and names ---------------------------------------------------------------------
@@ -190,7 +204,7 @@ def test_message_ids_are_unique_time_ordered_and_carry_the_owner() -> None:
 def test_entry_names_parse_only_our_names() -> None:
     m = MessageIds(new_owner()).next()
     assert EntryName.parse(f"{m}.12") == EntryName(m, 12)
-    assert EntryName(m, 3).target == f"../data/{m}/rcpts/3"
+    assert EntryName(m, 3).target == f"../data/{m}"
     for bad in (f"{m}.012", f"{m}.-1", f"{m}", f"{m}.1.tmp", "../x.0", f"{m}.1/..", ""):
         assert EntryName.parse(bad) is None, bad
 
@@ -214,6 +228,18 @@ def test_records_round_trip_and_reject_every_single_byte_flip() -> None:
         decode(encode("envelope", {}), "schedule")
 
 
+def test_trailers_round_trip_and_reject_anything_else() -> None:
+    assert parse_trailer(trailer(1234)) == 1234
+    assert len(trailer(1)) == TRAILER_LEN
+    for bad in (b"", trailer(5)[:-1], trailer(5).replace(b"qr-", b"qx-"),
+                trailer(5)[:-2] + b"x\n", b"qr-envelope 000000000000\n"):
+        with pytest.raises(RecordError):
+            parse_trailer(bad)
+    for n in (0, -1, 10 ** 12):
+        with pytest.raises(ValueError):
+            trailer(n)
+
+
 def test_envelope_round_trip() -> None:
     env = Envelope("m" * 38, "", {"SIZE": "12"}, 12, "a" * 64,
                    (Recipient("a@b", Schedule(1, 2), "z"), Recipient("../../x", Schedule(0))))
@@ -226,29 +252,43 @@ def test_envelope_round_trip() -> None:
 
 
 class SlowSyncIO(OsIO):
+    """Counts syncs (directory fsyncs and syncfs); each takes 20 ms; one may fail."""
+
     def __init__(self, fail_round: int = 0) -> None:
         self.syncs = 0
+        self.paths: list[str] = []
         self.fail_round = fail_round
         self.lock = threading.Lock()
 
-    def fsync_dir(self, path: str) -> None:
+    def _slow(self, path: str) -> None:
         with self.lock:
             self.syncs += 1
+            self.paths.append(path)
             n = self.syncs
         time.sleep(0.02)
         if n == self.fail_round:
             raise OSError(errno.EIO, "injected")
 
+    def fsync_dir(self, path: str) -> None:
+        self._slow(path)
 
-def test_group_sync_shares_fsyncs_between_threads(tmp_path: str) -> None:
+    def syncfs(self, path: str) -> None:
+        self._slow(path)
+
+
+MODES = ["syncfs", "fsync"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_group_sync_shares_rounds_between_threads(tmp_path: str, mode: str) -> None:
     io = SlowSyncIO()
-    g = GroupSync(io)
+    g = GroupSync(io, mode, str(tmp_path))
     start = threading.Barrier(16)
 
     def worker() -> None:
         start.wait()
         for _ in range(5):
-            g.sync(str(tmp_path))
+            g.sync([str(tmp_path)])
 
     ts = [threading.Thread(target=worker) for _ in range(16)]
     for t in ts:
@@ -257,32 +297,60 @@ def test_group_sync_shares_fsyncs_between_threads(tmp_path: str) -> None:
         t.join()
     assert g.requests == 80
     assert io.syncs == g.rounds
-    assert io.syncs < 40  # shared: far fewer fsyncs than callers
+    assert io.syncs < 40  # shared: far fewer syncs than callers
 
 
-def test_group_sync_waits_for_a_round_that_started_after_the_call(tmp_path: str) -> None:
+def test_fsync_rounds_sync_each_named_directory_once(tmp_path: str) -> None:
+    io = SlowSyncIO()
+    g = GroupSync(io, "fsync", str(tmp_path))
+    first = threading.Thread(target=g.sync, args=(["/a"],))
+    first.start()
+    time.sleep(0.005)  # round 1 runs; the callers below share round 2
+    ts = [threading.Thread(target=g.sync, args=(dirs,))
+          for dirs in (["/b", "/c"], ["/c"], ["/b", "/b"], [])]
+    for t in ts:
+        t.start()
+    for t in [first, *ts]:
+        t.join()
+    assert io.paths[0] == "/a" and sorted(io.paths[1:]) == ["/b", "/c"]
+    assert g.rounds == 2 and g.covers_files is False
+
+
+def test_syncfs_rounds_cover_files_and_ignore_paths(tmp_path: str) -> None:
+    io = SlowSyncIO()
+    g = GroupSync(io, "syncfs", str(tmp_path))
+    g.sync(["/x", "/y"])
+    g.sync()
+    assert io.paths == [str(tmp_path), str(tmp_path)] and g.covers_files
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_group_sync_waits_for_a_round_that_started_after_the_call(tmp_path: str,
+                                                                  mode: str) -> None:
     """A caller arriving while a round runs must not be released by that round."""
     io = SlowSyncIO()
-    g = GroupSync(io)
-    t = threading.Thread(target=g.sync, args=(str(tmp_path),))
+    g = GroupSync(io, mode, str(tmp_path))
+    t = threading.Thread(target=g.sync, args=([str(tmp_path)],))
     t.start()
     time.sleep(0.005)  # the first round is running now
-    g.sync(str(tmp_path))
+    g.sync([str(tmp_path)])
     t.join()
     assert io.syncs == 2
 
 
-def test_group_sync_failure_reaches_every_caller_of_that_round(tmp_path: str) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_group_sync_failure_reaches_every_caller_of_that_round(tmp_path: str,
+                                                               mode: str) -> None:
     io = SlowSyncIO(fail_round=2)
-    g = GroupSync(io)
-    first = threading.Thread(target=g.sync, args=(str(tmp_path),))
+    g = GroupSync(io, mode, str(tmp_path))
+    first = threading.Thread(target=g.sync, args=([str(tmp_path)],))
     first.start()
     time.sleep(0.005)  # round 1 runs; the callers below all need round 2, which fails
     errors: list[BaseException] = []
 
     def follower() -> None:
         try:
-            g.sync(str(tmp_path))
+            g.sync([str(tmp_path)])
         except OSError as e:
             errors.append(e)
 
@@ -292,5 +360,52 @@ def test_group_sync_failure_reaches_every_caller_of_that_round(tmp_path: str) ->
     for t in [*ts, first]:
         t.join()
     assert len(errors) == 5 and io.syncs == 2
-    g.sync(str(tmp_path))  # a later change gets a new round of its own
+    g.sync([str(tmp_path)])  # a later change gets a new round of its own
     assert io.syncs == 3
+
+
+class DyingSyncIO(SlowSyncIO):
+    """The first sync kills its thread with a BaseException (a simulated crash)."""
+
+    def _slow(self, path: str) -> None:
+        super()._slow(path)
+        if self.syncs == 1:
+            raise Crash("died in the sync")
+
+
+def test_a_crash_in_the_leader_fails_its_followers_and_frees_the_next_round(
+        tmp_path: str) -> None:
+    io = DyingSyncIO()
+    g = GroupSync(io, "syncfs", str(tmp_path))
+    died: list[BaseException] = []
+    errors: list[BaseException] = []
+
+    def leader() -> None:
+        try:
+            g.sync()
+        except Crash as e:
+            died.append(e)
+
+    def follower() -> None:
+        try:
+            g.sync()
+        except OSError as e:
+            errors.append(e)
+
+    first = threading.Thread(target=leader)
+    first.start()
+    time.sleep(0.005)
+    ts = [threading.Thread(target=follower) for _ in range(3)]
+    for t in ts:
+        t.start()
+    for t in [first, *ts]:
+        t.join()
+    # the followers waited for round 2, which ran: they are served, nobody hangs
+    assert len(died) == 1 and not errors and io.syncs == 2
+    g.sync()
+    assert io.syncs == 3
+
+
+def test_unknown_sync_mode_is_refused(tmp_path: str) -> None:
+    with pytest.raises(ValueError, match="sync mode"):
+        GroupSync(OsIO(), "sync", str(tmp_path))

@@ -6,7 +6,8 @@ are the project's backends and which rules each takes:
 * the restart rule (close, reopen: the backend lists ``model.restart()``) for every
   backend but ``memory``, which keeps nothing across close;
 * the crash rule (crash inside the next operation under a persistence model, recover,
-  judge, go on) for the backends that declare the I/O seam: ``fsqueue`` and ``kv-log``,
+  judge, go on) for the backends that declare the I/O seam: ``fsqueue`` (in its default
+  sync mode, and in ``fsync`` mode) and ``kv-log``,
   whose test ids say ``Crashes``.  ``memory`` and ``kv-leveldb`` declare no seam and skip
   only that rule (the hypothesis precondition; each class's docstring says so).
 
@@ -37,6 +38,10 @@ def _fsqueue(root: str, io: IO) -> Storage:
     return FsQueue(root, io)
 
 
+def _fsqueue_fsync(root: str, io: IO) -> Storage:
+    return FsQueue(root, io, sync="fsync")
+
+
 def _kv_log(root: str, io: IO) -> Storage:
     return KvQueue.open_log(root, io)
 
@@ -46,6 +51,7 @@ def _kv_log(root: str, io: IO) -> Storage:
 BACKENDS: dict[str, Factory] = {
     "memory": MemoryStorage,
     "fsqueue": _fsqueue,
+    "fsqueue-fsync": _fsqueue_fsync,
     "kv-log": _kv_log,
     "kv-leveldb": KvQueue.open_leveldb,
 }
@@ -62,6 +68,7 @@ def lockstep(name: str, *, restarts: bool = True) -> type[unittest.TestCase]:
 
 TestLockstepMemory = lockstep("memory", restarts=False)  # no seam: no crash rule
 TestLockstepFsqueueCrashes = lockstep("fsqueue")
+TestLockstepFsqueueFsyncCrashes = lockstep("fsqueue-fsync")
 TestLockstepKvLogCrashes = lockstep("kv-log")
 TestLockstepKvLeveldb = lockstep("kv-leveldb")  # no seam: no crash rule
 

@@ -109,6 +109,19 @@ def _open_fs(root: str, io: IO) -> Storage:
     return deterministic_fs(FsQueue)(root, io)
 
 
+def _open_fs_mode(mode: str) -> Opener:
+    def open_fs(root: str, io: IO) -> Storage:
+        from queue_ref.fsqueue import FsQueue
+
+        class Mode(FsQueue):
+            default_sync = mode
+
+        Mode.__name__ = Mode.__qualname__ = f"FsQueue[{mode}]"
+        return deterministic_fs(Mode)(root, io)
+
+    return open_fs
+
+
 #: The KV queue's clock, fixed: creation stamps are then the same in every rerun.
 KV_CLOCK_NS = 1_700_000_000_000_000_000
 
@@ -121,8 +134,13 @@ def _open_kv(root: str, io: IO) -> Storage:
     return store
 
 
-register(BackendSpec("fs", _open_fs, "the filesystem queue (queue_ref.fsqueue.FsQueue)",
-                     "queue_ref.fsqueue"))
+register(BackendSpec("fs", _open_fs, "the filesystem queue (queue_ref.fsqueue.FsQueue), "
+                     "in its default sync mode", "queue_ref.fsqueue"))
+register(BackendSpec("fs-syncfs", _open_fs_mode("syncfs"),
+                     "the filesystem queue, group commit by syncfs", "queue_ref.fsqueue"))
+register(BackendSpec("fs-fsync", _open_fs_mode("fsync"),
+                     "the filesystem queue, files fsynced by their writers, directory fsyncs "
+                     "shared", "queue_ref.fsqueue"))
 register(BackendSpec("kv", _open_kv, "the KV queue over the Python log engine",
                      "queue_ref.kv.queue"))
 

@@ -11,7 +11,6 @@ that holds the step) and otherwise runs FsQueue's code unchanged.
 from __future__ import annotations
 
 import contextlib
-import errno
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from conformance.crash.workloads import Workload, enqueue_call
 from queue_ref.fsqueue import FsQueue
 from queue_ref.fsqueue.diskutil import if_exists, readlink_or_none
 from queue_ref.fsqueue.layout import EntryName
-from queue_ref.fsqueue.records import Envelope, encode_schedule
+from queue_ref.fsqueue.records import Envelope, encode_schedule, trailer
 from queue_ref.fsqueue.recovery import Recovery
 from queue_ref.fsqueue.steps import MessageTx
 from queue_ref.io import IO
@@ -37,10 +36,20 @@ from spec.model import Call
 from spec.states import Op
 
 # ---- enqueue ------------------------------------------------------------------------------
+#
+# The variants run in ``fsync`` mode, where every step syncs its own files and directories,
+# so that leaving one step out leaves exactly its change unsynced.  (In ``syncfs`` mode a
+# later round covers an earlier forgotten one; the ``-syncfs`` variants below break that
+# mode's own rounds.)
 
 
-class NoBodyFsync(FsQueue):
-    """The body is closed without fsync before the commit rename publishes it."""
+class _Fsync(FsQueue):
+    default_sync = "fsync"
+
+
+class NoBodyFsync(_Fsync):
+    """The message file (body and envelope) is closed without fsync before the commit
+    rename publishes it."""
 
     def _finish_body(self, tx: MessageTx) -> None:
         assert tx.body_fd is not None
@@ -48,7 +57,7 @@ class NoBodyFsync(FsQueue):
         self.io.close(fd)
 
 
-class SwallowFsyncError(FsQueue):
+class SwallowFsyncError(_Fsync):
     """A failed fsync of a file is logged and forgotten ("retry the fsync later"): the
     enqueue reports success for a body the disk may not hold (PostgreSQL before 2018)."""
 
@@ -57,79 +66,81 @@ class SwallowFsyncError(FsQueue):
             self.io.fsync(fd)
 
 
-class NoEnvelopeFsync(FsQueue):
-    """The envelope record is written without fsync."""
+class NoEnvelopeFsync(_Fsync):
+    """The body is fsynced, then the envelope record is appended and never fsynced."""
 
     def _write_envelope(self, tx: MessageTx, env: Envelope) -> None:
-        fd = self.io.open_create(self.layout.envelope(tx.base))
+        if not tx.started:
+            self._begin_message(tx)
+        assert tx.body_fd is not None
+        body, tx.pending = bytes(tx.pending), bytearray()
+        self.io.write(tx.body_fd, body)
+        self._sync_file(tx.body_fd)
+        record = env.encode()
+        self.io.write(tx.body_fd, record + trailer(len(record)))
+
+    def _finish_body(self, tx: MessageTx) -> None:
+        assert tx.body_fd is not None
+        fd, tx.body_fd = tx.body_fd, None
+        self.io.close(fd)
+
+
+class NoLinksDirFsync(_Fsync):
+    """With two recipients, the hard links and queue/ links are not fsynced before the
+    commit rename: a committed message may lose some of its entries."""
+
+    def _sync_published(self, tx: MessageTx) -> None:
+        return None
+
+
+class NoCommitDirFsync(_Fsync):
+    """data/ and queue/ are not fsynced after the commit rename: commit returns before it
+    is durable."""
+
+    def _sync_committed(self, tx: MessageTx, links: bool) -> None:
+        return None
+
+
+class NoSyncAfterBody(_Fsync):
+    """Commit fsyncs the message file, then creates every name (hard links, links, the
+    commit rename) and returns without fsyncing any directory: an acknowledged message
+    lives in the page cache only.  No crash inside the enqueue can show it (losing the
+    message is the enqueue not having happened); a crash at rest after it does."""
+
+    def _commit_message(self, tx: MessageTx, env: Envelope) -> None:
+        n = len(env.rcpts)
+        self._write_envelope(tx, env)
+        self._finish_body(tx)
+        if n > 1:
+            self._create_refs(tx, n)
+        self._publish_links(tx, n)
+        self._commit_rename(tx)
+
+
+class BodyAfterPublish(_Fsync):
+    """The message file is fsynced only after the commit rename published it (maddy)."""
+
+    def _commit_message(self, tx: MessageTx, env: Envelope) -> None:
+        n = len(env.rcpts)
+        self._write_envelope(tx, env)
+        assert tx.body_fd is not None
+        fd, tx.body_fd = tx.body_fd, None
+        if n > 1:
+            self._create_refs(tx, n)
+        self._publish_links(tx, n)
+        self._sync_published(tx)
+        self._commit_rename(tx)
+        self._sync_committed(tx, links=False)
         try:
-            self.io.write(fd, env.encode())
+            self._sync_file(fd)
         finally:
             self.io.close(fd)
-
-
-class NoLinksDirFsync(FsQueue):
-    """queue/ is not fsynced after the links are created, before the commit rename."""
-
-    def _commit_message(self, tx: MessageTx, env: Envelope) -> None:
-        n = len(env.rcpts)
-        self._write_envelope(tx, env)
-        self._finish_body(tx)
-        self._create_rcpt_files(tx, n)
-        self._sync_message_dirs(tx)
-        self._publish_links(tx, n)
-        self._commit_rename(tx)
-        self._sync_dirs(self.layout.data, self.layout.tmp_owner(self.owner))
-
-
-class NoCommitDirFsync(FsQueue):
-    """data/ is not fsynced after the commit rename: commit returns before it is durable."""
-
-    def _commit_message(self, tx: MessageTx, env: Envelope) -> None:
-        n = len(env.rcpts)
-        self._write_envelope(tx, env)
-        self._finish_body(tx)
-        self._create_rcpt_files(tx, n)
-        self._sync_message_dirs(tx)
-        self._publish_links(tx, n)
-        self._sync_dirs(self.layout.queue)
-        self._commit_rename(tx)
-
-
-class NoSyncAfterBody(FsQueue):
-    """Commit fsyncs the envelope and the body, then creates every name (recipient files,
-    links, the commit rename) and returns without fsyncing any directory: an acknowledged
-    message lives in the page cache only.  No crash inside the enqueue can show it (losing
-    the message is the enqueue not having happened); a crash at rest after it does."""
-
-    def _commit_message(self, tx: MessageTx, env: Envelope) -> None:
-        n = len(env.rcpts)
-        self._write_envelope(tx, env)
-        self._finish_body(tx)
-        self._create_rcpt_files(tx, n)
-        self._publish_links(tx, n)
-        self._commit_rename(tx)
-
-
-class BodyAfterPublish(FsQueue):
-    """The body is fsynced only after the commit rename published the message (maddy)."""
-
-    def _commit_message(self, tx: MessageTx, env: Envelope) -> None:
-        n = len(env.rcpts)
-        self._write_envelope(tx, env)
-        self._create_rcpt_files(tx, n)
-        self._sync_message_dirs(tx)
-        self._publish_links(tx, n)
-        self._sync_dirs(self.layout.queue)
-        self._commit_rename(tx)
-        self._sync_dirs(self.layout.data, self.layout.tmp_owner(self.owner))
-        self._finish_body(tx)
 
 
 # ---- state changes ----------------------------------------------------------------------
 
 
-class NoDoneDirFsync(FsQueue):
+class NoDoneDirFsync(_Fsync):
     """send_done renames the link to cleanup/ without fsyncing the directories."""
 
     def send_done(self, mail: InflightMail) -> PendingCleanupMail | None:
@@ -139,10 +150,10 @@ class NoDoneDirFsync(FsQueue):
             if not self._move_link(self.layout.inflight_link(e, self.owner),
                                    self.layout.cleanup_link(e)):
                 return None
-        return self._issue(PendingCleanupMail, h.entry_id, h.message_id, h.schedule)
+        return self._issue(PendingCleanupMail, h.entry_id, h.message_id, h.schedule, h._extra)
 
 
-class NoDropDirFsync(FsQueue):
+class NoDropDirFsync(_Fsync):
     """drop renames the link to cleanup/ without fsyncing the directories."""
 
     def drop(self, mail: QueuedMail) -> PendingCleanupMail | None:
@@ -155,11 +166,11 @@ class NoDropDirFsync(FsQueue):
         return self._issue(PendingCleanupMail, h.entry_id, h.message_id, h.schedule)
 
 
-class NoScheduleFsync(FsQueue):
+class NoScheduleFsync(_Fsync):
     """The new schedule record is renamed into place without having been fsynced."""
 
     def _write_schedule_temp(self, e: EntryName, schedule: Schedule) -> str:
-        tmp = self.layout.rcpt_tmp(e, self.owner)
+        tmp = self.layout.sched_tmp(e, self.owner)
         if_exists(self.io.unlink, tmp)
         fd = self.io.open_create(tmp)
         try:
@@ -169,44 +180,69 @@ class NoScheduleFsync(FsQueue):
         return tmp
 
 
-class NoScheduleDirFsync(FsQueue):
-    """The schedule record's rename is not made durable (rcpts/ is not fsynced)."""
+class NoScheduleDirFsync(_Fsync):
+    """The schedule record's rename is not made durable (data/ is not fsynced)."""
 
     def _write_schedule(self, e: EntryName, schedule: Schedule) -> None:
         tmp = self._write_schedule_temp(e, schedule)
         self._install_schedule(e, tmp)
 
 
-class CleanupSharedData(FsQueue):
-    """cleanup deletes the message's body and envelope with its first entry, although
-    other entries of the message still need them."""
+class CleanupSharedData(_Fsync):
+    """cleanup deletes the message file with its first entry, although other entries of
+    the message still need it."""
 
-    def _remove_rcpts_dir(self, msgid: str) -> bool:
-        try:
-            self.io.rmdir(self.layout.rcpts(self.layout.msg_dir(msgid)))
-        except OSError as err:
-            if err.errno not in (errno.ENOENT, errno.ENOTEMPTY, errno.EEXIST):
-                raise
-        return True
+    def _release_entry(self, e: EntryName, *, single: bool | None = None,
+                       record: bool = True) -> None:
+        if_exists(self.io.unlink, self.layout.sched(e))
+        if_exists(self.io.unlink, self.layout.ref(e))
+        self._delete_message_data(e.msgid)
 
 
-class CleanupLinkFirst(FsQueue):
+class CleanupLinkFirst(_Fsync):
     """cleanup unlinks the cleanup/ link first and releases the data afterwards."""
 
-    def _cleanup_entry(self, e: EntryName) -> bool:
+    def _cleanup_entry(self, e: EntryName, *, single: bool | None = None,
+                       record: bool = True) -> bool:
         removed = self._unlink_link(self.layout.cleanup_link(e))
-        self._sync_dirs(self.layout.cleanup)
-        self._unlink_rcpt(e)
-        if self._remove_rcpts_dir(e.msgid):
-            self._delete_message_data(e.msgid)
-            self._sync_dirs(self.layout.data)
+        self._release_entry(e, single=single, record=record)
         return removed
+
+
+# ---- the syncfs mode's own rounds ---------------------------------------------------------
+
+
+class SyncfsNoCommitRound(FsQueue):
+    """``syncfs`` mode: commit skips its round after the commit rename."""
+
+    default_sync = "syncfs"
+
+    def _sync_committed(self, tx: MessageTx, links: bool) -> None:
+        return None
+
+
+class SyncfsNoDoneRound(NoDoneDirFsync):
+    """``syncfs`` mode: send_done moves the link to cleanup/ and returns without a round."""
+
+    default_sync = "syncfs"
+
+
+class SyncfsNoFileRound(FsQueue):
+    """``syncfs`` mode: the message file is not synced before the names that publish it
+    are created; the round after the commit rename then covers both at once."""
+
+    default_sync = "syncfs"
+
+    def _finish_body(self, tx: MessageTx) -> None:
+        assert tx.body_fd is not None
+        fd, tx.body_fd = tx.body_fd, None
+        self.io.close(fd)
 
 
 # ---- recovery -----------------------------------------------------------------------------
 
 
-class _OwnRecovery(FsQueue):
+class _OwnRecovery(_Fsync):
     """FsQueue whose recovery is ``recovery_class`` (opened without FsQueue's, then run)."""
 
     recovery_class: type[Recovery] = Recovery
@@ -292,7 +328,7 @@ _RESCHED = Call(Op.RESCHEDULE, _K, Schedule(1100))
 VARIANTS: tuple[Variant, ...] = (
     Variant("fs-broken-nofsync", NoBodyFsync, "C1", (_E1, _RESCHED)),
     Variant("fs-broken-nosync-envelope", NoEnvelopeFsync, "C1", (_E1, _RESCHED)),
-    Variant("fs-broken-nosync-links", NoLinksDirFsync, "C1", (_E1, _RESCHED)),
+    Variant("fs-broken-nosync-links", NoLinksDirFsync, "C2", (_E2,)),
     Variant("fs-broken-nosync-commit", NoCommitDirFsync, "C1", (_E1, _RESCHED)),
     Variant("fs-broken-nosync-after-body", NoSyncAfterBody, "C1", (_E1,)),
     Variant("fs-broken-swallow-eio", SwallowFsyncError, "C9", (_E1,)),
@@ -300,21 +336,28 @@ VARIANTS: tuple[Variant, ...] = (
             (_E1, _START, Call(Op.SEND_DONE, _K), Call(Op.CLEANUP, _K))),
     Variant("fs-broken-nosync-drop", NoDropDirFsync, "C3",
             (_E1, Call(Op.DROP, _K), Call(Op.CLEANUP, _K))),
-    Variant("fs-broken-nosync-schedule", NoScheduleFsync, "C5", (_E1, _RESCHED, _START)),
+    Variant("fs-broken-nosync-schedule", NoScheduleFsync, "C1", (_E1, _RESCHED, _START)),
     Variant("fs-broken-nosync-schedule-dir", NoScheduleDirFsync, "C5",
             (_E1, _RESCHED, _START)),
     Variant("fs-broken-cleanup-shared", CleanupSharedData, "C1",
             (_E2, Call(Op.DROP, _K), Call(Op.CLEANUP, _K))),
     Variant("fs-broken-noorphans", NoOrphanScan, "C8", (_E1, _RESCHED)),
     Variant("fs-broken-requeue-unlink-first", RequeueUnlinkFirst, "C10", (_E1, _START)),
+    Variant("fs-broken-syncfs-nocommit", SyncfsNoCommitRound, "C1", (_E1, _RESCHED)),
+    Variant("fs-broken-syncfs-nodone", SyncfsNoDoneRound, "C3",
+            (_E1, _START, Call(Op.SEND_DONE, _K), Call(Op.CLEANUP, _K))),
     Variant("fs-broken-body-after-publish", BodyAfterPublish, "", (_E2,),
             "absorbed: the envelope holds the body's sha256, so a body torn before its "
             "fsync fails the check on read, the message is quarantined, and that is the "
             "interrupted enqueue not having happened"),
+    Variant("fs-broken-syncfs-nofile", SyncfsNoFileRound, "", (_E2,),
+            "absorbed, as fs-broken-body-after-publish: the commit's round makes the file "
+            "durable with its names, and a crash before that round ends is an enqueue "
+            "that did not happen (a torn file fails its checksum)"),
     Variant("fs-broken-cleanup-link-first", CleanupLinkFirst, "",
             (_E1, Call(Op.DROP, _K), Call(Op.CLEANUP, _K)),
-            "absorbed: recovery's orphan scan removes recipient files and message "
-            "directories no link names"),
+            "absorbed: recovery's orphan scan removes message files, hard links and "
+            "schedule records no link names"),
 )
 
 BY_NAME = {v.name: v for v in VARIANTS}

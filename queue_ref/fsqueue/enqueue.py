@@ -1,10 +1,11 @@
 """The Enqueuer of the filesystem queue: streams a body to disk, then commits.
 
-The body goes straight to ``tmp/<owner>/<msgid>/body`` chunk by chunk while its sha256 is
-computed, so a body of any size needs memory for one chunk only.  Nothing is created before
-the first ``write`` or ``commit``; nothing is visible to listers before the commit point
-(see ``FsSteps._commit_message``).  After a write error the message is discarded and the
-Enqueuer is closed: the caller starts again.
+The body goes to the message file ``tmp/<owner>/<msgid>`` while its sha256 is computed,
+in writes of ``BODY_BUFFER`` (64 KiB) bytes, so a body of any size needs that much memory
+and no more; a smaller message is written whole, with its envelope, at commit.  Nothing is
+created before the body outgrows the buffer or the commit; nothing is visible to listers
+before the commit point (see ``FsSteps._commit_message``).  After a write error the
+message is discarded and the Enqueuer is closed: the caller starts again.
 """
 
 from __future__ import annotations

@@ -2,16 +2,19 @@
 
 Layout under the queue's root (seed 001, with ``tmp/``, ``quarantine/`` and ``owners/`` added)::
 
-    data/<msgid>/envelope        checksummed record: sender, params, body size and sha256,
-                                 every recipient with its zone and initial schedule
-    data/<msgid>/body            the raw body
-    data/<msgid>/rcpts/<i>       one file per recipient: empty, or a checksummed schedule
-                                 record once the entry was rescheduled or cancelled
-    data/<msgid>/rcpts/<i>.<owner>.tmp   a schedule record being written by <owner>
-    queue/<msgid>.<i>            symlink -> ../data/<msgid>/rcpts/<i>   (QUEUED)
+    data/<msgid>                 the message, one file: the raw body, then its checksummed
+                                 envelope record (sender, params, body size and sha256, every
+                                 recipient with its zone and initial schedule), then a
+                                 fixed-size trailer giving the record's length
+    data/<msgid>.<i>             a hard link to data/<msgid> per recipient not yet cleaned up,
+                                 for messages of two or more recipients: the message's
+                                 reference count is its link count
+    data/<msgid>.<i>.sched       the entry's schedule record, once rescheduled or cancelled
+    data/<msgid>.<i>.<owner>.tmp a schedule record being written by <owner>
+    queue/<msgid>.<i>            symlink -> ../data/<msgid>           (QUEUED)
     inflight/<msgid>.<i>@<owner> the same symlink, claimed by <owner>  (INFLIGHT)
     cleanup/<msgid>.<i>          the same symlink                      (PENDING_CLEANUP)
-    tmp/<owner>/<msgid>/         a message being built by <owner> (same shape as data/<msgid>)
+    tmp/<owner>/<msgid>          a message file being written by <owner>
     quarantine/                  corrupt entries, their notes, and junk found in our directories
     owners/<owner>.lock          flock-held while <owner> (one open FsQueue) is alive
     owners/gate.lock             serialises opening and recovery (see recovery.py)
@@ -47,13 +50,12 @@ OWNER_RE = re.compile(rf"{_OWNER}\Z")
 MSGID_RE = re.compile(rf"{_MSGID}\Z")
 ENTRY_RE = re.compile(rf"(?P<msgid>{_MSGID})\.(?P<index>{_INDEX})\Z")
 INFLIGHT_RE = re.compile(rf"(?P<msgid>{_MSGID})\.(?P<index>{_INDEX})@(?P<owner>{_OWNER})\Z")
-RCPT_RE = re.compile(rf"{_INDEX}\Z")
-RCPT_TMP_RE = re.compile(rf"(?P<index>{_INDEX})\.(?P<owner>{_OWNER})\.tmp\Z")
+DATA_RE = re.compile(  # every name we create under data/
+    rf"(?P<msgid>{_MSGID})(?:\.(?P<index>{_INDEX})"
+    rf"(?:\.(?P<sched>sched)|\.(?P<owner>{_OWNER})\.tmp)?)?\Z")
 OWNER_LOCK_RE = re.compile(rf"(?P<owner>{_OWNER})\.lock\Z")
 
-BODY = "body"
-ENVELOPE = "envelope"
-RCPTS = "rcpts"
+SCHED = "sched"
 GATE = "gate.lock"
 
 
@@ -86,7 +88,7 @@ class EntryName:
     @property
     def target(self) -> str:
         """The relative target every link of this entry must have, exactly."""
-        return f"../data/{self.msgid}/{RCPTS}/{self.index}"
+        return f"../data/{self.msgid}"
 
     def inflight_name(self, owner: str) -> str:
         return f"{self.entry_id}@{owner}"
@@ -123,38 +125,28 @@ class Layout:
     def dirs(self) -> list[str]:
         return [join(self.root, d) for d in DIRS]
 
-    # -- messages (``base`` is data/<msgid> or tmp/<owner>/<msgid>) --
+    # -- messages --
 
-    def msg_dir(self, msgid: str) -> str:
+    def msg_file(self, msgid: str) -> str:
+        """``data/<msgid>``: the committed message (body, envelope record, trailer)."""
         return join(self.data, msgid)
+
+    def ref(self, e: EntryName) -> str:
+        """``data/<msgid>.<i>``: the entry's hard link (messages of 2+ recipients)."""
+        return join(self.data, e.entry_id)
+
+    def sched(self, e: EntryName) -> str:
+        """``data/<msgid>.<i>.sched``: the entry's schedule record, if it has one."""
+        return join(self.data, f"{e.entry_id}.{SCHED}")
+
+    def sched_tmp(self, e: EntryName, owner: str) -> str:
+        return join(self.data, f"{e.entry_id}.{owner}.tmp")
 
     def tmp_owner(self, owner: str) -> str:
         return join(self.tmp, owner)
 
     def tmp_msg(self, owner: str, msgid: str) -> str:
         return join(self.tmp, owner, msgid)
-
-    @staticmethod
-    def body(base: str) -> str:
-        return join(base, BODY)
-
-    @staticmethod
-    def envelope(base: str) -> str:
-        return join(base, ENVELOPE)
-
-    @staticmethod
-    def rcpts(base: str) -> str:
-        return join(base, RCPTS)
-
-    @staticmethod
-    def rcpt(base: str, index: int) -> str:
-        return join(base, RCPTS, str(index))
-
-    def rcpt_file(self, e: EntryName) -> str:
-        return join(self.data, e.msgid, RCPTS, str(e.index))
-
-    def rcpt_tmp(self, e: EntryName, owner: str) -> str:
-        return join(self.data, e.msgid, RCPTS, f"{e.index}.{owner}.tmp")
 
     # -- links --
 

@@ -2,13 +2,14 @@
 
 Quarantine layout:
 
-* ``<msgid>.note`` / ``<msgid>.msg/``: a message whose envelope or body failed its checksum
-  (the whole ``data/<msgid>`` directory, moved), and every queue/inflight link of it as
-  ``<link name>.link``.
-* ``<entry>.note`` / ``<entry>.rcpt`` / ``<link name>.link``: an entry whose schedule record
-  failed its checksum; the rest of its message stays in service.
+* ``<msgid>.note`` / ``<msgid>.msg``: a message whose envelope or body failed its checksum
+  (the message file ``data/<msgid>``, moved), its schedule records as ``<entry>.sched``,
+  and every queue/inflight link of it as ``<link name>.link``.  Its hard links are
+  unlinked (they name the file that was moved).
+* ``<entry>.note`` / ``<entry>.sched`` / ``<link name>.link``: an entry whose schedule
+  record failed its checksum; the rest of its message stays in service.
 * ``junk.<owner>.<n>.<where>.<name>``: something in our directories that is not ours (a
-  regular file in a link directory, a symlink that points anywhere but its own rcpts file,
+  regular file in a link directory, a symlink that points anywhere but its message file,
   a name we never create).  Never followed, never deleted; reported by recovery.
 
 Each quarantine writes its note durably first, then moves things with renames whose
@@ -18,6 +19,7 @@ piece; recovery finishes a half-done quarantine (see recovery.py).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import itertools
 import os
@@ -28,8 +30,14 @@ from collections import OrderedDict
 from os.path import basename, join
 
 from queue_ref.fsqueue.diskutil import if_exists, lstat_or_none, write_whole
-from queue_ref.fsqueue.layout import EntryName
-from queue_ref.fsqueue.records import Envelope, RecordError, decode_schedule
+from queue_ref.fsqueue.layout import DATA_RE, EntryName
+from queue_ref.fsqueue.records import (
+    TRAILER_LEN,
+    Envelope,
+    RecordError,
+    decode_schedule,
+    parse_trailer,
+)
 from queue_ref.fsqueue.steps import FsSteps
 from queue_ref.io import read_file
 from queue_ref.storage import Schedule
@@ -49,11 +57,18 @@ class Corrupt(Exception):
 
 
 class EnvelopeCache:
-    """Verified envelopes by message id, revalidated by (inode, size, mtime) of the file."""
+    """Verified envelopes by message id.
 
-    def __init__(self, size: int = 128) -> None:
+    An entry read from disk is keyed by (inode, size, mtime) of the message file and is a
+    hit for ``get`` only while the file still has them.  An entry ``put`` with key None was
+    written by this queue itself (at commit): ``get`` ignores it, ``peek`` returns it.
+    Message files are never rewritten, so what this queue wrote stays true for as long as
+    the message exists; ``peek`` serves callers that know the message is live.
+    """
+
+    def __init__(self, size: int = 1024) -> None:
         self._lock = threading.Lock()
-        self._items: OrderedDict[str, tuple[tuple[int, int, int], Envelope]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[tuple[int, int, int] | None, Envelope]] = OrderedDict()
         self._size = size
 
     def get(self, msgid: str, key: tuple[int, int, int]) -> Envelope | None:
@@ -64,7 +79,12 @@ class EnvelopeCache:
             self._items.move_to_end(msgid)
             return hit[1]
 
-    def put(self, msgid: str, key: tuple[int, int, int], env: Envelope) -> None:
+    def peek(self, msgid: str) -> Envelope | None:
+        """The cached envelope of ``msgid`` whatever its key; None if not cached."""
+        hit = self._items.get(msgid)
+        return None if hit is None else hit[1]
+
+    def put(self, msgid: str, key: tuple[int, int, int] | None, env: Envelope) -> None:
         with self._lock:
             self._items[msgid] = (key, env)
             self._items.move_to_end(msgid)
@@ -87,45 +107,76 @@ class FsMetadata(FsSteps):
 
     # ---- loading ---------------------------------------------------------------------
 
-    def _load_envelope(self, msgid: str) -> Envelope:
-        """The verified envelope of a committed message.  Raises Corrupt (whole message)."""
-        path = self.layout.envelope(self.layout.msg_dir(msgid))
+    def _load_envelope(self, msgid: str) -> Envelope | None:
+        """The verified envelope of a committed message; None if its file is missing (not
+        committed, or cleaned up).  Raises Corrupt (whole message) or OSError."""
+        path = self.layout.msg_file(msgid)
         st = lstat_or_none(self.io, path)
-        if st is None or not stat.S_ISREG(st.st_mode):
-            raise Corrupt(f"envelope of {msgid} is missing", True)
+        if st is None:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            raise Corrupt(f"message file of {msgid} is not a regular file", True)
         key = _stat_key(st)
         env = self._envelopes.get(msgid, key)
         if env is None:
             try:
-                env = Envelope.decode(read_file(self.io, path, MAX_ENVELOPE), msgid)
-            except FileNotFoundError as e:
-                raise Corrupt(f"envelope of {msgid} is missing", True) from e
-            except RecordError as e:
-                raise Corrupt(f"envelope of {msgid}: {e}", True) from e
+                env = self._read_envelope(path, msgid)
+            except FileNotFoundError:
+                return None
             self._envelopes.put(msgid, key, env)
         return env
 
+    def _read_envelope(self, path: str, msgid: str) -> Envelope:
+        """Read the envelope from the end of a message file and check that the body it
+        describes fills the rest exactly.  Raises Corrupt or OSError."""
+        fd = self.io.open_read(path)
+        try:
+            size = self.io.fsize(fd)
+            if size < TRAILER_LEN:
+                raise Corrupt(f"message {msgid} is shorter than its trailer", True)
+            n = parse_trailer(self.io.pread(fd, TRAILER_LEN, size - TRAILER_LEN))
+            if n > min(MAX_ENVELOPE, size - TRAILER_LEN):
+                raise Corrupt(f"envelope of {msgid} is larger than its message", True)
+            raw = self.io.pread(fd, n, size - TRAILER_LEN - n)
+            env = Envelope.decode(raw, msgid)
+        except RecordError as e:
+            raise Corrupt(f"envelope of {msgid}: {e}", True) from e
+        finally:
+            self.io.close(fd)
+        if env.body_size != size - TRAILER_LEN - n:
+            raise Corrupt(f"message {msgid}: body is not the {env.body_size} bytes its "
+                          "envelope says", True)
+        return env
+
     def _load_entry(self, e: EntryName) -> tuple[Envelope, Schedule] | None:
-        """Envelope and current schedule of a committed entry; None if its rcpts file is
+        """Envelope and current schedule of a committed entry; None if its message file is
         gone (the link dangles: uncommitted, or cleaned up).  Raises Corrupt or OSError."""
-        rcpt = self.layout.rcpt_file(e)
-        st = lstat_or_none(self.io, rcpt)
-        if st is None:
-            return None
         env = self._load_envelope(e.msgid)
+        if env is None:
+            return None
+        return env, self._entry_schedule(e, env)[0]
+
+    def _entry_schedule(self, e: EntryName, env: Envelope) -> tuple[Schedule, bool]:
+        """The entry's current schedule, and whether it comes from a schedule record (else
+        from the envelope).  Raises Corrupt or OSError."""
         if e.index >= len(env.rcpts):
             raise Corrupt(f"entry {e.entry_id} is not in its envelope", True)
-        if not stat.S_ISREG(st.st_mode):
-            raise Corrupt(f"rcpts file of {e.entry_id} is not a regular file", False)
-        if st.st_size == 0:
-            return env, env.rcpts[e.index].schedule
         try:
-            sched = decode_schedule(read_file(self.io, rcpt, MAX_SCHEDULE), e.entry_id)
+            raw = read_file(self.io, self.layout.sched(e), MAX_SCHEDULE)
         except FileNotFoundError:
-            return None
+            return env.rcpts[e.index].schedule, False
+        except OSError as err:
+            if err.errno in (errno.ELOOP, errno.EFBIG):  # a symlink, or far too large
+                raise Corrupt(f"schedule of {e.entry_id}: {err}", False) from err
+            raise
+        try:
+            return decode_schedule(raw, e.entry_id), True
         except RecordError as err:
             raise Corrupt(f"schedule of {e.entry_id}: {err}", False) from err
-        return env, sched
+
+    def _single_recipient(self, msgid: str) -> bool:
+        env = self._envelopes.peek(msgid)
+        return env is not None and len(env.rcpts) == 1
 
     # ---- quarantine ------------------------------------------------------------------
 
@@ -139,17 +190,23 @@ class FsMetadata(FsSteps):
         self.io.rename(tmp, final)
         self._sync_dirs(self.layout.quarantine)
 
-    def _quarantine_message(self, msgid: str, reason: str) -> str:
-        """Move a corrupt message (data and every queue/inflight link) to quarantine/.
+    def _names_of_message(self, msgid: str) -> list[str]:
+        """Names under data/ that belong to ``msgid`` besides its message file."""
+        return self._links_of_message(self.layout.data, msgid)
 
-        Note first, then ``data/<msgid>`` (one rename), then the links, which now dangle
+    def _quarantine_message(self, msgid: str, reason: str) -> str:
+        """Move a corrupt message (file, schedule records, every queue/inflight link) to
+        quarantine/.
+
+        Note first, then ``data/<msgid>`` (one rename), then its schedule records, its
+        hard links (unlinked: they name the moved file), and the links, which now dangle
         and would be skipped by listers anyway; recovery moves dangling links of a
         quarantined message.  Cleanup links are left to cleanup, which tolerates missing
-        data.  Returns the quarantined directory."""
+        data.  Returns the quarantined file."""
         self._envelopes.drop(msgid)
         self._write_note(msgid, f"message {msgid}: {reason}")
         dest = self.layout.quarantined(f"{msgid}.msg")
-        src = self.layout.msg_dir(msgid)
+        src = self.layout.msg_file(msgid)
         if self.io.exists(src) and not self.io.exists(dest):
             try:
                 self.io.rename(src, dest)
@@ -157,8 +214,23 @@ class FsMetadata(FsSteps):
                 pass  # another thread or process quarantined it first
             else:
                 self._sync_dirs(self.layout.data, self.layout.quarantine)
+        self._quarantine_names_of(msgid)
         self._quarantine_links_of(msgid)
         return dest
+
+    def _quarantine_names_of(self, msgid: str) -> None:
+        """Schedule records of a quarantined message to quarantine/, its hard links and
+        temp records unlinked."""
+        changed = False
+        for n in self._names_of_message(msgid):
+            m = DATA_RE.match(n)
+            path = join(self.layout.data, n)
+            if m is not None and m["sched"]:
+                changed |= self._move_link(path, self.layout.quarantined(n))
+            else:
+                changed |= if_exists(self.io.unlink, path)
+        if changed:
+            self._sync_dirs(self.layout.data, self.layout.quarantine)
 
     def _quarantine_links_of(self, msgid: str) -> int:
         """Move the queue/ and inflight/ links of ``msgid`` to quarantine/."""
@@ -173,19 +245,17 @@ class FsMetadata(FsSteps):
 
     def _quarantine_entry(self, e: EntryName, link: str, reason: str) -> str:
         """Move an entry with a corrupt schedule record to quarantine/: note, link, then the
-        rcpts file; if that emptied ``rcpts/``, the message's other files are released as
-        in cleanup.  Returns the quarantined record's path."""
+        record; the entry's hold on the message is then released as in cleanup.  Returns
+        the quarantined record's path."""
         self._write_note(e.entry_id, f"entry {e.entry_id}: {reason}")
-        dest = self.layout.quarantined(f"{e.entry_id}.rcpt")
+        dest = self.layout.quarantined(f"{e.entry_id}.sched")
         if not self._move_link(link, self.layout.quarantined(f"{basename(link)}.link")):
             return dest  # the entry moved on meanwhile: whoever holds it now sees the same
         self._sync_dirs(os.path.dirname(link), self.layout.quarantine)
-        rcpts_dir = self.layout.rcpts(self.layout.msg_dir(e.msgid))
-        if self._move_link(self.layout.rcpt_file(e), dest):
-            self._sync_dirs(rcpts_dir, self.layout.quarantine)
-        if self._remove_rcpts_dir(e.msgid):
-            self._delete_message_data(e.msgid)
-            self._sync_teardown()
+        if self._move_link(self.layout.sched(e), dest):
+            self._sync_dirs(self.layout.data, self.layout.quarantine)
+        self._release_entry(e)
+        self._sync_dirs(self.layout.data)
         return dest
 
     def _quarantine_corrupt(self, e: EntryName, link: str, c: Corrupt) -> str:

@@ -7,6 +7,10 @@ A record is one header line and a JSON payload::
 Decoding checks the header, the length, the checksum, the record's kind and the type of
 every field; any mismatch raises ``RecordError``, which the queue turns into quarantine and
 ``CorruptionError``.  A torn, truncated, garbage or misplaced record never decodes.
+
+A message file is the body, then its envelope record, then a trailer of ``TRAILER_LEN``
+bytes giving the record's length (``qr-envelope <12 digits>\\n``), so the envelope is found
+from the end of the file without reading the body.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ from typing import Any
 from queue_ref.storage import Recipient, Schedule
 
 MAGIC = b"qr-record 1"
+TRAILER_MAGIC = b"qr-envelope "
+TRAILER_LEN = len(TRAILER_MAGIC) + 13
+MAX_RECORD = 10 ** 12 - 1
 
 
 class RecordError(ValueError):
@@ -49,6 +56,25 @@ def decode(data: bytes, kind: str) -> dict[str, Any]:
     if not isinstance(obj, dict) or obj.get("kind") != kind:
         raise RecordError(f"record is not a {kind} record")
     return obj
+
+
+def trailer(record_len: int) -> bytes:
+    """The trailer that follows an envelope record of ``record_len`` bytes."""
+    if not 0 < record_len <= MAX_RECORD:
+        raise ValueError(f"envelope record of {record_len} bytes")
+    return TRAILER_MAGIC + b"%012d\n" % record_len
+
+
+def parse_trailer(data: bytes) -> int:
+    """The record length a trailer gives; ``RecordError`` if ``data`` is not a trailer."""
+    digits = data[len(TRAILER_MAGIC):-1]
+    if (len(data) != TRAILER_LEN or not data.startswith(TRAILER_MAGIC)
+            or not data.endswith(b"\n") or not digits.isdigit()):
+        raise RecordError("bad message trailer")
+    n = int(digits)
+    if n == 0:
+        raise RecordError("message trailer gives an empty envelope")
+    return n
 
 
 def _int(obj: Mapping[str, Any], key: str) -> int:

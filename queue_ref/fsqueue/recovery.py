@@ -6,19 +6,21 @@ queue open and none can open it meanwhile.  Steps, in order:
 
 1. **Junk**: anything in queue/, inflight/, cleanup/ that is not one of our links (a name we
    never create, a regular file or directory, a symlink whose target is not exactly
-   ``../data/<msgid>/rcpts/<i>`` for its own name) is moved to quarantine/ and reported.
+   ``../data/<msgid>`` for its own name) is moved to quarantine/ and reported.
    Links are never followed; the check compares the link text.
 2. **Duplicates** (an entry linked twice, possible after power loss because a rename
    persists in one directory before the other): cleanup wins over queue and inflight, queue
    wins over inflight.  Only links of dead owners and queue links of retired entries are
    removed, so a live process's claim is never undone.
 3. **Interrupted cleanups**: every cleanup/ link is cleaned up (steps tolerate missing data).
-4. **Uncommitted enqueues** of dead owners: their ``tmp/<owner>/`` trees and the dangling
-   queue links of their messages.  A dangling link of a quarantined message goes to
-   quarantine; one of a committed message whose rcpts file is gone is removed and reported.
+4. **Uncommitted enqueues** of dead owners: their files under ``tmp/<owner>/``, the
+   dangling links of their messages (a link whose message file is missing) and the hard
+   links those messages had already made.  A dangling link of a quarantined message goes
+   to quarantine.
 5. **Requeue**: inflight links of dead owners go back to queue/ (INFLIGHT -> QUEUED).
-6. **Orphans** (exclusive only): rcpts files no link names, schedule temp files, message
-   directories without rcpts files, and unknown names under data/ (quarantined).
+6. **Orphans** (exclusive only): under data/, every name of a message no link names (its
+   file, hard links, schedule records), hard links and schedule records of entries no
+   link names, schedule temp files, and unknown names (quarantined).
 7. **Verification**: the metadata of every queued entry is checked; corrupt entries and
    messages are quarantined.
 8. Lock files of dead owners are removed.
@@ -31,6 +33,7 @@ fsynced before the next step relies on them (duplicates before cleanups and requ
 from __future__ import annotations
 
 import stat
+from collections import defaultdict
 from os.path import join
 from typing import TYPE_CHECKING
 
@@ -42,13 +45,9 @@ from queue_ref.fsqueue.diskutil import (
     remove_tree,
 )
 from queue_ref.fsqueue.layout import (
-    BODY,
-    ENVELOPE,
+    DATA_RE,
     MSGID_RE,
     OWNER_RE,
-    RCPT_RE,
-    RCPT_TMP_RE,
-    RCPTS,
     EntryName,
     owner_of_msgid,
     parse_inflight,
@@ -110,7 +109,7 @@ class Recovery:
                 self.junk(path, "not a symlink")
             return False
         if target != e.target:
-            self.junk(path, f"symlink to {target!r} instead of its own rcpts file")
+            self.junk(path, f"symlink to {target!r} instead of its message file")
             return False
         return True
 
@@ -193,21 +192,27 @@ class Recovery:
                     changed.add(self.lay.inflight)
             if not links:
                 del self.inflight[e]
+        if self._remove_refs_of(removed):
+            changed.add(self.lay.data)
         self.uncommitted += len(removed)
         if changed:
             self.q._sync_dirs(*sorted(changed))
 
     def _remove_tmp_of(self, owner: str) -> set[str]:
-        """Remove a dead owner's messages under construction; returns their ids."""
+        """Remove a dead owner's message files under construction; returns their ids.  A
+        file that is also ``data/<msgid>`` (a commit rename that persisted at its
+        destination only) loses just its extra name, which would count as a reference."""
         out = set()
         base = self.lay.tmp_owner(owner)
         for m in listdir_or_empty(self.io, base):
             path = join(base, m)
-            committed = lstat_or_none(self.io, self.lay.msg_dir(m))
+            committed = lstat_or_none(self.io, self.lay.msg_file(m))
             mine = lstat_or_none(self.io, path)
-            if committed is not None and mine is not None and (
+            if mine is None:
+                continue
+            if committed is not None and (
                     (committed.st_dev, committed.st_ino) == (mine.st_dev, mine.st_ino)):
-                self.problems.append(f"tmp/{owner}/{m} is the same directory as data/{m}")
+                if_exists(self.io.unlink, path)
                 continue
             remove_tree(self.io, path)
             if MSGID_RE.match(m):
@@ -218,22 +223,28 @@ class Recovery:
             self.problems.append(f"tmp/{owner} could not be removed: {e}")
         return out
 
+    def _remove_refs_of(self, msgids: set[str]) -> bool:
+        """Unlink the hard links that uncommitted messages ``msgids`` left under data/."""
+        if not msgids:
+            return False
+        changed = False
+        for n in listdir_or_empty(self.io, self.lay.data):
+            m = DATA_RE.match(n)
+            if m is not None and m["index"] is not None and m["msgid"] in msgids and (
+                    not self.io.exists(self.lay.msg_file(m["msgid"]))):
+                changed |= if_exists(self.io.unlink, join(self.lay.data, n))
+        return changed
+
     def _dangling(self, e: EntryName, path: str, removed: set[str]) -> bool:
-        """Handle a link whose rcpts file is missing; True if the link was taken away."""
-        if lstat_or_none(self.io, self.lay.rcpt_file(e)) is not None:
+        """Handle a link whose message file is missing; True if the link was taken away."""
+        if lstat_or_none(self.io, self.lay.msg_file(e.msgid)) is not None:
             return False
         if self.io.exists(self.lay.quarantined(f"{e.msgid}.msg")):
             self.q._quarantine_links_of(e.msgid)
             return True
-        committed = self.io.is_dir(self.lay.msg_dir(e.msgid))
-        if not committed and self.alive(owner_of_msgid(e.msgid)):
+        if self.alive(owner_of_msgid(e.msgid)):
             return False  # an enqueue in progress: its owner commits or discards it
-        if not if_exists(self.io.unlink, path):
-            return True
-        if committed:
-            self.orphans += 1
-            self.problems.append(f"entry {e.entry_id} had lost its rcpts file; link removed")
-        else:
+        if if_exists(self.io.unlink, path):
             removed.add(e.msgid)
         return True
 
@@ -264,54 +275,43 @@ class Recovery:
         return refs
 
     def remove_orphans(self) -> None:
+        """Exclusive only: remove every name under data/ that no link needs.  The message
+        file goes last, so a crash in between leaves it, still an orphan, for the next run."""
         refs = self._referenced()
-        teardown = False
-        for m in listdir_or_empty(self.io, self.lay.data):
-            base = self.lay.msg_dir(m)
-            if not MSGID_RE.match(m) or not self.io.is_dir(base):
-                self.junk(base, "not a message directory")
+        live_msgs = {r.rsplit(".", 1)[0] for r in refs}
+        names: dict[str, list[tuple[str, str | None, bool]]] = defaultdict(list)
+        for n in listdir_or_empty(self.io, self.lay.data):
+            path = join(self.lay.data, n)
+            m = DATA_RE.match(n)
+            st = lstat_or_none(self.io, path)
+            if st is None:
                 continue
-            for n in listdir_or_empty(self.io, base):
-                if n not in (BODY, ENVELOPE, RCPTS):
-                    self.junk(join(base, n), "not a file of a message")
-            rcpts = self.lay.rcpts(base)
-            st = lstat_or_none(self.io, rcpts)
-            if st is not None and not stat.S_ISDIR(st.st_mode):
-                self.junk(rcpts, "rcpts is not a directory")
-            if self._orphan_rcpts(m, refs) == 0 and self.q._remove_rcpts_dir(m):
-                self.q._delete_message_data(m)
-                self.orphans += 1
-                teardown = True
-        if teardown:
-            self.q._sync_teardown()
-
-    def _orphan_rcpts(self, m: str, refs: set[str]) -> int:
-        """Remove rcpts files no link names and schedule temp files; returns how many
-        rcpts files are still in use."""
-        rcpts = self.lay.rcpts(self.lay.msg_dir(m))
-        live = 0
+            if m is None or not stat.S_ISREG(st.st_mode):
+                self.junk(path, "not a name the queue creates under data/")
+                continue
+            names[m["msgid"]].append((n, m["index"], m["owner"] is not None))
         changed = False
-        for n in listdir_or_empty(self.io, rcpts):
-            path = join(rcpts, n)
-            if RCPT_TMP_RE.match(n):
-                changed |= if_exists(self.io.unlink, path)
-                self.orphans += 1
-                continue
-            if not RCPT_RE.match(n):
-                self.junk(path, "not a recipient file")
-                continue
-            e = EntryName(m, int(n))
-            if e.entry_id in refs:
-                live += 1
-                continue
-            if self.io.exists(self.lay.quarantined(f"{e.entry_id}.note")):
-                changed |= self.q._move_link(path, self.lay.quarantined(f"{e.entry_id}.rcpt"))
-            else:
-                changed |= if_exists(self.io.unlink, path)
+        for msgid, group in sorted(names.items()):
+            dead = msgid not in live_msgs
+            removed = False
+            for n, index, temp in sorted(group, key=lambda g: g[1] is None):
+                entry = f"{msgid}.{index}"
+                if not (dead or temp or (index is not None and entry not in refs)):
+                    continue
+                path = join(self.lay.data, n)
+                if n.endswith(".sched") and (
+                        self.io.exists(self.lay.quarantined(f"{entry}.note"))
+                        or self.io.exists(self.lay.quarantined(f"{msgid}.note"))):
+                    changed |= self.q._move_link(path, self.lay.quarantined(n))
+                    continue  # the record of a half-done quarantine: kept there
+                if if_exists(self.io.unlink, path):
+                    changed = removed = True
+                    if not dead:
+                        self.orphans += 1
+            if dead and removed:
                 self.orphans += 1
         if changed:
-            self.q._sync_dirs(rcpts, self.lay.quarantine)
-        return live
+            self.q._sync_dirs(self.lay.data, self.lay.quarantine)
 
     # ---- 7. verification ---------------------------------------------------------------
 

@@ -1,69 +1,82 @@
 """The on-disk protocol of the filesystem queue, one small overridable method per step.
 
 Persistence model assumed (the weakest useful one): unsynced file data may be lost or
-garbage; each unsynced directory change (create, unlink, symlink, mkdir, rmdir, and a
+garbage; each unsynced directory change (create, link, unlink, symlink, mkdir, rmdir, and a
 rename as one change) may or may not persist, independently of the others; fsync of a file
 does not persist its name; a rename across directories is durable once both parents are
-fsynced.  Every step below says which of these it relies on.  The orchestrating methods
-(``_commit_message``, ``_write_schedule``, ``_cleanup_entry``) fix the order; a subclass
-that overrides one step to skip or reorder it breaks exactly the clause that step's
-docstring names, which is how the crash explorer is shown to find real bugs.
+fsynced; ``syncfs`` makes everything on the file system durable.  Every step below says
+which of these it relies on.  The orchestrating methods (``_commit_message``,
+``_write_schedule``, ``_cleanup_entry``) fix the order; a subclass that overrides one step
+to skip or reorder it breaks exactly the clause that step's docstring names, which is how
+the crash explorer is shown to find real bugs.
 
 Steps, in protocol order (each a method; the orchestrators only call these):
 
 =====================  ===============================================================
 enqueue                ``_begin_message`` -> ``_write_body``* -> commit:
-                       ``_write_envelope`` (``_sync_file``) -> ``_finish_body``
-                       (``_sync_file``) -> ``_create_rcpt_files`` -> ``_sync_message_dirs``
-                       -> ``_publish_links`` -> ``_sync_published`` -> ``_commit_rename``
-                       (COMMIT POINT) -> ``_sync_committed``; abort: ``_discard_message``
+                       ``_write_envelope`` -> ``_finish_body`` (``_sync_file``) ->
+                       [2+ recipients: ``_create_refs`` -> ``_publish_links`` ->
+                       ``_sync_published``; 1 recipient: ``_publish_links``] ->
+                       ``_commit_rename`` (COMMIT POINT) -> ``_sync_committed``;
+                       abort: ``_discard_message``
 send_start             ``_claim`` (not synced)
 reschedule             ``_claim`` -> ``_write_schedule`` -> ``_move_link`` -> ``_sync_move``
 send_cancel            ``_write_schedule`` -> ``_move_link`` -> ``_sync_move``
 send_done / drop       ``_move_link`` -> ``_sync_move``
 schedule record        ``_write_schedule_temp`` (``_sync_file``) -> ``_install_schedule``
                        -> ``_sync_schedule``
-cleanup                ``_unlink_rcpt`` -> ``_remove_rcpts_dir`` -> [last entry:
-                       ``_delete_message_data`` -> ``_sync_teardown``] -> ``_unlink_link``
-                       -> ``_sync_cleanup_link``
+cleanup                ``_release_entry`` (schedule record, hard link; the message file
+                       when it was the last reference) -> ``_unlink_link`` (not synced)
 =====================  ===============================================================
 
 Truth of an entry's state is which link exists: ``queue/<e>`` (QUEUED),
-``inflight/<e>@<owner>`` (INFLIGHT), ``cleanup/<e>`` (PENDING_CLEANUP).  A link whose target
-is missing belongs to an uncommitted enqueue or to a finished cleanup; listers skip it.
+``inflight/<e>@<owner>`` (INFLIGHT), ``cleanup/<e>`` (PENDING_CLEANUP).  A link whose
+message file is missing belongs to an uncommitted enqueue or to a finished cleanup;
+listers skip it.
+
+Every sync goes through group commit (``groupsync.py``).  In ``syncfs`` mode a sync is a
+share of one ``syncfs`` that covers files and directories alike; in ``fsync`` mode files
+are fsynced by their writer and directories in shared rounds.  A one-recipient message's
+whole life costs three shared rounds (the message file before it is published, the names
+that commit it, the move to cleanup/) and ten other system calls.
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
-from queue_ref.fsqueue.diskutil import if_exists, listdir_or_empty, remove_tree, write_whole
+from queue_ref.fsqueue.diskutil import if_exists, listdir_or_empty, lstat_or_none, write_whole
 from queue_ref.fsqueue.groupsync import GroupSync
 from queue_ref.fsqueue.layout import EntryName, Layout
-from queue_ref.fsqueue.records import Envelope, encode_schedule
+from queue_ref.fsqueue.records import Envelope, encode_schedule, trailer
 from queue_ref.io import IO
 from queue_ref.storage import Schedule
+
+BODY_BUFFER = 1 << 16
 
 
 @dataclass
 class MessageTx:
-    """A message being built under ``tmp/<owner>/<msgid>/`` by one Enqueuer."""
+    """A message being written to ``tmp/<owner>/<msgid>`` by one Enqueuer.
+
+    Body bytes are held back up to ``BODY_BUFFER`` and written in one call; a message
+    smaller than that is written whole, with its envelope, at commit."""
 
     msgid: str
-    base: str  # tmp/<owner>/<msgid>
+    path: str  # tmp/<owner>/<msgid>
     mail_from: str
     params: dict[str, str]
     body_fd: int | None = None
     sha: Any = field(default_factory=hashlib.sha256)
     size: int = 0
-    started: bool = False  # the tmp directory exists
-    rcpt_files: int = 0  # rcpts/<i> files created
+    started: bool = False  # the tmp file exists
+    refs: int = 0  # data/<msgid>.<i> hard links created
     links: int = 0  # queue/<msgid>.<i> links created
     committed: bool = False  # renamed into data/: the commit point was passed
+    pending: bytearray = field(default_factory=bytearray)  # body bytes not yet written
 
 
 class FsSteps:
@@ -78,52 +91,65 @@ class FsSteps:
     # ---- durability primitives -------------------------------------------------------
 
     def _sync_file(self, fd: int) -> None:
-        """fsync a file this owner wrote, before any name that makes it reachable is made
-        durable (C1, C6: without it a committed body or record may be garbage)."""
-        self.io.fsync(fd)
+        """Make a file this owner wrote durable, before any name that makes it reachable is
+        (C1, C6: without it a committed body or record may be garbage).  ``fsync`` mode:
+        fsync it here; ``syncfs`` mode: a share of the next group round."""
+        if self._group.covers_files:
+            self._sync_dirs()
+        else:
+            self.io.fsync(fd)
 
     def _sync_dirs(self, *paths: str) -> None:
-        """fsync shared directories after changing names in them, through group commit.
+        """Make changes to names in ``paths`` durable, through group commit.
 
         Needed after every create/rename/unlink that must survive power loss (C1, C3, C5).
         A failure poisons the queue: the changes it covered are not trusted, and later
         mutating calls fail until the queue is reopened (reopening runs recovery).
         """
         try:
-            self._group.sync_all(paths)
+            self._group.sync(paths)
         except OSError as e:
-            self._poisoned = f"fsync of a queue directory failed ({e}); reopen the queue"
+            self._poisoned = f"a sync of the queue failed ({e}); reopen the queue"
             raise
 
     def _sync_move(self, src_dir: str, dst_dir: str) -> None:
-        """Make a rename from ``src_dir`` to ``dst_dir`` durable: fsync both directories
-        (a cross-directory rename is durable only then; C1, C3, C5)."""
+        """Make a rename from ``src_dir`` to ``dst_dir`` durable: both directories (a
+        cross-directory rename is durable only then; C1, C3, C5)."""
         self._sync_dirs(dst_dir, src_dir)
-
-    def _sync_private_dirs(self, *paths: str) -> None:
-        """fsync directories only this owner uses (a message under tmp/).  No group commit:
-        nobody else waits on them.  A failure fails the enqueue, nothing else."""
-        for p in paths:
-            self.io.fsync_dir(p)
 
     # ---- enqueue ---------------------------------------------------------------------
 
     def _begin_message(self, tx: MessageTx) -> None:
-        """Create ``tmp/<owner>/<msgid>/``, its ``rcpts/`` and an empty body file."""
-        self.io.mkdir(tx.base)
+        """Create the empty message file ``tmp/<owner>/<msgid>``."""
+        tx.body_fd = self.io.open_create(tx.path)
         tx.started = True
-        self.io.mkdir(self.layout.rcpts(tx.base))
-        tx.body_fd = self.io.open_create(self.layout.body(tx.base))
 
     def _write_body(self, tx: MessageTx, chunk: bytes) -> None:
-        """Append a chunk to the body file and to its running sha256 (bounded memory)."""
-        assert tx.body_fd is not None
-        self.io.write(tx.body_fd, chunk)
+        """Append a chunk to the message and to its running sha256.  Bytes are held back
+        up to ``BODY_BUFFER`` and written in one call (memory stays bounded)."""
         tx.sha.update(chunk)
         tx.size += len(chunk)
+        tx.pending += chunk
+        if len(tx.pending) >= BODY_BUFFER:
+            if not tx.started:
+                self._begin_message(tx)
+            assert tx.body_fd is not None
+            data, tx.pending = bytes(tx.pending), bytearray()
+            self.io.write(tx.body_fd, data)
+
+    def _write_envelope(self, tx: MessageTx, env: Envelope) -> None:
+        """Append what is held back of the body, the checksummed envelope record and its
+        trailer, in one write.  Made durable by ``_finish_body`` (C1, C6)."""
+        if not tx.started:
+            self._begin_message(tx)
+        assert tx.body_fd is not None
+        record = env.encode()
+        data, tx.pending = bytes(tx.pending) + record + trailer(len(record)), bytearray()
+        self.io.write(tx.body_fd, data)
 
     def _finish_body(self, tx: MessageTx) -> None:
-        """fsync and close the body: it must be durable before the commit rename (C1, C6)."""
+        """Make the message file durable, then close it: body and envelope must be durable
+        before any name that publishes them is (C1, C6)."""
         assert tx.body_fd is not None
         fd, tx.body_fd = tx.body_fd, None
         try:
@@ -131,66 +157,70 @@ class FsSteps:
         finally:
             self.io.close(fd)
 
-    def _write_envelope(self, tx: MessageTx, env: Envelope) -> None:
-        """Write the checksummed envelope record and fsync it (C1, C6)."""
-        write_whole(self.io, self.layout.envelope(tx.base), env.encode(), self._sync_file)
-
-    def _create_rcpt_files(self, tx: MessageTx, count: int) -> None:
-        """Create the empty ``rcpts/<i>`` files (the links' targets)."""
-        for i in range(tx.rcpt_files, count):
-            self.io.close(self.io.open_create(self.layout.rcpt(tx.base, i)))
-            tx.rcpt_files = i + 1
-
-    def _sync_message_dirs(self, tx: MessageTx) -> None:
-        """fsync ``rcpts/`` and the message directory, so that every name inside the message
-        survives once the commit rename does (C1)."""
-        self._sync_private_dirs(self.layout.rcpts(tx.base), tx.base)
+    def _create_refs(self, tx: MessageTx, count: int) -> None:
+        """Hard-link ``data/<msgid>.<i>`` to the message file for every recipient (2+
+        recipients only): the link count is then the number of entries not yet cleaned
+        up.  Must be durable before the commit rename (``_sync_published``), or a crash
+        could leave a committed message whose count is too low (C1)."""
+        for i in range(tx.refs, count):
+            self.io.link(tx.path, self.layout.ref(EntryName(tx.msgid, i)))
+            tx.refs = i + 1
 
     def _publish_links(self, tx: MessageTx, count: int) -> None:
-        """Create every ``queue/<msgid>.<i> -> ../data/<msgid>/rcpts/<i>``.  They dangle (and
-        listers skip them) until the commit rename.  Must be made durable (``_sync_dirs`` of
-        queue/) before the commit rename, or a committed message could lose entries (C1, C2)."""
+        """Create every ``queue/<msgid>.<i> -> ../data/<msgid>``.  They dangle (and listers
+        skip them) until the commit rename.  With 2+ recipients they must be durable
+        (``_sync_published``) before the commit rename, or a committed message could lose
+        some entries but not others (C1, C2)."""
         for i in range(tx.links, count):
             e = EntryName(tx.msgid, i)
             self.io.symlink(e.target, self.layout.queue_link(e))
             tx.links = i + 1
 
+    def _sync_published(self, tx: MessageTx) -> None:
+        """Sync data/ and queue/ after the hard links and links were created, before the
+        commit rename (2+ recipients): a committed message has all its names (C1, C2)."""
+        self._sync_dirs(self.layout.data, self.layout.queue)
+
     def _commit_rename(self, tx: MessageTx) -> None:
-        """THE COMMIT POINT: rename ``tmp/<owner>/<msgid>`` to ``data/<msgid>``.  All entries
-        appear at once (C2).  Durable only after data/ and tmp/<owner>/ are fsynced."""
-        dst = self.layout.msg_dir(tx.msgid)
+        """THE COMMIT POINT: rename ``tmp/<owner>/<msgid>`` to ``data/<msgid>``.  Every
+        entry's link stops dangling at once (C2).  Durable once data/ and tmp/<owner>/
+        are synced."""
+        dst = self.layout.msg_file(tx.msgid)
         try:
-            self.io.rename(tx.base, dst)
+            self.io.rename(tx.path, dst)
         except OSError:
             if self.io.exists(dst):
                 tx.committed = True
             raise
         tx.committed = True
 
-    def _sync_published(self, tx: MessageTx) -> None:
-        """fsync queue/ after the links were created, before the commit rename: a committed
-        message always has durable links (C1, C2)."""
-        self._sync_dirs(self.layout.queue)
-
-    def _sync_committed(self, tx: MessageTx) -> None:
-        """fsync data/ and tmp/<owner>/ after the commit rename: only then is the message
-        durable and may commit return (C1)."""
-        self._sync_dirs(self.layout.data, self.layout.tmp_owner(self.owner))
+    def _sync_committed(self, tx: MessageTx, links: bool) -> None:
+        """Sync data/ and tmp/<owner>/ after the commit rename, and queue/ too when the
+        links were not synced before (one recipient: a crash may then keep the link
+        without the message, a dangling link recovery removes, or the message without
+        the link, an orphan recovery removes; either is "not enqueued").  Only then may
+        commit return (C1)."""
+        dirs = [self.layout.data, self.layout.tmp_owner(self.owner)]
+        if links:
+            dirs.append(self.layout.queue)
+        self._sync_dirs(*dirs)
 
     def _commit_message(self, tx: MessageTx, env: Envelope) -> None:
         """The whole commit, in the only safe order."""
         n = len(env.rcpts)
         self._write_envelope(tx, env)
         self._finish_body(tx)
-        self._create_rcpt_files(tx, n)
-        self._sync_message_dirs(tx)
-        self._publish_links(tx, n)
-        self._sync_published(tx)
+        if n > 1:
+            self._create_refs(tx, n)
+            self._publish_links(tx, n)
+            self._sync_published(tx)
+        else:
+            self._publish_links(tx, n)
         self._commit_rename(tx)
-        self._sync_committed(tx)
+        self._sync_committed(tx, links=n == 1)
 
     def _discard_message(self, tx: MessageTx) -> None:
-        """Undo an uncommitted message: its links first, then its tmp tree.  Not synced: a
+        """Undo an uncommitted message: links, hard links, then the file.  Not synced: a
         leftover after a crash belongs to a dead owner and recovery removes it (C2, C8)."""
         if tx.body_fd is not None:
             fd, tx.body_fd = tx.body_fd, None
@@ -198,9 +228,13 @@ class FsSteps:
         for i in range(tx.links):
             if_exists(self.io.unlink, self.layout.queue_link(EntryName(tx.msgid, i)))
         tx.links = 0
+        for i in range(tx.refs):
+            if_exists(self.io.unlink, self.layout.ref(EntryName(tx.msgid, i)))
+        tx.refs = 0
         if tx.started:
-            remove_tree(self.io, tx.base)
+            if_exists(self.io.unlink, tx.path)
             tx.started = False
+        tx.pending = bytearray()
 
     # ---- moving links ----------------------------------------------------------------
 
@@ -224,8 +258,9 @@ class FsSteps:
     # ---- schedule records ------------------------------------------------------------
 
     def _write_schedule_temp(self, e: EntryName, schedule: Schedule) -> str:
-        """Write the new schedule record to ``rcpts/<i>.<owner>.tmp`` and fsync it (C5)."""
-        tmp = self.layout.rcpt_tmp(e, self.owner)
+        """Write the new schedule record to ``data/<msgid>.<i>.<owner>.tmp`` and make it
+        durable (C5)."""
+        tmp = self.layout.sched_tmp(e, self.owner)
         if_exists(self.io.unlink, tmp)  # left by an earlier failed attempt of ours
         try:
             write_whole(self.io, tmp, encode_schedule(e.entry_id, schedule), self._sync_file)
@@ -236,87 +271,76 @@ class FsSteps:
         return tmp
 
     def _install_schedule(self, e: EntryName, tmp: str) -> None:
-        """Rename the temp record over ``rcpts/<i>``: old or new record, never a mix (C5)."""
-        self.io.rename(tmp, self.layout.rcpt_file(e))
+        """Rename the temp record over ``data/<msgid>.<i>.sched``: old or new record, never
+        a mix (C5)."""
+        self.io.rename(tmp, self.layout.sched(e))
 
     def _sync_schedule(self, e: EntryName) -> None:
-        """fsync ``rcpts/`` after the rename of a schedule record, before the entry's link
-        moves on (C5)."""
-        self._sync_dirs(self.layout.rcpts(self.layout.msg_dir(e.msgid)))
+        """Sync data/ after the rename of a schedule record, before the entry's link moves
+        on (C5)."""
+        self._sync_dirs(self.layout.data)
 
     def _write_schedule(self, e: EntryName, schedule: Schedule) -> None:
-        """Replace the entry's schedule durably: temp, fsync, rename, fsync ``rcpts/``."""
+        """Replace the entry's schedule durably: temp, sync, rename, sync data/."""
         tmp = self._write_schedule_temp(e, schedule)
         self._install_schedule(e, tmp)
         self._sync_schedule(e)
 
     # ---- cleanup ---------------------------------------------------------------------
 
-    def _unlink_rcpt(self, e: EntryName) -> None:
-        """Remove ``data/<msgid>/rcpts/<i>`` (missing is fine: a retry or a recovery)."""
-        if_exists(self.io.unlink, self.layout.rcpt_file(e))
+    def _release_entry(self, e: EntryName, *, single: bool | None = None,
+                       record: bool = True) -> None:
+        """Remove what the entry holds under data/: its schedule record, its hard link,
+        and the message file if no other entry holds it.  Missing names are fine (a
+        retry, or recovery).
 
-    def _remove_rcpts_dir(self, msgid: str) -> bool:
-        """``rmdir data/<msgid>/rcpts``.  True if the message must now be torn down: we
-        emptied it, or it is gone already (a teardown was started by someone).  False
-        (ENOTEMPTY) while other entries of the message remain."""
-        try:
-            self.io.rmdir(self.layout.rcpts(self.layout.msg_dir(msgid)))
-        except FileNotFoundError:
-            return True
-        except OSError as err:
-            if err.errno in (errno.ENOTEMPTY, errno.EEXIST):
-                return False
-            raise
-        return True
+        ``single``: whether the message is known to have one recipient (None: unknown;
+        then the link count decides).  ``record=False`` when the entry is known to have no
+        schedule record.  A message of 2+ recipients is freed by whoever sees its link
+        count at 1 after unlinking its own hard link: of several entries released at
+        once, the last to unlink sees it, so the file is always freed, without a shared
+        counter (C8)."""
+        if record:
+            if_exists(self.io.unlink, self.layout.sched(e))
+        path = self.layout.msg_file(e.msgid)
+        if single is None:
+            single = self._single_recipient(e.msgid)
+        if single:
+            self._delete_message_data(e.msgid)
+            return
+        if_exists(self.io.unlink, self.layout.ref(e))
+        st = lstat_or_none(self.io, path)
+        if st is not None and st.st_nlink <= 1:
+            self._delete_message_data(e.msgid)
+
+    def _single_recipient(self, msgid: str) -> bool:
+        """Whether the message is known, without reading the disk, to have one recipient
+        (so no hard links).  FsMetadata answers from its envelope cache."""
+        return False
 
     def _delete_message_data(self, msgid: str) -> None:
-        """Delete body and envelope, then ``rmdir data/<msgid>``.  Only after ``rcpts/`` is
-        gone (no entry can need them any more, C1).  Missing names are fine (idempotent)."""
-        base = self.layout.msg_dir(msgid)
-        if_exists(self.io.unlink, self.layout.body(base))
-        if_exists(self.io.unlink, self.layout.envelope(base))
-        try:
-            self.io.rmdir(base)
-        except FileNotFoundError:
-            pass
-        except OSError as err:
-            if err.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                raise
-            # Something that is not ours is inside: the orphan scan quarantines it.
+        """Unlink the message file (missing is fine).  Only once no entry needs it (C1)."""
+        if_exists(self.io.unlink, self.layout.msg_file(msgid))
 
     def _unlink_link(self, path: str) -> bool:
         """Remove a link; False if it was gone already."""
         return if_exists(self.io.unlink, path)
 
-    def _sync_teardown(self) -> None:
-        """fsync data/ after a message directory was removed (C8)."""
-        self._sync_dirs(self.layout.data)
-
-    def _sync_cleanup_link(self) -> None:
-        """fsync cleanup/ after a cleanup link was removed: cleanup is then durable (C9)."""
-        self._sync_dirs(self.layout.cleanup)
-
-    def _cleanup_entry(self, e: EntryName) -> bool:
+    def _cleanup_entry(self, e: EntryName, *, single: bool | None = None,
+                       record: bool = True) -> bool:
         """Release a PENDING_CLEANUP entry's bytes, then its ``cleanup/`` link.
 
-        Order: the data goes first and durably (rcpts file; and when the ``rmdir`` of
-        ``rcpts/`` shows this was the last entry, body, envelope and the message
-        directory), the link last.  Until the link is gone a crash leaves the entry
-        PENDING_CLEANUP and recovery repeats these steps, which tolerate missing names;
-        once it is gone nothing of the entry remains to leak (C3, C8).  When other entries
-        remain, ``rcpts/`` is not synced: if power loss keeps the rcpts file but not its
-        unlink while the link's unlink persists, the file is an orphan (no link names it)
-        and the first recovery after the power loss, which is exclusive because every
-        process died, removes it.  Returns True if this call removed the link.
+        Nothing is synced, and nothing needs to be: a PENDING_CLEANUP entry is GONE after
+        any restart (spec rule 5), because recovery finishes every ``cleanup/`` link it
+        finds.  Order: the data goes first, the link last, so that until the link is gone
+        a crash leaves the entry PENDING_CLEANUP and any recovery (even one that runs
+        while other processes live) repeats these steps.  Power loss may keep the link's
+        unlink and lose a data unlink: the leftover is then a name no link refers to,
+        which the first recovery after the power loss (exclusive, since every process
+        died) removes (C3, C8).  Returns True if this call removed the link.
         """
-        self._unlink_rcpt(e)
-        if self._remove_rcpts_dir(e.msgid):
-            self._delete_message_data(e.msgid)
-            self._sync_teardown()
-        removed = self._unlink_link(self.layout.cleanup_link(e))
-        self._sync_cleanup_link()
-        return removed
+        self._release_entry(e, single=single, record=record)
+        return self._unlink_link(self.layout.cleanup_link(e))
 
     # ---- small shared helpers --------------------------------------------------------
 
