@@ -341,6 +341,9 @@ class FaultyIO(IO):
     def readlink(self, path: str) -> str:
         return self._call("readlink", (self.rel(path),), lambda: self.inner.readlink(path))
 
+    def link_max(self, path: str) -> int:
+        return self._call("link_max", (self.rel(path),), lambda: self.inner.link_max(path))
+
     def unlink(self, path: str) -> None:
         self._call("unlink", (self.rel(path),), lambda: self.inner.unlink(path))
 

@@ -28,6 +28,7 @@ unlink, listdir...                               lstat: (kind, size), kind in
 rename / link       (src, dst)                   None
 symlink             (target, path)               None  (target verbatim)
 readlink            (path,)                      str
+link_max            (path,)                      int
 ==================  ===========================  =====================================
 
 ``rename_noreplace`` is recorded as the ``link`` and ``unlink`` it is made of.

@@ -199,6 +199,14 @@ class IO:
     def readlink(self, path: str) -> str:
         return os.readlink(path)
 
+    def link_max(self, path: str) -> int:
+        """How many names one file may have on the file system of ``path`` (ext4: 65000);
+        a very large number where the system does not say."""
+        try:
+            return max(1, os.pathconf(path, "PC_LINK_MAX"))
+        except (OSError, ValueError):
+            return 2 ** 31 - 1
+
     def unlink(self, path: str) -> None:
         os.unlink(path)
 

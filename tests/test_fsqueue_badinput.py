@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from queue_ref.fsqueue import FsQueue
+from queue_ref.io import OsIO
 from queue_ref.storage import (
     ClosedError,
     InflightMail,
@@ -195,3 +196,31 @@ def test_commit_and_write_after_commit_are_refused(q: FsQueue) -> None:
     enq.abort()  # a no-op after commit
     assert [m.entry_id for m in q.list_queue()] == [hs[0].entry_id]
     assert isinstance(hs[0], QueuedMail)
+
+
+class FewLinks(OsIO):
+    """A file system whose files may have at most 5 names."""
+
+    def link_max(self, path: str) -> int:
+        return 5
+
+
+def test_more_recipients_than_the_file_system_can_link_are_refused_cleanly(
+        tmp_path: str) -> None:
+    q = FsQueue(str(tmp_path / "q"), FewLinks())
+    try:
+        enq = q.enqueue("a@b")
+        enq.write(b"body")
+        with pytest.raises(InvalidInputError, match="at most 4"):
+            enq.commit(rcpts(5))  # 5 hard links + the message's own name: 6 > 5
+        assert list(q.list_queue()) == []  # nothing changed ...
+        hs = enq.commit(rcpts(4))  # ... and the Enqueuer is still usable
+        assert [m.entry_id for m in q.list_queue()] == [h.entry_id for h in hs]
+    finally:
+        q.close()
+
+
+def test_the_real_link_limit_is_read_from_the_file_system(tmp_path: str) -> None:
+    io = OsIO()
+    assert io.link_max(str(tmp_path)) == os.pathconf(str(tmp_path), "PC_LINK_MAX")
+    assert io.link_max(str(tmp_path / "missing")) == 2 ** 31 - 1

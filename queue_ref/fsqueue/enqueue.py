@@ -60,6 +60,7 @@ class FsEnqueuer(Enqueuer):
         InvalidInputError before anything changes, and this Enqueuer stays usable."""
         self._check()
         checked = validate_recipients(rcpts)
+        self._store._check_recipient_count(len(checked))
         self._done = True
         return self._store._enqueue_commit(self._tx, checked)
 

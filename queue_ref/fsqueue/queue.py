@@ -160,6 +160,7 @@ class FsQueue(FsMetadata, Storage):
         self._owners = Owners(self.io, self.layout, self.owner)
         self._owner_fd: int | None = None
         self._pinned: list[str] = []
+        self._link_max = 2 ** 31 - 1
         self.last_recovery: RecoveryReport | None = None
         try:
             self._create_layout()
@@ -168,6 +169,7 @@ class FsQueue(FsMetadata, Storage):
                 self.io.mkdir(self.layout.tmp_owner(self.owner))
                 self._sync_dirs(self.layout.tmp)
                 self._pin_dirs()
+                self._link_max = self.io.link_max(self.layout.data)
                 if recover:
                     self.last_recovery = Recovery(self).run()
         except OSError as e:
@@ -340,6 +342,14 @@ class FsQueue(FsMetadata, Storage):
         except OSError as e:
             self._enqueue_discard(tx)
             raise storage_error("writing the body", e) from e
+
+    def _check_recipient_count(self, n: int) -> None:
+        """A message of 2+ recipients gives its file one name per recipient and one more:
+        refuse, before anything changes, a count the file system cannot link."""
+        if n > 1 and n + 1 > self._link_max:
+            raise InvalidInputError(
+                f"{n} recipients: a message may have at most {self._link_max - 1} on this "
+                "file system (its limit of names per file); split the recipient list")
 
     def _enqueue_commit(self, tx: MessageTx, rcpts: list[Recipient]) -> list[QueuedMail]:
         try:
