@@ -19,6 +19,7 @@ import pytest
 from queue_ref.fsqueue import FsQueue
 from queue_ref.fsqueue.groupsync import GroupSync
 from queue_ref.fsqueue.layout import EntryName, MessageIds, new_owner, owner_of_msgid
+from queue_ref.fsqueue.metadata import EnvelopeCache
 from queue_ref.fsqueue.records import (
     TRAILER_LEN,
     Envelope,
@@ -409,3 +410,34 @@ def test_a_crash_in_the_leader_fails_its_followers_and_frees_the_next_round(
 def test_unknown_sync_mode_is_refused(tmp_path: str) -> None:
     with pytest.raises(ValueError, match="sync mode"):
         GroupSync(OsIO(), "sync", str(tmp_path))
+
+
+# ---- the envelope cache ----------------------------------------------------------------
+
+
+def _env(msgid: str, n: int) -> Envelope:
+    return Envelope(msgid, "a@b", {}, 0, "0" * 64, tuple(rcpts(n)))
+
+
+def test_envelope_cache_is_bounded_by_messages_and_by_recipients() -> None:
+    cache = EnvelopeCache(messages=3, recipients=10)
+    for k in range(5):
+        cache.put(f"m{k}", None, _env(f"m{k}", 1))
+    assert len(cache) == 3 and cache.peek("m0") is None and cache.peek("m4") is not None
+    cache.put("big", None, _env("big", 9))  # 9 + the newest: m3, m4 are evicted in turn
+    assert cache.recipients <= 10 and cache.peek("big") is not None
+    cache.put("huge", None, _env("huge", 11))  # larger than the whole cache: not kept
+    assert cache.peek("huge") is None and cache.recipients <= 10
+    cache.put("big", None, _env("big", 2))  # replacing an entry releases its recipients
+    cache.drop("big")
+    assert cache.recipients == sum(len(e.rcpts) for e in filter(None, (
+        cache.peek(m) for m in ("m0", "m1", "m2", "m3", "m4"))))
+
+
+def test_envelope_cache_get_needs_the_file_key_peek_does_not() -> None:
+    cache = EnvelopeCache()
+    env = _env("m", 1)
+    cache.put("m", None, env)  # written by this queue
+    assert cache.get("m", (1, 2, 3)) is None and cache.peek("m") is env
+    cache.put("m", (1, 2, 3), env)  # read back from disk
+    assert cache.get("m", (1, 2, 3)) is env and cache.get("m", (1, 2, 4)) is None

@@ -57,19 +57,25 @@ class Corrupt(Exception):
 
 
 class EnvelopeCache:
-    """Verified envelopes by message id.
+    """Verified envelopes by message id, least recently used evicted first.
 
     An entry read from disk is keyed by (inode, size, mtime) of the message file and is a
     hit for ``get`` only while the file still has them.  An entry ``put`` with key None was
     written by this queue itself (at commit): ``get`` ignores it, ``peek`` returns it.
     Message files are never rewritten, so what this queue wrote stays true for as long as
     the message exists; ``peek`` serves callers that know the message is live.
+
+    The cache holds at most ``messages`` envelopes and ``recipients`` recipients in all,
+    so that memory stays bounded whatever the size of the recipient lists; an envelope
+    with more recipients than that is not kept.
     """
 
-    def __init__(self, size: int = 1024) -> None:
+    def __init__(self, messages: int = 1024, recipients: int = 65536) -> None:
         self._lock = threading.Lock()
         self._items: OrderedDict[str, tuple[tuple[int, int, int] | None, Envelope]] = OrderedDict()
-        self._size = size
+        self._messages = messages
+        self._recipients = recipients
+        self._held = 0  # recipients of the cached envelopes
 
     def get(self, msgid: str, key: tuple[int, int, int]) -> Envelope | None:
         with self._lock:
@@ -86,14 +92,30 @@ class EnvelopeCache:
 
     def put(self, msgid: str, key: tuple[int, int, int] | None, env: Envelope) -> None:
         with self._lock:
+            self._pop(msgid)
+            if len(env.rcpts) > self._recipients:
+                return
             self._items[msgid] = (key, env)
-            self._items.move_to_end(msgid)
-            while len(self._items) > self._size:
-                self._items.popitem(last=False)
+            self._held += len(env.rcpts)
+            while len(self._items) > self._messages or self._held > self._recipients:
+                self._pop(next(iter(self._items)))
 
     def drop(self, msgid: str) -> None:
         with self._lock:
-            self._items.pop(msgid, None)
+            self._pop(msgid)
+
+    def _pop(self, msgid: str) -> None:
+        old = self._items.pop(msgid, None)
+        if old is not None:
+            self._held -= len(old[1].rcpts)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def recipients(self) -> int:
+        """Recipients of the envelopes held now."""
+        return self._held
 
 
 def _stat_key(st: os.stat_result) -> tuple[int, int, int]:
