@@ -125,6 +125,7 @@ class FaultyIO(IO):
         self._opened = 0
         self._mutex = threading.RLock()
         self._append: set[int] = set()
+        self._pinned: list[str] = []
 
     # ---- bookkeeping -----------------------------------------------------------------
 
@@ -157,6 +158,10 @@ class FaultyIO(IO):
                 self.inner.close(fd)
         self._fids.clear()
         self._append.clear()
+        for path in self._pinned:  # the dead process's directory descriptors go too
+            with contextlib.suppress(OSError):
+                self.inner.unpin_dir(path)
+        self._pinned.clear()
         return self.crash
 
     def _dead(self) -> Crash:
@@ -318,11 +323,20 @@ class FaultyIO(IO):
         self._call("syncfs", (self.rel(path),), lambda: self.inner.syncfs(path))
 
     def pin_dir(self, path: str) -> None:
-        """Forwarded, not recorded: holding a directory open changes nothing on disk."""
-        self.inner.pin_dir(path)
+        """Forwarded, not recorded: holding a directory open changes nothing on disk.
+        Released when the process dies, as its other descriptors are."""
+        if self.crashed:
+            raise self._dead()
+        with self._mutex:
+            self.inner.pin_dir(path)
+            self._pinned.append(path)
 
     def unpin_dir(self, path: str) -> None:
-        self.inner.unpin_dir(path)
+        with self._mutex:
+            if self.crashed or path not in self._pinned:
+                return  # released at the crash (or never pinned here)
+            self._pinned.remove(path)
+            self.inner.unpin_dir(path)
 
     def rename(self, src: str, dst: str) -> None:
         self._call("rename", (self.rel(src), self.rel(dst)), lambda: self.inner.rename(src, dst))

@@ -308,3 +308,19 @@ def test_real_syncfs_and_pinned_directories(tmp_path: Path) -> None:
 def test_syncfs_is_trusted_only_where_it_reports_writeback_errors(release: str,
                                                                   ok: bool) -> None:
     assert syncfs_reports_errors(release) is ok
+
+
+def test_a_crash_releases_the_pinned_directories_of_the_dead_process(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    io = FaultyIO(root, FaultPlan(crash_at=0))
+    io.pin_dir(root)
+    (fd, count), = io.inner._pins().values()
+    with pytest.raises(Crash):
+        io.mkdir(f"{root}/d")
+    assert io.inner._pins() == {}
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed with the process
+    io.unpin_dir(root)  # the queue's own release, after the crash, is a no-op
+    with pytest.raises(Crash):
+        io.pin_dir(root)
+    assert count == 1
