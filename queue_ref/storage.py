@@ -179,8 +179,8 @@ def validate_address(value: object, what: str, *, allow_empty: bool = False) -> 
         raise InvalidInputError(f"{what} must not be empty")
     if len(value) > MAX_ADDRESS:
         raise InvalidInputError(f"{what} is longer than {MAX_ADDRESS} characters")
-    bad = next((c for c in value if c in "\x00\r\n"), None)
-    if bad is not None:
+    if "\x00" in value or "\r" in value or "\n" in value:
+        bad = next(c for c in value if c in "\x00\r\n")
         raise InvalidInputError(f"{what} contains the forbidden character {bad!r}")
     return value
 

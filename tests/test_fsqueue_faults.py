@@ -320,11 +320,25 @@ def test_a_message_file_of_the_wrong_shape_is_corrupt(loaded: Any, root: str,
     with open(path, "r+b") as f:  # the same inode: every hard link sees it
         f.truncate(0)
         f.write(new)
+    # The queue that committed it knows the envelope, so it reads exactly the body's
+    # length and checks it against the committed sha256: the committed bytes when they are
+    # still there in front, a CorruptionError when they are not; never altered bytes.
     i = _inflight(q, h[0])
-    with pytest.raises(CorruptionError), q.read_inflight(i) as r:
-        r.read_all()
-    assert entries(q) == [] and q.footprint() == Footprint(0, 0)
-    assert f"{h[0].message_id}.msg" in os.listdir(os.path.join(root, "quarantine"))
+    if change in ("longer body", "appended"):
+        with q.read_inflight(i) as r:
+            assert r.read_all() == body
+    else:
+        with pytest.raises(CorruptionError), q.read_inflight(i) as r:
+            r.read_all()
+    q.close()
+    # A queue that reads the file afresh finds the shape wrong and quarantines it.
+    fresh = FsQueue(root, recover=False)
+    try:
+        assert entries(fresh) == []  # every entry of the message shares the file
+        assert f"{h[0].message_id}.msg" in os.listdir(os.path.join(root, "quarantine"))
+        assert fresh.footprint() == Footprint(0, 0)
+    finally:
+        fresh.close()
 
 
 def test_corrupt_envelope_is_quarantined_by_recovery(loaded: Any, root: str) -> None:

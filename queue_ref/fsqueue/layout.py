@@ -127,37 +127,40 @@ class Layout:
 
     # -- messages --
 
+    # Paths are built with f-strings on the hot path: every part is a validated name (no
+    # slash, never absolute), so the result is what os.path.join would give.
+
     def msg_file(self, msgid: str) -> str:
         """``data/<msgid>``: the committed message (body, envelope record, trailer)."""
-        return join(self.data, msgid)
+        return f"{self.data}/{msgid}"
 
     def ref(self, e: EntryName) -> str:
         """``data/<msgid>.<i>``: the entry's hard link (messages of 2+ recipients)."""
-        return join(self.data, e.entry_id)
+        return f"{self.data}/{e.msgid}.{e.index}"
 
     def sched(self, e: EntryName) -> str:
         """``data/<msgid>.<i>.sched``: the entry's schedule record, if it has one."""
-        return join(self.data, f"{e.entry_id}.{SCHED}")
+        return f"{self.data}/{e.msgid}.{e.index}.{SCHED}"
 
     def sched_tmp(self, e: EntryName, owner: str) -> str:
-        return join(self.data, f"{e.entry_id}.{owner}.tmp")
+        return f"{self.data}/{e.msgid}.{e.index}.{owner}.tmp"
 
     def tmp_owner(self, owner: str) -> str:
-        return join(self.tmp, owner)
+        return f"{self.tmp}/{owner}"
 
     def tmp_msg(self, owner: str, msgid: str) -> str:
-        return join(self.tmp, owner, msgid)
+        return f"{self.tmp}/{owner}/{msgid}"
 
     # -- links --
 
     def queue_link(self, e: EntryName) -> str:
-        return join(self.queue, e.entry_id)
+        return f"{self.queue}/{e.msgid}.{e.index}"
 
     def inflight_link(self, e: EntryName, owner: str) -> str:
-        return join(self.inflight, e.inflight_name(owner))
+        return f"{self.inflight}/{e.msgid}.{e.index}@{owner}"
 
     def cleanup_link(self, e: EntryName) -> str:
-        return join(self.cleanup, e.entry_id)
+        return f"{self.cleanup}/{e.msgid}.{e.index}"
 
     # -- owners and quarantine --
 

@@ -32,8 +32,9 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from dataclasses import dataclass
+from types import TracebackType
 
 from queue_ref.fsqueue.diskutil import (
     if_exists,
@@ -236,18 +237,12 @@ class FsQueue(FsMetadata, Storage):
 
     # ---- guards ----------------------------------------------------------------------
 
-    @contextmanager
-    def _guard(self, what: str, handle: Handle | None, *, writes: bool = True
-               ) -> Iterator[None]:
+    def _guard(self, what: str, handle: Handle | None, *, writes: bool = True) -> _Guard:
         """Shared lock, poison check (for state changes), and OSError -> StorageIOError
         carrying the handle back, re-armed."""
         if writes and self._poisoned is not None:
             raise StorageIOError(self._poisoned, self._give_back(handle) if handle else None)
-        with self._rw.shared():
-            try:
-                yield
-            except OSError as e:
-                raise storage_error(what, e, self._give_back(handle) if handle else None) from e
+        return _Guard(self, what, handle)
 
     def _entry(self, h: Handle) -> EntryName:
         e = EntryName.parse(h.entry_id)
@@ -387,12 +382,14 @@ class FsQueue(FsMetadata, Storage):
                 if readlink_or_none(self.io, link) != e.target:
                     raise self._gone(e)
                 try:
-                    got = self._load_entry(e)
+                    # We hold the entry, so its message is live: an envelope this queue
+                    # cached (committed or verified here) serves as it is.
+                    env = self._envelopes.peek(e.msgid) or self._load_envelope(e.msgid)
+                    if env is None:
+                        raise Corrupt("message file is missing", True)
+                    sched = self._entry_schedule(e, env)[0]
                 except Corrupt as c:
                     raise self._corruption(e, link, c) from None
-                if got is None:
-                    raise self._corruption(e, link, Corrupt("message file is missing", True))
-                env, sched = got
                 try:
                     fd = self.io.open_read(self.layout.msg_file(e.msgid))
                 except FileNotFoundError:
@@ -590,6 +587,28 @@ class FsQueue(FsMetadata, Storage):
     def poisoned(self) -> str | None:
         """Why state changes are refused until reopening (after a failed fsync), or None."""
         return self._poisoned
+
+
+class _Guard:
+    """The body of ``FsQueue._guard``: holds the queue's lock shared, and turns an OSError
+    into a StorageIOError that hands the (re-armed) handle back."""
+
+    __slots__ = ("handle", "q", "what")
+
+    def __init__(self, q: FsQueue, what: str, handle: Handle | None) -> None:
+        self.q = q
+        self.what = what
+        self.handle = handle
+
+    def __enter__(self) -> None:
+        self.q._rw.shared().__enter__()
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.q._rw.shared().__exit__(et, ev, tb)
+        if isinstance(ev, OSError):
+            h = self.handle
+            raise storage_error(self.what, ev, self.q._give_back(h) if h else None) from ev
 
 
 def _check_schedule(schedule: object) -> None:
