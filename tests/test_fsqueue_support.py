@@ -253,19 +253,29 @@ def test_envelope_round_trip() -> None:
 
 
 class SlowSyncIO(OsIO):
-    """Counts syncs (directory fsyncs and syncfs); each takes 20 ms; one may fail."""
+    """Counts syncs (directory fsyncs and syncfs); each takes 20 ms; one may fail.
 
-    def __init__(self, fail_round: int = 0) -> None:
+    While ``gate`` is clear, the first sync blocks in it: a test holds round 1 open until
+    the callers it wants in round 2 are all waiting."""
+
+    def __init__(self, fail_round: int = 0, gated: bool = False) -> None:
         self.syncs = 0
         self.paths: list[str] = []
         self.fail_round = fail_round
         self.lock = threading.Lock()
+        self.gate = threading.Event()
+        self.in_round = threading.Event()
+        if not gated:
+            self.gate.set()
 
     def _slow(self, path: str) -> None:
         with self.lock:
             self.syncs += 1
             self.paths.append(path)
             n = self.syncs
+        self.in_round.set()
+        if n == 1:
+            assert self.gate.wait(10)
         time.sleep(0.02)
         if n == self.fail_round:
             raise OSError(errno.EIO, "injected")
@@ -275,6 +285,14 @@ class SlowSyncIO(OsIO):
 
     def syncfs(self, path: str) -> None:
         self._slow(path)
+
+
+def wait_for_waiters(g: GroupSync, n: int) -> None:
+    """Until ``n`` callers wait for the next round (a white-box look at the queue)."""
+    deadline = time.monotonic() + 10
+    while len(g._waiting) < n:
+        assert time.monotonic() < deadline, f"{len(g._waiting)} of {n} callers arrived"
+        time.sleep(0.001)
 
 
 MODES = ["syncfs", "fsync"]
@@ -302,15 +320,17 @@ def test_group_sync_shares_rounds_between_threads(tmp_path: str, mode: str) -> N
 
 
 def test_fsync_rounds_sync_each_named_directory_once(tmp_path: str) -> None:
-    io = SlowSyncIO()
+    io = SlowSyncIO(gated=True)
     g = GroupSync(io, "fsync", str(tmp_path))
     first = threading.Thread(target=g.sync, args=(["/a"],))
     first.start()
-    time.sleep(0.005)  # round 1 runs; the callers below share round 2
+    assert io.in_round.wait(10)  # round 1 runs; the callers below share round 2
     ts = [threading.Thread(target=g.sync, args=(dirs,))
           for dirs in (["/b", "/c"], ["/c"], ["/b", "/b"], [])]
     for t in ts:
         t.start()
+    wait_for_waiters(g, len(ts))
+    io.gate.set()
     for t in [first, *ts]:
         t.join()
     assert io.paths[0] == "/a" and sorted(io.paths[1:]) == ["/b", "/c"]
@@ -329,11 +349,12 @@ def test_syncfs_rounds_cover_files_and_ignore_paths(tmp_path: str) -> None:
 def test_group_sync_waits_for_a_round_that_started_after_the_call(tmp_path: str,
                                                                   mode: str) -> None:
     """A caller arriving while a round runs must not be released by that round."""
-    io = SlowSyncIO()
+    io = SlowSyncIO(gated=True)
     g = GroupSync(io, mode, str(tmp_path))
     t = threading.Thread(target=g.sync, args=([str(tmp_path)],))
     t.start()
-    time.sleep(0.005)  # the first round is running now
+    assert io.in_round.wait(10)  # the first round is running now
+    threading.Timer(0.05, io.gate.set).start()  # it ends while we wait
     g.sync([str(tmp_path)])
     t.join()
     assert io.syncs == 2
@@ -342,11 +363,11 @@ def test_group_sync_waits_for_a_round_that_started_after_the_call(tmp_path: str,
 @pytest.mark.parametrize("mode", MODES)
 def test_group_sync_failure_reaches_every_caller_of_that_round(tmp_path: str,
                                                                mode: str) -> None:
-    io = SlowSyncIO(fail_round=2)
+    io = SlowSyncIO(fail_round=2, gated=True)
     g = GroupSync(io, mode, str(tmp_path))
     first = threading.Thread(target=g.sync, args=([str(tmp_path)],))
     first.start()
-    time.sleep(0.005)  # round 1 runs; the callers below all need round 2, which fails
+    assert io.in_round.wait(10)  # round 1 runs; the callers below all need round 2
     errors: list[BaseException] = []
 
     def follower() -> None:
@@ -358,9 +379,11 @@ def test_group_sync_failure_reaches_every_caller_of_that_round(tmp_path: str,
     ts = [threading.Thread(target=follower) for _ in range(5)]
     for t in ts:
         t.start()
+    wait_for_waiters(g, 5)
+    io.gate.set()
     for t in [*ts, first]:
         t.join()
-    assert len(errors) == 5 and io.syncs == 2
+    assert len(errors) == 5 and io.syncs == 2  # round 2 failed, for all five
     g.sync([str(tmp_path)])  # a later change gets a new round of its own
     assert io.syncs == 3
 
@@ -376,7 +399,7 @@ class DyingSyncIO(SlowSyncIO):
 
 def test_a_crash_in_the_leader_fails_its_followers_and_frees_the_next_round(
         tmp_path: str) -> None:
-    io = DyingSyncIO()
+    io = DyingSyncIO(gated=True)
     g = GroupSync(io, "syncfs", str(tmp_path))
     died: list[BaseException] = []
     errors: list[BaseException] = []
@@ -395,10 +418,12 @@ def test_a_crash_in_the_leader_fails_its_followers_and_frees_the_next_round(
 
     first = threading.Thread(target=leader)
     first.start()
-    time.sleep(0.005)
+    assert io.in_round.wait(10)
     ts = [threading.Thread(target=follower) for _ in range(3)]
     for t in ts:
         t.start()
+    wait_for_waiters(g, 3)
+    io.gate.set()
     for t in [first, *ts]:
         t.join()
     # the followers waited for round 2, which ran: they are served, nobody hangs
