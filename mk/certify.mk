@@ -1,5 +1,5 @@
 # Certify the project's own backends with the quick profile; reports land in out/certify/<backend>/.
-CERT_BACKENDS ?= fs kv_log kv_leveldb
+CERT_BACKENDS ?= fs fs_fsync kv_log kv_leveldb
 
 certify: setup
 	@set -e; for b in $(CERT_BACKENDS); do \
@@ -8,7 +8,8 @@ certify: setup
 	done
 
 explore: setup
-	$(BIN)/queue-ref crash explore --backend fs --model all --bound 3
+	$(BIN)/queue-ref crash explore --backend fs-syncfs --model all --bound 3
+	$(BIN)/queue-ref crash explore --backend fs-fsync --model all --bound 3
 	$(BIN)/queue-ref crash explore --backend kv --model all --bound 3
 
 bench: setup

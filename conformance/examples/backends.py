@@ -1,6 +1,7 @@
 """Factories of the project's own backends, in the form ``queue-ref certify`` takes.
 
     queue-ref certify conformance.examples.backends:fs
+    queue-ref certify conformance.examples.backends:fs_fsync
     queue-ref certify conformance.examples.backends:kv_log
     queue-ref certify conformance.examples.backends:kv_leveldb
 
@@ -25,6 +26,18 @@ def fs(root: str, io: IO | None = None) -> Storage:
     from conformance.crash.backends import resolve
 
     return resolve("fs").open(root, io)
+
+
+def fs_fsync(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue in ``fsync`` mode (files fsynced by their writers, directory
+    fsyncs shared) rather than its default."""
+    if io is None:
+        from queue_ref.fsqueue import FsQueue
+
+        return FsQueue(root, sync="fsync")
+    from conformance.crash.backends import resolve
+
+    return resolve("fs-fsync").open(root, io)
 
 
 def kv_log(root: str, io: IO | None = None) -> Storage:
