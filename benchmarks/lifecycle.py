@@ -1,21 +1,32 @@
 """Durable lifecycle benchmark: enqueue, send_start, send_done, cleanup of 4 KiB messages.
 
-Measured in one run, on one directory, so the ratios compare like with like:
+Every ratio compares figures taken in one run, on one directory.  A shared machine's disk
+changes speed from one second to the next (fsync took 130 us in one minute and 500 us in
+the next on the development machine), so the run is made of *rounds*: each round measures
+the raw floor, then every contender, one right after the other, and a ratio is taken
+within its round.  The order of the contenders alternates from round to round.  Medians
+over the rounds are reported, with the lowest and highest ratio and the share of rounds at
+or above target.
 
-* lifecycle rate with 1 and with 16 concurrent producers (threads), per backend, and the
-  bytes its directory holds once drained (and after ``compact()``, for backends with one);
+Figures:
+
+* the raw floor on the same directory: create a file, write 4 KiB, fsync it, fsync the
+  directory, per message, one after the other;
+* lifecycle rate with 16 concurrent producers (threads), per backend: the filesystem
+  queue in each sync mode (``fs-syncfs``, ``fs-fsync``), and the KV queue on the Python
+  log engine and on LevelDB; with 1 producer once per backend; bytes on disk once drained
+  (and after ``compact()`` for the KV queue);
 * one message to 1,000 recipients (enqueue, then every entry's lifecycle);
 * peak Python memory while enqueuing and reading back a 100 MB body (in a child process);
-* the raw floor on the same directory: create a file, write 4 KiB, fsync it, fsync the
-  directory, per message;
-* for log-structured backends, the raw ceiling: append N records and one fdatasync.
+* the raw log ceiling: append 16 records of 4 KiB, one fdatasync, repeatedly.
 
-Target (filesystem queue): with 16 producers, lifecycle rate / raw floor >= 1.
-Target (KV queue): with 16 producers, its lifecycle rate >= 3 x the filesystem queue's.
+Targets: the filesystem queue's 16-producer lifecycle rate is at least the raw floor; the
+KV queue's is at least 3 times the filesystem queue's (in its default mode).
 
 The last line printed is one JSON object with every figure and ratio.
 
-    python benchmarks/lifecycle.py [--backend fs|kv-log|kv-leveldb|all] [--messages N]
+    python benchmarks/lifecycle.py [--backend fs|kv-log|kv-leveldb|all] [--rounds N]
+                                   [--messages N] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,6 +46,8 @@ from collections.abc import Callable
 from queue_ref.storage import Recipient, Schedule, Storage
 
 BODY = b"x" * 4096
+FS_MODES = {"fs-syncfs": "syncfs", "fs-fsync": "fsync"}
+BACKENDS = (*FS_MODES, "kv-log", "kv-leveldb")
 
 
 def open_backend(name: str, root: str) -> Storage:
@@ -41,6 +55,10 @@ def open_backend(name: str, root: str) -> Storage:
         from queue_ref.fsqueue import FsQueue
 
         return FsQueue(root)
+    if name in FS_MODES:
+        from queue_ref.fsqueue import FsQueue
+
+        return FsQueue(root, sync=FS_MODES[name])
     if name == "kv-log":
         from queue_ref.kv.queue import KvQueue
 
@@ -190,62 +208,117 @@ def big_body_peak(backend: str, directory: str, size: int) -> int:
     return int(out.stdout.strip().splitlines()[-1])
 
 
-def bench_backend(name: str, base: str, messages: int, say: Callable[[str], None]) -> dict[str, object]:
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def rounds(base: str, names: list[str], rounds_: int, messages: int, floor_messages: int,
+           say: Callable[[str], None]) -> dict[str, object]:
+    """Interleaved rounds: the floor, then each backend's 16-producer lifecycle."""
+    roots = {n: os.path.join(base, f"{n}-16") for n in names}
+    queues: dict[str, Storage] = {}
+    floors: list[float] = []
+    rates: dict[str, list[float]] = {n: [] for n in names}
+    out: dict[str, object] = {"rounds": rounds_}
+    try:
+        for n in names:
+            queues[n] = open_backend(n, roots[n])
+            run_producers(queues[n], 16, 64)  # warm: caches, pinned directories, threads
+        for r in range(rounds_):
+            floor = raw_floor(base, floor_messages)
+            floors.append(floor)
+            for n in names if r % 2 == 0 else list(reversed(names)):
+                rates[n].append(run_producers(queues[n], 16, messages))
+            say(f"round {r + 1}/{rounds_}: floor {floor:.0f}/s; " + "; ".join(
+                f"{n} {rates[n][-1]:.0f}/s ({rates[n][-1] / floor:.2f}x)" for n in names))
+        out["raw_floor_per_s"] = spread(floors)
+        for n in names:
+            ratios = [x / f for x, f in zip(rates[n], floors, strict=True)]
+            entry: dict[str, object] = {
+                "lifecycle_16p_per_s": spread(rates[n]),
+                "ratio_16p_to_raw_floor": spread(ratios) | {
+                    "rounds_at_or_above_1": sum(1 for x in ratios if x >= 1)},
+                "disk_after_16p_bytes": disk_bytes(roots[n])}
+            compact = getattr(queues[n], "compact", None)
+            if callable(compact):
+                compact()
+                entry["disk_after_16p_compact_bytes"] = disk_bytes(roots[n])
+            out[n] = entry
+        fs = next((n for n in names if n in FS_MODES), None)
+        for n in names:
+            if fs is not None and n.startswith("kv-"):
+                out[f"ratio_{n}_to_{fs}_16p"] = spread(
+                    [x / y for x, y in zip(rates[n], rates[fs], strict=True)])
+        return out
+    finally:
+        for n, q in queues.items():
+            q.close()
+            shutil.rmtree(roots[n], ignore_errors=True)
+
+
+def single(base: str, name: str, messages: int, rcpts: int, big_mb: int,
+           say: Callable[[str], None]) -> dict[str, object]:
     res: dict[str, object] = {}
-    for producers in (1, 16):
-        root = os.path.join(base, f"{name}-{producers}")
-        q = open_backend(name, root)
-        n = messages if producers == 16 else max(messages // 4, 50)
-        res[f"lifecycle_{producers}p_per_s"] = run_producers(q, producers, n)
-        fp = q.footprint()
-        res[f"footprint_after_{producers}p"] = {"objects": fp.objects, "bytes": fp.bytes}
-        res[f"disk_after_{producers}p_bytes"] = disk_bytes(root)
-        compact = getattr(q, "compact", None)
-        if callable(compact):
-            compact()
-            res[f"disk_after_{producers}p_compact_bytes"] = disk_bytes(root)
-        q.close()
-        shutil.rmtree(root)
-        say(f"{name}: {producers:2d} producers: {res[f'lifecycle_{producers}p_per_s']:.0f} msg/s")
-    root = os.path.join(base, f"{name}-rcpts")
+    root = os.path.join(base, f"{name}-1")
     q = open_backend(name, root)
-    res["one_message_1000_rcpts"] = many_recipients(q, 1000)
+    res["lifecycle_1p_per_s"] = run_producers(q, 1, messages)
+    res["disk_after_1p_bytes"] = disk_bytes(root)
+    compact = getattr(q, "compact", None)
+    if callable(compact):
+        compact()
+        res["disk_after_1p_compact_bytes"] = disk_bytes(root)
     q.close()
     shutil.rmtree(root)
-    res["peak_memory_100MB_body_bytes"] = big_body_peak(name, base, 100 * 1024 * 1024)
-    say(f"{name}: 1000 rcpts {res['one_message_1000_rcpts']}; 100 MB body peak "
-        f"{int(res['peak_memory_100MB_body_bytes']) / 1e6:.1f} MB")
+    root = os.path.join(base, f"{name}-rcpts")
+    q = open_backend(name, root)
+    res[f"one_message_{rcpts}_rcpts"] = many_recipients(q, rcpts)
+    q.close()
+    shutil.rmtree(root)
+    peak = big_body_peak(name, base, big_mb * 1024 * 1024)
+    res[f"peak_memory_{big_mb}MB_body_bytes"] = peak
+    say(f"{name}: 1 producer {res['lifecycle_1p_per_s']:.0f}/s; {rcpts} rcpts "
+        f"{res[f'one_message_{rcpts}_rcpts']}; {big_mb} MB body peak {peak / 1e6:.1f} MB")
     return res
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", default="all", choices=["fs", "kv-log", "kv-leveldb", "all"])
-    ap.add_argument("--messages", type=int, default=2000, help="messages for the 16-producer run")
+    ap.add_argument("--backend", default="all", choices=["fs", "kv-log", "kv-leveldb", "all"],
+                    help="fs: both sync modes of the filesystem queue")
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
+    ap.add_argument("--messages", type=int, default=800,
+                    help="messages per 16-producer measurement (default 800)")
+    ap.add_argument("--rcpts", type=int, default=1000,
+                    help="recipients of the one big-list message (default 1000)")
+    ap.add_argument("--big-mb", type=int, default=100,
+                    help="size of the body whose peak memory is measured (default 100)")
     ap.add_argument("--dir", help="directory to measure on (default: a temporary one under the cwd)")
     args = ap.parse_args()
+    if args.rounds < 1 or args.messages < 16 or args.rcpts < 1 or args.big_mb < 1:
+        ap.error("--rounds, --rcpts and --big-mb must be at least 1, --messages at least 16")
     base = tempfile.mkdtemp(prefix="bench-lifecycle-", dir=args.dir or os.getcwd())
 
     def say(s: str) -> None:
         print(s, file=sys.stderr, flush=True)
 
+    if args.backend == "all":
+        names = list(BACKENDS)
+    elif args.backend == "fs":
+        names = list(FS_MODES)
+    else:
+        names = ["fs-syncfs", args.backend]  # a KV queue is measured against the fs queue
+    floor_messages = max(args.messages // 3, 100)
     try:
-        floor = raw_floor(base, max(args.messages // 2, 200))
         ceiling = raw_log_ceiling(base, max(args.messages * 2, 1000))
-        say(f"raw floor (create+4K+fsync+dir fsync): {floor:.0f}/s; raw log ceiling: {ceiling:.0f}/s")
-        names = ["fs", "kv-log", "kv-leveldb"] if args.backend == "all" else [args.backend]
-        result: dict[str, object] = {"raw_floor_per_s": floor, "raw_log_ceiling_per_s": ceiling,
-                                     "messages": args.messages}
+        say(f"raw log ceiling (16 x 4 KiB appends + fdatasync): {ceiling:.0f} records/s")
+        result: dict[str, object] = {"raw_log_ceiling_per_s": ceiling, "messages": args.messages,
+                                     "floor_messages": floor_messages}
+        result |= rounds(base, names, args.rounds, args.messages, floor_messages, say)
         for name in names:
-            r = bench_backend(name, base, args.messages, say)
-            r["ratio_16p_to_raw_floor"] = float(r["lifecycle_16p_per_s"]) / floor
-            result[name] = r
-        if "fs" in result:
-            fs16 = float(result["fs"]["lifecycle_16p_per_s"])
-            for kv in ("kv-log", "kv-leveldb"):
-                if kv in result:
-                    result[f"ratio_{kv}_to_fs_16p"] = float(
-                        result[kv]["lifecycle_16p_per_s"]) / fs16
+            entry = result[name]
+            assert isinstance(entry, dict)
+            entry |= single(base, name, max(args.messages // 4, 50), args.rcpts, args.big_mb,
+                            say)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     print(json.dumps(result))

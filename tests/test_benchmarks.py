@@ -1,0 +1,52 @@
+"""The benchmarks run end to end and print their figures as one JSON object, last.
+
+These check what the benchmarks report and that the queues they drive end empty, not how
+fast anything is: speed is measured by running the benchmarks themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_benchmark(*args: str, cwd: Path) -> tuple[dict[str, object], str]:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "lifecycle.py"), *args],
+                          cwd=cwd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
+    last = proc.stdout.strip().splitlines()[-1]
+    return json.loads(last), proc.stderr
+
+
+def test_lifecycle_benchmark_reports_interleaved_ratios(tmp_path: Path) -> None:
+    out, log = run_benchmark("--backend", "fs", "--rounds", "2", "--messages", "32",
+                             "--rcpts", "20", "--big-mb", "2", "--dir", str(tmp_path),
+                             cwd=tmp_path)
+    assert out["rounds"] == 2 and log.count("round ") == 2
+    floor = out["raw_floor_per_s"]
+    assert isinstance(floor, dict) and 0 < floor["min"] <= floor["median"] <= floor["max"]
+    for mode in ("fs-syncfs", "fs-fsync"):
+        fig = out[mode]
+        assert isinstance(fig, dict)
+        ratio = fig["ratio_16p_to_raw_floor"]
+        rate = fig["lifecycle_16p_per_s"]
+        assert 0 < ratio["min"] <= ratio["median"] <= ratio["max"]
+        assert 0 < rate["min"] <= rate["median"] <= rate["max"]
+        assert 0 <= ratio["rounds_at_or_above_1"] <= 2
+        assert fig["lifecycle_1p_per_s"] > 0
+        assert fig["disk_after_16p_bytes"] == 0 and fig["disk_after_1p_bytes"] == 0
+        assert fig["one_message_20_rcpts"]["recipients"] == 20
+        assert 0 < fig["peak_memory_2MB_body_bytes"] < 1 << 20  # streamed: far below 2 MB
+    assert os.listdir(tmp_path) == []  # the benchmark removed its directories
+
+
+def test_lifecycle_benchmark_refuses_bad_sizes(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "lifecycle.py"),
+                           "--rounds", "0"], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert proc.returncode == 2 and "--rounds" in proc.stderr
