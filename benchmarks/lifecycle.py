@@ -14,8 +14,8 @@ Figures:
   directory, per message, one after the other;
 * lifecycle rate with 16 concurrent producers (threads), per backend: the filesystem
   queue in each sync mode (``fs-syncfs``, ``fs-fsync``), and the KV queue on the Python
-  log engine and on LevelDB; with 1 producer once per backend; bytes on disk once drained
-  (and after ``compact()`` for the KV queue);
+  log engine and on LevelDB; with 1 producer once per backend; bytes left on disk once
+  drained and closed (for the KV queue, also after ``compact()`` before closing);
 * one message to 1,000 recipients (enqueue, then every entry's lifecycle);
 * peak Python memory while enqueuing and reading back a 100 MB body (in a child process);
 * the raw log ceiling: append 16 records of 4 KiB, one fdatasync, repeatedly.
@@ -237,12 +237,13 @@ def rounds(base: str, names: list[str], rounds_: int, messages: int, floor_messa
             entry: dict[str, object] = {
                 "lifecycle_16p_per_s": spread(rates[n]),
                 "ratio_16p_to_raw_floor": spread(ratios) | {
-                    "rounds_at_or_above_1": sum(1 for x in ratios if x >= 1)},
-                "disk_after_16p_bytes": disk_bytes(roots[n])}
+                    "rounds_at_or_above_1": sum(1 for x in ratios if x >= 1)}}
             compact = getattr(queues[n], "compact", None)
             if callable(compact):
                 compact()
                 entry["disk_after_16p_compact_bytes"] = disk_bytes(roots[n])
+            queues.pop(n).close()
+            entry["disk_after_16p_bytes"] = disk_bytes(roots[n])
             out[n] = entry
         fs = next((n for n in names if n in FS_MODES), None)
         for n in names:
@@ -251,9 +252,10 @@ def rounds(base: str, names: list[str], rounds_: int, messages: int, floor_messa
                     [x / y for x, y in zip(rates[n], rates[fs], strict=True)])
         return out
     finally:
-        for n, q in queues.items():
+        for q in queues.values():
             q.close()
-            shutil.rmtree(roots[n], ignore_errors=True)
+        for root in roots.values():
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def single(base: str, name: str, messages: int, rcpts: int, big_mb: int,
@@ -262,12 +264,12 @@ def single(base: str, name: str, messages: int, rcpts: int, big_mb: int,
     root = os.path.join(base, f"{name}-1")
     q = open_backend(name, root)
     res["lifecycle_1p_per_s"] = run_producers(q, 1, messages)
-    res["disk_after_1p_bytes"] = disk_bytes(root)
     compact = getattr(q, "compact", None)
     if callable(compact):
         compact()
         res["disk_after_1p_compact_bytes"] = disk_bytes(root)
     q.close()
+    res["disk_after_1p_bytes"] = disk_bytes(root)
     shutil.rmtree(root)
     root = os.path.join(base, f"{name}-rcpts")
     q = open_backend(name, root)

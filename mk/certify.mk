@@ -8,8 +8,8 @@ certify: setup
 	done
 
 explore: setup
-	$(BIN)/queue-ref crash explore --backend fs-syncfs --model all --bound 3
-	$(BIN)/queue-ref crash explore --backend fs-fsync --model all --bound 3
+	$(BIN)/queue-ref crash explore --backend fs-syncfs --model all --bound 3 --after-life 3
+	$(BIN)/queue-ref crash explore --backend fs-fsync --model all --bound 3 --after-life 3
 	$(BIN)/queue-ref crash explore --backend kv --model all --bound 3
 
 bench: setup

@@ -35,10 +35,12 @@ from conformance.crash.scenario import (
 )
 from conformance.crash.tasks import explore_task, task_for
 from conformance.crash.workloads import (
+    LIFE,
     enqueue_call,
     enumerate_steps,
     outcomes,
     random_workload,
+    workload_at,
 )
 from faultinject.models import MODELS, crash_states
 from faultinject.seam import FaultPlan
@@ -75,6 +77,19 @@ def test_enumeration_is_exhaustive_and_deterministic() -> None:
     assert len({c.body for c in enq}) == 2
 
 
+def test_the_enumeration_after_a_whole_life_starts_with_it() -> None:
+    steps = list(enumerate_steps(2, after=LIFE))
+    assert steps[0].workload == LIFE and not steps[0].after.messages
+    assert all(s.workload[:len(LIFE)] == LIFE for s in steps)
+    assert {len(s.workload) - len(LIFE) for s in steps} == {0, 1, 2}
+    # two more messages, each shorter than the first: a reused file always shrinks
+    enq = [c for s in steps for c in s.workload[len(LIFE):] if c.op is Op.ENQUEUE]
+    assert {c.body for c in enq} == {enqueue_call(1, 1).body, enqueue_call(2, 1).body}
+    assert all(len(c.body) < len(LIFE[0].body) for c in enq)
+    assert workload_at(2, 9, after=LIFE) == steps[9].workload
+    assert decode_workload("a2w9") == steps[9].workload
+
+
 def test_random_workloads_are_seeded() -> None:
     a, b = random_workload(7, 30), random_workload(7, 30)
     assert a == b and len(a) == 30
@@ -101,6 +116,7 @@ def test_scenario_ids_round_trip() -> None:
         ScenarioId("fs", "none", "b2w3", "rest"),
         ScenarioId("fs", "weak", "b3w17", "crash", 3, "rest", "d12.14~16"),
         ScenarioId("fs", "weak", "r5n20", "recovery", 0, "rest", "all", 4, "g7"),
+        ScenarioId("fs", "weak", "a2w9", "crash", 30, "after", "all"),
     ):
         text = str(sid)
         assert " " not in text
@@ -125,6 +141,22 @@ def test_fs_exhaustive_has_no_violations(model: str) -> None:
     st = s.per_model[model]
     assert st.points > 100 and st.states >= st.points and st.recovery_states > 0
     assert st.eio_states > 0
+    assert not s.errors
+    assert not s.failures, [f"{f.scenario}: {f.violations}" for f in s.failures[:5]]
+
+
+@pytest.mark.parametrize("backend", ["fs-syncfs", "fs-fsync"])
+def test_fs_after_a_whole_life_has_no_violations(backend: str) -> None:
+    """Every workload that writes into a spare file, crashed inside its last call, at rest
+    after it, and in its recovery, under every model (the queue holds one spare)."""
+    cfg = ExploreConfig(backend=backend, models=ALL_MODELS, bound=0,
+                        after_life=BOUND, recovery_sample=1)
+    s = explore(cfg)
+    assert s.workloads == 1 + len(list(enumerate_steps(BOUND, after=LIFE)))
+    reused = [t for t in plan(cfg) if t.workload_id.startswith("a")
+              and any(c.op is Op.ENQUEUE for c in t.workload[len(LIFE):])]
+    assert len(reused) >= 10
+    assert all(s.per_model[m].points > 100 for m in ALL_MODELS)
     assert not s.errors
     assert not s.failures, [f"{f.scenario}: {f.violations}" for f in s.failures[:5]]
 

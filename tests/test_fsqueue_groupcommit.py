@@ -71,6 +71,22 @@ class CountingIO(OsIO):
         self._count("open_read")
         return super().open_read(path)
 
+    def write(self, fd: int, data: bytes) -> int:
+        self._count("write")
+        return super().write(fd, data)
+
+    def ftruncate(self, fd: int, length: int) -> None:
+        self._count("ftruncate")
+        super().ftruncate(fd, length)
+
+    def fsize(self, fd: int) -> int:
+        self._count("fsize")
+        return super().fsize(fd)
+
+    def close(self, fd: int) -> None:
+        self._count("close")
+        super().close(fd)
+
 
 def lifecycle(q: FsQueue, n: int = 1) -> None:
     for h in put(q, n=n):
@@ -101,17 +117,38 @@ def test_an_unknown_sync_mode_is_refused_before_touching_the_disk(tmp_path: Any,
     assert not os.path.exists(root)
 
 
-def test_syncfs_mode_lifecycle_is_three_shared_syncs_and_ten_calls(tmp_path: Any) -> None:
+def test_syncfs_mode_lifecycle_is_three_shared_syncs_and_eleven_calls(tmp_path: Any) -> None:
     io = CountingIO()
     q = FsQueue(str(tmp_path / "q"), io, sync="syncfs")
     try:
-        lifecycle(q)  # warm: the envelope cache and the pinned directory
+        lifecycle(q)  # a new message file, kept as a spare by its cleanup
+        assert io.calls["open_create"] == 1 and io.calls["unlink"] == 1
+        assert q.spare_files == 1
+        io.calls.clear()
+        lifecycle(q)  # written into the spare: the same calls every time from now on
+        assert io.calls == collections.Counter({
+            "syncfs": 3,
+            "open_create": 1, "fsize": 1, "write": 1, "close": 1,  # the spare, rewritten
+            "symlink": 1,  # the queue/ link
+            "rename": 4,  # commit, send_start, send_done, cleanup (data/ to a spare name)
+            "open_read": 1,  # send_start: the entry has no schedule record
+            "unlink": 1})  # the cleanup/ link
+        assert q.spare_files == 1
+    finally:
+        q.close()
+
+
+def test_spares_off_makes_each_message_a_new_file(tmp_path: Any) -> None:
+    io = CountingIO()
+    q = FsQueue(str(tmp_path / "q"), io, sync="syncfs", spares=0)
+    try:
+        lifecycle(q)
         io.calls.clear()
         lifecycle(q)
-        assert {k: io.calls[k] for k in SYNCS if io.calls[k]} == {"syncfs": 3}
         assert io.calls == collections.Counter(
-            {"syncfs": 3, "open_create": 1, "symlink": 1, "rename": 3, "open_read": 1,
-             "unlink": 2})
+            {"syncfs": 3, "open_create": 1, "write": 1, "close": 1, "symlink": 1,
+             "rename": 3, "open_read": 1, "unlink": 2})
+        assert q.spare_files == 0
     finally:
         q.close()
 

@@ -44,6 +44,11 @@ def register(subparsers: Any) -> None:
                    help=f"persistence model: {', '.join(MODELS)}, or 'all'")
     e.add_argument("--bound", type=int, default=3,
                    help="longest exhaustive workload, in operations (default 3)")
+    e.add_argument("--after-life", type=int, default=-1, metavar="BOUND",
+                   help="also every workload of up to BOUND operations that follows one "
+                        "message's whole life (enqueue, send_start, send_done, cleanup): "
+                        "what a backend keeps of a finished message, such as the "
+                        "filesystem queue's spare files, is then in use (default: none)")
     e.add_argument("--random", type=int, default=0, metavar="N",
                    help="also N random workloads")
     e.add_argument("--length", type=int, default=12, help="calls per random workload")
@@ -74,7 +79,8 @@ def _config(args: argparse.Namespace) -> ExploreConfig:
     models = tuple(MODELS) if args.model == "all" else tuple(
         m.strip() for m in args.model.split(","))
     return ExploreConfig(
-        backend=args.backend, models=models, bound=args.bound, random=args.random,
+        backend=args.backend, models=models, bound=args.bound,
+        after_life=args.after_life, random=args.random,
         random_length=args.length, seed=args.seed, jobs=args.jobs,
         limits=Limits(args.exhaustive_limit, args.random_states, 0),
         recovery=not args.no_recovery, recovery_sample=args.recovery_sample,
@@ -116,6 +122,7 @@ def cmd_explore(args: argparse.Namespace) -> int:
 def _print_summary(out: Console, s: Summary) -> None:
     c = s.config
     out.print(f"[bold]crash exploration of {c.backend}[/bold]: bound {c.bound}"
+              + (f", bound {c.after_life} after a whole life" if c.after_life >= 0 else "")
               + (f", {c.random} random workloads of {c.random_length} calls from seed {c.seed}"
                  if c.random else ""))
     t = Table("model", "points", "states", "in recovery", "after EIO", "distinct",

@@ -2,7 +2,9 @@
 
 ``plan(config)`` lists the tasks: one per workload of the exhaustive enumeration (crash
 points inside its last call and at rest after it; the empty workload covers opening a new
-queue), and one per random workload (crash points inside every call and at rest after
+queue), one per workload of the enumeration after one message's whole life when
+``after_life`` is set (``workloads.LIFE``: the queue then holds what a backend keeps of a
+finished message), and one per random workload (crash points inside every call and at rest after
 each).  ``explore(config)`` runs them, with
 ``jobs`` worker processes when asked, and returns a ``Summary``.
 """
@@ -27,7 +29,7 @@ from conformance.crash.tasks import (
     TaskResult,
     explore_task,
 )
-from conformance.crash.workloads import enumerate_steps, random_workload
+from conformance.crash.workloads import LIFE, enumerate_steps, random_workload
 from faultinject.models import MODELS
 
 KIND_ORDER = {"rest": 0, "crash": 1, "eio": 2, "recovery": 3}
@@ -38,6 +40,7 @@ class ExploreConfig:
     backend: str = "fs"
     models: tuple[str, ...] = ("weak",)
     bound: int = 3
+    after_life: int = -1  # bound of the enumeration after LIFE (-1: none)
     random: int = 0  # how many random workloads
     random_length: int = 12
     seed: int = 0  # first random workload's seed (then seed+1, ...)
@@ -56,6 +59,8 @@ class ExploreConfig:
                              f"{', '.join(MODELS)}")
         if self.bound < 0 or self.random < 0 or self.random_length < 1 or self.jobs < 1:
             raise ValueError("bound and random must be >= 0; random_length and jobs >= 1")
+        if self.after_life < -1:
+            raise ValueError("after_life must be >= 0 (or -1: none)")
         resolve(self.backend)  # fails early with the known names
 
 
@@ -66,6 +71,9 @@ def plan(cfg: ExploreConfig) -> list[Task]:
 
     out = [task(f"b{cfg.bound}w{s.index}", s.workload, len(s.workload) - 1 if s.workload
                 else OPEN) for s in enumerate_steps(cfg.bound)]
+    if cfg.after_life >= 0:
+        out += [task(f"a{cfg.after_life}w{s.index}", s.workload, len(s.workload) - 1)
+                for s in enumerate_steps(cfg.after_life, after=LIFE)]
     for seed in range(cfg.seed, cfg.seed + cfg.random):
         out.append(task(f"r{seed}n{cfg.random_length}",
                         random_workload(seed, cfg.random_length), 0))
@@ -133,6 +141,7 @@ class Summary:
         c = self.config
         return {
             "backend": c.backend, "models": list(c.models), "bound": c.bound,
+            "after_life": c.after_life,
             "random": c.random, "random_length": c.random_length, "seed": c.seed,
             "workloads": self.workloads, "crash_points": self.crash_points,
             "rest_points": self.rest_points, "eio_points": self.eio_points,

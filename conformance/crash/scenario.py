@@ -22,8 +22,9 @@ queue, so the disk is what reached the I/O seam by then, as the persistence mode
 it, and recovery must show exactly the restart view of the model after those ``K`` calls.
 In ``ScenarioId`` it is kind ``crash`` (or ``recovery``) with ``when == "rest"`` and
 ``index == K``.  Workloads are named by how they were made: ``b3w17`` (number 17 of the
-exhaustive enumeration of bound 3), ``r5n20`` (``random_workload(5, 20)``) or ``x<base32>``
-(the calls themselves, compressed).  Examples: ``fs-weak-b3w17-c9b-sd12``,
+exhaustive enumeration of bound 3), ``a2w9`` (number 9 of the enumeration of bound 2 after
+one message's whole life, ``workloads.LIFE``), ``r5n20`` (``random_workload(5, 20)``) or
+``x<base32>`` (the calls themselves, compressed).  Examples: ``fs-weak-b3w17-c9b-sd12``,
 ``fs-weak-b3w17-rest3-sall``.
 """
 
@@ -36,6 +37,7 @@ import zlib
 from dataclasses import dataclass
 
 from conformance.crash.workloads import (
+    LIFE,
     Workload,
     enumerate_steps,
     random_workload,
@@ -50,7 +52,7 @@ KINDS = ("crash", "recovery", "eio", "rest")
 AT_REST = "rest"
 WHENS = ("before", "after", AT_REST)
 
-_WL = r"b\d+w\d+|r\d+n\d+|x[a-z2-7]+"
+_WL = r"[ab]\d+w\d+|r\d+n\d+|x[a-z2-7]+"
 _ID = re.compile(rf"^(?P<head>.+?)-(?P<wl>{_WL})-(?P<tail>.+)$")
 _TAIL = re.compile(
     r"^(?:c(?P<c>\d+)(?P<w>[ba])|rest(?P<q>\d+)|e(?P<e>\d+))-s(?P<key>[^-]+)"
@@ -89,14 +91,15 @@ def workload_id(workload: Workload) -> str:
 
 def decode_workload(wid: str) -> Workload:
     """The workload a workload id names."""
-    m = re.fullmatch(r"b(\d+)w(\d+)", wid)
+    m = re.fullmatch(r"([ab])(\d+)w(\d+)", wid)
     if m:
-        return workload_at(int(m[1]), int(m[2]))
+        return workload_at(int(m[2]), int(m[3]), after=LIFE if m[1] == "a" else ())
     m = re.fullmatch(r"r(\d+)n(\d+)", wid)
     if m:
         return random_workload(int(m[1]), int(m[2]))
     if not re.fullmatch(r"x[a-z2-7]+", wid):
-        raise ScenarioError(f"{wid!r} is not a workload id (b<bound>w<n>, r<seed>n<len>, x...)")
+        raise ScenarioError(f"{wid!r} is not a workload id (b<bound>w<n>, a<bound>w<n>, "
+                            "r<seed>n<len>, x...)")
     text = wid[1:].upper()
     try:
         raw = base64.b32decode(text + "=" * (-len(text) % 8))

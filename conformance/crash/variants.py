@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from conformance.crash.backends import BackendSpec, deterministic_fs, register
-from conformance.crash.workloads import Workload, enqueue_call
+from conformance.crash.workloads import LIFE, Workload, enqueue_call
 from queue_ref.fsqueue import FsQueue
 from queue_ref.fsqueue.diskutil import if_exists, readlink_or_none
 from queue_ref.fsqueue.layout import EntryName
@@ -209,6 +209,14 @@ class CleanupLinkFirst(_Fsync):
         return removed
 
 
+class SpareNotCut(_Fsync):
+    """A spare file is rewritten from its start for a shorter message but not cut to its
+    length: the file still ends with the old message's envelope and trailer."""
+
+    def _cut_reused(self, tx: MessageTx) -> None:
+        return None
+
+
 # ---- the syncfs mode's own rounds ---------------------------------------------------------
 
 
@@ -341,6 +349,7 @@ VARIANTS: tuple[Variant, ...] = (
             (_E1, _RESCHED, _START)),
     Variant("fs-broken-cleanup-shared", CleanupSharedData, "C1",
             (_E2, Call(Op.DROP, _K), Call(Op.CLEANUP, _K))),
+    Variant("fs-broken-spare-not-cut", SpareNotCut, "C1", (*LIFE, enqueue_call(1, 1))),
     Variant("fs-broken-noorphans", NoOrphanScan, "C8", (_E1, _RESCHED)),
     Variant("fs-broken-requeue-unlink-first", RequeueUnlinkFirst, "C10", (_E1, _START)),
     Variant("fs-broken-syncfs-nocommit", SyncfsNoCommitRound, "C1", (_E1, _RESCHED)),

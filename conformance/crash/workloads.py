@@ -10,6 +10,10 @@ A workload is a tuple of ``spec.model.Call``.  Two sources:
   Because a sequence and all its prefixes are enumerated, a crash inside operation ``i``
   of a long sequence is the crash inside the last operation of its prefix of length
   ``i + 1``: the explorer crashes each sequence only inside its last operation.
+* ``enumerate_steps(bound, after=LIFE)``: the same enumeration, of what may follow one
+  message's whole life (enqueue, send_start, send_done, cleanup).  A backend that keeps
+  something of a finished message for reuse (the filesystem queue's spare files) is then
+  exercised with it: every workload of up to ``bound`` calls meets a queue that holds it.
 * ``random_workload(seed, length)``: a longer sequence drawn by ``random.Random(seed)``.
 
 Messages and schedules are chosen so that every message has a distinct body, sender and
@@ -39,10 +43,12 @@ def body_of(mid: int) -> bytes:
             f"body of message {mid}\r\n" + "x" * (40 + 17 * mid) + "\r\n").encode()
 
 
-def enqueue_call(mid: int, nrcpts: int) -> Call:
+def enqueue_call(mid: int, nrcpts: int, *, pad: int = 0) -> Call:
+    """Enqueue message ``mid`` (its body followed by ``pad`` more bytes)."""
     rcpts = tuple((f"rcpt{i}.m{mid}@example.net", _schedule(mid, i)) for i in range(nrcpts))
-    return Call(Op.ENQUEUE, mail_from=f"sender{mid}@example.org", body=body_of(mid),
-                rcpts=rcpts)
+    return Call(Op.ENQUEUE, mail_from=f"sender{mid}@example.org",
+                body=body_of(mid) + b"p" * pad, rcpts=rcpts)
+
 
 
 def _schedule(mid: int, index: int) -> Schedule:
@@ -54,6 +60,13 @@ def _bumped(model: Model, key: EntryKey, *, attempt: bool) -> Schedule:
     e = model.entries.get(key)
     base = e.schedule if e is not None else Schedule(0)
     return Schedule(at=base.at + 1000, attempts=base.attempts + (1 if attempt else 0))
+
+#: One message's whole life, the start of the ``after`` family of ``enumerate_steps``.
+#: Its body is longer than those of the messages that follow, so that what a backend
+#: reuses of it is always longer than what it is reused for.
+LIFE: tuple[Call, ...] = (enqueue_call(0, 1, pad=600), Call(Op.SEND_START, (0, 0)),
+                          Call(Op.SEND_DONE, (0, 0)), Call(Op.CLEANUP, (0, 0)))
+
 
 
 @dataclass(frozen=True)
@@ -98,30 +111,36 @@ def _options(history: Sequence[Model], model: Model, max_messages: int,
 
 
 def enumerate_steps(bound: int = 3, *, max_messages: int = MAX_MESSAGES,
-                    stale: bool = True) -> Iterator[Step]:
+                    stale: bool = True, after: Workload = ()) -> Iterator[Step]:
     """Every workload of 0..``bound`` calls, depth first; index 0 is the empty workload.
 
     The empty workload stands for opening a new queue: its crash points are those of
-    creating the queue's directories.
+    creating the queue's directories.  With ``after``, every workload starts with those
+    calls (index 0 is ``after`` itself) and ``bound`` and ``max_messages`` count what
+    follows them.
     """
     if bound < 0:
         raise ValueError(f"bound must be >= 0, got {bound}")
     counter = 0
+    history = [Model()]
+    for call in after:
+        history.append(run(history[-1], call)[0])
+    max_messages += history[-1].next_id
 
     def walk(prefix: Workload, history: tuple[Model, ...]) -> Iterator[Step]:
         nonlocal counter
         model = history[-1]
-        if len(prefix) >= bound:
+        if len(prefix) >= len(after) + bound:
             return
         for call in _options(history, model, max_messages, stale):
-            after, _ = run(model, call)
+            nxt, _ = run(model, call)
             counter += 1
             wl = (*prefix, call)
-            yield Step(counter, wl, model, after)
-            yield from walk(wl, (*history, after))
+            yield Step(counter, wl, model, nxt)
+            yield from walk(wl, (*history, nxt))
 
-    yield Step(0, (), Model(), Model())
-    yield from walk((), (Model(),))
+    yield Step(0, tuple(after), history[-2] if after else history[-1], history[-1])
+    yield from walk(tuple(after), tuple(history))
 
 
 def enumerate_workloads(bound: int = 3, **kw: object) -> list[Workload]:
@@ -129,9 +148,9 @@ def enumerate_workloads(bound: int = 3, **kw: object) -> list[Workload]:
     return [s.workload for s in enumerate_steps(bound, **kw)]  # type: ignore[arg-type]
 
 
-def workload_at(bound: int, index: int) -> Workload:
-    """Workload number ``index`` of the enumeration with ``bound``."""
-    for s in enumerate_steps(bound):
+def workload_at(bound: int, index: int, *, after: Workload = ()) -> Workload:
+    """Workload number ``index`` of the enumeration with ``bound`` (and ``after``)."""
+    for s in enumerate_steps(bound, after=after):
         if s.index == index:
             return s.workload
     raise ValueError(f"the enumeration of bound {bound} has no workload {index}")

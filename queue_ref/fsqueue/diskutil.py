@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 from collections.abc import Callable
 from os.path import join
@@ -85,10 +86,14 @@ def remove_tree(io: IO, path: str) -> int:
     return n + int(if_exists(io.rmdir, path))
 
 
-def tree_usage(io: IO, path: str) -> tuple[int, int]:
-    """(names, bytes of regular files) below ``path``, ``path`` itself not counted."""
+def tree_usage(io: IO, path: str, *, skip: re.Pattern[str] | None = None
+               ) -> tuple[int, int]:
+    """(names, bytes of regular files) below ``path``, ``path`` itself not counted, nor
+    names directly in it that ``skip`` matches."""
     objects = size = 0
     for name in listdir_or_empty(io, path):
+        if skip is not None and skip.match(name):
+            continue
         p = join(path, name)
         st = lstat_or_none(io, p)
         if st is None:

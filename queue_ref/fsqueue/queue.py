@@ -25,12 +25,18 @@ What holds after failures, beyond ``queue_ref.storage``:
   thread and shares directory fsyncs.  Both keep every clause (see docs/fs-queue.md).
 * **Errors carry the handle back** re-armed, for the state the entry had before the call;
   a retry either completes the transition or returns None.
+* **Spare files.**  Cleanup keeps the files of small one-recipient messages (up to
+  ``spares`` of them) in ``tmp/<owner>/`` and enqueue writes new messages into them, so a
+  message allocates no inode and no blocks (``spares.py``).  ``close()`` removes them;
+  ``footprint()`` does not count them.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import suppress
 from dataclasses import dataclass
@@ -60,6 +66,7 @@ from queue_ref.fsqueue.reader import FsMailReader
 from queue_ref.fsqueue.records import Envelope
 from queue_ref.fsqueue.recovery import Recovery
 from queue_ref.fsqueue.rwlock import SharedExclusive
+from queue_ref.fsqueue.spares import DEFAULT_SPARES, SPARE_MAX_BODY, SPARE_RE, Spares
 from queue_ref.fsqueue.steps import MessageTx
 from queue_ref.io import IO, OsIO, syncfs_reports_errors
 from queue_ref.storage import (
@@ -114,7 +121,7 @@ class FsQueue(FsMetadata, Storage):
 
     def __init__(self, root: str, io: IO | None = None, *, recover: bool = True,
                  owner: str | None = None, clock: Callable[[], int] = time.time_ns,
-                 sync: str | None = None) -> None:
+                 sync: str | None = None, spares: int = DEFAULT_SPARES) -> None:
         """Open (creating it durably if missing) the queue at ``root``.
 
         Takes an owner token and its liveness lock, and with ``recover`` runs ``recover()``
@@ -129,10 +136,12 @@ class FsQueue(FsMetadata, Storage):
         ordered and unique if it stalls or goes back.  A fixed owner and a counting clock
         make every run of a workload issue the same calls (crash exploration replays them).
         ``sync``: ``"syncfs"`` or ``"fsync"`` (see the module docstring); default
-        ``default_sync`` of the class, else ``default_sync_mode()``.
+        ``default_sync`` of the class, else ``default_sync_mode()``.  ``spares``: how many
+        spent message files to keep for reuse (0: none; see ``spares.py``).
 
         Raises InvalidInputError for a malformed ``owner``, a ``clock`` that is not
-        callable or an unknown ``sync`` mode (before touching the disk); OwnerInUseError
+        callable, an unknown ``sync`` mode or a ``spares`` that is not a count (before
+        touching the disk); OwnerInUseError
         (a MisuseError) if another open queue holds ``owner``, or if the token's lock file
         or temporary directory is left on disk by a queue that died; StorageIOError if the
         disk fails.  After any failure nothing is held open.
@@ -149,6 +158,9 @@ class FsQueue(FsMetadata, Storage):
         mode = sync if sync is not None else (self.default_sync or default_sync_mode())
         if mode not in SYNC_MODES:
             raise InvalidInputError(f"sync must be one of {SYNC_MODES}, got {mode!r}")
+        if not isinstance(spares, int) or isinstance(spares, bool) or spares < 0:
+            raise InvalidInputError(f"spares must be a count of files (an int >= 0), "
+                                    f"got {spares!r}")
         self.io: IO = io if io is not None else OsIO()
         self.root = os.path.abspath(root)
         self.layout = Layout(self.root)
@@ -162,6 +174,9 @@ class FsQueue(FsMetadata, Storage):
         self._owner_fd: int | None = None
         self._pinned: list[str] = []
         self._link_max = 2 ** 31 - 1
+        self._spares = Spares(self.layout.tmp_owner(owner), spares)
+        self._reading: Counter[str] = Counter()  # open MailReaders by message id
+        self._reading_lock = threading.Lock()
         self.last_recovery: RecoveryReport | None = None
         try:
             self._create_layout()
@@ -231,6 +246,9 @@ class FsQueue(FsMetadata, Storage):
             return
         self._closed = True
         with self._rw.exclusive():  # operations still running end first
+            with suppress(OSError):  # else recovery removes them once we are gone
+                for spare in self._spares.drain():
+                    if_exists(self.io.unlink, spare)
             with suppress(OSError):  # enqueues still open: recovery removes them once we are gone
                 if_exists(self.io.rmdir, self.layout.tmp_owner(self.owner))
             self._release_owner()
@@ -400,8 +418,29 @@ class FsQueue(FsMetadata, Storage):
         r = env.rcpts[e.index]
         meta = EntryMeta(e.msgid, e.entry_id, env.mail_from, r.address, e.index, r.zone,
                          dict(env.params), sched, env.body_size)
+        with self._reading_lock:  # its file is not made a spare while a reader has it open
+            self._reading[e.msgid] += 1
         return FsMailReader(self.io, fd, meta, env.body_sha256, h,
-                            lambda why: self._body_corrupt(e, link, why))
+                            lambda why: self._body_corrupt(e, link, why),
+                            lambda: self._reader_closed(e.msgid))
+
+    def _reader_closed(self, msgid: str) -> None:
+        with self._reading_lock:
+            self._reading[msgid] -= 1
+            if not self._reading[msgid]:
+                del self._reading[msgid]
+
+    def _spare_for(self, msgid: str) -> str | None:
+        """Keep the file of a message being released as a spare (see ``spares.py``) if it
+        had one recipient, a body of at most ``SPARE_MAX_BODY`` bytes and no reader of
+        ours has it open, and the pool has room: the name to rename it to, else None."""
+        env = self._envelopes.peek(msgid)
+        if env is None or len(env.rcpts) != 1 or env.body_size > SPARE_MAX_BODY:
+            return None
+        with self._reading_lock:
+            if msgid in self._reading:
+                return None
+        return self._spares.reserve()
 
     def _gone(self, e: EntryName) -> CorruptionError | ClosedError:
         """The error for an inflight entry of ours whose link is gone: CorruptionError if
@@ -567,21 +606,27 @@ class FsQueue(FsMetadata, Storage):
         return report
 
     def footprint(self) -> Footprint:
-        """Names and bytes under data/ and tmp/ (the owners' own tmp directories not
-        counted): (0, 0) once every message is cleaned up and no enqueue is open."""
+        """Names and bytes under data/ and tmp/ (the owners' own tmp directories and the
+        spare files in them not counted): (0, 0) once every message is cleaned up and no
+        enqueue is open."""
         self._check_open()
         try:
             objects, size = tree_usage(self.io, self.layout.data)
             for name in listdir_or_empty(self.io, self.layout.tmp):
                 path = os.path.join(self.layout.tmp, name)
                 if self.io.is_dir(path):
-                    o, s = tree_usage(self.io, path)
+                    o, s = tree_usage(self.io, path, skip=SPARE_RE)
                     objects, size = objects + o, size + s
                 else:
                     objects += 1
         except OSError as e:
             raise storage_error("footprint", e) from e
         return Footprint(objects, size)
+
+    @property
+    def spare_files(self) -> int:
+        """Spent message files this queue keeps for reuse now (at most ``spares``)."""
+        return len(self._spares)
 
     @property
     def poisoned(self) -> str | None:

@@ -22,13 +22,15 @@ CHUNK = 1 << 16
 
 class FsMailReader(MailReader):
     def __init__(self, io: IO, fd: int, meta: EntryMeta, sha256: str, handle: InflightMail,
-                 on_corrupt: Callable[[str], CorruptionError]) -> None:
+                 on_corrupt: Callable[[str], CorruptionError],
+                 on_close: Callable[[], None]) -> None:
         self.meta = meta
         self._io = io
         self._fd: int | None = fd
         self._expect = sha256
         self._handle = handle
         self._on_corrupt = on_corrupt
+        self._on_close = on_close
         self._hash = hashlib.sha256()
         self._pos = 0
         self._verified = False
@@ -85,4 +87,7 @@ class FsMailReader(MailReader):
     def close(self) -> None:
         fd, self._fd = self._fd, None
         if fd is not None:
-            self._io.close(fd)
+            try:
+                self._io.close(fd)
+            finally:
+                self._on_close()

@@ -13,8 +13,9 @@ the crash explorer is shown to find real bugs.
 Steps, in protocol order (each a method; the orchestrators only call these):
 
 =====================  ===============================================================
-enqueue                ``_begin_message`` -> ``_write_body``* -> commit:
-                       ``_write_envelope`` -> ``_finish_body`` (``_sync_file``) ->
+enqueue                ``_begin_message`` (a new file, or a spare one) ->
+                       ``_write_body``* -> commit: ``_write_envelope`` (and
+                       ``_cut_reused``) -> ``_finish_body`` (``_sync_file``) ->
                        [2+ recipients: ``_create_refs`` -> ``_publish_links`` ->
                        ``_sync_published``; 1 recipient: ``_publish_links``] ->
                        ``_commit_rename`` (COMMIT POINT) -> ``_sync_committed``;
@@ -26,7 +27,8 @@ send_done / drop       ``_move_link`` -> ``_sync_move``
 schedule record        ``_write_schedule_temp`` (``_sync_file``) -> ``_install_schedule``
                        -> ``_sync_schedule``
 cleanup                ``_release_entry`` (schedule record, hard link; the message file
-                       when it was the last reference) -> ``_unlink_link`` (not synced)
+                       when it was the last reference: ``_delete_message_data``, which
+                       keeps a small one as a spare) -> ``_unlink_link`` (not synced)
 =====================  ===============================================================
 
 Truth of an entry's state is which link exists: ``queue/<e>`` (QUEUED),
@@ -38,7 +40,8 @@ Every sync goes through group commit (``groupsync.py``).  In ``syncfs`` mode a s
 share of one ``syncfs`` that covers files and directories alike; in ``fsync`` mode files
 are fsynced by their writer and directories in shared rounds.  A one-recipient message's
 whole life costs three shared rounds (the message file before it is published, the names
-that commit it, the move to cleanup/) and ten other system calls.
+that commit it, the move to cleanup/) and ten other system calls; none of them allocates
+or frees the message file's inode or blocks once the queue has spare files (``spares.py``).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from queue_ref.fsqueue.diskutil import if_exists, listdir_or_empty, lstat_or_non
 from queue_ref.fsqueue.groupsync import GroupSync
 from queue_ref.fsqueue.layout import EntryName, Layout
 from queue_ref.fsqueue.records import Envelope, encode_schedule, trailer
+from queue_ref.fsqueue.spares import Spares
 from queue_ref.io import IO
 from queue_ref.storage import Schedule
 
@@ -60,13 +64,13 @@ BODY_BUFFER = 1 << 16
 
 @dataclass
 class MessageTx:
-    """A message being written to ``tmp/<owner>/<msgid>`` by one Enqueuer.
+    """A message being written under ``tmp/<owner>/`` by one Enqueuer.
 
     Body bytes are held back up to ``BODY_BUFFER`` and written in one call; a message
     smaller than that is written whole, with its envelope, at commit."""
 
     msgid: str
-    path: str  # tmp/<owner>/<msgid>
+    path: str  # tmp/<owner>/<msgid>, or the spare file the message is written into
     mail_from: str
     params: dict[str, str]
     body_fd: int | None = None
@@ -77,6 +81,8 @@ class MessageTx:
     links: int = 0  # queue/<msgid>.<i> links created
     committed: bool = False  # renamed into data/: the commit point was passed
     pending: bytearray = field(default_factory=bytearray)  # body bytes not yet written
+    written: int = 0  # bytes written to the file
+    reused: int = -1  # a spare file's size when it was taken (-1: a new file)
 
 
 class FsSteps:
@@ -87,6 +93,7 @@ class FsSteps:
     owner: str
     _group: GroupSync
     _poisoned: str | None
+    _spares: Spares
 
     # ---- durability primitives -------------------------------------------------------
 
@@ -120,7 +127,25 @@ class FsSteps:
     # ---- enqueue ---------------------------------------------------------------------
 
     def _begin_message(self, tx: MessageTx) -> None:
-        """Create the empty message file ``tmp/<owner>/<msgid>``."""
+        """Open the file the message is written into: a spare file if the queue has one
+        (overwritten from its start; ``_cut_reused`` cuts what is left of its old content),
+        else a new ``tmp/<owner>/<msgid>``.  Either lies in this owner's ``tmp/``, where
+        nothing refers to it, until the commit rename publishes it after it is durable."""
+        spare = self._spares.take()
+        if spare is not None:
+            fd = None
+            try:
+                fd = self.io.open_create(spare, exclusive=False)
+                size = self.io.fsize(fd)
+            except OSError:  # unusable: forget it (recovery removes it once we are dead)
+                if fd is not None:
+                    with suppress(OSError):
+                        self.io.close(fd)
+                with suppress(OSError):
+                    self.io.unlink(spare)
+            else:
+                tx.path, tx.body_fd, tx.reused, tx.started = spare, fd, size, True
+                return
         tx.body_fd = self.io.open_create(tx.path)
         tx.started = True
 
@@ -136,6 +161,7 @@ class FsSteps:
             assert tx.body_fd is not None
             data, tx.pending = bytes(tx.pending), bytearray()
             self.io.write(tx.body_fd, data)
+            tx.written += len(data)
 
     def _write_envelope(self, tx: MessageTx, env: Envelope) -> None:
         """Append what is held back of the body, the checksummed envelope record and its
@@ -146,6 +172,17 @@ class FsSteps:
         record = env.encode()
         data, tx.pending = bytes(tx.pending) + record + trailer(len(record)), bytearray()
         self.io.write(tx.body_fd, data)
+        tx.written += len(data)
+        self._cut_reused(tx)
+
+    def _cut_reused(self, tx: MessageTx) -> None:
+        """A spare file longer than the message written into it loses the rest of its old
+        content, before the file is synced: the trailer is read from the end of the file
+        (without the cut, the message would read as the old one's, and be quarantined for
+        its mismatched id; C6)."""
+        if tx.reused > tx.written:
+            assert tx.body_fd is not None
+            self.io.ftruncate(tx.body_fd, tx.written)
 
     def _finish_body(self, tx: MessageTx) -> None:
         """Make the message file durable, then close it: body and envelope must be durable
@@ -161,7 +198,15 @@ class FsSteps:
         """Hard-link ``data/<msgid>.<i>`` to the message file for every recipient (2+
         recipients only): the link count is then the number of entries not yet cleaned
         up.  Must be durable before the commit rename (``_sync_published``), or a crash
-        could leave a committed message whose count is too low (C1)."""
+        could leave a committed message whose count is too low (C1).
+
+        A message written into a spare file is first renamed to ``tmp/<owner>/<msgid>``,
+        so that recovery, which knows uncommitted messages by their names there, also
+        removes the hard links of one whose owner died before publishing its links."""
+        own = self.layout.tmp_msg(self.owner, tx.msgid)
+        if tx.path != own:
+            self.io.rename(tx.path, own)
+            tx.path = own
         for i in range(tx.refs, count):
             self.io.link(tx.path, self.layout.ref(EntryName(tx.msgid, i)))
             tx.refs = i + 1
@@ -318,9 +363,29 @@ class FsSteps:
         (so no hard links).  FsMetadata answers from its envelope cache."""
         return False
 
+    def _spare_for(self, msgid: str) -> str | None:
+        """A name under ``tmp/<owner>/`` to keep the message's file under as a spare, or
+        None to unlink it (FsQueue decides; see ``spares.py``)."""
+        return None
+
     def _delete_message_data(self, msgid: str) -> None:
-        """Unlink the message file (missing is fine).  Only once no entry needs it (C1)."""
-        if_exists(self.io.unlink, self.layout.msg_file(msgid))
+        """Take the message file out of ``data/`` (missing is fine), only once no entry
+        needs it (C1): renamed to a spare name in this owner's ``tmp/`` if the queue keeps
+        it for reuse, else unlinked.  Not synced, like the rest of cleanup: after a crash
+        either name is one recovery removes (an orphan, or a dead owner's tmp file)."""
+        path = self.layout.msg_file(msgid)
+        spare = self._spare_for(msgid)
+        if spare is None:
+            if_exists(self.io.unlink, path)
+            return
+        kept = False
+        try:
+            self.io.rename(path, spare)
+            kept = True
+        except FileNotFoundError:  # gone already; or the spare's directory is, then unlink
+            if_exists(self.io.unlink, path)
+        finally:
+            self._spares.put(spare, usable=kept)
 
     def _unlink_link(self, path: str) -> bool:
         """Remove a link; False if it was gone already."""

@@ -1,0 +1,209 @@
+"""FsQueue spare files: spent message files rewritten in place for the next messages.
+
+Which files become spares, that a rewritten file reads back as exactly the new message
+(shorter or longer than the old one), the pool's bound, what close() and recovery remove,
+and failures on the way.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from queue_ref.fsqueue import FsQueue
+from queue_ref.fsqueue.records import Envelope
+from queue_ref.fsqueue.spares import SPARE_MAX_BODY
+from queue_ref.io import OsIO
+from queue_ref.storage import Footprint, InvalidInputError, QueuedMail, StorageIOError
+from tests.test_fsqueue_support import EMPTY, CrashIO, message_parts, put, tree
+
+
+@pytest.fixture
+def root(tmp_path: Any) -> str:
+    return str(tmp_path / "q")
+
+
+@pytest.fixture
+def q(root: str) -> Iterator[FsQueue]:
+    store = FsQueue(root)
+    yield store
+    store.close()
+
+
+def finish(q: FsQueue, h: QueuedMail) -> None:
+    i = q.send_start(h)
+    assert i is not None
+    p = q.send_done(i)
+    assert p is not None and q.cleanup(p)
+
+
+def spares_on_disk(q: FsQueue) -> list[str]:
+    return sorted(n for n in os.listdir(os.path.join(q.root, "tmp", q.owner))
+                  if n.startswith("spare."))
+
+
+def read_back(q: FsQueue, h: QueuedMail) -> bytes:
+    i = q.send_start(h)
+    assert i is not None
+    with q.read_inflight(i) as r:
+        body = r.read_all()
+    q.send_cancel(i, h.schedule)
+    return body
+
+
+@pytest.mark.parametrize("sync", ["syncfs", "fsync"])
+def test_a_spare_is_rewritten_in_place_shorter_and_longer(root: str, sync: str) -> None:
+    q = FsQueue(root, sync=sync)
+    try:
+        (first,) = put(q, n=1, body=b"a" * 10_000)
+        inode = os.stat(os.path.join(root, "data", first.message_id)).st_ino
+        finish(q, first)
+        assert spares_on_disk(q) == ["spare.0"] and q.spare_files == 1
+        for body in (b"short\r\n", b"b" * 30_000):
+            (h,) = put(q, n=1, body=body)
+            path = os.path.join(root, "data", h.message_id)
+            assert os.stat(path).st_ino == inode  # the same file, rewritten
+            got_body, record = message_parts(path)  # exactly the new message, no old tail
+            assert got_body == body
+            assert Envelope.decode(record, h.message_id).body_size == len(body)
+            assert spares_on_disk(q) == [] and q.spare_files == 0
+            assert read_back(q, h) == body
+            finish(q, next(iter(q.list_queue())))
+        assert q.footprint() == Footprint(0, 0)
+    finally:
+        q.close()
+
+
+def test_only_small_one_recipient_files_no_reader_holds_become_spares(q: FsQueue) -> None:
+    for h in put(q, n=2):  # a message of two recipients: unlinked by its last cleanup
+        finish(q, h)
+    assert q.spare_files == 0
+    (big,) = put(q, n=1, body=b"x" * (SPARE_MAX_BODY + 1))
+    finish(q, big)
+    assert q.spare_files == 0
+    (read,) = put(q, n=1, body=b"read me\r\n")
+    i = q.send_start(read)
+    assert i is not None
+    r = q.read_inflight(i)
+    assert r.read(4) == b"read"
+    p = q.send_done(i)
+    assert p is not None and q.cleanup(p)
+    assert q.spare_files == 0  # a reader of ours still had the file open
+    put(q, n=1, body=b"another message\r\n")  # needs a new file: the reader's is untouched
+    assert r.read() == b" me\r\n"
+    r.close()
+    (small,) = list(q.list_queue())
+    finish(q, small)
+    assert q.spare_files == 1
+    assert q.footprint() == Footprint(0, 0)
+
+
+def test_the_pool_holds_at_most_its_capacity(root: str) -> None:
+    q = FsQueue(root, spares=2)
+    try:
+        hs = [put(q, n=1)[0] for _ in range(5)]
+        for h in hs:
+            finish(q, h)
+        assert q.spare_files == 2 and spares_on_disk(q) == ["spare.0", "spare.1"]
+        assert os.listdir(os.path.join(root, "data")) == []
+        assert q.footprint() == Footprint(0, 0)  # spares are not counted
+    finally:
+        q.close()
+    assert tree(root) == EMPTY[:-1]  # close removed them, and the owner's tmp/ directory
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "3", True, None])
+def test_spares_must_be_a_count(root: str, bad: Any) -> None:
+    with pytest.raises(InvalidInputError, match="spares"):
+        FsQueue(root, spares=bad)
+    assert not os.path.exists(root)
+
+
+def test_recovery_removes_the_spares_of_a_dead_owner(root: str) -> None:
+    io = CrashIO()
+    q = FsQueue(root, io)
+    for h in [put(q, n=1)[0] for _ in range(3)]:
+        finish(q, h)
+    kept = put(q, n=1, body=b"still queued\r\n")
+    assert len(spares_on_disk(q)) == 2  # one of the three was rewritten for `kept`
+    dead = q.owner
+    io.kill()  # the process dies without closing the queue
+    q2 = FsQueue(root)
+    try:
+        assert sorted(os.listdir(os.path.join(root, "tmp"))) == [q2.owner]
+        assert dead not in os.listdir(os.path.join(root, "tmp"))
+        assert [m.entry_id for m in q2.list_queue()] == [kept[0].entry_id]
+        assert read_back(q2, next(iter(q2.list_queue()))) == b"still queued\r\n"
+    finally:
+        q2.close()
+
+
+class FailingIO(OsIO):
+    """Fails the first call whose name and arguments ``fail_on`` accepts, with ``err``."""
+
+    def __init__(self, fail_on: Any, err: int = errno.EIO) -> None:
+        self.fail_on = fail_on
+        self.err = err
+        self.failed = 0
+
+    def _maybe_fail(self, name: str, *args: object) -> None:
+        if not self.failed and self.fail_on(name, args):
+            self.failed += 1
+            raise OSError(self.err, f"injected into {name}")
+
+    def rename(self, src: str, dst: str) -> None:
+        self._maybe_fail("rename", src, dst)
+        super().rename(src, dst)
+
+    def open_create(self, path: str, *, exclusive: bool = True, append: bool = False) -> int:
+        self._maybe_fail("open_create", path, exclusive)
+        return super().open_create(path, exclusive=exclusive, append=append)
+
+
+def test_a_failed_move_to_the_pool_hands_the_cleanup_back(root: str) -> None:
+    io = FailingIO(lambda name, args: name == "rename" and "spare." in str(args[1]))
+    q = FsQueue(root, io)
+    try:
+        (h,) = put(q, n=1)
+        i = q.send_start(h)
+        assert i is not None
+        p = q.send_done(i)
+        assert p is not None
+        with pytest.raises(StorageIOError) as ei:
+            q.cleanup(p)
+        assert io.failed == 1 and q.spare_files == 0
+        assert ei.value.handle is p  # handed back: the retry finishes the cleanup
+        assert [c.entry_id for c in q.find_pending_cleanup()] == [h.entry_id]
+        assert q.cleanup(p) is True
+        assert q.spare_files == 1 and q.footprint() == Footprint(0, 0)
+        assert list(q.find_pending_cleanup()) == []
+    finally:
+        q.close()
+
+
+def test_a_spare_that_cannot_be_opened_is_dropped_and_a_new_file_used(root: str) -> None:
+    io = FailingIO(lambda name, args: name == "open_create" and "spare." in str(args[0]),
+                   errno.EACCES)
+    q = FsQueue(root, io)
+    try:
+        finish(q, put(q, n=1)[0])
+        assert spares_on_disk(q) == ["spare.0"]
+        (h,) = put(q, n=1, body=b"fresh\r\n")
+        assert io.failed == 1
+        assert spares_on_disk(q) == []  # the unusable spare was removed
+        assert read_back(q, h) == b"fresh\r\n"
+    finally:
+        q.close()
+
+
+def test_a_spare_removed_behind_the_queues_back_is_not_missed(q: FsQueue) -> None:
+    finish(q, put(q, n=1)[0])
+    os.unlink(os.path.join(q.root, "tmp", q.owner, "spare.0"))
+    (h,) = put(q, n=1, body=b"after\r\n")
+    assert read_back(q, h) == b"after\r\n"
+    finish(q, next(iter(q.list_queue())))
+    assert q.footprint() == Footprint(0, 0)
