@@ -436,6 +436,89 @@ def test_a_crash_in_the_leader_fails_its_followers_and_frees_the_next_round(
     assert io.syncs == 3
 
 
+def test_a_step_runs_between_two_rounds_and_its_caller_waits_for_both(tmp_path: str) -> None:
+    io = SlowSyncIO()
+    g = GroupSync(io, "syncfs", str(tmp_path))
+    seen: list[int] = []
+    g.sync(then=lambda: seen.append(io.syncs))
+    assert seen == [1] and io.syncs == 2  # after the first round, before the second
+
+
+def test_steps_of_many_callers_share_rounds(tmp_path: str) -> None:
+    """Eight commits that arrive while a round runs: their files share round 2, their
+    steps are all made by the leader of round 3, which covers them all."""
+    io = SlowSyncIO(gated=True)
+    g = GroupSync(io, "syncfs", str(tmp_path))
+    steps: dict[int, tuple[int, str]] = {}
+    returned: dict[int, int] = {}
+    first = threading.Thread(target=g.sync)
+    first.start()
+    assert io.in_round.wait(10)
+
+    def commit(k: int) -> None:
+        g.sync(then=lambda: steps.__setitem__(k, (io.syncs, threading.current_thread().name)))
+        returned[k] = io.syncs
+
+    ts = [threading.Thread(target=commit, args=(k,), name=f"c{k}") for k in range(8)]
+    for t in ts:
+        t.start()
+    wait_for_waiters(g, 8)
+    io.gate.set()
+    for t in [first, *ts]:
+        t.join()
+    assert io.syncs == 3 and g.rounds == 3
+    assert {n for n, _ in steps.values()} == {2}  # every step after round 2, before 3
+    assert len({name for _, name in steps.values()}) == 1  # made by one leader
+    assert set(returned.values()) == {3}
+
+
+@pytest.mark.parametrize("fail_round", [1, 2])
+def test_a_failed_round_fails_a_caller_with_a_step(tmp_path: str, fail_round: int) -> None:
+    io = SlowSyncIO(fail_round=fail_round)
+    g = GroupSync(io, "syncfs", str(tmp_path))
+    ran: list[int] = []
+    with pytest.raises(OSError, match="injected"):
+        g.sync(then=lambda: ran.append(1))
+    assert ran == ([] if fail_round == 1 else [1])  # no step after a failed first round
+    g.sync()  # the group goes on
+    assert io.syncs == fail_round + 1
+
+
+def test_a_crash_in_a_step_fails_its_caller_and_frees_the_group(tmp_path: str) -> None:
+    io = SlowSyncIO(gated=True)
+    g = GroupSync(io, "syncfs", str(tmp_path))
+    outcome: dict[str, BaseException | None] = {}
+
+    def run(name: str, **kw: object) -> None:
+        try:
+            g.sync(**kw)  # type: ignore[arg-type]
+            outcome[name] = None
+        except BaseException as e:  # recorded for the assertions
+            outcome[name] = e
+
+    def die() -> None:
+        raise Crash("died in a step")
+
+    first = threading.Thread(target=run, args=("first",))
+    first.start()
+    assert io.in_round.wait(10)
+    stepper = threading.Thread(target=run, args=("stepper",), kwargs={"then": die})
+    stepper.start()
+    wait_for_waiters(g, 1)
+    io.gate.set()
+    for t in (first, stepper):
+        t.join()
+    # the stepper led round 3 and ran its own step there: the crash is its own
+    assert outcome["first"] is None and isinstance(outcome["stepper"], Crash)
+    g.sync()
+    assert io.syncs == 3
+
+
+def test_a_step_needs_rounds_that_cover_files(tmp_path: str) -> None:
+    with pytest.raises(ValueError, match="syncfs"):
+        GroupSync(OsIO(), "fsync", str(tmp_path)).sync(then=lambda: None)
+
+
 def test_unknown_sync_mode_is_refused(tmp_path: str) -> None:
     with pytest.raises(ValueError, match="sync mode"):
         GroupSync(OsIO(), "sync", str(tmp_path))

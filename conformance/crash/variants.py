@@ -221,12 +221,21 @@ class SpareNotCut(_Fsync):
 
 
 class SyncfsNoCommitRound(FsQueue):
-    """``syncfs`` mode: commit skips its round after the commit rename."""
+    """``syncfs`` mode: commit skips its round after the commit rename (the second of its
+    pipelined rounds)."""
 
     default_sync = "syncfs"
 
     def _sync_committed(self, tx: MessageTx, links: bool) -> None:
         return None
+
+    def _commit_pipelined(self, tx: MessageTx) -> None:
+        assert tx.body_fd is not None
+        fd, tx.body_fd = tx.body_fd, None
+        self.io.close(fd)
+        self._sync_dirs()
+        self._publish_links(tx, 1)
+        self._commit_rename(tx)
 
 
 class SyncfsNoDoneRound(NoDoneDirFsync):
@@ -245,6 +254,12 @@ class SyncfsNoFileRound(FsQueue):
         assert tx.body_fd is not None
         fd, tx.body_fd = tx.body_fd, None
         self.io.close(fd)
+
+    def _commit_pipelined(self, tx: MessageTx) -> None:
+        self._finish_body(tx)
+        self._publish_links(tx, 1)
+        self._commit_rename(tx)
+        self._sync_dirs()
 
 
 # ---- recovery -----------------------------------------------------------------------------

@@ -18,11 +18,21 @@ What a round does depends on the mode (``SYNC_MODES``):
   data is not shared in this mode: each caller fsyncs its own files itself
   (``FsSteps._sync_file``), in its own thread.
 
-After a failed round every caller it served gets the error; a later round that succeeds
-does not make up for it (the kernel may have dropped the dirty state with the error,
-"fsyncgate"), so nobody is told its change is durable on the strength of a retry.  A
-``BaseException`` in the leader (a simulated crash) propagates in the leader, and the
-callers it served get EIO.
+**Two rounds in one wait** (``syncfs`` mode): ``sync(then=step)`` returns once a round
+covered the caller's changes, ``step`` ran, and the *next* round covered what ``step``
+changed.  The step is run by whoever leads that next round, right before its sync, for
+every such caller at once; its caller sleeps through both rounds.  This is how a commit
+publishes a message whose file the first round made durable, without waking its thread
+in between and without missing the next round while it wakes: each round makes new files
+durable and publishes the ones the round before made durable, a pipeline of two stages.
+A step must not raise OSError (its caller keeps its own errors); it runs in another
+thread while its caller sleeps, so it may use the caller's state.
+
+After a failed round every caller it served gets the error (and no step of theirs runs);
+a later round that succeeds does not make up for it (the kernel may have dropped the
+dirty state with the error, "fsyncgate"), so nobody is told its change is durable on the
+strength of a retry.  A ``BaseException`` in the leader (a simulated crash) propagates in
+the leader, and the callers it served, or whose step it was to run, get EIO.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ from __future__ import annotations
 import errno
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from queue_ref.io import IO
 
@@ -38,12 +48,14 @@ SYNC_MODES = ("syncfs", "fsync")
 
 
 class _Waiter:
-    """One caller: what it needs synced, and the lock it sleeps on until served."""
+    """One caller: what it needs synced, its step (if any), and the lock it sleeps on
+    until served."""
 
-    __slots__ = ("error", "lead", "paths", "wake")
+    __slots__ = ("error", "lead", "paths", "then", "wake")
 
-    def __init__(self, paths: tuple[str, ...]) -> None:
+    def __init__(self, paths: tuple[str, ...], then: Callable[[], object] | None) -> None:
         self.paths = paths
+        self.then = then
         self.wake: threading.Lock | None = None
         self.lead = False  # woken to lead a round, not served
         self.error: OSError | None = None
@@ -64,6 +76,7 @@ class GroupSync:
         self.anchor = anchor
         self._lock = threading.Lock()
         self._waiting: deque[_Waiter] = deque()
+        self._stepping: list[_Waiter] = []  # first round done: their steps run next round
         self._leading = False
         self.rounds = 0
         self.requests = 0
@@ -74,13 +87,19 @@ class GroupSync:
         not fsync their files themselves."""
         return self.mode == "syncfs"
 
-    def sync(self, paths: Iterable[str] = ()) -> None:
+    def sync(self, paths: Iterable[str] = (), *, then: Callable[[], object] | None = None
+             ) -> None:
         """Return once a round that started after this call has covered ``paths`` (the
-        directories whose entries the caller changed; in ``syncfs`` mode, everything).
+        directories whose entries the caller changed; in ``syncfs`` mode, everything),
+        and, with ``then``, once ``then`` has run after that round and the next round has
+        covered what it changed (``syncfs`` mode only; see the module docstring).
 
-        Raises the OSError of that round if it failed.
+        Raises the OSError of a round that failed.
         """
-        me = _Waiter(tuple(dict.fromkeys(paths)))
+        if then is not None and not self.covers_files:
+            raise ValueError("a step between two rounds needs rounds that cover files "
+                             "(syncfs mode)")
+        me = _Waiter(tuple(dict.fromkeys(paths)), then)
         with self._lock:
             self.requests += 1
             if self._leading:
@@ -90,45 +109,66 @@ class GroupSync:
             else:
                 self._leading = True
                 me.lead = True
-        if not me.lead:
-            assert me.wake is not None
-            me.wake.acquire()  # released by the leader that served us, or to make us lead
+        while True:
             if not me.lead:
-                if me.error is not None:
-                    raise me.error
-                return
-        self._lead(me)
+                assert me.wake is not None
+                me.wake.acquire()  # released by the leader that served us, or to make us lead
+                if not me.lead:
+                    break
+            if self._lead(me):
+                break
+            # Not served yet: our step is due in the next round, which we lead too.
         if me.error is not None:
             raise me.error
 
-    def _lead(self, me: _Waiter) -> None:
-        """Run one round for ``me`` and everyone waiting, wake them, and hand the lead to
-        the oldest caller that arrived meanwhile (or give it up)."""
+    def _lead(self, me: _Waiter) -> bool:
+        """Run one round: the steps of the callers whose first round is done, then the
+        sync, for them, ``me`` and everyone waiting.  Wake the callers it served, and
+        unless ``me`` still needs the next round, hand the lead to the oldest waiting
+        caller (or one whose step is due), or give it up.  True if ``me`` was served."""
         with self._lock:
-            batch = [me, *self._waiting]
+            stepping, self._stepping = self._stepping, []
+            batch = [*([] if me in stepping else [me]), *self._waiting]
             self._waiting.clear()
         served = False
+        done: list[_Waiter] = []
         try:
-            self._round(batch)
+            for w in stepping:
+                assert w.then is not None
+                w.then()
+            self._round([*batch, *stepping])
             served = True
         finally:
+            nxt: list[_Waiter] = []
             if not served:  # a BaseException in this thread: the others cannot know
-                for w in batch:
+                for w in (*batch, *stepping):
                     w.error = OSError(errno.EIO, "the sync round was interrupted")
-            for w in batch:
+                done = [*stepping, *batch]
+            else:
+                done = list(stepping)
+                for w in batch:
+                    (nxt if w.then is not None and w.error is None else done).append(w)
+            with self._lock:
+                self.rounds += 1
+                self._stepping = nxt
+                following: _Waiter | None = None
+                if me in done:
+                    if self._waiting:
+                        following = self._waiting.popleft()
+                    elif self._stepping:
+                        following = self._stepping[0]  # leads the round of its own step
+                    else:
+                        self._leading = False
+            for w in done:
                 if w is not me:
                     w.lead = False
                     assert w.wake is not None
                     w.wake.release()
-            with self._lock:
-                self.rounds += 1
-                nxt = self._waiting.popleft() if self._waiting else None
-                if nxt is None:
-                    self._leading = False
-            if nxt is not None:
-                nxt.lead = True
-                assert nxt.wake is not None
-                nxt.wake.release()
+            if following is not None:
+                following.lead = True
+                assert following.wake is not None
+                following.wake.release()
+        return me in done
 
     def _round(self, batch: list[_Waiter]) -> None:
         """The syncs of one round; records each caller's error on it."""

@@ -19,7 +19,8 @@ enqueue                ``_begin_message`` (a new file, or a spare one) ->
                        [2+ recipients: ``_create_refs`` -> ``_publish_links`` ->
                        ``_sync_published``; 1 recipient: ``_publish_links``] ->
                        ``_commit_rename`` (COMMIT POINT) -> ``_sync_committed``;
-                       abort: ``_discard_message``
+                       1 recipient in syncfs mode: the same, its two rounds
+                       pipelined (``_commit_pipelined``); abort: ``_discard_message``
 send_start             ``_claim`` (not synced)
 reschedule             ``_claim`` -> ``_write_schedule`` -> ``_move_link`` -> ``_sync_move``
 send_cancel            ``_write_schedule`` -> ``_move_link`` -> ``_sync_move``
@@ -40,13 +41,15 @@ Every sync goes through group commit (``groupsync.py``).  In ``syncfs`` mode a s
 share of one ``syncfs`` that covers files and directories alike; in ``fsync`` mode files
 are fsynced by their writer and directories in shared rounds.  A one-recipient message's
 whole life costs three shared rounds (the message file before it is published, the names
-that commit it, the move to cleanup/) and ten other system calls; none of them allocates
-or frees the message file's inode or blocks once the queue has spare files (``spares.py``).
+that commit it, the move to cleanup/) and eleven other system calls; none of them
+allocates or frees the message file's inode or blocks once the queue has spare files
+(``spares.py``).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,15 +109,17 @@ class FsSteps:
         else:
             self.io.fsync(fd)
 
-    def _sync_dirs(self, *paths: str) -> None:
-        """Make changes to names in ``paths`` durable, through group commit.
+    def _sync_dirs(self, *paths: str, then: Callable[[], object] | None = None) -> None:
+        """Make changes to names in ``paths`` durable, through group commit; with
+        ``then``, run it after that round and make its changes durable in the next one
+        (``GroupSync.sync``; syncfs mode).
 
         Needed after every create/rename/unlink that must survive power loss (C1, C3, C5).
         A failure poisons the queue: the changes it covered are not trusted, and later
         mutating calls fail until the queue is reopened (reopening runs recovery).
         """
         try:
-            self._group.sync(paths)
+            self._group.sync(paths, then=then)
         except OSError as e:
             self._poisoned = f"a sync of the queue failed ({e}); reopen the queue"
             raise
@@ -254,6 +259,9 @@ class FsSteps:
         """The whole commit, in the only safe order."""
         n = len(env.rcpts)
         self._write_envelope(tx, env)
+        if n == 1 and self._group.covers_files:
+            self._commit_pipelined(tx)
+            return
         self._finish_body(tx)
         if n > 1:
             self._create_refs(tx, n)
@@ -263,6 +271,28 @@ class FsSteps:
             self._publish_links(tx, n)
         self._commit_rename(tx)
         self._sync_committed(tx, links=n == 1)
+
+    def _commit_pipelined(self, tx: MessageTx) -> None:
+        """One recipient in syncfs mode: the steps above in the same order, with their two
+        rounds pipelined (``GroupSync.sync(then=...)``): a round makes the file durable,
+        then the leader of the next round creates the link and makes the commit rename,
+        and that round makes them durable.  The caller sleeps through both, and the names
+        never wait for the caller's thread to wake up and miss a round (C1, C2, C6)."""
+        assert tx.body_fd is not None
+        fd, tx.body_fd = tx.body_fd, None
+        self.io.close(fd)  # a syncfs covers the file whether or not it is open
+        failed: list[OSError] = []
+
+        def publish() -> None:  # in the leader's thread, while we sleep
+            try:
+                self._publish_links(tx, 1)
+                self._commit_rename(tx)
+            except OSError as e:
+                failed.append(e)
+
+        self._sync_dirs(then=publish)
+        if failed:
+            raise failed[0]
 
     def _discard_message(self, tx: MessageTx) -> None:
         """Undo an uncommitted message: links, hard links, then the file.  Not synced: a
