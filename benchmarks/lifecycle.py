@@ -12,27 +12,32 @@ Figures:
 
 * the raw floor on the same directory: create a file, write 4 KiB, fsync it, fsync the
   directory, per message, one after the other;
-* lifecycle rate with 16 concurrent producers (threads), per backend: the filesystem
-  queue in each sync mode (``fs-syncfs``, ``fs-fsync``), and the KV queue on the Python
-  log engine and on LevelDB; with 1 producer once per backend; bytes left on disk once
-  drained and closed (for the KV queue, also after ``compact()`` before closing);
+* lifecycle rate with 16 concurrent producers, per backend: the filesystem queue in
+  each sync mode (``fs-syncfs``, ``fs-fsync``), and the KV queue on the Python log engine
+  and on LevelDB, as 16 threads of one process; and for the filesystem queue also as
+  ``--procs`` processes of 16/procs threads each on the same queue directory (the queue
+  is made for several processes; a Python process runs Python code on one core at a
+  time, so that is how a deployment uses a machine's cores); with 1 producer once per
+  backend; bytes left on disk once drained and closed (for the KV queue, also after
+  ``compact()`` before closing);
 * one message to 1,000 recipients (enqueue, then every entry's lifecycle);
 * peak Python memory while enqueuing and reading back a 100 MB body (in a child process);
 * the raw log ceiling: append 16 records of 4 KiB, one fdatasync, repeatedly.
 
 Targets: the filesystem queue's 16-producer lifecycle rate is at least the raw floor; the
-KV queue's is at least 3 times the filesystem queue's (in its default mode).
+KV queue's is at least 3 times the filesystem queue's (in its default mode, one process).
 
 The last line printed is one JSON object with every figure and ratio.
 
     python benchmarks/lifecycle.py [--backend fs|kv-log|kv-leveldb|all] [--rounds N]
-                                   [--messages N] [--dir DIR]
+                                   [--messages N] [--procs P] [--dir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -42,6 +47,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 
 from queue_ref.storage import Recipient, Schedule, Storage
 
@@ -81,8 +87,10 @@ def lifecycle_one(q: Storage, now: int) -> None:
     assert q.cleanup(done)
 
 
-def run_producers(q: Storage, producers: int, messages: int) -> float:
-    """Messages per second of the full lifecycle, ``producers`` threads sharing ``messages``."""
+def run_producers(q: Storage, producers: int, messages: int,
+                  ready: Callable[[], None] | None = None) -> float:
+    """Messages per second of the full lifecycle, ``producers`` threads sharing ``messages``.
+    ``ready`` is called once the threads wait to start (a process pool's start signal)."""
     now = int(time.time())
     per = [messages // producers + (1 if i < messages % producers else 0) for i in range(producers)]
     errors: list[BaseException] = []
@@ -99,6 +107,8 @@ def run_producers(q: Storage, producers: int, messages: int) -> float:
     threads = [threading.Thread(target=work, args=(n,)) for n in per]
     for t in threads:
         t.start()
+    if ready is not None:
+        ready()
     barrier.wait()
     t0 = time.perf_counter()
     for t in threads:
@@ -107,6 +117,76 @@ def run_producers(q: Storage, producers: int, messages: int) -> float:
     if errors:
         raise errors[0]
     return messages / elapsed
+
+
+def _producer_process(name: str, root: str, threads: int, conn: Connection) -> None:
+    """One process of a ``ProducerProcesses`` pool: open the queue, then run what the
+    parent asks, starting when it says so."""
+    try:
+        q = open_backend(name, root)
+        conn.send("opened")
+
+        def ready() -> None:
+            conn.send("ready")
+            if conn.recv() != "go":
+                raise RuntimeError("the benchmark did not say go")
+
+        while (messages := conn.recv()) is not None:
+            run_producers(q, threads, messages, ready)
+            conn.send("done")
+        q.close()
+        conn.send("closed")
+    except BaseException as e:  # reported to the parent, which fails the benchmark
+        conn.send(f"failed: {e!r}")
+
+
+class ProducerProcesses:
+    """``procs`` processes of ``producers // procs`` threads each, on one queue directory.
+
+    Every process opens the queue (running its recovery) before any of them starts a
+    lifecycle; ``run`` starts them all at once and times them from the parent.
+    """
+
+    def __init__(self, name: str, root: str, procs: int, producers: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conns: list[Connection] = []
+        self.procs = []
+        for _ in range(procs):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_producer_process, args=(name, root, producers // procs,
+                                                             child), daemon=True)
+            p.start()
+            self.conns.append(parent)
+            self.procs.append(p)
+        self._all("opened")
+
+    def _all(self, want: str) -> None:
+        for c in self.conns:
+            got = c.recv()
+            if got != want:
+                raise RuntimeError(f"a producer process answered {got!r}, not {want!r}")
+
+    def run(self, messages: int) -> float:
+        n = len(self.conns)
+        for k, c in enumerate(self.conns):
+            c.send(messages // n + (1 if k < messages % n else 0))
+        self._all("ready")
+        t0 = time.perf_counter()
+        for c in self.conns:
+            c.send("go")
+        self._all("done")
+        return messages / (time.perf_counter() - t0)
+
+    def close(self) -> None:
+        try:
+            for c in self.conns:
+                c.send(None)
+            self._all("closed")
+        finally:
+            for p in self.procs:
+                p.join(timeout=60)
+                if p.is_alive():
+                    p.kill()
 
 
 def disk_bytes(root: str) -> int:
@@ -213,37 +293,58 @@ def spread(values: list[float]) -> dict[str, float]:
 
 
 def rounds(base: str, names: list[str], rounds_: int, messages: int, floor_messages: int,
-           say: Callable[[str], None]) -> dict[str, object]:
-    """Interleaved rounds: the floor, then each backend's 16-producer lifecycle."""
-    roots = {n: os.path.join(base, f"{n}-16") for n in names}
+           procs: int, say: Callable[[str], None]) -> dict[str, object]:
+    """Interleaved rounds: the floor, then each contender's 16-producer lifecycle: every
+    backend as 16 threads of this process, and (``procs`` > 1) the filesystem queue as
+    ``procs`` processes on one directory too (``<name>/<procs>proc``)."""
+    roots: dict[str, str] = {}
     queues: dict[str, Storage] = {}
+    pools: dict[str, ProducerProcesses] = {}
+    runs: dict[str, Callable[[int], float]] = {}
     floors: list[float] = []
-    rates: dict[str, list[float]] = {n: [] for n in names}
-    out: dict[str, object] = {"rounds": rounds_}
+    out: dict[str, object] = {"rounds": rounds_, "procs": procs}
     try:
         for n in names:
-            queues[n] = open_backend(n, roots[n])
-            run_producers(queues[n], 16, 64)  # warm: caches, pinned directories, threads
+            roots[n] = os.path.join(base, f"{n}-16")
+            q = queues[n] = open_backend(n, roots[n])
+            runs[n] = lambda m, q=q: run_producers(q, 16, m)
+            if n in FS_MODES and procs > 1:
+                k = f"{n}/{procs}proc"
+                roots[k] = os.path.join(base, f"{n}-16x{procs}")
+                pool = pools[k] = ProducerProcesses(n, roots[k], procs, 16)
+                runs[k] = pool.run
+        for run in runs.values():
+            run(64)  # warm: caches, pinned directories, spare files, threads
+        rates: dict[str, list[float]] = {k: [] for k in runs}
+        order = list(runs)
         for r in range(rounds_):
             floor = raw_floor(base, floor_messages)
             floors.append(floor)
-            for n in names if r % 2 == 0 else list(reversed(names)):
-                rates[n].append(run_producers(queues[n], 16, messages))
+            for k in order if r % 2 == 0 else order[::-1]:
+                rates[k].append(runs[k](messages))
             say(f"round {r + 1}/{rounds_}: floor {floor:.0f}/s; " + "; ".join(
-                f"{n} {rates[n][-1]:.0f}/s ({rates[n][-1] / floor:.2f}x)" for n in names))
+                f"{k} {rates[k][-1]:.0f}/s ({rates[k][-1] / floor:.2f}x)" for k in order))
         out["raw_floor_per_s"] = spread(floors)
+
+        def figures(k: str, suffix: str) -> dict[str, object]:
+            ratios = [x / f for x, f in zip(rates[k], floors, strict=True)]
+            return {f"lifecycle_16p{suffix}_per_s": spread(rates[k]),
+                    f"ratio_16p{suffix}_to_raw_floor": spread(ratios) | {
+                        "rounds_at_or_above_1": sum(1 for x in ratios if x >= 1)}}
+
         for n in names:
-            ratios = [x / f for x, f in zip(rates[n], floors, strict=True)]
-            entry: dict[str, object] = {
-                "lifecycle_16p_per_s": spread(rates[n]),
-                "ratio_16p_to_raw_floor": spread(ratios) | {
-                    "rounds_at_or_above_1": sum(1 for x in ratios if x >= 1)}}
+            entry = figures(n, "")
             compact = getattr(queues[n], "compact", None)
             if callable(compact):
                 compact()
                 entry["disk_after_16p_compact_bytes"] = disk_bytes(roots[n])
             queues.pop(n).close()
             entry["disk_after_16p_bytes"] = disk_bytes(roots[n])
+            k = f"{n}/{procs}proc"
+            if k in pools:
+                entry |= figures(k, f"_{procs}proc")
+                pools.pop(k).close()
+                entry[f"disk_after_16p_{procs}proc_bytes"] = disk_bytes(roots[k])
             out[n] = entry
         fs = next((n for n in names if n in FS_MODES), None)
         for n in names:
@@ -254,6 +355,8 @@ def rounds(base: str, names: list[str], rounds_: int, messages: int, floor_messa
     finally:
         for q in queues.values():
             q.close()
+        for pool in pools.values():
+            pool.close()
         for root in roots.values():
             shutil.rmtree(root, ignore_errors=True)
 
@@ -294,10 +397,15 @@ def main() -> None:
                     help="recipients of the one big-list message (default 1000)")
     ap.add_argument("--big-mb", type=int, default=100,
                     help="size of the body whose peak memory is measured (default 100)")
+    ap.add_argument("--procs", type=int, default=2,
+                    help="also run the filesystem queue's 16 producers as this many "
+                         "processes of 16/procs threads each (1: only as threads; default 2)")
     ap.add_argument("--dir", help="directory to measure on (default: a temporary one under the cwd)")
     args = ap.parse_args()
     if args.rounds < 1 or args.messages < 16 or args.rcpts < 1 or args.big_mb < 1:
         ap.error("--rounds, --rcpts and --big-mb must be at least 1, --messages at least 16")
+    if args.procs not in (1, 2, 4, 8, 16):
+        ap.error("--procs must divide the 16 producers: 1, 2, 4, 8 or 16")
     base = tempfile.mkdtemp(prefix="bench-lifecycle-", dir=args.dir or os.getcwd())
 
     def say(s: str) -> None:
@@ -315,7 +423,8 @@ def main() -> None:
         say(f"raw log ceiling (16 x 4 KiB appends + fdatasync): {ceiling:.0f} records/s")
         result: dict[str, object] = {"raw_log_ceiling_per_s": ceiling, "messages": args.messages,
                                      "floor_messages": floor_messages}
-        result |= rounds(base, names, args.rounds, args.messages, floor_messages, say)
+        result |= rounds(base, names, args.rounds, args.messages, floor_messages,
+                         args.procs, say)
         for name in names:
             entry = result[name]
             assert isinstance(entry, dict)

@@ -10,6 +10,9 @@ Rules for backends:
 * Paths are absolute ``str``.  File descriptors are plain ints.
 * ``MUTATING`` names the calls that change what is on disk; the fault injector puts its
   crash points before and after each of them.
+
+``OsIO`` makes the calls that take microseconds without releasing the GIL (see
+``nogil.py``); ``OsIO(release_gil=True)`` releases it around every call, as ``os`` does.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import stat as stat_mod
 import sys
 from collections.abc import Callable
 from typing import cast
+
+from queue_ref import nogil
 
 #: Calls that change persistent state (file data, directory entries) or make it durable.
 MUTATING = frozenset({
@@ -263,8 +268,77 @@ class IO:
         os.close(fd)
 
 
+#: Writes up to this size keep the GIL: their cost is a copy into the page cache.
+NOGIL_MAX_WRITE = 1 << 16
+
+
 class OsIO(IO):
-    """The real seam: every call goes straight to ``os``."""
+    """The real seam: every call goes straight to the operating system.
+
+    Opening, closing, small writes, rename, link, symlink and unlink keep the GIL where
+    ``nogil.AVAILABLE`` (``holds_gil``); everything else, and all of it with
+    ``release_gil=True``, goes through ``os``.
+    """
+
+    holds_gil: bool = nogil.AVAILABLE
+
+    def __init__(self, *, release_gil: bool = False) -> None:
+        if release_gil:
+            self.holds_gil = False
+
+    def open_create(self, path: str, *, exclusive: bool = True, append: bool = False) -> int:
+        if not self.holds_gil:
+            return super().open_create(path, exclusive=exclusive, append=append)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC
+        if exclusive:
+            flags |= os.O_EXCL
+        if append:
+            flags |= os.O_APPEND
+        return nogil.open(path, flags, 0o640)
+
+    def open_read(self, path: str) -> int:
+        if not self.holds_gil:
+            return super().open_read(path)
+        return nogil.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+
+    def write(self, fd: int, data: bytes) -> int:
+        if not self.holds_gil or len(data) > NOGIL_MAX_WRITE:
+            return super().write(fd, data)
+        data = bytes(data)
+        done = nogil.write(fd, data)
+        while done < len(data):
+            done += nogil.write(fd, data[done:])
+        return done
+
+    def close(self, fd: int) -> None:
+        if self.holds_gil:
+            nogil.close(fd)
+        else:
+            super().close(fd)
+
+    def rename(self, src: str, dst: str) -> None:
+        if self.holds_gil:
+            nogil.rename(src, dst)
+        else:
+            super().rename(src, dst)
+
+    def link(self, src: str, dst: str) -> None:
+        if self.holds_gil:
+            nogil.link(src, dst)
+        else:
+            super().link(src, dst)
+
+    def symlink(self, target: str, path: str) -> None:
+        if self.holds_gil:
+            nogil.symlink(target, path)
+        else:
+            super().symlink(target, path)
+
+    def unlink(self, path: str) -> None:
+        if self.holds_gil:
+            nogil.unlink(path)
+        else:
+            super().unlink(path)
 
 
 def read_file(io: IO, path: str, limit: int = 1 << 20) -> bytes:
@@ -300,3 +374,4 @@ def write_file_durable(io: IO, path: str, data: bytes, *, sync_dir: bool = True)
     io.rename(tmp, path)
     if sync_dir:
         io.fsync_dir(os.path.dirname(path))
+

@@ -224,7 +224,10 @@ def test_write_error_discards_the_message(root: str) -> None:
 
 class FakeFsIO(OsIO):
     """pyfakefs patches ``os.lseek`` and ``os.read`` but not ``os.pread``: read at an
-    offset through those.  (It has no ``syncfs`` either: the queue runs in fsync mode.)"""
+    offset through those.  (It has no ``syncfs`` either: the queue runs in fsync mode.)
+    Every call goes through ``os``, which pyfakefs patches: none through libc."""
+
+    holds_gil = False
 
     def pread(self, fd: int, n: int, offset: int) -> bytes:
         os.lseek(fd, offset, os.SEEK_SET)

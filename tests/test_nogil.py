@@ -1,0 +1,150 @@
+"""The GIL-keeping system calls of ``queue_ref.nogil`` and ``OsIO``'s use of them.
+
+They must behave as their ``os`` namesakes (results, error classes, file names in the
+errors, NUL bytes refused, EINTR retried), and ``OsIO`` must route exactly the short calls
+through them, and nothing with ``release_gil=True``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from queue_ref import nogil
+from queue_ref.io import NOGIL_MAX_WRITE, OsIO
+
+pytestmark = pytest.mark.skipif(not nogil.AVAILABLE,
+                                reason="libc cannot be called without the GIL on this platform")
+
+
+def test_results_are_those_of_os(tmp_path: Path) -> None:
+    d = str(tmp_path)
+    fd = nogil.open(f"{d}/f", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+    assert nogil.write(fd, b"hello") == 5
+    nogil.close(fd)
+    assert (tmp_path / "f").read_bytes() == b"hello"
+    assert os.stat(f"{d}/f").st_mode & 0o777 == 0o640 & ~_umask()
+    nogil.link(f"{d}/f", f"{d}/g")
+    assert os.stat(f"{d}/f").st_nlink == 2
+    nogil.symlink("f", f"{d}/s")
+    assert os.readlink(f"{d}/s") == "f"
+    nogil.link(f"{d}/s", f"{d}/s2")  # the link itself, as os.link(follow_symlinks=False)
+    assert os.path.islink(f"{d}/s2") and os.readlink(f"{d}/s2") == "f"
+    nogil.rename(f"{d}/g", f"{d}/h")
+    nogil.unlink(f"{d}/f")
+    assert sorted(os.listdir(d)) == ["h", "s", "s2"]
+    fd = nogil.open(f"{d}/h", os.O_RDONLY)
+    assert os.read(fd, 10) == b"hello"
+    nogil.close(fd)
+
+
+def _umask() -> int:
+    old = os.umask(0)
+    os.umask(old)
+    return old
+
+
+def _same_error(a: BaseException, b: BaseException) -> None:
+    assert type(a) is type(b)
+    assert isinstance(a, OSError) and isinstance(b, OSError)
+    assert (a.errno, a.filename, a.filename2) == (b.errno, b.filename, b.filename2)
+
+
+@pytest.mark.parametrize("call", [
+    ("unlink", ("missing",)),
+    ("rename", ("missing", "x")),
+    ("link", ("missing", "x")),
+    ("symlink", ("t", "exists")),
+    ("open", ("exists", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)),
+    ("open", ("missing", os.O_RDONLY)),
+    ("open", ("link", os.O_RDONLY | os.O_NOFOLLOW)),
+])
+def test_errors_are_those_of_os(tmp_path: Path, monkeypatch: Any, call: Any) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "exists").write_bytes(b"")
+    os.symlink("exists", tmp_path / "link")
+    name, args = call
+    with pytest.raises(OSError) as ours:
+        getattr(nogil, name)(*args)
+    with pytest.raises(OSError) as theirs:
+        getattr(os, name)(*args)
+    _same_error(ours.value, theirs.value)
+
+
+def test_bad_descriptors_and_nul_bytes(tmp_path: Path) -> None:
+    with pytest.raises(OSError) as e:
+        nogil.close(10_000)
+    assert e.value.errno == errno.EBADF
+    with pytest.raises(OSError) as e:
+        nogil.write(10_000, b"x")
+    assert e.value.errno == errno.EBADF
+    for fn, args in ((nogil.unlink, ("a\0b",)), (nogil.rename, ("a", "b\0")),
+                     (nogil.open, ("a\0", os.O_RDONLY))):
+        with pytest.raises(ValueError, match="null byte"):
+            fn(*args)  # type: ignore[operator]
+
+
+def test_a_call_interrupted_by_a_signal_is_made_again(tmp_path: Path, monkeypatch: Any) -> None:
+    real = nogil._C["unlink"]  # type: ignore[index]
+    calls: list[bytes] = []
+
+    def interrupted_once(path: bytes) -> int:
+        calls.append(path)
+        if len(calls) == 1:
+            ctypes.set_errno(errno.EINTR)
+            return -1
+        return real(path)
+
+    monkeypatch.setitem(nogil._C, "unlink", interrupted_once)  # type: ignore[arg-type]
+    (tmp_path / "f").write_bytes(b"")
+    nogil.unlink(str(tmp_path / "f"))
+    assert len(calls) == 2 and not (tmp_path / "f").exists()
+
+
+class _Refusing:
+    """Stands in for ``os`` functions that must not be called."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, *args: object, **kw: object) -> object:
+        raise AssertionError(f"os.{self.name} was called")
+
+
+@pytest.mark.parametrize("release", [False, True])
+def test_osio_routes_the_short_calls_and_only_those(tmp_path: Path, monkeypatch: Any,
+                                                    release: bool) -> None:
+    io = OsIO(release_gil=release)
+    assert io.holds_gil is not release
+    used: list[str] = []
+    for name in ("open", "write", "close", "rename", "link", "symlink", "unlink"):
+        real = getattr(os, name)
+
+        def spy(*args: Any, _real: Any = real, _name: str = name, **kw: Any) -> Any:
+            used.append(_name)
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(os, name, spy)
+    d = str(tmp_path)
+    fd = io.open_create(f"{d}/f")
+    io.write(fd, b"small")
+    io.close(fd)
+    io.link(f"{d}/f", f"{d}/g")
+    io.symlink("f", f"{d}/s")
+    io.rename(f"{d}/g", f"{d}/h")
+    io.unlink(f"{d}/h")
+    fd = io.open_read(f"{d}/f")
+    io.close(fd)
+    short = ["open", "write", "close", "link", "symlink", "rename", "unlink", "open", "close"]
+    assert used == (short if release else [])
+    used.clear()
+    fd = io.open_create(f"{d}/big")
+    io.write(fd, b"x" * (NOGIL_MAX_WRITE + 1))  # a large write releases the GIL
+    io.close(fd)
+    assert used == (["open", "write", "close"] if release else ["write"])
+    assert os.path.getsize(f"{d}/big") == NOGIL_MAX_WRITE + 1
