@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -27,7 +29,8 @@ def test_lifecycle_benchmark_reports_interleaved_ratios(tmp_path: Path) -> None:
     out, log = run_benchmark("--backend", "fs", "--rounds", "2", "--messages", "32",
                              "--rcpts", "20", "--big-mb", "2", "--dir", str(tmp_path),
                              cwd=tmp_path)
-    assert out["rounds"] == 2 and log.count("round ") == 2
+    assert out["rounds"] == 2 and out["procs"] == 2 and log.count("round ") == 2
+    assert "fs-syncfs/2proc" in log
     floor = out["raw_floor_per_s"]
     assert isinstance(floor, dict) and 0 < floor["min"] <= floor["median"] <= floor["max"]
     for mode in ("fs-syncfs", "fs-fsync"):
@@ -40,13 +43,18 @@ def test_lifecycle_benchmark_reports_interleaved_ratios(tmp_path: Path) -> None:
         assert 0 <= ratio["rounds_at_or_above_1"] <= 2
         assert fig["lifecycle_1p_per_s"] > 0
         assert fig["disk_after_16p_bytes"] == 0 and fig["disk_after_1p_bytes"] == 0
+        procs = fig["ratio_16p_2proc_to_raw_floor"]  # the same 16 producers in 2 processes
+        assert 0 < procs["min"] <= procs["median"] <= procs["max"]
+        assert fig["lifecycle_16p_2proc_per_s"]["median"] > 0
+        assert fig["disk_after_16p_2proc_bytes"] == 0
         assert fig["one_message_20_rcpts"]["recipients"] == 20
         assert 0 < fig["peak_memory_2MB_body_bytes"] < 1 << 20  # streamed: far below 2 MB
     assert os.listdir(tmp_path) == []  # the benchmark removed its directories
 
 
-def test_lifecycle_benchmark_refuses_bad_sizes(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "lifecycle.py"),
-                           "--rounds", "0"], cwd=tmp_path, capture_output=True, text=True,
+@pytest.mark.parametrize("args", [("--rounds", "0"), ("--procs", "3")])
+def test_lifecycle_benchmark_refuses_bad_sizes(tmp_path: Path, args: tuple[str, str]) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "lifecycle.py"), *args],
+                          cwd=tmp_path, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
-    assert proc.returncode == 2 and "--rounds" in proc.stderr
+    assert proc.returncode == 2 and args[0] in proc.stderr
