@@ -2,11 +2,11 @@
 
 Every ratio compares figures taken in one run, on one directory.  A shared machine's disk
 changes speed from one second to the next (fsync took 130 us in one minute and 500 us in
-the next on the development machine), so the run is made of *rounds*: each round measures
-the raw floor, then every contender, one right after the other, and a ratio is taken
-within its round.  The order of the contenders alternates from round to round.  Medians
-over the rounds are reported, with the lowest and highest ratio and the share of rounds at
-or above target.
+the next on the development machine), so the run is made of *rounds*, and in each round
+the raw floor is measured before the first contender and after each one: a contender's
+ratio divides its rate by the mean of the floors measured right before and right after
+it.  The order of the contenders alternates from round to round.  Medians over the rounds
+are reported, with the lowest and highest ratio and the rounds at or above target.
 
 Figures:
 
@@ -294,9 +294,10 @@ def spread(values: list[float]) -> dict[str, float]:
 
 def rounds(base: str, names: list[str], rounds_: int, messages: int, floor_messages: int,
            procs: int, say: Callable[[str], None]) -> dict[str, object]:
-    """Interleaved rounds: the floor, then each contender's 16-producer lifecycle: every
-    backend as 16 threads of this process, and (``procs`` > 1) the filesystem queue as
-    ``procs`` processes on one directory too (``<name>/<procs>proc``)."""
+    """Interleaved rounds of each contender's 16-producer lifecycle, each run between two
+    measurements of the floor: every backend as 16 threads of this process, and
+    (``procs`` > 1) the filesystem queue as ``procs`` processes on one directory too
+    (``<name>/<procs>proc``)."""
     roots: dict[str, str] = {}
     queues: dict[str, Storage] = {}
     pools: dict[str, ProducerProcesses] = {}
@@ -316,18 +317,27 @@ def rounds(base: str, names: list[str], rounds_: int, messages: int, floor_messa
         for run in runs.values():
             run(64)  # warm: caches, pinned directories, spare files, threads
         rates: dict[str, list[float]] = {k: [] for k in runs}
+        around: dict[str, list[float]] = {k: [] for k in runs}  # the floor around each run
         order = list(runs)
         for r in range(rounds_):
-            floor = raw_floor(base, floor_messages)
-            floors.append(floor)
+            os.sync()  # every measurement starts with nothing left to write back
+            before = raw_floor(base, floor_messages)
+            floors.append(before)
             for k in order if r % 2 == 0 else order[::-1]:
+                os.sync()
                 rates[k].append(runs[k](messages))
-            say(f"round {r + 1}/{rounds_}: floor {floor:.0f}/s; " + "; ".join(
-                f"{k} {rates[k][-1]:.0f}/s ({rates[k][-1] / floor:.2f}x)" for k in order))
+                os.sync()
+                after = raw_floor(base, floor_messages)
+                floors.append(after)
+                around[k].append((before + after) / 2)
+                before = after
+            say(f"round {r + 1}/{rounds_}: " + "; ".join(
+                f"{k} {rates[k][-1]:.0f}/s (floor {around[k][-1]:.0f}/s: "
+                f"{rates[k][-1] / around[k][-1]:.2f}x)" for k in order))
         out["raw_floor_per_s"] = spread(floors)
 
         def figures(k: str, suffix: str) -> dict[str, object]:
-            ratios = [x / f for x, f in zip(rates[k], floors, strict=True)]
+            ratios = [x / f for x, f in zip(rates[k], around[k], strict=True)]
             return {f"lifecycle_16p{suffix}_per_s": spread(rates[k]),
                     f"ratio_16p{suffix}_to_raw_floor": spread(ratios) | {
                         "rounds_at_or_above_1": sum(1 for x in ratios if x >= 1)}}
