@@ -1,8 +1,10 @@
 """``queue-ref demo``: a real filesystem queue at work, shown on disk at each step.
 
 Mail is enqueued, claimed, delivered over SMTP to a receiver on the loopback address,
-deferred with a new schedule, cleaned up, and recovered after a simulated crash.  After
-each step the queue directory is printed as it is on disk (links with their targets).
+deferred with a new schedule, cleaned up, and recovered after a simulated crash; then a
+one-recipient message's file is kept as a spare and rewritten for the next message.
+After each step the queue directory is printed as it is on disk (links with their
+targets).
 """
 
 from __future__ import annotations
@@ -132,7 +134,30 @@ def run_demo(root: str, console: Console, quiet: bool = False) -> dict[str, Any]
             q.cleanup(finished)
         show("9. carol delivered and cleaned up: the last recipient takes the message with it")
         footprint = q.footprint()
+
+        def one(rcpt: str, text: bytes) -> int:
+            """Enqueue a one-recipient message, deliver it, clean it up; its file's inode."""
+            with q.enqueue("alice@example.org") as enq:
+                enq.write(text)
+                (mail,) = enq.commit([Recipient(rcpt, Schedule(now))])
+            inode = os.stat(os.path.join(root, "data", mail.message_id)).st_ino
+            taken = q.send_start(mail)
+            assert taken is not None
+            _deliver(q, taken, port)
+            finished = q.send_done(taken)
+            assert finished is not None
+            q.cleanup(finished)
+            return inode
+
+        first_inode = one("dave@example.net", body + b"A longer first message.\r\n" * 4)
+        show("10. a one-recipient message delivered and cleaned up: its file is kept as a "
+             "spare in this owner's tmp/ (no entry can reach it)")
+        second_inode = one("erin@example.net", body)
+        reused = first_inode == second_inode
+        show(f"11. the next message was written into the spare (same inode: {reused}), cut "
+             "to its length and synced before its link was made; its cleanup keeps it again")
         q.close()
+        show("12. close: the queue's spares are removed, nothing is left")
     finally:
         controller.stop()
     return {
@@ -141,6 +166,7 @@ def run_demo(root: str, console: Console, quiet: bool = False) -> dict[str, Any]
         "delivered_to": received,
         "recovery": {"requeued": report.requeued, "cleaned": report.cleaned},
         "footprint_after_drain": {"objects": footprint.objects, "bytes": footprint.bytes},
+        "spare_file_reused": reused,
         "steps": steps,
     }
 
