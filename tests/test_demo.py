@@ -35,7 +35,7 @@ def test_demo_refuses_a_directory_that_is_not_empty(tmp_path: Path, capsys: Any)
     (tmp_path / "keep.txt").write_text("mine")
     assert main(["demo", "--dir", str(tmp_path)]) == 2
     assert (tmp_path / "keep.txt").read_text() == "mine"
-    assert "not empty" in capsys.readouterr().out
+    assert "is not empty; pass --force" in " ".join(capsys.readouterr().out.split())
 
 
 @pytest.mark.parametrize("argv", [["demo", "--bogus"]])

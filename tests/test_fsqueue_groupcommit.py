@@ -117,7 +117,7 @@ def test_an_unknown_sync_mode_is_refused_before_touching_the_disk(tmp_path: Any,
     assert not os.path.exists(root)
 
 
-def test_syncfs_mode_lifecycle_is_three_shared_syncs_and_eleven_calls(tmp_path: Any) -> None:
+def test_syncfs_mode_lifecycle_is_three_shared_syncs_and_ten_calls(tmp_path: Any) -> None:
     io = CountingIO()
     q = FsQueue(str(tmp_path / "q"), io, sync="syncfs")
     try:
@@ -128,7 +128,7 @@ def test_syncfs_mode_lifecycle_is_three_shared_syncs_and_eleven_calls(tmp_path: 
         lifecycle(q)  # written into the spare: the same calls every time from now on
         assert io.calls == collections.Counter({
             "syncfs": 3,
-            "open_create": 1, "fsize": 1, "write": 1, "close": 1,  # the spare, rewritten
+            "open_create": 1, "write": 1, "close": 1,  # the spare, rewritten
             "symlink": 1,  # the queue/ link
             "rename": 4,  # commit, send_start, send_done, cleanup (data/ to a spare name)
             "open_read": 1,  # send_start: the entry has no schedule record

@@ -534,13 +534,13 @@ def _env(msgid: str, n: int) -> Envelope:
 def test_envelope_cache_is_bounded_by_messages_and_by_recipients() -> None:
     cache = EnvelopeCache(messages=3, recipients=10)
     for k in range(5):
-        cache.put(f"m{k}", None, _env(f"m{k}", 1))
+        cache.put(f"m{k}", None, _env(f"m{k}", 1), 100)
     assert len(cache) == 3 and cache.peek("m0") is None and cache.peek("m4") is not None
-    cache.put("big", None, _env("big", 9))  # 9 + the newest: m3, m4 are evicted in turn
+    cache.put("big", None, _env("big", 9), 100)  # 9 + the newest: m3, m4 are evicted in turn
     assert cache.recipients <= 10 and cache.peek("big") is not None
-    cache.put("huge", None, _env("huge", 11))  # larger than the whole cache: not kept
+    cache.put("huge", None, _env("huge", 11), 100)  # larger than the whole cache: not kept
     assert cache.peek("huge") is None and cache.recipients <= 10
-    cache.put("big", None, _env("big", 2))  # replacing an entry releases its recipients
+    cache.put("big", None, _env("big", 2), 100)  # replacing an entry releases its recipients
     cache.drop("big")
     assert cache.recipients == sum(len(e.rcpts) for e in filter(None, (
         cache.peek(m) for m in ("m0", "m1", "m2", "m3", "m4"))))
@@ -549,7 +549,9 @@ def test_envelope_cache_is_bounded_by_messages_and_by_recipients() -> None:
 def test_envelope_cache_get_needs_the_file_key_peek_does_not() -> None:
     cache = EnvelopeCache()
     env = _env("m", 1)
-    cache.put("m", None, env)  # written by this queue
+    cache.put("m", None, env, 4458)  # written by this queue
     assert cache.get("m", (1, 2, 3)) is None and cache.peek("m") is env
-    cache.put("m", (1, 2, 3), env)  # read back from disk
+    assert cache.file_size("m") == 4458 and cache.file_size("other") is None
+    cache.put("m", (1, 2, 3), env, 2)  # read back from disk
     assert cache.get("m", (1, 2, 3)) is env and cache.get("m", (1, 2, 4)) is None
+    assert cache.file_size("m") == 2

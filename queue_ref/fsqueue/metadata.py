@@ -62,8 +62,9 @@ class EnvelopeCache:
     An entry read from disk is keyed by (inode, size, mtime) of the message file and is a
     hit for ``get`` only while the file still has them.  An entry ``put`` with key None was
     written by this queue itself (at commit): ``get`` ignores it, ``peek`` returns it.
-    Message files are never rewritten, so what this queue wrote stays true for as long as
-    the message exists; ``peek`` serves callers that know the message is live.
+    Message files are never rewritten while the message exists, so what this queue wrote
+    stays true for as long as it does; ``peek`` and ``file_size`` serve callers that know
+    the message is live.  Each entry also holds the size of the message file.
 
     The cache holds at most ``messages`` envelopes and ``recipients`` recipients in all,
     so that memory stays bounded whatever the size of the recipient lists; an envelope
@@ -72,7 +73,8 @@ class EnvelopeCache:
 
     def __init__(self, messages: int = 1024, recipients: int = 65536) -> None:
         self._lock = threading.Lock()
-        self._items: OrderedDict[str, tuple[tuple[int, int, int] | None, Envelope]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[tuple[int, int, int] | None, Envelope, int]] = (
+            OrderedDict())
         self._messages = messages
         self._recipients = recipients
         self._held = 0  # recipients of the cached envelopes
@@ -90,12 +92,19 @@ class EnvelopeCache:
         hit = self._items.get(msgid)
         return None if hit is None else hit[1]
 
-    def put(self, msgid: str, key: tuple[int, int, int] | None, env: Envelope) -> None:
+    def file_size(self, msgid: str) -> int | None:
+        """The size of the message file of ``msgid``, if its envelope is cached."""
+        hit = self._items.get(msgid)
+        return None if hit is None else hit[2]
+
+    def put(self, msgid: str, key: tuple[int, int, int] | None, env: Envelope,
+            size: int) -> None:
+        """Cache ``env``, from a message file of ``size`` bytes."""
         with self._lock:
             self._pop(msgid)
             if len(env.rcpts) > self._recipients:
                 return
-            self._items[msgid] = (key, env)
+            self._items[msgid] = (key, env, size)
             self._held += len(env.rcpts)
             while len(self._items) > self._messages or self._held > self._recipients:
                 self._pop(next(iter(self._items)))
@@ -145,7 +154,7 @@ class FsMetadata(FsSteps):
                 env = self._read_envelope(path, msgid)
             except FileNotFoundError:
                 return None
-            self._envelopes.put(msgid, key, env)
+            self._envelopes.put(msgid, key, env, st.st_size)
         return env
 
     def _read_envelope(self, path: str, msgid: str) -> Envelope:

@@ -371,7 +371,7 @@ class FsQueue(FsMetadata, Storage):
                     env = Envelope(tx.msgid, tx.mail_from, tx.params, tx.size,
                                    tx.sha.hexdigest(), tuple(rcpts))
                     self._commit_message(tx, env)
-                    self._envelopes.put(tx.msgid, None, env)
+                    self._envelopes.put(tx.msgid, None, env, tx.written)
                 except OSError:
                     if not tx.committed:
                         self._enqueue_discard(tx)
@@ -430,17 +430,21 @@ class FsQueue(FsMetadata, Storage):
             if not self._reading[msgid]:
                 del self._reading[msgid]
 
-    def _spare_for(self, msgid: str) -> str | None:
+    def _spare_for(self, msgid: str) -> tuple[str, int] | None:
         """Keep the file of a message being released as a spare (see ``spares.py``) if it
         had one recipient, a body of at most ``SPARE_MAX_BODY`` bytes and no reader of
-        ours has it open, and the pool has room: the name to rename it to, else None."""
+        ours has it open, and the pool has room: the name to rename it to and the file's
+        size, else None."""
         env = self._envelopes.peek(msgid)
-        if env is None or len(env.rcpts) != 1 or env.body_size > SPARE_MAX_BODY:
+        size = self._envelopes.file_size(msgid)
+        if (env is None or size is None or len(env.rcpts) != 1
+                or env.body_size > SPARE_MAX_BODY):
             return None
         with self._reading_lock:
             if msgid in self._reading:
                 return None
-        return self._spares.reserve()
+        name = self._spares.reserve()
+        return None if name is None else (name, size)
 
     def _gone(self, e: EntryName) -> CorruptionError | ClosedError:
         """The error for an inflight entry of ours whose link is gone: CorruptionError if

@@ -39,20 +39,21 @@ class Spares:
     """The spare files of one open queue, in ``directory`` (its ``tmp/<owner>/``).
 
     Thread-safe.  A name is first ``reserve``d (counted against the capacity while the
-    caller renames a file to it), then ``put`` back as usable or not; ``take`` hands out
-    the most recently added spare (its blocks are the likeliest to be cached).
+    caller renames a file to it), then ``put`` back with the file's size, or None if no
+    file has the name; ``take`` hands out the most recently added spare (its blocks are the
+    likeliest to be cached) and its size.
     """
 
     def __init__(self, directory: str, capacity: int) -> None:
         self.directory = directory
         self.capacity = capacity
         self._lock = threading.Lock()
-        self._free: list[str] = []
+        self._free: list[tuple[str, int]] = []
         self._reserved = 0
         self._numbers = itertools.count()
 
-    def take(self) -> str | None:
-        """A spare file's path, now the caller's; None if there is none."""
+    def take(self) -> tuple[str, int] | None:
+        """A spare file's path and size, now the caller's; None if there is none."""
         with self._lock:
             return self._free.pop() if self._free else None
 
@@ -64,18 +65,18 @@ class Spares:
             self._reserved += 1
             return f"{self.directory}/spare.{next(self._numbers)}"
 
-    def put(self, path: str, *, usable: bool) -> None:
-        """End a reservation: ``usable`` if a file now has the name."""
+    def put(self, path: str, size: int | None) -> None:
+        """End a reservation: a file of ``size`` bytes now has the name (None: none has)."""
         with self._lock:
             self._reserved -= 1
-            if usable:
-                self._free.append(path)
+            if size is not None:
+                self._free.append((path, size))
 
     def drain(self) -> list[str]:
-        """Every usable spare, now the caller's (to remove them)."""
+        """Every usable spare's path, now the caller's (to remove them)."""
         with self._lock:
             out, self._free = self._free, []
-            return out
+            return [path for path, _ in out]
 
     def __len__(self) -> int:
         with self._lock:

@@ -41,7 +41,7 @@ Every sync goes through group commit (``groupsync.py``).  In ``syncfs`` mode a s
 share of one ``syncfs`` that covers files and directories alike; in ``fsync`` mode files
 are fsynced by their writer and directories in shared rounds.  A one-recipient message's
 whole life costs three shared rounds (the message file before it is published, the names
-that commit it, the move to cleanup/) and eleven other system calls; none of them
+that commit it, the move to cleanup/) and ten other system calls; none of them
 allocates or frees the message file's inode or blocks once the queue has spare files
 (``spares.py``).
 """
@@ -85,7 +85,7 @@ class MessageTx:
     committed: bool = False  # renamed into data/: the commit point was passed
     pending: bytearray = field(default_factory=bytearray)  # body bytes not yet written
     written: int = 0  # bytes written to the file
-    reused: int = -1  # a spare file's size when it was taken (-1: a new file)
+    reused: int = -1  # the size of the spare file written into (-1: a new file)
 
 
 class FsSteps:
@@ -138,18 +138,14 @@ class FsSteps:
         nothing refers to it, until the commit rename publishes it after it is durable."""
         spare = self._spares.take()
         if spare is not None:
-            fd = None
+            path, size = spare
             try:
-                fd = self.io.open_create(spare, exclusive=False)
-                size = self.io.fsize(fd)
+                fd = self.io.open_create(path, exclusive=False)
             except OSError:  # unusable: forget it (recovery removes it once we are dead)
-                if fd is not None:
-                    with suppress(OSError):
-                        self.io.close(fd)
                 with suppress(OSError):
-                    self.io.unlink(spare)
+                    self.io.unlink(path)
             else:
-                tx.path, tx.body_fd, tx.reused, tx.started = spare, fd, size, True
+                tx.path, tx.body_fd, tx.reused, tx.started = path, fd, size, True
                 return
         tx.body_fd = self.io.open_create(tx.path)
         tx.started = True
@@ -393,9 +389,9 @@ class FsSteps:
         (so no hard links).  FsMetadata answers from its envelope cache."""
         return False
 
-    def _spare_for(self, msgid: str) -> str | None:
-        """A name under ``tmp/<owner>/`` to keep the message's file under as a spare, or
-        None to unlink it (FsQueue decides; see ``spares.py``)."""
+    def _spare_for(self, msgid: str) -> tuple[str, int] | None:
+        """A name under ``tmp/<owner>/`` to keep the message's file under as a spare, and
+        the file's size; or None to unlink it (FsQueue decides; see ``spares.py``)."""
         return None
 
     def _delete_message_data(self, msgid: str) -> None:
@@ -408,14 +404,15 @@ class FsSteps:
         if spare is None:
             if_exists(self.io.unlink, path)
             return
+        name, size = spare
         kept = False
         try:
-            self.io.rename(path, spare)
+            self.io.rename(path, name)
             kept = True
         except FileNotFoundError:  # gone already; or the spare's directory is, then unlink
             if_exists(self.io.unlink, path)
         finally:
-            self._spares.put(spare, usable=kept)
+            self._spares.put(name, size if kept else None)
 
     def _unlink_link(self, path: str) -> bool:
         """Remove a link; False if it was gone already."""
