@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.tree import Tree
 
 from queue_ref.fsqueue import FsQueue
-from queue_ref.storage import InflightMail, Recipient, Schedule, Storage
+from queue_ref.storage import InflightMail, QueuedMail, Recipient, Schedule, Storage
 
 RETRY_DELAY = 15 * 60  # first retry after 15 minutes, as Mailismus does
 
@@ -61,6 +61,16 @@ def _deliver(storage: Storage, mail: InflightMail, port: int) -> None:
         body = reader.read_all()
         with smtplib.SMTP("127.0.0.1", port, timeout=10) as smtp:
             smtp.sendmail(reader.meta.mail_from, [reader.meta.rcpt], body)
+
+
+def _send_and_clean_up(storage: Storage, mail: QueuedMail, port: int) -> None:
+    """The rest of a queued entry's life: claim, deliver over SMTP, done, cleanup."""
+    taken = storage.send_start(mail)
+    assert taken is not None
+    _deliver(storage, taken, port)
+    finished = storage.send_done(taken)
+    assert finished is not None
+    storage.cleanup(finished)
 
 
 def _free_port() -> int:
@@ -126,12 +136,7 @@ def run_demo(root: str, console: Console, quiet: bool = False) -> dict[str, Any]
         report = q.recover()
         show("8. a new FsQueue recovers: the dead owner's entry is queued again (at-least-once)")
         for mail in list(q.list_queue()):
-            taken = q.send_start(mail)
-            assert taken is not None
-            _deliver(q, taken, port)
-            finished = q.send_done(taken)
-            assert finished is not None
-            q.cleanup(finished)
+            _send_and_clean_up(q, mail, port)
         show("9. carol delivered and cleaned up: the last recipient takes the message with it")
         footprint = q.footprint()
 
@@ -141,12 +146,7 @@ def run_demo(root: str, console: Console, quiet: bool = False) -> dict[str, Any]
                 enq.write(text)
                 (mail,) = enq.commit([Recipient(rcpt, Schedule(now))])
             inode = os.stat(os.path.join(root, "data", mail.message_id)).st_ino
-            taken = q.send_start(mail)
-            assert taken is not None
-            _deliver(q, taken, port)
-            finished = q.send_done(taken)
-            assert finished is not None
-            q.cleanup(finished)
+            _send_and_clean_up(q, mail, port)
             return inode
 
         first_inode = one("dave@example.net", body + b"A longer first message.\r\n" * 4)

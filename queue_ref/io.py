@@ -66,6 +66,20 @@ def syncfs_reports_errors(release: str | None = None) -> bool:
     return m is not None and (int(m[1]), int(m[2])) >= (5, 8)
 
 
+def create_flags(*, exclusive: bool, append: bool) -> int:
+    """``open`` flags of ``IO.open_create``."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC
+    if exclusive:
+        flags |= os.O_EXCL
+    if append:
+        flags |= os.O_APPEND
+    return flags
+
+
+#: ``open`` flags of ``IO.open_read``: symlinks are not followed at the last step.
+READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+
+
 class IO:
     """The seam's interface, implemented on the real OS.  Subclasses override calls."""
 
@@ -73,16 +87,11 @@ class IO:
 
     def open_create(self, path: str, *, exclusive: bool = True, append: bool = False) -> int:
         """Create (or with ``exclusive=False`` open or create) a file for writing."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC
-        if exclusive:
-            flags |= os.O_EXCL
-        if append:
-            flags |= os.O_APPEND
-        return os.open(path, flags, 0o640)
+        return os.open(path, create_flags(exclusive=exclusive, append=append), 0o640)
 
     def open_read(self, path: str) -> int:
         """Open an existing file for reading; symlinks are not followed at the last step."""
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        return os.open(path, READ_FLAGS)
 
     def write(self, fd: int, data: bytes) -> int:
         """Write all of ``data`` (looping over short writes); returns its length."""
@@ -289,17 +298,12 @@ class OsIO(IO):
     def open_create(self, path: str, *, exclusive: bool = True, append: bool = False) -> int:
         if not self.holds_gil:
             return super().open_create(path, exclusive=exclusive, append=append)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC
-        if exclusive:
-            flags |= os.O_EXCL
-        if append:
-            flags |= os.O_APPEND
-        return nogil.open(path, flags, 0o640)
+        return nogil.open(path, create_flags(exclusive=exclusive, append=append), 0o640)
 
     def open_read(self, path: str) -> int:
         if not self.holds_gil:
             return super().open_read(path)
-        return nogil.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        return nogil.open(path, READ_FLAGS)
 
     def write(self, fd: int, data: bytes) -> int:
         if not self.holds_gil or len(data) > NOGIL_MAX_WRITE:
