@@ -400,7 +400,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="all", choices=["fs", "kv-log", "kv-leveldb", "all"],
                     help="fs: both sync modes of the filesystem queue")
-    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
+    ap.add_argument("--rounds", type=int, default=9, help="interleaved rounds (default 9)")
     ap.add_argument("--messages", type=int, default=800,
                     help="messages per 16-producer measurement (default 800)")
     ap.add_argument("--rcpts", type=int, default=1000,
