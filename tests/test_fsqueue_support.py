@@ -484,6 +484,19 @@ def test_a_failed_round_fails_a_caller_with_a_step(tmp_path: str, fail_round: in
     assert io.syncs == fail_round + 1
 
 
+def test_an_error_in_a_step_goes_to_its_caller_alone(tmp_path: str) -> None:
+    io = SlowSyncIO()
+    g = GroupSync(io, "syncfs", str(tmp_path))
+
+    def fail() -> None:
+        raise OSError(errno.ENOSPC, "no room for the link")
+
+    with pytest.raises(OSError, match="no room"):
+        g.sync(then=fail)
+    g.sync()  # the group goes on, and the error was not anyone else's
+    assert io.syncs == 3
+
+
 def test_a_crash_in_a_step_fails_its_caller_and_frees_the_group(tmp_path: str) -> None:
     io = SlowSyncIO(gated=True)
     g = GroupSync(io, "syncfs", str(tmp_path))

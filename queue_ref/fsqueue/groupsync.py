@@ -25,8 +25,8 @@ every such caller at once; its caller sleeps through both rounds.  This is how a
 publishes a message whose file the first round made durable, without waking its thread
 in between and without missing the next round while it wakes: each round makes new files
 durable and publishes the ones the round before made durable, a pipeline of two stages.
-A step must not raise OSError (its caller keeps its own errors); it runs in another
-thread while its caller sleeps, so it may use the caller's state.
+A step runs in another thread while its caller sleeps, so it may use the caller's state;
+an OSError it raises goes to its caller alone (whose wait then ends with that round).
 
 After a failed round every caller it served gets the error (and no step of theirs runs);
 a later round that succeeds does not make up for it (the kernel may have dropped the
@@ -135,7 +135,10 @@ class GroupSync:
         try:
             for w in stepping:
                 assert w.then is not None
-                w.then()
+                try:
+                    w.then()
+                except OSError as e:
+                    w.error = e
             self._round([*batch, *stepping])
             served = True
         finally:
