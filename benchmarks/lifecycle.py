@@ -87,12 +87,17 @@ def lifecycle_one(q: Storage, now: int) -> None:
     assert q.cleanup(done)
 
 
+def shares(total: int, parts: int) -> list[int]:
+    """``total`` split into ``parts`` nearly equal whole shares."""
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
 def run_producers(q: Storage, producers: int, messages: int,
                   ready: Callable[[], None] | None = None) -> float:
     """Messages per second of the full lifecycle, ``producers`` threads sharing ``messages``.
     ``ready`` is called once the threads wait to start (a process pool's start signal)."""
     now = int(time.time())
-    per = [messages // producers + (1 if i < messages % producers else 0) for i in range(producers)]
+    per = shares(messages, producers)
     errors: list[BaseException] = []
     barrier = threading.Barrier(producers + 1)
 
@@ -167,9 +172,8 @@ class ProducerProcesses:
                 raise RuntimeError(f"a producer process answered {got!r}, not {want!r}")
 
     def run(self, messages: int) -> float:
-        n = len(self.conns)
-        for k, c in enumerate(self.conns):
-            c.send(messages // n + (1 if k < messages % n else 0))
+        for c, n in zip(self.conns, shares(messages, len(self.conns)), strict=True):
+            c.send(n)
         self._all("ready")
         t0 = time.perf_counter()
         for c in self.conns:

@@ -25,7 +25,7 @@ SYNCS = ("fsync", "fdatasync", "fsync_dir", "syncfs")
 
 
 class CountingIO(OsIO):
-    """Counts the calls of a lifecycle that change or sync the disk."""
+    """Counts the calls of a lifecycle that change, sync or open files (``COUNTED``)."""
 
     def __init__(self) -> None:
         self.calls: collections.Counter[str] = collections.Counter()
@@ -35,57 +35,22 @@ class CountingIO(OsIO):
         with self.lock:
             self.calls[name] += 1
 
-    def fsync(self, fd: int) -> None:
-        self._count("fsync")
-        super().fsync(fd)
 
-    def fsync_dir(self, path: str) -> None:
-        self._count("fsync_dir")
-        super().fsync_dir(path)
+COUNTED = ("fsync", "fsync_dir", "syncfs", "open_create", "open_read", "write", "ftruncate",
+           "fsize", "close", "rename", "unlink", "symlink", "link")
 
-    def syncfs(self, path: str) -> None:
-        self._count("syncfs")
-        super().syncfs(path)
 
-    def open_create(self, path: str, *, exclusive: bool = True, append: bool = False) -> int:
-        self._count("open_create")
-        return super().open_create(path, exclusive=exclusive, append=append)
+def _counting(name: str) -> Any:
+    def call(self: CountingIO, *args: Any, **kw: Any) -> Any:
+        self._count(name)
+        return getattr(OsIO, name)(self, *args, **kw)
 
-    def rename(self, src: str, dst: str) -> None:
-        self._count("rename")
-        super().rename(src, dst)
+    call.__name__ = name
+    return call
 
-    def unlink(self, path: str) -> None:
-        self._count("unlink")
-        super().unlink(path)
 
-    def symlink(self, target: str, path: str) -> None:
-        self._count("symlink")
-        super().symlink(target, path)
-
-    def link(self, src: str, dst: str) -> None:
-        self._count("link")
-        super().link(src, dst)
-
-    def open_read(self, path: str) -> int:
-        self._count("open_read")
-        return super().open_read(path)
-
-    def write(self, fd: int, data: bytes) -> int:
-        self._count("write")
-        return super().write(fd, data)
-
-    def ftruncate(self, fd: int, length: int) -> None:
-        self._count("ftruncate")
-        super().ftruncate(fd, length)
-
-    def fsize(self, fd: int) -> int:
-        self._count("fsize")
-        return super().fsize(fd)
-
-    def close(self, fd: int) -> None:
-        self._count("close")
-        super().close(fd)
+for _name in COUNTED:
+    setattr(CountingIO, _name, _counting(_name))
 
 
 def lifecycle(q: FsQueue, n: int = 1) -> None:

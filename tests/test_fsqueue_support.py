@@ -299,6 +299,20 @@ def wait_for_waiters(g: GroupSync, n: int) -> None:
         time.sleep(0.001)
 
 
+def second_round(g: GroupSync, io: SlowSyncIO, first: threading.Thread,
+                 callers: list[threading.Thread]) -> None:
+    """Start ``first``, hold its round open (``io`` gated) until every one of ``callers``
+    waits for the next round, then let the rounds run; return when all have ended."""
+    first.start()
+    assert io.in_round.wait(10)
+    for t in callers:
+        t.start()
+    wait_for_waiters(g, len(callers))
+    io.gate.set()
+    for t in [first, *callers]:
+        t.join()
+
+
 MODES = ["syncfs", "fsync"]
 
 
@@ -327,16 +341,9 @@ def test_fsync_rounds_sync_each_named_directory_once(tmp_path: str) -> None:
     io = SlowSyncIO(gated=True)
     g = GroupSync(io, "fsync", str(tmp_path))
     first = threading.Thread(target=g.sync, args=(["/a"],))
-    first.start()
-    assert io.in_round.wait(10)  # round 1 runs; the callers below share round 2
-    ts = [threading.Thread(target=g.sync, args=(dirs,))
+    ts = [threading.Thread(target=g.sync, args=(dirs,))  # they share round 2
           for dirs in (["/b", "/c"], ["/c"], ["/b", "/b"], [])]
-    for t in ts:
-        t.start()
-    wait_for_waiters(g, len(ts))
-    io.gate.set()
-    for t in [first, *ts]:
-        t.join()
+    second_round(g, io, first, ts)
     assert io.paths[0] == "/a" and sorted(io.paths[1:]) == ["/b", "/c"]
     assert g.rounds == 2 and g.covers_files is False
 
@@ -369,9 +376,6 @@ def test_group_sync_failure_reaches_every_caller_of_that_round(tmp_path: str,
                                                                mode: str) -> None:
     io = SlowSyncIO(fail_round=2, gated=True)
     g = GroupSync(io, mode, str(tmp_path))
-    first = threading.Thread(target=g.sync, args=([str(tmp_path)],))
-    first.start()
-    assert io.in_round.wait(10)  # round 1 runs; the callers below all need round 2
     errors: list[BaseException] = []
 
     def follower() -> None:
@@ -380,13 +384,8 @@ def test_group_sync_failure_reaches_every_caller_of_that_round(tmp_path: str,
         except OSError as e:
             errors.append(e)
 
-    ts = [threading.Thread(target=follower) for _ in range(5)]
-    for t in ts:
-        t.start()
-    wait_for_waiters(g, 5)
-    io.gate.set()
-    for t in [*ts, first]:
-        t.join()
+    first = threading.Thread(target=g.sync, args=([str(tmp_path)],))
+    second_round(g, io, first, [threading.Thread(target=follower) for _ in range(5)])
     assert len(errors) == 5 and io.syncs == 2  # round 2 failed, for all five
     g.sync([str(tmp_path)])  # a later change gets a new round of its own
     assert io.syncs == 3
@@ -420,16 +419,8 @@ def test_a_crash_in_the_leader_fails_its_followers_and_frees_the_next_round(
         except OSError as e:
             errors.append(e)
 
-    first = threading.Thread(target=leader)
-    first.start()
-    assert io.in_round.wait(10)
-    ts = [threading.Thread(target=follower) for _ in range(3)]
-    for t in ts:
-        t.start()
-    wait_for_waiters(g, 3)
-    io.gate.set()
-    for t in [first, *ts]:
-        t.join()
+    second_round(g, io, threading.Thread(target=leader),
+                 [threading.Thread(target=follower) for _ in range(3)])
     # the followers waited for round 2, which ran: they are served, nobody hangs
     assert len(died) == 1 and not errors and io.syncs == 2
     g.sync()
@@ -451,21 +442,13 @@ def test_steps_of_many_callers_share_rounds(tmp_path: str) -> None:
     g = GroupSync(io, "syncfs", str(tmp_path))
     steps: dict[int, tuple[int, str]] = {}
     returned: dict[int, int] = {}
-    first = threading.Thread(target=g.sync)
-    first.start()
-    assert io.in_round.wait(10)
 
     def commit(k: int) -> None:
         g.sync(then=lambda: steps.__setitem__(k, (io.syncs, threading.current_thread().name)))
         returned[k] = io.syncs
 
-    ts = [threading.Thread(target=commit, args=(k,), name=f"c{k}") for k in range(8)]
-    for t in ts:
-        t.start()
-    wait_for_waiters(g, 8)
-    io.gate.set()
-    for t in [first, *ts]:
-        t.join()
+    second_round(g, io, threading.Thread(target=g.sync),
+                 [threading.Thread(target=commit, args=(k,), name=f"c{k}") for k in range(8)])
     assert io.syncs == 3 and g.rounds == 3
     assert {n for n, _ in steps.values()} == {2}  # every step after round 2, before 3
     assert len({name for _, name in steps.values()}) == 1  # made by one leader
@@ -512,15 +495,8 @@ def test_a_crash_in_a_step_fails_its_caller_and_frees_the_group(tmp_path: str) -
     def die() -> None:
         raise Crash("died in a step")
 
-    first = threading.Thread(target=run, args=("first",))
-    first.start()
-    assert io.in_round.wait(10)
-    stepper = threading.Thread(target=run, args=("stepper",), kwargs={"then": die})
-    stepper.start()
-    wait_for_waiters(g, 1)
-    io.gate.set()
-    for t in (first, stepper):
-        t.join()
+    second_round(g, io, threading.Thread(target=run, args=("first",)),
+                 [threading.Thread(target=run, args=("stepper",), kwargs={"then": die})])
     # the stepper led round 3 and ran its own step there: the crash is its own
     assert outcome["first"] is None and isinstance(outcome["stepper"], Crash)
     g.sync()

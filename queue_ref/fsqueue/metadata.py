@@ -157,6 +157,12 @@ class FsMetadata(FsSteps):
             self._envelopes.put(msgid, key, env, st.st_size)
         return env
 
+    def _live_envelope(self, msgid: str) -> Envelope | None:
+        """The envelope of a message the caller knows is live (it holds one of its
+        entries): the one this queue cached (committed or verified here) as it is, else
+        read and verified.  Raises as ``_load_envelope``."""
+        return self._envelopes.peek(msgid) or self._load_envelope(msgid)
+
     def _read_envelope(self, path: str, msgid: str) -> Envelope:
         """Read the envelope from the end of a message file and check that the body it
         describes fills the rest exactly.  Raises Corrupt or OSError."""

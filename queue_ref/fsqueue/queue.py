@@ -400,9 +400,7 @@ class FsQueue(FsMetadata, Storage):
                 if readlink_or_none(self.io, link) != e.target:
                     raise self._gone(e)
                 try:
-                    # We hold the entry, so its message is live: an envelope this queue
-                    # cached (committed or verified here) serves as it is.
-                    env = self._envelopes.peek(e.msgid) or self._load_envelope(e.msgid)
+                    env = self._live_envelope(e.msgid)  # we hold the entry
                     if env is None:
                         raise Corrupt("message file is missing", True)
                     sched = self._entry_schedule(e, env)[0]
@@ -499,7 +497,7 @@ class FsQueue(FsMetadata, Storage):
         if check_link and readlink_or_none(self.io, link) != e.target:
             return None
         try:
-            env = self._envelopes.peek(e.msgid) or self._load_envelope(e.msgid)
+            env = self._live_envelope(e.msgid)
             if env is None:
                 return None
             sched, record = self._entry_schedule(e, env)
