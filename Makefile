@@ -7,7 +7,20 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 JOBS   ?= 2
 
-.PHONY: setup demo test lint typecheck pytest crosshair bench explore certify clean
+.PHONY: setup sysdeps demo test lint typecheck pytest crosshair bench explore certify clean
+
+# Debian packages from .ci/apt-packages.txt: installed when missing and we are root
+# (a fresh machine of this kind); otherwise only listed, so a user can install them.
+sysdeps:
+	@missing=$$(grep -v '^\s*#' .ci/apt-packages.txt | grep -v '^\s*$$' | while read -r p; do \
+	  dpkg -s "$$p" >/dev/null 2>&1 || echo "$$p"; done); \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing Debian packages:" $$missing; \
+	    apt-get update -qq >/dev/null && \
+	    DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq $$missing >/dev/null; \
+	  else echo "missing Debian packages (some tests will be skipped):" $$missing; fi; \
+	fi
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,7 +28,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-setup: $(STAMP)
+setup: sysdeps $(STAMP)
 
 demo: setup
 	$(BIN)/queue-ref demo
