@@ -17,7 +17,6 @@ with a clear message.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import shutil
 import tempfile
@@ -25,7 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from queue_ref.io import IO, OsIO
-from queue_ref.storage import Capability, Storage
+from queue_ref.opener import import_object
+from queue_ref.storage import Capability, InvalidInputError, Storage
 
 Factory = Callable[..., Storage]
 
@@ -36,18 +36,10 @@ class FactoryError(ValueError):
 
 def load_factory(path: str) -> Factory:
     """The callable named ``package.module:attribute`` (attribute may be dotted)."""
-    mod_name, sep, attr = path.partition(":")
-    if not sep or not mod_name or not attr:
-        raise FactoryError(f"expected package.module:factory, got {path!r}")
     try:
-        obj: object = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise FactoryError(f"cannot import {mod_name!r}: {e}") from e
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError as e:
-            raise FactoryError(f"{path!r}: {mod_name} has no attribute {attr!r}") from e
+        obj = import_object(path)
+    except InvalidInputError as e:
+        raise FactoryError(str(e)) from e
     if not callable(obj):
         raise FactoryError(f"{path!r} is not callable")
     return obj

@@ -1,0 +1,139 @@
+"""Open a queue by backend name, and find the relay that works on it.
+
+Every command that works on a queue (``queue-ref relay``, the operator commands) names it
+by a directory and a backend::
+
+    fs            the filesystem queue (default), ``queue_ref.fsqueue.FsQueue``
+    fs-fsync      the filesystem queue fsyncing each file in its writer's thread
+    kv-log        the KV queue over the Python log engine
+    kv-leveldb    the KV queue over real LevelDB (plyvel)
+    pkg.module:factory
+                  any factory ``queue-ref certify`` accepts, called as ``factory(path)``
+
+A relay working on a queue writes its process id to ``relay.pid`` in the queue's
+directory; ``wake_relay`` sends it SIGUSR1, which makes it look for due mail at once.
+No backend names a file ``relay.pid``, so it lives beside their files untouched.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+from collections.abc import Callable
+
+from queue_ref.storage import InvalidInputError, Storage
+
+__all__ = [
+    "BACKENDS", "PID_FILE", "import_object", "load_backend", "open_queue", "read_relay_pid",
+    "wake_relay",
+]
+
+PID_FILE = "relay.pid"
+
+
+def _fs(path: str) -> Storage:
+    from queue_ref.fsqueue import FsQueue
+
+    return FsQueue(path)
+
+
+def _fs_fsync(path: str) -> Storage:
+    from queue_ref.fsqueue import FsQueue
+
+    return FsQueue(path, sync="fsync")
+
+
+def _kv_log(path: str) -> Storage:
+    from queue_ref.kv.queue import KvQueue
+
+    return KvQueue.open_log(path)
+
+
+def _kv_leveldb(path: str) -> Storage:
+    from queue_ref.kv.queue import KvQueue
+
+    return KvQueue.open_leveldb(path)
+
+
+BACKENDS: dict[str, Callable[[str], Storage]] = {
+    "fs": _fs,
+    "fs-fsync": _fs_fsync,
+    "kv-log": _kv_log,
+    "kv-leveldb": _kv_leveldb,
+}
+
+
+def import_object(path: str) -> object:
+    """The object named ``package.module:attribute`` (the attribute may be dotted)."""
+    mod_name, sep, attr = path.partition(":")
+    if not sep or not mod_name or not attr:
+        raise InvalidInputError(f"expected package.module:factory, got {path!r}")
+    try:
+        obj: object = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise InvalidInputError(f"cannot import {mod_name!r}: {e}") from e
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as e:
+            raise InvalidInputError(f"{path!r}: {mod_name} has no attribute {attr!r}") from e
+    return obj
+
+
+def load_backend(name: str) -> Callable[[str], Storage]:
+    """The opener for a backend name or a ``pkg.module:factory`` path."""
+    if name in BACKENDS:
+        return BACKENDS[name]
+    if ":" not in name:
+        raise InvalidInputError(
+            f"unknown backend {name!r}: expected one of {', '.join(BACKENDS)} "
+            "or package.module:factory")
+    factory = import_object(name)
+    if not callable(factory):
+        raise InvalidInputError(f"backend {name!r} is not callable")
+
+    def open_with_factory(path: str) -> Storage:
+        store = factory(path)
+        if not isinstance(store, Storage):
+            raise InvalidInputError(
+                f"backend {name!r} returned a {type(store).__name__}, not a Storage")
+        return store
+
+    return open_with_factory
+
+
+def open_queue(path: str, backend: str = "fs") -> Storage:
+    """Open (and so recover) the queue at ``path`` with the named backend."""
+    opener = load_backend(backend)
+    return opener(path)
+
+
+def read_relay_pid(path: str) -> int | None:
+    """The pid of the relay working on the queue at ``path``, if one is alive."""
+    try:
+        with open(os.path.join(path, PID_FILE), encoding="ascii") as f:
+            pid = int(f.read().strip() or "0")
+    except (FileNotFoundError, ValueError):
+        return None
+    if pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        return pid
+    return pid
+
+
+def wake_relay(path: str) -> bool:
+    """Ask the relay working on the queue at ``path`` to look for due mail now."""
+    pid = read_relay_pid(path)
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, signal.SIGUSR1)
+    except ProcessLookupError:
+        return False
+    return True
