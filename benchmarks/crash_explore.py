@@ -23,12 +23,12 @@ import json
 import os
 import time
 
-from conformance.crash import runner
-from conformance.crash.explore import ExploreConfig, explore
+from conformance.crashexplore import disk_recovery
+from conformance.crashexplore.exploration import ExploreConfig, explore
 
 
 def states_per_second(backend: str) -> dict[str, float]:
-    runner.clear_cache()
+    disk_recovery.clear_cache()
     t0 = time.perf_counter()
     s = explore(ExploreConfig(backend=backend, models=("weak",), bound=2, recovery=False,
                               eio=False))
@@ -41,7 +41,7 @@ def states_per_second(backend: str) -> dict[str, float]:
 
 
 def full_pass(backend: str, bound: int, jobs: int) -> dict[str, object]:
-    runner.clear_cache()
+    disk_recovery.clear_cache()
     t0 = time.perf_counter()
     s = explore(ExploreConfig(backend=backend, models=("weak",), bound=bound, jobs=jobs))
     dt = time.perf_counter() - t0

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 #: Modules that add commands, in the order their commands are listed in --help.
 COMMAND_MODULES = (
     "queue_ref.demo",
-    "conformance.certify_cli",
-    "conformance.crash.cli",
+    "conformance.certify.certify_command",
+    "conformance.crashexplore.crash_command",
 )
 
 

@@ -22,7 +22,8 @@ import os
 
 import pytest
 
-SUITE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_storage_tests.py")
+SUITE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "certify",
+                          "_storage_tests.py")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -49,6 +50,6 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "queue_ref_crash_model" in metafunc.fixturenames:
-        from conformance.suite import selected_models
+        from conformance.certify.pytest_suite import selected_models
 
         metafunc.parametrize("queue_ref_crash_model", selected_models(metafunc.config))

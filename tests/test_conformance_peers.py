@@ -6,12 +6,12 @@ from dataclasses import replace
 
 import pytest
 
-from conformance.certificate import NOT_CERTIFIED
-from conformance.factory import Backend
-from conformance.profiles import QUICK
-from conformance.replay import replay
-from conformance.results import Status
-from conformance.runner import certify
+from conformance.certify.certificate import NOT_CERTIFIED
+from conformance.certify.scenario_replay import replay
+from conformance.certify.suite_runner import certify
+from conformance.harness.backend_factory import Backend
+from conformance.harness.check_results import Status
+from conformance.harness.suite_profiles import QUICK
 
 #: Exhaustive workloads of up to two calls, no random ones: enough to show each flaw.
 SMALL = replace(QUICK, crash_bound=2, crash_random=0)

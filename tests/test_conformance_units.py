@@ -9,8 +9,8 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from conformance import badinput, report
-from conformance.certificate import (
+from conformance.certify import certificate_report
+from conformance.certify.certificate import (
     CERTIFIED,
     KNOWN_FAILURES,
     NOT_CERTIFIED,
@@ -18,12 +18,13 @@ from conformance.certificate import (
     Expectation,
     load_expectations,
 )
-from conformance.clauses import BY_ID, CHECKS, NO_CRASH, PROCESS_KILL, checks_for
-from conformance.factory import Backend, FactoryError, load_factory
+from conformance.certify.scenario_replay import replay
+from conformance.checks import bad_input_check
+from conformance.harness.backend_factory import Backend, FactoryError, load_factory
+from conformance.harness.check_catalog import BY_ID, CHECKS, NO_CRASH, PROCESS_KILL, checks_for
+from conformance.harness.check_results import CheckResult, Finding, Status
+from conformance.harness.suite_profiles import QUICK
 from conformance.lockstep import ClauseViolation, lockstep_machine, run_lockstep
-from conformance.profiles import QUICK
-from conformance.replay import replay
-from conformance.results import CheckResult, Finding, Status
 from queue_ref.memory import MemoryStorage
 from queue_ref.storage import Capability
 from spec.crash import CLAUSES
@@ -167,10 +168,10 @@ def test_certificate_round_trips_and_renders() -> None:
     cert = _cert(results)
     again = Certificate.from_json(json.loads(json.dumps(cert.to_json())))
     assert again.to_json() == cert.to_json()
-    html = report.html(cert)
+    html = certificate_report.html(cert)
     assert "claimed &lt;twice&gt;" in html and "<table>" in html
     assert 'href="#s-lockstep-quick-seed-3"' in html and 'id="s-lockstep-quick-seed-3"' in html
-    md = report.markdown(cert)
+    md = certificate_report.markdown(cert)
     assert "| C7 Exclusive claim | FAIL [lockstep:quick:seed=3]" in md
     assert "--scenario lockstep:quick:seed=3" in md
 
@@ -210,8 +211,8 @@ def test_lockstep_machine_raises_clause_violations_under_pytest() -> None:
 
 
 def test_bad_input_passes_on_memory_and_catches_a_double_claim() -> None:
-    assert badinput.run(Backend.from_factory(MemoryStorage)).status is Status.PASS
-    res = badinput.run(Backend.from_factory(DoubleClaim))
+    assert bad_input_check.run(Backend.from_factory(MemoryStorage)).status is Status.PASS
+    res = bad_input_check.run(Backend.from_factory(DoubleClaim))
     assert res.status is Status.FAIL
     assert {f.clause for f in res.findings} == {"C7"}
     assert all(f.scenario.startswith("bad-input:") for f in res.findings)
@@ -224,7 +225,7 @@ def test_check_ids_are_stable() -> None:
 
 
 def _child_echo(ch: object, value: object) -> None:
-    from conformance.child import Channel
+    from conformance.harness.child_process import Channel
 
     assert isinstance(ch, Channel)
     ch.send({"got": repr(value), "line": ch.recv()})
@@ -233,7 +234,7 @@ def _child_echo(ch: object, value: object) -> None:
 @pytest.mark.parametrize("arg", [7, lambda: 7], ids=["fresh-interpreter", "forked"])
 def test_child_runs_fresh_or_forked(arg: object) -> None:
     """Picklable targets run in a new interpreter; others in a forked copy."""
-    from conformance.child import Child
+    from conformance.harness.child_process import Child
 
     with Child(_child_echo, arg) as child:
         child.tell("hello")

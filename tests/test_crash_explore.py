@@ -16,16 +16,9 @@ from multiprocessing import get_context
 import pytest
 
 from conformance.cli import main
-from conformance.crash.cases import CaseInput, CaseOutcome, build_case, run_case
-from conformance.crash.explore import ExploreConfig, explore, plan
-from conformance.crash.report import reproduce
-from conformance.crash.runner import (
-    Run,
-    recover_image,
-    recovery_crash_points,
-    run_workload,
-)
-from conformance.crash.scenario import (
+from conformance.crashexplore.crash_scenario import (
+    CaseInput,
+    CaseOutcome,
     ScenarioError,
     ScenarioId,
     decode_workload,
@@ -33,8 +26,13 @@ from conformance.crash.scenario import (
     parse,
     workload_id,
 )
-from conformance.crash.tasks import explore_task, task_for
-from conformance.crash.workloads import (
+from conformance.crashexplore.crash_task import explore_task, task_for
+from conformance.crashexplore.disk_recovery import recover_image, recovery_crash_points
+from conformance.crashexplore.exploration import ExploreConfig, explore, plan
+from conformance.crashexplore.reproduction import reproduce
+from conformance.crashexplore.scenario_rebuild import build_case, run_case
+from conformance.crashexplore.traced_runs import Run, run_workload
+from conformance.crashexplore.workloads import (
     LIFE,
     enqueue_call,
     enumerate_steps,
@@ -184,7 +182,7 @@ def test_same_seed_same_trace_hash() -> None:
 
 
 def run_workload_hash(wl: tuple[Call, ...]) -> str:
-    from conformance.crash.backends import resolve
+    from conformance.crashexplore.backend_registry import resolve
 
     run = run_workload(resolve("fs"), wl)
     assert not run.crashed and run.error is None
@@ -237,7 +235,7 @@ def test_parallel_exploration_agrees() -> None:
 # ---- crashes inside recovery, and EIO ---------------------------------------------------
 
 def test_recovery_crash_path() -> None:
-    from conformance.crash.backends import resolve
+    from conformance.crashexplore.backend_registry import resolve
 
     backend = resolve("fs")
     claim = run_workload(backend, (E1, START)).op_starts[1]  # the rename of send_start
@@ -359,7 +357,7 @@ def test_at_rest_after_every_call_and_inside_recovery() -> None:
 
 
 def run_workload_for_rest(wl: tuple[Call, ...]) -> Run:
-    from conformance.crash.backends import resolve
+    from conformance.crashexplore.backend_registry import resolve
 
     run = run_workload(resolve("fs"), wl)
     assert not run.crashed and run.returned() == len(wl)

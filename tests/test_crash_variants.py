@@ -1,6 +1,6 @@
 """Sharpness: each broken filesystem queue is caught, on the clause it breaks.
 
-Every variant of ``conformance.crash.variants`` leaves out (or misplaces) one step of the
+Every variant of ``conformance.crashexplore.broken_fs_variants`` leaves out (or misplaces) one step of the
 filesystem queue's protocol.  Exploring its witness workload under every persistence
 model must report the variant's clause, and the shortest scenario found must replay by
 its id alone.  The two "absorbed" variants show defences that make a step redundant.
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.crash.explore import ExploreConfig, Summary, explore
-from conformance.crash.report import reproduce
-from conformance.crash.tasks import explore_task, task_for
-from conformance.crash.variants import VARIANTS, Variant
+from conformance.crashexplore.broken_fs_variants import VARIANTS, Variant
+from conformance.crashexplore.crash_task import explore_task, task_for
+from conformance.crashexplore.exploration import ExploreConfig, Summary, explore
+from conformance.crashexplore.reproduction import reproduce
 from faultinject.models import MODELS
 from tests.conftest import thorough
 

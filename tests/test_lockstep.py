@@ -24,8 +24,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from conformance.crash.variants import NoCommitDirFsync
-from conformance.factory import Backend, Factory
+from conformance.crashexplore.broken_fs_variants import NoCommitDirFsync
+from conformance.harness.backend_factory import Backend, Factory
 from conformance.lockstep import ClauseViolation, lockstep_machine
 from queue_ref.fsqueue import FsQueue
 from queue_ref.io import IO

@@ -7,7 +7,7 @@
 
 Opened through an I/O seam (crash exploration, I/O faults), the filesystem queue gets
 owner tokens and message ids derived from what is on disk
-(``conformance.crash.backends``), so that every rerun of a workload makes the same
+(``conformance.crashexplore.explored_backends``), so that every rerun of a workload makes the same
 calls; opened without one it is the plain ``FsQueue``.
 """
 
@@ -23,9 +23,9 @@ def fs(root: str, io: IO | None = None) -> Storage:
         from queue_ref.fsqueue import FsQueue
 
         return FsQueue(root)
-    from conformance.crash.backends import resolve
+    from conformance.crashexplore.explored_backends import open_fs
 
-    return resolve("fs").open(root, io)
+    return open_fs(root, io)
 
 
 def fs_fsync(root: str, io: IO | None = None) -> Storage:
@@ -35,9 +35,9 @@ def fs_fsync(root: str, io: IO | None = None) -> Storage:
         from queue_ref.fsqueue import FsQueue
 
         return FsQueue(root, sync="fsync")
-    from conformance.crash.backends import resolve
+    from conformance.crashexplore.explored_backends import open_fs_mode
 
-    return resolve("fs-fsync").open(root, io)
+    return open_fs_mode("fsync")(root, io)
 
 
 def kv_log(root: str, io: IO | None = None) -> Storage:

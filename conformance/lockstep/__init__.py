@@ -13,7 +13,7 @@ worker that holds a stale handle; consumed, wrong-type and foreign handles must 
 * ``listing``: zone and domain listings, for backends that declare them;
 * ``crashes``: for a backend that declares the I/O seam, a rule crashes inside the next
   operation under a persistence model, recovers, judges the result by the crash
-  condition and goes on (``conformance.lockstep.crashes``).  Other backends skip only
+  condition and goes on (``conformance.lockstep.crash_rules``).  Other backends skip only
   that rule; the machine's docstring says so.
 
 A difference raises ``ClauseViolation`` (an AssertionError) naming the clause.  Under
@@ -24,8 +24,9 @@ pytest::
 Without pytest, ``run_lockstep`` returns findings instead of raising (``queue-ref
 certify``), or ``hypothesis.stateful.run_state_machine_as_test(lockstep_machine(f))``.
 
-Modules: ``base`` (state, helpers, the listing invariant), ``ops`` (enqueue, transitions,
-reads, drain), ``handles`` (listings, misuse), ``restarts``, ``crashes``.
+Modules: ``machine_state`` (state, helpers, the listing invariant), ``operation_rules``
+(enqueue, transitions, reads, drain), ``handle_rules`` (listings, misuse),
+``restart_rules``, ``crash_rules``.
 """
 
 from __future__ import annotations
@@ -34,13 +35,13 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import settings as Settings
 from hypothesis.stateful import get_state_machine_test
 
-from conformance.clauses import NO_CRASH
-from conformance.factory import Backend, Factory
-from conformance.lockstep.base import ClauseViolation
-from conformance.lockstep.crashes import CrashRules
-from conformance.lockstep.handles import HandleRules
-from conformance.profiles import Profile
-from conformance.results import Finding
+from conformance.harness.backend_factory import Backend, Factory
+from conformance.harness.check_catalog import NO_CRASH
+from conformance.harness.check_results import Finding
+from conformance.harness.suite_profiles import Profile
+from conformance.lockstep.crash_rules import CrashRules
+from conformance.lockstep.handle_rules import HandleRules
+from conformance.lockstep.machine_state import ClauseViolation
 from queue_ref.storage import Capability
 
 __all__ = ["ClauseViolation", "LockstepMachine", "lockstep_machine", "run_lockstep"]

@@ -11,7 +11,7 @@ message is discarded and the Enqueuer is closed: the caller starts again.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from queue_ref.fsqueue.steps import MessageTx
 from queue_ref.storage import (
@@ -23,12 +23,19 @@ from queue_ref.storage import (
     validate_recipients,
 )
 
-if TYPE_CHECKING:
-    from queue_ref.fsqueue.queue import FsQueue
+
+class _EnqueueSteps(Protocol):
+    """What an FsEnqueuer needs of its FsQueue (which imports this module)."""
+
+    def _check_open(self) -> None: ...
+    def _enqueue_write(self, tx: MessageTx, data: bytes) -> None: ...
+    def _check_recipient_count(self, n: int) -> None: ...
+    def _enqueue_commit(self, tx: MessageTx, rcpts: list[Recipient]) -> list[QueuedMail]: ...
+    def _enqueue_discard(self, tx: MessageTx) -> None: ...
 
 
 class FsEnqueuer(Enqueuer):
-    def __init__(self, store: FsQueue, tx: MessageTx) -> None:
+    def __init__(self, store: _EnqueueSteps, tx: MessageTx) -> None:
         self._store = store
         self._tx = tx
         self._done = False

@@ -31,6 +31,7 @@ from os.path import basename, join
 
 from queue_ref.fsqueue.diskutil import if_exists, lstat_or_none, write_whole
 from queue_ref.fsqueue.layout import DATA_RE, EntryName
+from queue_ref.fsqueue.owners import Owners
 from queue_ref.fsqueue.records import (
     TRAILER_LEN,
     Envelope,
@@ -135,6 +136,7 @@ class FsMetadata(FsSteps):
     """Metadata loading and quarantine steps.  FsQueue provides the attributes."""
 
     _envelopes: EnvelopeCache
+    _owners: Owners
 
     # ---- loading ---------------------------------------------------------------------
 

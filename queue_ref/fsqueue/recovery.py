@@ -35,7 +35,6 @@ from __future__ import annotations
 import stat
 from collections import defaultdict
 from os.path import join
-from typing import TYPE_CHECKING
 
 from queue_ref.fsqueue.diskutil import (
     if_exists,
@@ -52,17 +51,14 @@ from queue_ref.fsqueue.layout import (
     owner_of_msgid,
     parse_inflight,
 )
-from queue_ref.fsqueue.metadata import Corrupt
+from queue_ref.fsqueue.metadata import Corrupt, FsMetadata
 from queue_ref.storage import RecoveryReport
-
-if TYPE_CHECKING:
-    from queue_ref.fsqueue.queue import FsQueue
 
 Inflight = dict[EntryName, list[tuple[str, str]]]  # entry -> [(owner, link path)]
 
 
 class Recovery:
-    def __init__(self, q: FsQueue) -> None:
+    def __init__(self, q: FsMetadata) -> None:
         self.q = q
         self.io = q.io
         self.lay = q.layout

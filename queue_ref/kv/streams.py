@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from queue_ref.kv import claims as cl
 from queue_ref.kv import keys, records
@@ -20,11 +20,19 @@ from queue_ref.storage import (
     MailReader,
     QueuedMail,
     Recipient,
+    Schedule,
     validate_recipients,
 )
 
-if TYPE_CHECKING:
-    from queue_ref.kv.queue import KvQueue
+
+class _Queue(Protocol):
+    """What the streams need of their KvQueue (which imports this module)."""
+
+    _core: Core
+
+    def _check_open(self) -> None: ...
+    def _issue(self, cls: type[QueuedMail], entry_id: str, message_id: str,
+               schedule: Schedule, extra: object = None) -> QueuedMail: ...
 
 
 class KvEnqueuer(Enqueuer):
@@ -38,7 +46,7 @@ class KvEnqueuer(Enqueuer):
     ``abort`` or, after a crash, by recovery.
     """
 
-    def __init__(self, queue: KvQueue, mail_from: str, params: Mapping[str, str]) -> None:
+    def __init__(self, queue: _Queue, mail_from: str, params: Mapping[str, str]) -> None:
         self._queue = queue
         self._core: Core = queue._core
         self._mail_from = mail_from
@@ -176,7 +184,7 @@ class KvReader(MailReader):
     read raises it again).
     """
 
-    def __init__(self, queue: KvQueue, meta: EntryMeta, rec: MetaRec) -> None:
+    def __init__(self, queue: _Queue, meta: EntryMeta, rec: MetaRec) -> None:
         self.meta = meta
         self._queue = queue
         self._core: Core = queue._core

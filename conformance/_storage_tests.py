@@ -1,9 +1,0 @@
-"""The suite as ``pytest --storage=package.module:factory`` runs it (added by the plugin)."""
-
-from __future__ import annotations
-
-from conformance.suite import StorageSuite
-
-
-class TestStorage(StorageSuite):
-    """Every check on the factory named by ``--storage``."""

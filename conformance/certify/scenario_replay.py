@@ -1,0 +1,62 @@
+"""Run the scenario a report names again: ``queue-ref certify FACTORY --scenario ID``.
+
+Scenario ids start with the check that found them:
+
+* ``lockstep:<profile>:seed=N`` (also ``restart:``, ``listing:``): the hypothesis run of
+  that seed, which finds the same minimal failing sequence again;
+* ``process-kill:<seed>:<trial>:<length>``, ``recovery-rerun:...``: the same workload,
+  killed during the same call after the same delay;
+* ``io-errors:<seed>:<trial>``: the same workload, the same failing call;
+* ``bad-input:<case>``, ``many-recipients:<n>``, ``threads:<seed>``,
+  ``multi-process:<seed>``, ``streaming:<bytes>``: that check again;
+* anything else is handed to the crash explorer (``conformance.checks.crash_exploration_check``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from conformance import lockstep
+from conformance.checks import (
+    bad_input_check,
+    io_errors_check,
+    multi_process_check,
+    process_kill_check,
+    scale_checks,
+    streaming_check,
+)
+from conformance.harness.backend_factory import Backend
+from conformance.harness.check_results import Finding
+from conformance.harness.suite_profiles import QUICK
+from conformance.harness.suite_profiles import get as get_profile
+
+
+def replay(backend: Backend, scenario: str) -> list[Finding]:
+    """The findings of ``scenario`` run again (empty: it did not fail this time)."""
+    head, _, rest = scenario.partition(":")
+    if head in ("lockstep", "restart", "listing"):
+        profile_name, _, seed_part = rest.partition(":")
+        if not seed_part.startswith("seed="):
+            raise ValueError(f"{scenario!r}: expected {head}:<profile>:seed=N")
+        return lockstep.run_lockstep(backend, get_profile(profile_name), int(seed_part[5:]),
+                                     check=head,
+                                     restarts=head == "restart", listing=head == "listing")
+    if head in ("process-kill", "recovery-rerun"):
+        return process_kill_check.replay(backend, scenario)
+    if head == "io-errors":
+        return io_errors_check.replay(backend, scenario)
+    if head == "bad-input":
+        return [f for f in bad_input_check.run(backend).findings if f.scenario == scenario]
+    if head == "many-recipients":
+        return scale_checks.many_recipients(backend, replace(QUICK, many_recipients=int(rest)),
+                                     0).findings
+    if head == "threads":
+        return scale_checks.threads(backend, QUICK, int(rest)).findings
+    if head == "multi-process":
+        return multi_process_check.run(backend, QUICK, int(rest)).findings
+    if head == "streaming":
+        return streaming_check.run(backend, replace(QUICK, streaming_bytes=int(rest))).findings
+    from conformance.checks import crash_exploration_check
+
+    found: list[Finding] = crash_exploration_check.replay(backend, scenario)
+    return found

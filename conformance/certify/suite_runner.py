@@ -1,0 +1,175 @@
+"""Run every check of ``conformance.harness.check_catalog.CHECKS`` on one backend; build the certificate.
+
+Nothing here needs pytest: ``certify(factory)`` is what ``queue-ref certify`` and the
+pytest plugin both call.  Each check gets its own seed derived from the run's seed and
+its id, so one check can be run again alone with the same seed (``only=``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+import traceback
+import zlib
+from collections.abc import Callable, Iterable, Sequence
+
+from conformance import lockstep
+from conformance.certify.certificate import Certificate, Expectation, environment
+from conformance.checks import (
+    bad_input_check,
+    crash_exploration_check,
+    io_errors_check,
+    multi_process_check,
+    process_kill_check,
+    scale_checks,
+    streaming_check,
+)
+from conformance.harness.backend_factory import Backend, Factory, Probe
+from conformance.harness.check_catalog import BY_ID, CHECKS, NO_CRASH, PROCESS_KILL, CheckSpec
+from conformance.harness.check_results import CheckResult, Status, finished
+from conformance.harness.suite_profiles import Profile
+from conformance.harness.suite_profiles import get as get_profile
+
+#: Crash models checked when none are named.
+DEFAULT_MODELS = ("process-kill", "weak", "ext4-ordered")
+
+Progress = Callable[[CheckResult], None]
+
+
+def known_models() -> list[str]:
+    """``process-kill`` and the persistence models of ``faultinject``."""
+    from faultinject import MODELS
+
+    return list(dict.fromkeys([PROCESS_KILL, *MODELS]))
+
+
+def check_seed(seed: int, check: str) -> int:
+    return zlib.crc32(f"{seed}:{check}".encode())
+
+
+def _columns(spec: CheckSpec, models: Sequence[str]) -> list[str]:
+    if not spec.crash:
+        return [NO_CRASH]
+    if spec.seam_only:
+        return list(models)
+    return [PROCESS_KILL] if PROCESS_KILL in models else []
+
+
+def _run_one(spec: CheckSpec, model: str, backend: Backend, probe: Probe, profile: Profile,
+             seed: int) -> CheckResult:
+    s = check_seed(seed, spec.id)
+    if spec.id in ("lockstep", "restart", "listing"):
+        t = time.perf_counter()
+        found = lockstep.run_lockstep(backend, profile, s, check=spec.id,
+                                      restarts=spec.id == "restart",
+                                      listing=spec.id == "listing")
+        return finished(spec.id, NO_CRASH, found, seconds=time.perf_counter() - t, seed=s,
+                        stats={"examples": profile.lockstep_examples,
+                               "steps": profile.lockstep_steps})
+    if spec.id == "bad-input":
+        return bad_input_check.run(backend)
+    if spec.id == "many-recipients":
+        return scale_checks.many_recipients(backend, profile, s)
+    if spec.id == "threads":
+        return scale_checks.threads(backend, profile, s)
+    if spec.id == "multi-process":
+        return multi_process_check.run(backend, profile, s)
+    if spec.id == "streaming":
+        return streaming_check.run(backend, profile)
+    if spec.id == "process-kill":
+        return process_kill_check.run_check(backend, "process-kill", s, profile.kill_trials,
+                                  profile.kill_ops)
+    if spec.id == "recovery-rerun":
+        return process_kill_check.run_check(backend, "recovery-rerun", s, profile.recovery_trials,
+                                  profile.kill_ops)
+    if spec.id == "io-errors":
+        return io_errors_check.run(backend, profile, s)
+    raise ValueError(f"no runner for check {spec.id!r}")
+
+
+def _unsupported(spec: CheckSpec, model: str, probe: Probe) -> CheckResult | None:
+    if spec.supported(probe.capabilities):
+        return None
+    need = ", ".join(c.value for c in spec.requires if c not in probe.capabilities)
+    return CheckResult(spec.id, model, Status.UNSUPPORTED,
+                       note=f"the backend does not declare {need}")
+
+
+def _errored(spec: CheckSpec, model: str, e: Exception, start: float) -> CheckResult:
+    return CheckResult(spec.id, model, Status.ERROR,
+                       note=f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}",
+                       seconds=time.perf_counter() - start)
+
+
+def run_check(spec: CheckSpec, model: str, backend: Backend, probe: Probe, profile: Profile,
+              seed: int, jobs: int = 1) -> CheckResult:
+    """One check under one column; unsupported or errored checks become results too."""
+    skipped = _unsupported(spec, model, probe)
+    if skipped is not None:
+        return skipped
+    start = time.perf_counter()
+    try:
+        if spec.id == "crash-exploration":
+            (res,) = crash_exploration_check.run_all(backend, [model], profile,
+                                                     check_seed(seed, spec.id), jobs)
+        else:
+            res = _run_one(spec, model, backend, probe, profile, seed)
+    except Exception as e:
+        return _errored(spec, model, e, start)
+    res.model = model if spec.crash else res.model
+    return res
+
+
+def run_exploration(spec: CheckSpec, models: Sequence[str], backend: Backend, probe: Probe,
+                    profile: Profile, seed: int, jobs: int) -> list[CheckResult]:
+    """The crash exploration under all ``models`` at once (one explorer run)."""
+    skipped = [_unsupported(spec, m, probe) for m in models]
+    if any(s is not None for s in skipped):
+        return [s for s in skipped if s is not None]
+    start = time.perf_counter()
+    try:
+        return crash_exploration_check.run_all(backend, models, profile, check_seed(seed, spec.id), jobs)
+    except Exception as e:
+        return [_errored(spec, m, e, start) for m in models]
+
+
+def certify(factory: Factory | str | Backend, *, models: Iterable[str] = DEFAULT_MODELS,
+            profile: str | Profile = "quick", seed: int = 0,
+            expectations: Sequence[Expectation] = (), only: Iterable[str] | None = None,
+            progress: Progress | None = None, name: str | None = None,
+            jobs: int = 1) -> Certificate:
+    """Run the suite on ``factory`` and return its certificate.
+
+    Raises ``conformance.harness.backend_factory.FactoryError`` when the factory cannot open a queue.
+    """
+    backend = factory if isinstance(factory, Backend) else Backend.from_factory(factory, name)
+    prof = profile if isinstance(profile, Profile) else get_profile(profile)
+    models = list(dict.fromkeys(models))
+    unknown = [m for m in models if m not in known_models()]
+    if unknown:
+        raise ValueError(f"unknown crash models {unknown}; known: {', '.join(known_models())}")
+    wanted = set(only) if only is not None else None
+    if wanted is not None and wanted - set(BY_ID):
+        raise ValueError(f"unknown checks {sorted(wanted - set(BY_ID))}; "
+                         f"known: {', '.join(BY_ID)}")
+    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    t0 = time.perf_counter()
+    probe = backend.probe()
+    results: list[CheckResult] = []
+    for spec in CHECKS:
+        if wanted is not None and spec.id not in wanted:
+            continue
+        cols = _columns(spec, models)
+        if spec.id == "crash-exploration":
+            got = run_exploration(spec, cols, backend, probe, prof, seed, jobs)
+        else:
+            got = [run_check(spec, col, backend, probe, prof, seed, jobs) for col in cols]
+        for res in got:
+            results.append(res)
+            if progress is not None:
+                progress(res)
+    return Certificate(
+        backend=backend.name, storage_class=probe.storage_class,
+        capabilities=sorted(c.value for c in probe.capabilities), profile=prof.name,
+        models=models, seed=seed, results=results, expectations=list(expectations),
+        seconds=time.perf_counter() - t0, started=started, environment=environment())

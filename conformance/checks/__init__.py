@@ -1,0 +1,19 @@
+"""The checks of the suite, one module each (their ids are those of
+``conformance.harness.check_catalog.CHECKS``):
+
+=========================  ==============================================================
+module                     check ids
+=========================  ==============================================================
+bad_input_check            bad-input
+scale_checks               many-recipients, threads
+process_kill_check         process-kill, recovery-rerun
+crash_exploration_check    crash-exploration (hands the backend to ``crashexplore``)
+io_errors_check            io-errors
+multi_process_check        multi-process
+streaming_check            streaming
+=========================  ==============================================================
+
+The lockstep checks (lockstep, restart, listing) are ``conformance.lockstep``.  Each
+module has ``run...(backend, ...) -> CheckResult`` and, where its scenarios are its own,
+``replay(backend, scenario)``.  ``conformance.certify.suite_runner`` runs them.
+"""

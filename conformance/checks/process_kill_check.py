@@ -1,0 +1,277 @@
+"""Black-box crash tests: the backend runs in a child process that is killed with SIGKILL.
+
+This needs nothing from the backend but its factory, so it is how backends without the
+I/O seam are crash-tested (it is the ``process-kill`` crash model: what the kernel
+accepted survives, nothing is lost to power failure).
+
+One *trial*: the child opens the queue in a fresh directory and runs a random workload
+of ``conformance.crashexplore.workloads`` through ``conformance.crashexplore.workload_driver.Driver``, writing
+"begin i" before call ``i`` and "acknowledged i" (with the ids it learnt) after it
+returns.  The parent kills it at a moment drawn from the trial's seed: a short delay
+after call ``k`` began.  Then the parent opens the queue (recovery runs), reads every
+entry (``conformance.crashexplore.recovered_queue.inspect``) and judges the result with the
+pending-op oracle of ``spec.crash``: the acknowledged calls all happened, the call that
+had begun and was not acknowledged happened or not, nothing else.
+
+A *recovery trial* kills a second child while it opens the crashed queue (recovery is
+interrupted), then judges what the third opening shows, and checks that running
+``recover()`` again changes nothing.
+
+Scenario ids: ``process-kill:<seed>:<trial>:<length>`` (and ``recovery-rerun:...``);
+``queue-ref certify FACTORY --scenario ID`` runs that one trial again (same workload,
+same call, same delay; the kill lands at nearly the same point).
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from conformance.crashexplore.recovered_queue import inspect, to_views
+from conformance.crashexplore.workload_driver import Divergence, Driver, spare_plan
+from conformance.crashexplore.workloads import Workload, random_workload
+from conformance.harness.backend_factory import Backend
+from conformance.harness.check_catalog import NO_CRASH, PROCESS_KILL
+from conformance.harness.check_results import CheckResult, Finding, finished
+from conformance.harness.child_process import Channel, Child, ChildTimeout, sleep_precise
+from spec.crash import judge
+from spec.model import Call, Model, run
+
+
+@dataclass(frozen=True)
+class Trial:
+    """Everything that decides one trial, derived from (seed, trial number)."""
+
+    check: str
+    seed: int
+    number: int
+    workload_seed: int
+    workload: Workload
+    kill_during: int  # index of the call during which the child is killed
+    delay: float  # seconds after that call began
+    recovery_delay: float  # seconds after the recovery child started (recovery trials)
+
+    @property
+    def scenario(self) -> str:
+        return f"{self.check}:{self.seed}:{self.number}:{len(self.workload)}"
+
+
+def make_trial(check: str, seed: int, number: int, length: int) -> Trial:
+    rng = random.Random(f"{check}:{seed}:{number}")
+    wseed = rng.randrange(2**32)
+    workload = random_workload(wseed, length)
+    kill_during = rng.randrange(len(workload))
+    delay = rng.choice((0.0, rng.uniform(0, 0.0005), rng.uniform(0, 0.003),
+                        rng.uniform(0, 0.02)))
+    rdelay = rng.choice((0.0, rng.uniform(0, 0.001), rng.uniform(0, 0.005),
+                         rng.uniform(0, 0.03)))
+    return Trial(check, seed, number, wseed, workload, kill_during, delay, rdelay)
+
+
+def parse_scenario(scenario: str) -> tuple[str, int, int, int]:
+    """(check, seed, trial number, workload length) of a scenario id."""
+    parts = scenario.split(":")
+    if len(parts) != 4 or parts[0] not in ("process-kill", "recovery-rerun"):
+        raise ValueError(f"{scenario!r} is not a process-kill or recovery-rerun scenario "
+                         "(check:seed:trial:length)")
+    try:
+        return parts[0], int(parts[1]), int(parts[2]), int(parts[3])
+    except ValueError:
+        raise ValueError(f"{scenario!r}: seed, trial and length must be integers") from None
+
+
+def _run_workload(ch: Channel, backend: Backend, root: str, workload: Workload) -> None:
+    """In the child: run the workload, reporting each call's start and acknowledgement."""
+    store = backend.open(root)
+    driver = Driver(store)
+    plan = spare_plan(workload)
+    model = Model()
+    known_m: set[str] = set()
+    known_e: set[str] = set()
+    for i, call in enumerate(workload):
+        ch.send({"b": i})
+        try:
+            model = driver.step(i, model, call)
+        except Divergence as d:
+            ch.send({"divergence": d.clause, "detail": str(d), "i": i})
+            return
+        new_m = {k: v for k, v in driver.message_ids.items() if k not in known_m}
+        new_e = {k: list(v) for k, v in driver.entry_keys.items() if k not in known_e}
+        known_m.update(new_m)
+        known_e.update(new_e)
+        ch.send({"a": i, "m": new_m, "e": new_e})
+        if i in plan:
+            driver.take_spares(plan[i])
+    ch.send({"done": len(workload)})
+    while True:  # wait to be killed: a clean close is not what is tested here
+        time.sleep(1)
+
+
+def _reopen_and_recover(ch: Channel, backend: Backend, root: str) -> None:
+    """In the recovery child: open (recovery runs), recover once more, report."""
+    ch.send({"opening": True})
+    store = backend.open(root)
+    ch.send({"opened": True})
+    store.recover()
+    ch.send({"recovered": True})
+
+
+@dataclass
+class _Run:
+    acked: int = 0
+    begun: int = -1
+    message_ids: dict[str, int] = field(default_factory=dict)
+    entry_keys: dict[str, tuple[int, int]] = field(default_factory=dict)
+    divergence: tuple[str, str] | None = None
+    child_error: str | None = None
+
+    def take(self, msg: dict[str, Any]) -> None:
+        if "b" in msg:
+            self.begun = msg["b"]
+        elif "a" in msg:
+            self.acked = msg["a"] + 1
+            self.message_ids.update(msg["m"])
+            self.entry_keys.update({k: (v[0], v[1]) for k, v in msg["e"].items()})
+        elif "divergence" in msg:
+            self.divergence = (msg["divergence"], msg["detail"])
+        elif "crashed" in msg:
+            self.child_error = f"{msg['crashed']}\n{msg.get('trace', '')}"
+
+
+def _crash_child(backend: Backend, root: str, trial: Trial) -> _Run:
+    """Run the workload child and kill it during call ``trial.kill_during``."""
+    state = _Run()
+    with Child(_run_workload, backend, root, trial.workload) as child:
+        for msg in child.messages():
+            state.take(msg)
+            if msg.get("b") == trial.kill_during:
+                sleep_precise(trial.delay)
+                child.kill()
+            if "divergence" in msg or "crashed" in msg or "done" in msg:
+                child.kill()
+        child.kill()
+    return state
+
+
+def _steps(trial: Trial, state: _Run) -> tuple[str, ...]:
+    wl = trial.workload
+    out = [f"workload seed {trial.workload_seed} ({len(wl)} calls); killed "
+           f"{trial.delay * 1000:.2f} ms after call {trial.kill_during} began"]
+    out += [f"{i}: {c.describe()}" for i, c in enumerate(wl[:state.acked])]
+    if state.begun >= state.acked:
+        out.append(f"{state.acked}: {wl[state.acked].describe()}  <- killed inside")
+    return tuple(out)
+
+
+def _model_before(workload: Workload, n: int) -> Model:
+    model = Model()
+    for call in workload[:n]:
+        model, _ = run(model, call)
+    return model
+
+
+def judge_trial(backend: Backend, root: str, trial: Trial, state: _Run) -> list[Finding]:
+    """Findings of the queue left in ``root`` after the run described by ``state``."""
+    steps = _steps(trial, state)
+    if state.divergence is not None:
+        clause, detail = state.divergence
+        return [Finding(clause, detail, trial.scenario, NO_CRASH, steps)]
+    if state.child_error is not None:
+        return [Finding("C9", f"the child failed with no crash injected: "
+                              f"{state.child_error}", trial.scenario, NO_CRASH, steps)]
+    before = _model_before(trial.workload, state.acked)
+    pending: Call | None = None
+    if state.begun >= state.acked and state.acked < len(trial.workload):
+        pending = trial.workload[state.acked]
+    rec = inspect(lambda: backend.open(root))
+    views = to_views(rec, state.message_ids, state.entry_keys, before, pending)
+    found = [Finding(v.clause, v.detail, trial.scenario, PROCESS_KILL, steps)
+             for v in judge(before, pending, views)]
+    found += [Finding(c, d, trial.scenario, PROCESS_KILL, steps) for c, d in rec.problems]
+    return found
+
+
+def _listing(store: Any) -> tuple[object, ...]:
+    return (sorted((h.entry_id, h.schedule) for h in store.list_queue()),
+            sorted(h.entry_id for h in store.find_inflight()),
+            sorted(h.entry_id for h in store.find_pending_cleanup()))
+
+
+def run_trial(backend: Backend, trial: Trial) -> list[Finding]:
+    """One trial (plain, or with recovery interrupted when ``trial.check`` says so)."""
+    return _trial(backend, trial)[0]
+
+
+def _trial(backend: Backend, trial: Trial) -> tuple[list[Finding], bool]:
+    """The findings, and whether the kill landed inside a call (not between two)."""
+    root = tempfile.mkdtemp(prefix=f"queue-ref-{trial.check}-")
+    try:
+        try:
+            state = _crash_child(backend, root, trial)
+        except ChildTimeout as e:
+            return [Finding("C9", f"the workload hung: {e}", trial.scenario, PROCESS_KILL,
+                            _steps(trial, _Run()))], False
+        inside = state.begun >= state.acked
+        if trial.check == "recovery-rerun" and state.divergence is None \
+                and state.child_error is None:
+            found = _interrupt_recovery(backend, root, trial, state)
+            if found:
+                return found, inside
+        return judge_trial(backend, root, trial, state), inside
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _interrupt_recovery(backend: Backend, root: str, trial: Trial,
+                        state: _Run) -> list[Finding]:
+    steps = (*_steps(trial, state),
+             f"recovery killed {trial.recovery_delay * 1000:.2f} ms after it started")
+    with Child(_reopen_and_recover, backend, root) as child:
+        for msg in child.messages():
+            if msg.get("opening"):
+                sleep_precise(trial.recovery_delay)
+                child.kill()
+            if "crashed" in msg:
+                return [Finding("C10", f"opening the crashed queue failed: {msg['crashed']}",
+                                trial.scenario, PROCESS_KILL, steps)]
+    try:
+        store = backend.open(root)
+    except Exception as e:
+        return [Finding("C10", f"opening after an interrupted recovery failed: "
+                               f"{type(e).__name__}: {e}", trial.scenario, PROCESS_KILL, steps)]
+    try:
+        first = _listing(store)
+        store.recover()
+        second = _listing(store)
+    finally:
+        store.close()
+    if first != second:
+        return [Finding("C10", "recover() run on a recovered queue changed it: "
+                               f"{first} became {second}", trial.scenario, PROCESS_KILL, steps)]
+    return []
+
+
+def run_check(backend: Backend, check: str, seed: int, trials: int, length: int) -> CheckResult:
+    """``trials`` trials of ``check`` ("process-kill" or "recovery-rerun")."""
+    start = time.perf_counter()
+    findings: list[Finding] = []
+    inside = 0
+    for n in range(trials):
+        found, within = _trial(backend, make_trial(check, seed, n, length))
+        findings += found
+        inside += within
+    failed = len({f.scenario for f in findings})
+    return finished(check, PROCESS_KILL, findings, seconds=time.perf_counter() - start,
+                    seed=seed, stats={"trials": trials, "failed_trials": failed,
+                                      "killed_inside_a_call": inside,
+                                      "workload_length": length})
+
+
+def replay(backend: Backend, scenario: str) -> list[Finding]:
+    """Run the trial ``scenario`` names again."""
+    check, seed, number, length = parse_scenario(scenario)
+    return run_trial(backend, make_trial(check, seed, number, length))

@@ -1,0 +1,120 @@
+"""The project's own backends as the crash explorer opens them, with stable names.
+
+A backend is opened by ``BackendSpec.open(root, io)``: a Storage on the queue directory
+``root`` whose every disk call goes through ``io``, with recovery run before it returns.
+``backend_registry`` names them (``fs``, ``fs-syncfs``, ``fs-fsync``, ``kv``, and the
+broken variants of ``broken_fs_variants``).
+
+Crash exploration reruns a workload once per crash point and compares the traces, so a
+backend must make the same calls each run.  The filesystem queue draws a random owner
+token and time-based message ids by default; ``deterministic_fs`` opens it with its
+``owner`` and ``clock`` parameters instead: an owner token derived from what is already on
+disk (one more than every token the directory shows, so it is fresh, as FsQueue requires;
+it sorts after them, as a random one almost surely would not) and a clock counting 1, 2,
+3... per message.  That changes no protocol step, only names.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from queue_ref.io import IO
+from queue_ref.storage import Storage
+
+Opener = Callable[[str, IO], Storage]
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    name: str
+    open: Opener
+    description: str = ""
+    module: str = ""  # imported to tell whether the backend is available here
+
+
+# ---- the filesystem queue, with names that do not change from run to run ---------------
+
+def _owners_on_disk(root: str) -> list[int]:
+    """Every owner token found in the names under ``root`` (as ints)."""
+    from queue_ref.fsqueue import layout as fl
+
+    found: list[str] = []
+
+    def names(sub: str) -> list[str]:
+        try:
+            return os.listdir(os.path.join(root, sub))
+        except OSError:
+            return []
+
+    for n in names("owners"):
+        m = fl.OWNER_LOCK_RE.match(n)
+        if m:
+            found.append(m["owner"])
+    found += [n for n in names("tmp") if fl.OWNER_RE.match(n)]
+    for n in names("inflight"):
+        p = fl.parse_inflight(n)
+        if p:
+            found += [p[1], fl.owner_of_msgid(p[0].msgid)]
+    for sub in ("queue", "cleanup"):
+        for n in names(sub):
+            e = fl.EntryName.parse(n)
+            if e:
+                found.append(fl.owner_of_msgid(e.msgid))
+    found += [fl.owner_of_msgid(n) for n in names("data") if fl.MSGID_RE.match(n)]
+    return [int(t, 16) for t in found]
+
+
+def deterministic_fs(cls: Any) -> Opener:
+    """An opener of the FsQueue class ``cls`` whose owner token and message ids depend only
+    on the directory's contents, so that reruns of a workload make identical calls.
+
+    ``cls`` takes FsQueue's ``owner`` and ``clock`` keyword arguments; message ids are
+    ``<n:016x><n:06x><owner>`` for the n-th message of this opening.
+    """
+
+    def open_fs(root: str, io: IO) -> Storage:
+        owner = f"{max(_owners_on_disk(root), default=0) + 1:016x}"
+        store = cls(root, io, owner=owner, clock=itertools.count(1).__next__)
+        if not isinstance(store, Storage):
+            raise TypeError(f"{cls!r} did not make a Storage")
+        return store
+
+    return open_fs
+
+
+def open_fs(root: str, io: IO) -> Storage:
+    """The filesystem queue in its default sync mode."""
+    from queue_ref.fsqueue import FsQueue
+
+    return deterministic_fs(FsQueue)(root, io)
+
+
+def open_fs_mode(mode: str) -> Opener:
+    """An opener of the filesystem queue in sync mode ``mode``."""
+    def open_fs(root: str, io: IO) -> Storage:
+        from queue_ref.fsqueue import FsQueue
+
+        class Mode(FsQueue):
+            default_sync = mode
+
+        Mode.__name__ = Mode.__qualname__ = f"FsQueue[{mode}]"
+        return deterministic_fs(Mode)(root, io)
+
+    return open_fs
+
+
+#: The KV queue's clock, fixed: creation stamps are then the same in every rerun.
+KV_CLOCK_NS = 1_700_000_000_000_000_000
+
+
+def open_kv(root: str, io: IO) -> Storage:
+    """The KV queue over the Python log engine, its clock fixed."""
+    from queue_ref.kv.queue import KvQueue as queue_cls
+    store = queue_cls.open_log(root, io, clock=lambda: KV_CLOCK_NS)
+    if not isinstance(store, Storage):
+        raise TypeError("KvQueue.open_log did not make a Storage")
+    return store

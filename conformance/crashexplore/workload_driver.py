@@ -1,0 +1,178 @@
+"""Drive a Storage in lockstep with the model, one workload call at a time.
+
+``Driver`` keeps the live handle of every model entry, the map from the backend's
+message and entry ids to the model's numbering (messages numbered in commit order, as
+the model does), and the spare handles stale calls need: a stale ``send_start`` or
+``reschedule`` goes through a handle listed by ``list_queue`` while the entry was still
+QUEUED, as a second worker would hold it.
+
+A backend answer that differs from the model's (a call the model says moves the entry
+returning ``None``, a stale call succeeding) raises ``Divergence`` naming the clause it
+breaks.  Everything else (``Crash``, ``StorageIOError``) passes through to the caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from conformance.crashexplore.workloads import Workload
+from queue_ref.storage import (
+    Handle,
+    InflightMail,
+    PendingCleanupMail,
+    QueuedMail,
+    Recipient,
+    Storage,
+)
+from spec.model import Call, EntryKey, Model, run
+from spec.states import EntryState, Op, Outcome
+
+
+class Divergence(Exception):
+    """The backend answered a call otherwise than the model, with no crash involved."""
+
+    def __init__(self, index: int, call: Call, clause: str, detail: str) -> None:
+        super().__init__(f"call {index} {call.describe()}: {detail}")
+        self.index = index
+        self.call = call
+        self.clause = clause
+        self.detail = detail
+
+
+def spare_plan(workload: Workload) -> dict[int, list[EntryKey]]:
+    """After which call to list a spare handle for each stale call, and of which entry.
+
+    A stale call at position ``j`` on entry ``k`` needs a QueuedMail listed after the
+    last call before ``j`` that left ``k`` QUEUED.
+    """
+    models = [Model()]
+    results: list[Outcome | int] = []
+    for call in workload:
+        after, res = run(models[-1], call)
+        models.append(after)
+        results.append(res)
+    plan: dict[int, list[EntryKey]] = {}
+    for j, (call, res) in enumerate(zip(workload, results, strict=True)):
+        if res is not Outcome.VANISHED:
+            continue
+        assert call.key is not None
+        if call.op not in (Op.SEND_START, Op.RESCHEDULE, Op.DROP):
+            raise ValueError(f"call {j} {call.describe()}: only send_start, reschedule and "
+                             "drop can be stale (through a handle listed earlier)")
+        # models[p + 1] is the state after call p
+        queued_after = [p for p in range(j) if models[p + 1].state_of(call.key)
+                        is EntryState.QUEUED]
+        if not queued_after:
+            raise ValueError(f"call {j} {call.describe()}: the entry was never queued, "
+                             "so no handle for it can exist")
+        plan.setdefault(queued_after[-1], []).append(call.key)
+    return plan
+
+
+@dataclass
+class Driver:
+    storage: Storage
+    handles: dict[EntryKey, Handle] = field(default_factory=dict)
+    spares: dict[EntryKey, list[QueuedMail]] = field(default_factory=dict)
+    message_ids: dict[str, int] = field(default_factory=dict)
+    entry_keys: dict[str, EntryKey] = field(default_factory=dict)
+
+    def step(self, index: int, model: Model, call: Call) -> Model:
+        """Perform ``call`` on the backend; returns the model after it."""
+        after, result = run(model, call)
+        if call.op is Op.ENQUEUE:
+            assert isinstance(result, int)
+            self._enqueue(index, call, result)
+            return after
+        assert call.key is not None
+        key = call.key
+        if result is Outcome.MOVED:
+            handle = self.handles.pop(key)
+        else:
+            pool = self.spares.get(key)
+            if not pool:
+                raise ValueError(f"call {index} {call.describe()} is stale but no spare "
+                                 "handle was listed for it (see spare_plan)")
+            handle = pool.pop(0)
+        got = self._call(call, handle)
+        if result is Outcome.MOVED:
+            if got is None or got is False:
+                raise Divergence(index, call, "C1",
+                                 "the backend answered VANISHED for an entry in the source "
+                                 f"state ({model.state_of(key).value})")
+            if isinstance(got, Handle):
+                want = after.entries[key].schedule
+                if got.schedule != want:
+                    raise Divergence(index, call, "C5",
+                                     f"the new handle has schedule {got.schedule}, not {want}")
+                self.handles[key] = got
+        elif got is not None and got is not False:
+            was = model.state_of(key)
+            clause = "C7" if call.op is Op.SEND_START else (
+                "C3" if key in model.retired else "C5")
+            raise Divergence(index, call, clause,
+                             f"a stale handle acted on an entry that is {was.value}")
+        return after
+
+    def take_spares(self, keys: Iterable[EntryKey]) -> None:
+        """List the queue and keep one more handle of each entry of ``keys``."""
+        for key in keys:
+            found = [q for q in self.storage.list_queue() if self.entry_keys.get(q.entry_id)
+                     == key]
+            if not found:
+                raise ValueError(f"entry {key} is not listed in the queue; no spare handle")
+            self.spares.setdefault(key, []).append(found[0])
+
+    def _enqueue(self, index: int, call: Call, mid: int) -> None:
+        enq = self.storage.enqueue(call.mail_from)
+        enq.write(call.body)
+        got = enq.commit([Recipient(r, s) for r, s in call.rcpts])
+        if len(got) != len(call.rcpts):
+            raise Divergence(index, call, "C2",
+                             f"commit returned {len(got)} handles for {len(call.rcpts)} "
+                             "recipients")
+        self.message_ids[got[0].message_id] = mid
+        for i, h in enumerate(got):
+            self.handles[(mid, i)] = h
+            self.entry_keys[h.entry_id] = (mid, i)
+
+    def _call(self, call: Call, h: Handle) -> Handle | bool | None:
+        s = self.storage
+        op = call.op
+        if op is Op.RESCHEDULE:
+            assert isinstance(h, QueuedMail) and call.schedule is not None
+            return s.reschedule(h, call.schedule)
+        if op is Op.SEND_START:
+            assert isinstance(h, QueuedMail)
+            return s.send_start(h)
+        if op is Op.DROP:
+            assert isinstance(h, QueuedMail)
+            return s.drop(h)
+        if op is Op.SEND_CANCEL:
+            assert isinstance(h, InflightMail) and call.schedule is not None
+            return s.send_cancel(h, call.schedule)
+        if op is Op.SEND_DONE:
+            assert isinstance(h, InflightMail)
+            return s.send_done(h)
+        if op is Op.CLEANUP:
+            assert isinstance(h, PendingCleanupMail)
+            return s.cleanup(h)
+        raise ValueError(f"unknown operation {op!r}")
+
+
+def drive(storage: Storage, workload: Workload, *, driver: Driver | None = None,
+          stop: int | None = None) -> tuple[Driver, Model]:
+    """Run ``workload[:stop]`` on ``storage``; returns the driver and the model after it.
+
+    Exceptions (a ``Crash`` included) propagate; ``driver`` then holds the maps built
+    so far.
+    """
+    d = driver if driver is not None else Driver(storage)
+    plan = spare_plan(workload)
+    model = Model()
+    for i, call in enumerate(workload[:stop]):
+        model = d.step(i, model, call)
+        if i in plan:
+            d.take_spares(plan[i])
+    return d, model

@@ -1,0 +1,327 @@
+"""The lockstep machine's state, its helpers and the check made after every step.
+
+``MachineBase`` holds the backend (``store``), the model, the maps from the backend's
+ids to the model's numbering (messages numbered in commit order, entries as
+``(message, recipient index)``), and the handles the rules play with: ``pool`` (live
+handles, several per entry once listings add second ones, so a rule may act through a
+stale one), ``spent`` (consumed handles) and ``foreign`` (handles of an earlier
+incarnation of the queue, from before a restart or a crash).
+
+After every step the invariant ``listing_equals_model`` compares the whole listing with
+the model: the QUEUED entries with their schedules, the PENDING_CLEANUP entries, no
+adopted INFLIGHT entry, and no stored object once every message is gone.
+
+A difference raises ``ClauseViolation`` (an AssertionError) naming the clause it breaks.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant
+
+from conformance.crashexplore.traced_runs import ScratchIO, scratch_base
+from conformance.harness.backend_factory import Backend
+from faultinject.seam import FaultyIO
+from queue_ref.memory import MemoryStorage
+from queue_ref.storage import (
+    Handle,
+    InflightMail,
+    MisuseError,
+    PendingCleanupMail,
+    QueuedMail,
+    Recipient,
+    Schedule,
+    Storage,
+)
+from spec.invariants import check
+from spec.model import EntryKey, Model
+from spec.states import EntryState, Op, Outcome
+
+
+class ClauseViolation(AssertionError):
+    """The backend broke ``clause``; ``detail`` says how."""
+
+    def __init__(self, clause: str, detail: str) -> None:
+        super().__init__(f"{clause}: {detail}")
+        self.clause = clause
+        self.detail = detail
+
+
+# ---- what the rules draw ------------------------------------------------------------------
+
+BODY_SIZES = (0, 1, 17, 300, 4096, 70_000)
+WRITE_CHUNKS = (1000, 65536, 1 << 30)
+READ_CHUNKS = (-1, 1, 7, 100, 4096, 65536)
+ZONES = ("default", "z1", "z2")
+# Addresses carry characters an id built from them would betray ("/", "..", " ", "%").
+DOMAINS = ("a.example", "b.example", "C.Example", "x/../y.example", "sp ace%25.example")
+LOCALS = ("rcpt", "../../etc/passwd", "d a%ve", "bounce+x/../y")
+SENDERS = ("", "alice@example.org", "bounce+x/../y@example.org")
+PARAM_KEYS = ("ENVID", "RET", "BODY")
+
+schedules = st.builds(Schedule, st.integers(0, 10**9), st.integers(0, 20))
+recipients = st.builds(Recipient, st.builds("{}@{}".format, st.sampled_from(LOCALS),
+                                            st.sampled_from(DOMAINS)),
+                       schedules, st.sampled_from(ZONES))
+
+
+@dataclass(frozen=True)
+class EnqueueArgs:
+    """One enqueue: sender, ESMTP parameters, recipients (repeats allowed), and a body of
+    ``size`` bytes drawn from ``body_seed``, written in pieces of ``chunk`` bytes."""
+
+    mail_from: str
+    params: tuple[tuple[str, str], ...]
+    rcpts: tuple[Recipient, ...]
+    size: int
+    body_seed: int
+    chunk: int
+
+
+enqueue_args = st.builds(
+    EnqueueArgs, st.sampled_from(SENDERS),
+    st.dictionaries(st.sampled_from(PARAM_KEYS), st.text("abcXYZ=+;", max_size=8),
+                    max_size=2).map(lambda d: tuple(sorted(d.items()))),
+    st.lists(recipients, min_size=1, max_size=3).map(tuple),
+    st.sampled_from(BODY_SIZES), st.integers(0, 2**32), st.sampled_from(WRITE_CHUNKS))
+
+
+def body_bytes(seed: int, size: int) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+#: The handle type each operation takes and the one it gives back.
+TAKES: dict[Op, type[Handle]] = {
+    Op.RESCHEDULE: QueuedMail, Op.SEND_START: QueuedMail, Op.DROP: QueuedMail,
+    Op.SEND_DONE: InflightMail, Op.SEND_CANCEL: InflightMail, Op.CLEANUP: PendingCleanupMail,
+}
+GIVES: dict[Op, type[Handle]] = {
+    Op.RESCHEDULE: QueuedMail, Op.SEND_START: InflightMail, Op.DROP: PendingCleanupMail,
+    Op.SEND_DONE: PendingCleanupMail, Op.SEND_CANCEL: QueuedMail,
+}
+POOL_CAP = 40  # live handles kept at most (every listing adds second handles)
+
+Held = tuple[Handle, EntryKey]
+
+
+def describe_model(m: Model) -> list[str]:
+    """The model, one line per entry, for reports."""
+    out = [f"next message {m.next_id}, retired {sorted(m.retired)}"]
+    for key, e in sorted(m.entries.items()):
+        msg = m.messages[key[0]]
+        out.append(f"{key} {e.state.value} at={e.schedule.at} attempts={e.schedule.attempts} "
+                   f"rcpt={msg.rcpts[key[1]]!r} from={msg.mail_from!r} body={len(msg.body)}B")
+    return out
+
+
+class MachineBase(RuleBasedStateMachine):
+    """State and helpers shared by the rules; subclasses set ``backend`` and the switches."""
+
+    backend: ClassVar[Backend]
+    restarts: ClassVar[bool] = False
+    listing: ClassVar[bool] = False
+    crashes: ClassVar[bool] = False  # set only for backends that declare the I/O seam
+    last_log: ClassVar[list[str]] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[str] = []
+        type(self).last_log = self.log
+        self.model = Model()
+        self.io: FaultyIO | None = None
+        self.root = self._new_root()
+        try:
+            if self.crashes:
+                self.io = self._new_io(self.root)
+            self.store: Storage = self._call("open", self._open)
+        except BaseException:
+            shutil.rmtree(self.root, ignore_errors=True)
+            raise
+        self.pool: list[Held] = []
+        self.spent: list[tuple[str, Handle]] = []
+        self.foreign: list[Handle] = []
+        self.other: Storage | None = None  # a second Storage, for its foreign handles
+        self.keys: dict[str, EntryKey] = {}
+        self.mids: dict[str, int] = {}
+        self.zone: dict[EntryKey, str] = {}
+        self.params: dict[int, dict[str, str]] = {}
+
+    # ---- opening ---------------------------------------------------------------------
+
+    def _new_root(self) -> str:
+        return tempfile.mkdtemp(prefix="queue-ref-lockstep-",
+                                dir=scratch_base() if self.crashes else None)
+
+    def _new_io(self, root: str) -> FaultyIO:
+        return FaultyIO(root, inner=ScratchIO())
+
+    def _open(self) -> Storage:
+        return self.backend.open(self.root, self.io)
+
+    def teardown(self) -> None:
+        try:
+            if hasattr(self, "store"):
+                self.store.close()
+            if self.other is not None:
+                self.other.close()
+        finally:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    # ---- calling the backend -----------------------------------------------------------
+
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except ClauseViolation:
+            raise
+        except MisuseError as e:
+            raise ClauseViolation("API", f"{what} raised MisuseError on valid input: {e}") from e
+        except Exception as e:
+            raise ClauseViolation(
+                "C9", f"{what} raised {type(e).__name__}: {e} (no fault was injected)") from e
+
+    def _expect_misuse(self, what: str, fn: Callable[[], object]) -> None:
+        """``fn`` must raise MisuseError (C9 otherwise)."""
+        try:
+            got = fn()
+        except MisuseError:
+            return
+        except Exception as e:
+            raise ClauseViolation("C9", f"{what} raised {type(e).__name__}: {e}, not "
+                                        "MisuseError") from e
+        raise ClauseViolation("C9", f"{what} returned {got!r} instead of raising MisuseError")
+
+    def _other(self) -> Storage:
+        if self.other is None:
+            self.other = MemoryStorage()
+        return self.other
+
+    # ---- handles -------------------------------------------------------------------------
+
+    def _key(self, h: Handle) -> EntryKey:
+        key = self.keys.get(h.entry_id)
+        if key is None:
+            raise ClauseViolation("API", f"entry id {h.entry_id!r} was never handed out by "
+                                         "commit (ids must stay the same across restarts)")
+        if self.mids.get(h.message_id) != key[0]:
+            raise ClauseViolation("API", f"entry {key} is listed with message id "
+                                         f"{h.message_id!r}, not the one commit gave")
+        return key
+
+    def _has(self, cls: type[Handle]) -> bool:
+        return any(type(h) is cls for h, _ in self.pool)
+
+    def _keep(self, h: Handle, key: EntryKey) -> None:
+        """Keep a second handle a listing gave, while the pool has room."""
+        if len(self.pool) < POOL_CAP:
+            self.pool.append((h, key))
+
+    def _draw(self, data: st.DataObject, cls: type[Handle]) -> Held:
+        """Take a handle of type ``cls`` out of the pool: an entry first, then one of the
+        handles held on it (so an entry's stale second handle is drawn as often as not)."""
+        key = data.draw(st.sampled_from(sorted({k for h, k in self.pool if type(h) is cls})))
+        held = [x for x in self.pool if type(x[0]) is cls and x[1] == key]
+        pick = held[data.draw(st.integers(0, len(held) - 1))]
+        self.pool.remove(pick)
+        return pick
+
+    def _stale_effect(self, op: Op, key: EntryKey, before: Model) -> ClauseViolation:
+        was = before.state_of(key)
+        if was is EntryState.INFLIGHT and op is Op.SEND_START:
+            return ClauseViolation("C7", f"{op.value}{key} through a stale handle claimed an "
+                                         "entry that is already inflight (claimed twice)")
+        if key in before.retired:
+            return ClauseViolation("C3", f"{op.value}{key} through a stale handle acted on an "
+                                         f"entry that was {was.value} (resurrection)")
+        return ClauseViolation("C5", f"{op.value}{key} through a stale handle acted on an "
+                                     f"entry that is {was.value}")
+
+    def _transition(self, op: Op, key: EntryKey, handle: Handle, got: object,
+                    schedule: Schedule | None) -> None:
+        """Apply ``op`` to the model and compare the backend's answer ``got`` with it."""
+        before = self.model
+        self.model, outcome = before.apply(op, key, schedule)
+        if op is Op.CLEANUP and not isinstance(got, bool):
+            raise ClauseViolation("API", f"cleanup returned {got!r}, not a bool")
+        moved = got is not None and got is not False
+        if outcome is Outcome.MOVED and not moved:
+            raise ClauseViolation("API", f"{op.value}{key} answered VANISHED but the entry "
+                                         f"was {before.state_of(key).value}")
+        if outcome is Outcome.VANISHED and moved:
+            raise self._stale_effect(op, key, before)
+        self.spent.append((op.value, handle))
+        if not isinstance(got, Handle):
+            return
+        if type(got) is not GIVES[op]:
+            raise ClauseViolation("API", f"{op.value}{key} returned a {type(got).__name__}, "
+                                         f"not a {GIVES[op].__name__}")
+        if (got.entry_id, got.message_id) != (handle.entry_id, handle.message_id):
+            raise ClauseViolation("API", f"{op.value}{key} returned a handle for entry "
+                                         f"{got.entry_id} of message {got.message_id}, not "
+                                         f"{handle.entry_id} of {handle.message_id}")
+        want = self.model.entries[key].schedule
+        if got.schedule != want:
+            raise ClauseViolation("C5", f"{op.value}{key} returned schedule {got.schedule}, "
+                                        f"expected {want}")
+        self.pool.append((got, key))
+
+    # ---- listings --------------------------------------------------------------------
+
+    def _compare_listing(self, when: str) -> list[QueuedMail]:
+        """list_queue must give the model's QUEUED entries, each once, with its schedule."""
+        listed: list[QueuedMail] = self._call("list_queue", lambda: list(self.store.list_queue()))
+        keys = [self._key(h) for h in listed]
+        if len(set(keys)) != len(keys):
+            raise ClauseViolation("API", f"list_queue {when} listed an entry twice")
+        want = set(self.model.keys_in(EntryState.QUEUED))
+        for k in sorted(set(keys) - want):
+            if k in self.model.retired:
+                raise ClauseViolation("C3", f"list_queue {when} lists {k}, which was retired")
+            if self.model.state_of(k) is EntryState.INFLIGHT:
+                raise ClauseViolation("C7", f"list_queue {when} lists {k}, which is inflight")
+            raise ClauseViolation("C2", f"list_queue {when} lists {k}, which was never "
+                                        "committed")
+        missing = sorted(want - set(keys))
+        if missing:
+            raise ClauseViolation("API", f"list_queue {when} misses queued entries {missing}")
+        for h, k in zip(listed, keys, strict=True):
+            if h.schedule != self.model.entries[k].schedule:
+                raise ClauseViolation("C5", f"list_queue {when} gives {k} schedule "
+                                            f"{h.schedule}, expected "
+                                            f"{self.model.entries[k].schedule}")
+        return listed
+
+    def _compare_pending(self, when: str) -> list[PendingCleanupMail]:
+        got: list[PendingCleanupMail] = self._call(
+            "find_pending_cleanup", lambda: list(self.store.find_pending_cleanup()))
+        keys = sorted(self._key(h) for h in got)
+        want = self.model.keys_in(EntryState.PENDING_CLEANUP)
+        if keys != want:
+            raise ClauseViolation("API", f"find_pending_cleanup {when} lists {keys}, "
+                                         f"expected {want}")
+        return got
+
+    @invariant()
+    def listing_equals_model(self) -> None:
+        if not hasattr(self, "store"):
+            return
+        problems = check(self.model)
+        assert problems == [], f"the model itself breaks its invariants: {problems}"
+        self._compare_listing("after the step")
+        self._compare_pending("after the step")
+        adopted = self._call("find_inflight", lambda: list(self.store.find_inflight()))
+        if adopted:
+            raise ClauseViolation("C7", f"find_inflight adopted {len(adopted)} entries this "
+                                        "live queue holds inflight")
+        if not self.model.messages:
+            fp = self._call("footprint", self.store.footprint)
+            if fp.objects or fp.bytes:
+                raise ClauseViolation("C8", f"every entry is cleaned up but {fp.objects} "
+                                            f"objects and {fp.bytes} bytes remain")

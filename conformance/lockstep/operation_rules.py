@@ -1,0 +1,265 @@
+"""The lockstep machine's operations: enqueue, the transitions, reading, draining.
+
+Every rule performs one operation on the backend and on the model and compares the
+answers (``MachineBase._transition``).  A transition draws any live handle of the type it
+takes, a stale one included (the entry has moved since it was listed): the model says
+whether the operation moves the entry or vanishes, and the backend must agree.
+
+``perform(name, data)`` runs the operation a rule of that name runs, drawing its
+arguments from ``data``, and returns the model ``Call`` it made (None for an aborted
+enqueue, which changes nothing); the crash rule uses it to crash inside any operation.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from hypothesis import strategies as st
+from hypothesis.stateful import precondition, rule
+
+from conformance.lockstep.machine_state import (
+    BODY_SIZES,
+    READ_CHUNKS,
+    TAKES,
+    ClauseViolation,
+    EnqueueArgs,
+    Held,
+    MachineBase,
+    body_bytes,
+    enqueue_args,
+    schedules,
+)
+from queue_ref.storage import (
+    InflightMail,
+    InvalidInputError,
+    PendingCleanupMail,
+    QueuedMail,
+    Recipient,
+    Schedule,
+)
+from spec.model import Call, run
+from spec.states import TABLE, EntryState, Op
+
+#: The operations the crash rule may crash inside, by rule name.
+CRASHABLE = ("enqueue", "enqueue_aborted", *(op.value for op in TAKES))
+
+BAD_INPUT = ("mail_from", "rcpt", "no-rcpts", "zone")
+
+
+class Operations(MachineBase):
+    # ---- enqueue -------------------------------------------------------------------------
+
+    @rule(args=enqueue_args)
+    def enqueue(self, args: EnqueueArgs) -> None:
+        self._enqueue(args)
+
+    def _enqueue(self, a: EnqueueArgs) -> Call:
+        params = dict(a.params)
+        body = body_bytes(a.body_seed, a.size)
+        rcpts = list(a.rcpts)
+        self.log.append(f"enqueue(from={a.mail_from!r}, params={params}, body={a.size}B in "
+                        f"pieces of {a.chunk}, rcpts="
+                        f"{[(r.address, r.schedule.at, r.schedule.attempts, r.zone) for r in rcpts]})")
+
+        def go() -> list[QueuedMail]:
+            enq = self.store.enqueue(a.mail_from, params or None)
+            for i in range(0, len(body), a.chunk):
+                enq.write(body[i:i + a.chunk])
+            return enq.commit(rcpts)
+
+        got: list[QueuedMail] = self._call("enqueue/commit", go)
+        call = Call(Op.ENQUEUE, mail_from=a.mail_from, body=body,
+                    rcpts=tuple((r.address, r.schedule) for r in rcpts))
+        self.model, res = run(self.model, call)
+        assert isinstance(res, int)
+        mid = res
+        if len(got) != len(rcpts):
+            raise ClauseViolation("C2", f"commit of {len(rcpts)} recipients returned "
+                                        f"{len(got)} handles")
+        if len({h.entry_id for h in got}) != len(got) or len({h.message_id for h in got}) != 1:
+            raise ClauseViolation("API", "commit returned handles with repeated entry ids or "
+                                         "different message ids")
+        if got[0].message_id in self.mids:
+            raise ClauseViolation("API", f"commit reused message id {got[0].message_id!r}")
+        self.mids[got[0].message_id] = mid
+        self.params[mid] = params
+        for i, h in enumerate(got):
+            self._check_new_handle(h, i, rcpts, a.mail_from)
+            self.keys[h.entry_id] = (mid, i)
+            self.zone[(mid, i)] = rcpts[i].zone
+            self.pool.append((h, (mid, i)))
+        return call
+
+    def _check_new_handle(self, h: QueuedMail, i: int, rcpts: list[Recipient],
+                          mail_from: str) -> None:
+        if type(h) is not QueuedMail:
+            raise ClauseViolation("API", f"commit returned a {type(h).__name__}")
+        if h.entry_id in self.keys:
+            old = self.keys[h.entry_id]
+            if self.model.state_of(old) is EntryState.GONE:
+                raise ClauseViolation("C3", f"commit gave the new entry the id {h.entry_id} "
+                                            f"of entry {old}, which is gone: the old entry "
+                                            "reappears by its id")
+            raise ClauseViolation("API", f"commit reused entry id {h.entry_id} of the live "
+                                         f"entry {old}")
+        if h.schedule != rcpts[i].schedule:
+            raise ClauseViolation("C5", f"commit returned schedule {h.schedule} for "
+                                        f"recipient {i}, asked {rcpts[i].schedule}")
+        for addr in {*(r.address for r in rcpts), mail_from} - {""}:
+            if addr in h.entry_id or addr in h.message_id:
+                raise ClauseViolation("API", f"an id was built from the address {addr!r}")
+
+    @rule(size=st.sampled_from(BODY_SIZES), body_seed=st.integers(0, 2**32))
+    def enqueue_aborted(self, size: int, body_seed: int) -> None:
+        self._enqueue_aborted(size, body_seed)
+
+    def _enqueue_aborted(self, size: int, body_seed: int) -> None:
+        self.log.append(f"enqueue(body={size}B) then abort")
+
+        def go() -> None:
+            enq = self.store.enqueue("aborted@example.org")
+            enq.write(body_bytes(body_seed, size))
+            enq.abort()
+
+        self._call("enqueue/abort", go)
+
+    @rule(case=st.sampled_from(BAD_INPUT), chunks=st.lists(st.binary(max_size=300), max_size=3))
+    def enqueue_bad_input(self, case: str, chunks: list[bytes]) -> None:
+        """Malformed input raises InvalidInputError and stores nothing (the invariant)."""
+        self.log.append(f"enqueue with a bad {case}")
+        good = Recipient("bob@example.net", Schedule(0))
+        rcpts = {
+            "mail_from": [good],
+            "rcpt": [good, Recipient("evil\r\nRCPT TO:<x@y>", Schedule(0))],
+            "no-rcpts": [],
+            "zone": [Recipient("bob@example.net", Schedule(0), "a\x00b")],
+        }[case]
+        sender = "nul\x00@x" if case == "mail_from" else "a@b"
+        try:
+            with self.store.enqueue(sender) as enq:
+                for c in chunks:
+                    enq.write(c)
+                enq.commit(rcpts)
+        except InvalidInputError:
+            return
+        except Exception as e:
+            raise ClauseViolation("C9", f"an enqueue with a bad {case} raised "
+                                        f"{type(e).__name__}: {e}, not InvalidInputError") from e
+        raise ClauseViolation("C9", f"an enqueue with a bad {case} was committed")
+
+    # ---- transitions -------------------------------------------------------------------
+
+    def _act(self, data: st.DataObject, op: Op, schedule: Schedule | None = None) -> Call:
+        h, key = self._draw(data, TAKES[op])
+        stale = self.model.state_of(key) is not TABLE[op].source
+        to = "" if schedule is None else f" to at={schedule.at}, attempts={schedule.attempts}"
+        self.log.append(f"{op.value}{key}{to}" + (" through a stale handle" if stale else ""))
+        fn = getattr(self.store, op.value)
+        got = self._call(op.value, lambda: fn(h) if schedule is None else fn(h, schedule))
+        self._transition(op, key, h, got, schedule)
+        return Call(op, key, schedule)
+
+    @precondition(lambda self: self._has(QueuedMail))
+    @rule(data=st.data())
+    def send_start(self, data: st.DataObject) -> None:
+        self._act(data, Op.SEND_START)
+
+    @precondition(lambda self: self._has(QueuedMail))
+    @rule(data=st.data(), schedule=schedules)
+    def reschedule(self, data: st.DataObject, schedule: Schedule) -> None:
+        self._act(data, Op.RESCHEDULE, schedule)
+
+    @precondition(lambda self: self._has(QueuedMail))
+    @rule(data=st.data())
+    def drop(self, data: st.DataObject) -> None:
+        self._act(data, Op.DROP)
+
+    @precondition(lambda self: self._has(InflightMail))
+    @rule(data=st.data(), schedule=schedules)
+    def send_cancel(self, data: st.DataObject, schedule: Schedule) -> None:
+        self._act(data, Op.SEND_CANCEL, schedule)
+
+    @precondition(lambda self: self._has(InflightMail))
+    @rule(data=st.data())
+    def send_done(self, data: st.DataObject) -> None:
+        self._act(data, Op.SEND_DONE)
+
+    @precondition(lambda self: self._has(PendingCleanupMail))
+    @rule(data=st.data())
+    def cleanup(self, data: st.DataObject) -> None:
+        self._act(data, Op.CLEANUP)
+
+    # ---- any of them, for the crash rule --------------------------------------------------
+
+    def can_perform(self, name: str) -> bool:
+        if name in ("enqueue", "enqueue_aborted"):
+            return True
+        return self._has(TAKES[Op(name)])
+
+    def perform(self, name: str, data: st.DataObject) -> Call | None:
+        if name == "enqueue":
+            return self._enqueue(data.draw(enqueue_args))
+        if name == "enqueue_aborted":
+            self._enqueue_aborted(data.draw(st.sampled_from(BODY_SIZES)),
+                                  data.draw(st.integers(0, 2**32)))
+            return None
+        op = Op(name)
+        return self._act(data, op, data.draw(schedules) if TABLE[op].changes_schedule else None)
+
+    # ---- reading and draining ----------------------------------------------------------
+
+    @precondition(lambda self: self._has(InflightMail))
+    @rule(data=st.data(), chunk=st.sampled_from(READ_CHUNKS))
+    def read_inflight(self, data: st.DataObject, chunk: int) -> None:
+        """The body comes back byte for byte, in reads of ``chunk`` bytes (at least 1/256
+        of the body, to bound the number of reads), and the metadata is the committed one.
+        Reading does not consume the handle."""
+        held = self._draw(data, InflightMail)
+        self.pool.append(held)
+        h, key = held
+        assert isinstance(h, InflightMail)
+        msg = self.model.messages[key[0]]
+        n = chunk if chunk < 0 else max(chunk, len(msg.body) // 256)
+        self.log.append(f"read_inflight{key} in reads of {n}")
+
+        def go() -> tuple[object, bytes]:
+            with self.store.read_inflight(h) as r:
+                parts = []
+                while True:
+                    b = r.read(n)
+                    if not b:
+                        break
+                    parts.append(b)
+                return r.meta, b"".join(parts)
+
+        meta, body = self._call("read_inflight", go)
+        want = {"entry_id": h.entry_id, "message_id": h.message_id,
+                "mail_from": msg.mail_from, "rcpt": msg.rcpts[key[1]], "rcpt_index": key[1],
+                "zone": self.zone[key], "params": self.params[key[0]],
+                "schedule": self.model.entries[key].schedule, "body_size": len(msg.body)}
+        for field, value in want.items():
+            got = getattr(meta, field)
+            if (dict(got) if field == "params" else got) != value:
+                raise ClauseViolation("C6", f"read_inflight{key}: meta.{field} is {got!r}, "
+                                            f"committed {value!r}")
+        if body != msg.body:
+            raise ClauseViolation("C6", f"read_inflight{key} returned {len(body)} bytes that "
+                                        f"differ from the {len(msg.body)} committed")
+
+    @rule()
+    def drain(self) -> None:
+        """Two workers empty the queue: one lists it, the other claims through every
+        QueuedMail held; the first then claims through its listed handles (an entry the
+        other claimed must vanish).  Everything is sent and cleaned up through every
+        handle held; afterwards nothing may be stored (the invariant)."""
+        self.log.append("drain: list, claim through every handle held, then through the "
+                        "listed ones; send and clean up all")
+        listed: list[Held] = [(q, self._key(q))
+                              for q in self._compare_listing("while draining")]
+        for op, cls in ((Op.SEND_START, QueuedMail), (Op.SEND_DONE, InflightMail),
+                        (Op.CLEANUP, PendingCleanupMail)):
+            held = [x for x in self.pool if type(x[0]) is cls]
+            self.pool = [x for x in self.pool if type(x[0]) is not cls]
+            for h, key in held + (listed if op is Op.SEND_START else []):
+                got = self._call(op.value, partial(getattr(self.store, op.value), h))
+                self._transition(op, key, h, got, None)

@@ -1,0 +1,89 @@
+"""The lockstep machine's orderly restart, and what must hold after any reopening.
+
+``restart`` (with ``restarts``) closes the queue (twice: close is idempotent; a closed
+queue raises ClosedError) and opens it again on the same directory.  ``after_reopen``
+is shared with the crash rule: the reopened backend must list exactly the model's restart
+view (every acknowledged entry back, INFLIGHT ones as QUEUED, PENDING_CLEANUP ones gone,
+each with its schedule), hold nothing inflight or pending cleanup, and a second
+``recover()`` must find nothing to do (C10).  Handles of the earlier incarnation become
+foreign: the misuse rules pass them to the new one.
+"""
+
+from __future__ import annotations
+
+from hypothesis.stateful import precondition, rule
+
+from conformance.lockstep.machine_state import ClauseViolation, MachineBase
+from queue_ref.storage import ClosedError, QueuedMail, RecoveryReport
+from spec.model import Model
+from spec.states import EntryState
+
+FOREIGN_KEPT = 20  # handles of earlier incarnations kept for the misuse rules
+
+
+class RestartRules(MachineBase):
+    @precondition(lambda self: self.restarts)
+    @rule()
+    def restart(self) -> None:
+        """Close and open again: the backend must hold exactly ``model.restart()``."""
+        self.log.append("restart (close, then open again)")
+        old = self.store
+        self._call("close", old.close)
+        self._call("close of a closed queue", old.close)
+        try:
+            list(old.list_queue())
+        except ClosedError:
+            pass
+        except Exception as e:
+            raise ClauseViolation("C9", f"list_queue on a closed queue raised "
+                                        f"{type(e).__name__}: {e}, not ClosedError") from e
+        else:
+            raise ClauseViolation("C9", "list_queue on a closed queue answered instead of "
+                                        "raising ClosedError")
+        before = self.model
+        self.forget_handles()
+        self.store = self._call("open", self._open)
+        self.model = before.restart()
+        self.after_reopen(before, "the restart")
+
+    def forget_handles(self) -> None:
+        """Every handle held becomes a handle of an earlier incarnation."""
+        self.foreign.extend(h for h, _ in self.pool)
+        self.foreign.extend(h for _, h in self.spent)
+        del self.foreign[:-FOREIGN_KEPT]
+        self.pool.clear()
+        self.spent.clear()
+
+    def after_reopen(self, before: Model, what: str) -> None:
+        """The reopened backend against ``self.model``; ``before`` names the clauses (the
+        state the restart or crash interrupted)."""
+        listed: list[QueuedMail] = self._call("list_queue",
+                                              lambda: list(self.store.list_queue()))
+        inflight = self._call("find_inflight", lambda: list(self.store.find_inflight()))
+        pending = self._call("find_pending_cleanup",
+                             lambda: list(self.store.find_pending_cleanup()))
+        got = {self._key(h): h for h in listed}
+        if len(got) != len(listed):
+            raise ClauseViolation("C6", f"after {what} list_queue lists an entry twice")
+        for key in sorted(set(self.model.entries) - set(got)):
+            was = before.state_of(key)
+            clause = "C4" if was is EntryState.INFLIGHT else "C1"
+            raise ClauseViolation(clause, f"entry {key} ({was.value}) is gone after {what}")
+        for key in sorted(set(got) - set(self.model.entries)):
+            clause = "C3" if key in before.retired else "C2"
+            raise ClauseViolation(clause, f"entry {key} ({before.state_of(key).value}) is "
+                                          f"queued after {what}")
+        for key, h in got.items():
+            if h.schedule != self.model.entries[key].schedule:
+                raise ClauseViolation("C5", f"entry {key} came back with {h.schedule} after "
+                                            f"{what}, expected "
+                                            f"{self.model.entries[key].schedule}")
+            self.pool.append((h, key))
+        if inflight or pending:
+            raise ClauseViolation("C10", f"after {what}, {len(inflight)} entries are still "
+                                         f"inflight and {len(pending)} pending cleanup")
+        report: RecoveryReport = self._call("recover", self.store.recover)
+        if (report.requeued, report.cleaned, report.uncommitted_removed,
+                report.quarantined) != (0, 0, 0, 0):
+            raise ClauseViolation("C10", f"a second recovery after {what} still found work "
+                                         f"to do: {report}")
