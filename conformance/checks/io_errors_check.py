@@ -1,42 +1,65 @@
-"""I/O errors (``Capability.IO_SEAM``): a disk call fails, the backend must say so.
+"""I/O errors (``Capability.IO_SEAM``): a disk call fails; the outcome must be honest.
 
 A short random workload runs through ``faultinject.FaultyIO`` with one mutating call
 made to fail (EIO, or ENOSPC with a short write).  The operation containing the failed
-call must raise ``StorageIOError`` (``NoSpaceError`` may stand for ENOSPC): returning
-success after a failed write, fsync, rename or link is reporting a durable effect that
-may not be durable (C9, "fsyncgate"), and any other exception breaks the error
-contract (C9).  Then the queue is closed and opened again on the disk as it is (the
-process restarted; the kernel kept what it accepted): it must show the operation done
-or not done, never a mixture (judged like a crash inside it, C2/C5).
+call is judged by its *outcome* against the model, never by whether it raised:
 
-Scenario ``io-errors:<seed>:<trial>``: workload seed, failing call index and errno.
+* it **failed** with ``StorageIOError`` (``NoSpaceError`` for a full disk): the queue,
+  reopened on the disk as it is (the process restarted; the kernel kept what it
+  accepted) and after a power cut right then, must show the operation done or not done,
+  never a mixture (the crash condition of ``spec.crash``);
+* it **succeeded** (a backend may recover from a fault on an optional step, such as a
+  spare file it could not create): the rest of the workload must agree with the model,
+  the reopened queue must show exactly the model's state, and a power cut right after
+  the operation returned must lose none of it (a success whose fsync failed is not
+  durable: C9, "fsyncgate");
+* any other exception, or an answer the model does not give (a ``None`` for an entry the
+  call should have moved), breaks C9.
+
+Later calls may raise ``StorageIOError`` too (a queue that stops trusting itself until
+it is reopened); the first such call is the one judged as failed.
+
+Scenario ``io-errors:<seed>:<trial>``: workload seed, failing call index and errno, all
+drawn from (seed, trial); ``queue-ref certify FACTORY --scenario ID`` runs it again
+exactly.
 """
 
 from __future__ import annotations
 
 import errno
 import random
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 
+from conformance.crashexplore.crash_judge import judge_recovered
+from conformance.crashexplore.disk_recovery import recover_image
+from conformance.crashexplore.explored_backends import BackendSpec
 from conformance.crashexplore.recovered_queue import inspect, to_views
-from conformance.crashexplore.workload_driver import Divergence, Driver, spare_plan
+from conformance.crashexplore.traced_runs import (
+    OPEN,
+    Run,
+    events_through,
+    run_workload,
+    scratch_dir,
+)
 from conformance.crashexplore.workloads import Workload, random_workload
 from conformance.harness.backend_factory import Backend
 from conformance.harness.check_catalog import NO_CRASH
 from conformance.harness.check_results import CheckResult, Finding, finished
 from conformance.harness.suite_profiles import Profile
-from faultinject import FaultPlan, FaultyIO
+from faultinject.errors import ModelError
+from faultinject.models import MODELS, crash_states
+from faultinject.seam import FaultPlan
 from queue_ref.storage import StorageIOError
 from spec.crash import judge
 from spec.model import Call, Model
 
-#: Calls whose failure means data or names may not be on disk as the operation wanted.
-PERSISTING = frozenset({"write", "fsync", "fdatasync", "fsync_dir", "syncfs", "rename", "link",
-                        "symlink", "open_create", "mkdir", "ftruncate"})
 WORKLOAD_LENGTH = 8
+#: The power-loss model the outcome is checked under (the harshest of faultinject's).
+POWER_LOSS_MODEL = "weak"
+#: Crash states built for the power cut (see ``faultinject.models.crash_states``).
+EXHAUSTIVE_LIMIT = 6
+RANDOM_STATES = 6
 
 
 @dataclass(frozen=True)
@@ -53,25 +76,13 @@ class FaultTrial:
         return f"io-errors:{self.seed}:{self.number}"
 
 
+def _spec(backend: Backend) -> BackendSpec:
+    return BackendSpec(backend.name, backend.open, f"certified factory {backend.name}")
+
+
 def _count_calls(backend: Backend, workload: Workload) -> int:
     """Mutating calls of a fault-free run (opening included)."""
-    root = tempfile.mkdtemp(prefix="queue-ref-faults-")
-    try:
-        io = FaultyIO(root)
-        store = backend.open(root, io)
-        try:
-            d = Driver(store)
-            plan = spare_plan(workload)
-            model = Model()
-            for i, call in enumerate(workload):
-                model = d.step(i, model, call)
-                if i in plan:
-                    d.take_spares(plan[i])
-        finally:
-            store.close()
-        return io.mutating_count
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    return run_workload(_spec(backend), workload).mutating_total
 
 
 def make_trial(seed: int, number: int, total: int) -> FaultTrial:
@@ -80,86 +91,125 @@ def make_trial(seed: int, number: int, total: int) -> FaultTrial:
                       rng.choice((errno.EIO, errno.EIO, errno.ENOSPC)), rng.choice((0, 1, 100)))
 
 
+@dataclass
+class _Outcome:
+    """What the faulted run did: which call met the fault, how it and the run ended."""
+
+    faulted: int  # the workload call whose disk call failed (OPEN: opening the queue)
+    site: str  # the failed disk call and where it was made
+    failed: int | None = None  # the call judged as failed (raised StorageIOError)
+    problems: tuple[tuple[str, str], ...] = ()
+
+
+def _outcome(run: Run, workload: Workload, name: str) -> _Outcome | None:
+    ev = next((e for e in run.events if e.injected), None)
+    if ev is None:
+        return None  # the run made fewer calls than counted: no fault took place
+    out = _Outcome(run.call_of_event(ev.index), f"{ev.short()} at {ev.site}")
+    where = f"after the injected {name} ({out.site})"
+    i = run.stopped_in
+    if run.divergence is not None:
+        d = run.divergence
+        clause = "C9" if d.index == out.faulted else d.clause
+        out.problems = ((clause, f"{d} {where}; expected the model's answer or "
+                                 "StorageIOError"),)
+    elif run.error is not None and i is not None:
+        what = "opening the queue" if i == OPEN else f"call {i} {workload[i].describe()}"
+        if isinstance(run.error, StorageIOError):
+            out.failed = i
+        else:
+            out.problems = (("C9", f"{what} raised {type(run.error).__name__}: {run.error} "
+                                   f"{where}; expected StorageIOError"),)
+    return out
+
+
+def _steps(trial: FaultTrial, workload: Workload, run: Run, out: _Outcome) -> list[str]:
+    name = errno.errorcode[trial.errno_]
+    steps = [f"workload seed {trial.workload_seed}; mutating call #{trial.fail_at} fails "
+             f"with {name}: {out.site}"]
+    for i, call in enumerate(workload[:run.returned() + 1]):
+        mark = ""
+        if i == out.failed:
+            mark = "  <- raised StorageIOError"
+        elif i == out.faulted:
+            mark = f"  <- {name} inside, returned"
+        steps.append(f"{i}: {call.describe()}{mark}")
+    return steps
+
+
+def _restart_judge(backend: Backend, root: str, run: Run, before: Model,
+                   pending: Call | None) -> list[tuple[str, str]]:
+    """The queue reopened on the disk as the run left it (process restart)."""
+    rec = inspect(lambda: backend.open(root))
+    views = to_views(rec, run.message_ids, run.entry_keys, before, pending)
+    return [(v.clause, f"after a restart: {v.detail}") for v in judge(before, pending, views)] \
+        + [(c, f"after a restart: {d}") for c, d in rec.problems]
+
+
+def _power_cut_judge(spec: BackendSpec, run: Run, cut: int, before: Model,
+                     pending: Call | None) -> list[tuple[str, str]]:
+    """Power lost once ``run.events[:cut]`` happened: every state the model allows."""
+    if POWER_LOSS_MODEL not in MODELS:
+        return []
+    try:
+        states = crash_states(run.initial, run.events[:cut], POWER_LOSS_MODEL,
+                              exhaustive_limit=EXHAUSTIVE_LIMIT, random_states=RANDOM_STATES)
+    except ModelError as e:
+        return [("C9", f"the trace cannot be replayed for a power cut: {e}")]
+    for st in states:
+        found = judge_recovered(recover_image(spec, st.image), run, before, pending)
+        if found:
+            return [(c, f"after a power cut ({POWER_LOSS_MODEL}, state {st.key}: "
+                        f"{st.description}): {d}") for c, d in found]
+    return []
+
+
 def run_trial(backend: Backend, trial: FaultTrial, workload: Workload) -> list[Finding]:
-    root = tempfile.mkdtemp(prefix="queue-ref-faults-")
+    spec = _spec(backend)
     plan = FaultPlan(fail_at=trial.fail_at, fail_errno=trial.errno_,
                      fail_written=trial.written)
     name = errno.errorcode[trial.errno_]
-    steps = [f"workload seed {trial.workload_seed}; mutating call #{trial.fail_at} fails "
-             f"with {name}"]
-    try:
-        io = FaultyIO(root, plan)
-        try:
-            store = backend.open(root, io)
-        except (StorageIOError, OSError):
-            return []  # the fault hit opening the queue, and opening said so
-        d = Driver(store)
-        spares = spare_plan(workload)
-        model = Model()
-        pending: Call | None = None
-        found: list[Finding] = []
-
-        def fail(clause: str, detail: str) -> None:
-            found.append(Finding(clause, detail, trial.scenario, NO_CRASH, tuple(steps)))
-
-        try:
-            for i, call in enumerate(workload):
-                steps.append(f"{i}: {call.describe()}")
-                before_calls = io.mutating_count
-                try:
-                    model = d.step(i, model, call)
-                except StorageIOError:
-                    pending = call
-                    steps[-1] += f"  <- raised StorageIOError ({name})"
-                    break
-                except Divergence as e:
-                    if io.mutating_count > trial.fail_at >= before_calls:
-                        pending = call
-                        steps[-1] += f"  <- answered wrongly after the {name}"
-                        fail("C9", f"after an injected {name} the backend answered "
-                                   f"wrongly instead of raising StorageIOError: {e.detail}")
-                        break
-                    fail(e.clause, e.detail)
-                    return found
-                except Exception as e:
-                    steps[-1] += f"  <- raised {type(e).__name__}"
-                    fail("C9", f"{call.describe()} raised {type(e).__name__}: {e} after an "
-                               f"injected {name}; expected StorageIOError")
-                    pending = call
-                    break
-                if io.mutating_count > trial.fail_at >= before_calls:
-                    ev = next((e for e in io.events if e.injected), None)
-                    if ev is not None and ev.name in PERSISTING:
-                        fail("C9", f"{call.describe()} returned success although "
-                                   f"{ev.short()} failed (at {ev.site})")
-                if i in spares:
-                    d.take_spares(spares[i])
-        finally:
-            try:
-                store.close()
-            except (StorageIOError, OSError):
-                pass  # close failed on the injected fault and said so
-            except Exception as e:
-                fail("C9", f"close after the fault raised {type(e).__name__}: {e}")
-        if pending is None and not found:
+    with scratch_dir("queue-ref-faults-") as root:
+        run = run_workload(spec, workload, plan, root=root)
+        out = _outcome(run, workload, name)
+        if out is None:
             return []
-        steps.append("restart: the queue is opened again on the disk as it is")
-        rec = inspect(lambda: backend.open(root))
-        views = to_views(rec, d.message_ids, d.entry_keys, model, pending)
-        for v in judge(model, pending, views):
-            fail(v.clause, v.detail)
-        for c, detail in rec.problems:
-            fail(c, detail)
-        return found
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+        steps = tuple(_steps(trial, workload, run, out))
+
+        def findings(found: list[tuple[str, str]] | tuple[tuple[str, str], ...]
+                     ) -> list[Finding]:
+            return [Finding(c, d, trial.scenario, NO_CRASH, steps) for c, d in found]
+
+        if out.problems:
+            return findings(out.problems)
+        if run.stopped_in == OPEN:
+            return []  # opening failed on the fault and said so: nothing was acknowledged
+        if out.failed is not None:
+            # Failed: the state before or after the failed call, nothing else.
+            i = out.failed
+            before, pending = run.models[i], workload[i]
+            found = _restart_judge(backend, root, run, before, pending)
+            found += _power_cut_judge(spec, run, len(run.events), before, pending)
+            return findings(found)
+        # Succeeded (and so did every later call): the model's state, durable.
+        found = _restart_judge(backend, root, run, run.models[-1], None)
+        if 0 <= out.faulted < len(workload):
+            cut = events_through(run, out.faulted)
+            lost = _power_cut_judge(spec, run, cut, run.models[out.faulted + 1], None)
+            found += [("C9", f"call {out.faulted} {workload[out.faulted].describe()} "
+                             f"returned success although {out.site} failed with {name}, "
+                             f"and a power cut right after it shows {c}: {d}")
+                      for c, d in lost]
+        return findings(found)
 
 
 def replay(backend: Backend, scenario: str) -> list[Finding]:
-    _, seed, number = scenario.split(":")
-    rng_trial = make_trial(int(seed), int(number), 1)
-    workload = random_workload(rng_trial.workload_seed, WORKLOAD_LENGTH)
-    trial = make_trial(int(seed), int(number), _count_calls(backend, workload))
+    parts = scenario.split(":")
+    if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
+        raise ValueError(f"{scenario!r}: expected io-errors:<seed>:<trial>")
+    seed, number = int(parts[1]), int(parts[2])
+    workload = random_workload(make_trial(seed, number, 1).workload_seed, WORKLOAD_LENGTH)
+    trial = make_trial(seed, number, _count_calls(backend, workload))
     return run_trial(backend, trial, workload)
 
 

@@ -5,28 +5,36 @@ I/O seam are crash-tested (it is the ``process-kill`` crash model: what the kern
 accepted survives, nothing is lost to power failure).
 
 One *trial*: the child opens the queue in a fresh directory and runs a random workload
-of ``conformance.crashexplore.workloads`` through ``conformance.crashexplore.workload_driver.Driver``, writing
+(``crashexplore.workloads``) through ``crashexplore.workload_driver.Driver``, writing
 "begin i" before call ``i`` and "acknowledged i" (with the ids it learnt) after it
-returns.  The parent kills it at a moment drawn from the trial's seed: a short delay
-after call ``k`` began.  Then the parent opens the queue (recovery runs), reads every
-entry (``conformance.crashexplore.recovered_queue.inspect``) and judges the result with the
-pending-op oracle of ``spec.crash``: the acknowledged calls all happened, the call that
-had begun and was not acknowledged happened or not, nothing else.
+returns.  The child kills itself (SIGKILL) at a point drawn from the trial's seed: at the
+``n``-th Python function call (``sys.setprofile`` events: Python functions and the C
+functions, system calls included, they call) inside workload call ``k``, or when call
+``k`` returns, before it is acknowledged, if it makes fewer.  The child is a fresh
+interpreter, so the same trial lands on the same instruction every time.  Then the
+parent opens the queue (recovery runs), reads every entry
+(``crashexplore.recovered_queue.inspect``) and judges the result with the pending-op
+oracle of ``spec.crash``: the acknowledged calls all happened, the call that had begun
+and was not acknowledged happened or not, nothing else.
 
-A *recovery trial* kills a second child while it opens the crashed queue (recovery is
-interrupted), then judges what the third opening shows, and checks that running
-``recover()`` again changes nothing.
+A *recovery trial* kills a second child at the ``m``-th Python call of opening the
+crashed queue (recovery is interrupted), then judges what the third opening shows, and
+checks that running ``recover()`` again changes nothing.
 
 Scenario ids: ``process-kill:<seed>:<trial>:<length>`` (and ``recovery-rerun:...``);
-``queue-ref certify FACTORY --scenario ID`` runs that one trial again (same workload,
-same call, same delay; the kill lands at nearly the same point).
+``queue-ref certify FACTORY --scenario ID`` runs that one trial again: the same workload
+killed at the same Python call (a backend whose own threads race may take another path).
 """
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
+import signal
+import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +45,7 @@ from conformance.crashexplore.workloads import Workload, random_workload
 from conformance.harness.backend_factory import Backend
 from conformance.harness.check_catalog import NO_CRASH, PROCESS_KILL
 from conformance.harness.check_results import CheckResult, Finding, finished
-from conformance.harness.child_process import Channel, Child, ChildTimeout, sleep_precise
+from conformance.harness.child_process import Channel, Child, ChildTimeout
 from spec.crash import judge
 from spec.model import Call, Model, run
 
@@ -52,8 +60,8 @@ class Trial:
     workload_seed: int
     workload: Workload
     kill_during: int  # index of the call during which the child is killed
-    delay: float  # seconds after that call began
-    recovery_delay: float  # seconds after the recovery child started (recovery trials)
+    kill_event: int  # the child dies at this Python call inside that call (0: at its end)
+    recovery_event: int  # ... at this Python call of the reopening (recovery trials)
 
     @property
     def scenario(self) -> str:
@@ -65,11 +73,11 @@ def make_trial(check: str, seed: int, number: int, length: int) -> Trial:
     wseed = rng.randrange(2**32)
     workload = random_workload(wseed, length)
     kill_during = rng.randrange(len(workload))
-    delay = rng.choice((0.0, rng.uniform(0, 0.0005), rng.uniform(0, 0.003),
-                        rng.uniform(0, 0.02)))
-    rdelay = rng.choice((0.0, rng.uniform(0, 0.001), rng.uniform(0, 0.005),
-                         rng.uniform(0, 0.03)))
-    return Trial(check, seed, number, wseed, workload, kill_during, delay, rdelay)
+    kill_event = rng.choice((0, rng.randrange(1, 100), rng.randrange(1, 400),
+                             rng.randrange(1, 1500)))
+    recovery_event = rng.choice((1, rng.randrange(1, 200), rng.randrange(1, 1000),
+                                 rng.randrange(1, 5000)))
+    return Trial(check, seed, number, wseed, workload, kill_during, kill_event, recovery_event)
 
 
 def parse_scenario(scenario: str) -> tuple[str, int, int, int]:
@@ -84,8 +92,28 @@ def parse_scenario(scenario: str) -> tuple[str, int, int, int]:
         raise ValueError(f"{scenario!r}: seed, trial and length must be integers") from None
 
 
-def _run_workload(ch: Channel, backend: Backend, root: str, workload: Workload) -> None:
-    """In the child: run the workload, reporting each call's start and acknowledgement."""
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _die_at(event: int) -> None:
+    """SIGKILL this process at its ``event``-th Python call from now, in any thread."""
+    count = 0
+
+    def profile(frame: object, what: str, arg: object) -> None:
+        nonlocal count
+        count += 1
+        if count >= event:
+            _die()
+
+    threading.setprofile(profile)  # type: ignore[arg-type]
+    sys.setprofile(profile)  # type: ignore[arg-type]
+
+
+def _run_workload(ch: Channel, backend: Backend, root: str, workload: Workload,
+                  kill_during: int, kill_event: int) -> None:
+    """In the child: run the workload, reporting each call's start and acknowledgement;
+    die at Python call ``kill_event`` of call ``kill_during``, or at its end."""
     store = backend.open(root)
     driver = Driver(store)
     plan = spare_plan(workload)
@@ -94,26 +122,36 @@ def _run_workload(ch: Channel, backend: Backend, root: str, workload: Workload) 
     known_e: set[str] = set()
     for i, call in enumerate(workload):
         ch.send({"b": i})
+        if i == kill_during and kill_event > 0:
+            _die_at(kill_event)
         try:
             model = driver.step(i, model, call)
         except Divergence as d:
             ch.send({"divergence": d.clause, "detail": str(d), "i": i})
             return
+        if i == kill_during:
+            _die()  # the call returned; it dies before anyone learns of it
         new_m = {k: v for k, v in driver.message_ids.items() if k not in known_m}
         new_e = {k: list(v) for k, v in driver.entry_keys.items() if k not in known_e}
         known_m.update(new_m)
         known_e.update(new_e)
         ch.send({"a": i, "m": new_m, "e": new_e})
         if i in plan:
-            driver.take_spares(plan[i])
+            try:
+                driver.take_spares(plan[i])
+            except Divergence as d:
+                ch.send({"divergence": d.clause, "detail": str(d), "i": i})
+                return
     ch.send({"done": len(workload)})
     while True:  # wait to be killed: a clean close is not what is tested here
         time.sleep(1)
 
 
-def _reopen_and_recover(ch: Channel, backend: Backend, root: str) -> None:
-    """In the recovery child: open (recovery runs), recover once more, report."""
+def _reopen_and_recover(ch: Channel, backend: Backend, root: str, event: int) -> None:
+    """In the recovery child: open (recovery runs), recover once more, report; die at
+    Python call ``event`` from the start of the opening."""
     ch.send({"opening": True})
+    _die_at(event)
     store = backend.open(root)
     ch.send({"opened": True})
     store.recover()
@@ -143,14 +181,12 @@ class _Run:
 
 
 def _crash_child(backend: Backend, root: str, trial: Trial) -> _Run:
-    """Run the workload child and kill it during call ``trial.kill_during``."""
+    """Run the workload child; it dies inside call ``trial.kill_during``."""
     state = _Run()
-    with Child(_run_workload, backend, root, trial.workload) as child:
+    with Child(_run_workload, backend, root, trial.workload, trial.kill_during,
+               trial.kill_event) as child:
         for msg in child.messages():
             state.take(msg)
-            if msg.get("b") == trial.kill_during:
-                sleep_precise(trial.delay)
-                child.kill()
             if "divergence" in msg or "crashed" in msg or "done" in msg:
                 child.kill()
         child.kill()
@@ -159,8 +195,10 @@ def _crash_child(backend: Backend, root: str, trial: Trial) -> _Run:
 
 def _steps(trial: Trial, state: _Run) -> tuple[str, ...]:
     wl = trial.workload
-    out = [f"workload seed {trial.workload_seed} ({len(wl)} calls); killed "
-           f"{trial.delay * 1000:.2f} ms after call {trial.kill_during} began"]
+    where = (f"at its Python call #{trial.kill_event}" if trial.kill_event
+             else "as it returned, before it was acknowledged")
+    out = [f"workload seed {trial.workload_seed} ({len(wl)} calls); killed inside call "
+           f"{trial.kill_during} {where} (or at its end, if it made fewer)"]
     out += [f"{i}: {c.describe()}" for i, c in enumerate(wl[:state.acked])]
     if state.begun >= state.acked:
         out.append(f"{state.acked}: {wl[state.acked].describe()}  <- killed inside")
@@ -229,12 +267,9 @@ def _trial(backend: Backend, trial: Trial) -> tuple[list[Finding], bool]:
 def _interrupt_recovery(backend: Backend, root: str, trial: Trial,
                         state: _Run) -> list[Finding]:
     steps = (*_steps(trial, state),
-             f"recovery killed {trial.recovery_delay * 1000:.2f} ms after it started")
-    with Child(_reopen_and_recover, backend, root) as child:
+             f"recovery killed at its Python call #{trial.recovery_event}")
+    with Child(_reopen_and_recover, backend, root, trial.recovery_event) as child:
         for msg in child.messages():
-            if msg.get("opening"):
-                sleep_precise(trial.recovery_delay)
-                child.kill()
             if "crashed" in msg:
                 return [Finding("C10", f"opening the crashed queue failed: {msg['crashed']}",
                                 trial.scenario, PROCESS_KILL, steps)]

@@ -58,6 +58,7 @@ from faultinject.errors import ModelError
 from faultinject.models import CrashState, crash_states
 from faultinject.seam import FaultPlan
 from queue_ref.storage import StorageIOError
+from spec.crash import CLAUSES
 from spec.model import Call, Model
 
 DEFAULT_LIMITS = Limits()
@@ -325,10 +326,12 @@ def _recovery_states(backend: BackendSpec, image: DiskImage, model: str, limits:
 
 
 def eio_run(backend: BackendSpec, workload: Workload, index: int
-             ) -> tuple[Run, int, Violations, str]:
+            ) -> tuple[Run, int, Violations, str]:
     """Fail mutating call ``index`` (a sync) with EIO.  Returns the run, the call that
-    contained it, the C9 violation if that call still succeeded, and how many events the
-    power cut after the call sees."""
+    contained it, the violations its answer shows by itself (another exception than
+    StorageIOError, an answer the model does not give), and, when the call returned
+    success anyway, what failed (then every power cut after it must keep its effect:
+    ``eio_judge``; "" when the call raised)."""
     run = run_workload(backend, workload, FaultPlan(fail_at=index))
     injected = next((e for e in run.events if e.injected), None)
     if injected is None:
@@ -342,22 +345,32 @@ def eio_run(backend: BackendSpec, workload: Workload, index: int
         return run, call, (("C9", f"call {call} {workload[call].describe()} raised "
                                   f"{type(run.error).__name__} ({run.error}), not "
                                   "StorageIOError, when its fsync failed"),), ""
-    if run.divergence is not None:
-        return run, call, ((run.divergence.clause, str(run.divergence)),), ""
-    c9 = (("C9", f"call {call} {workload[call].describe()} succeeded although its "
-                 f"{injected.short()} failed with EIO"),)
-    return run, call, c9, ""
+    if run.divergence is not None and run.stopped_in == call:
+        return run, call, (("C9", f"{run.divergence} after its {injected.short()} failed "
+                                  "with EIO"),), ""
+    return run, call, (), f"{injected.short()} at {injected.site}"
+
+
+def eio_judge(rec: Recovered, run: Run, call: int, succeeded: str) -> Violations:
+    """A power cut after call ``call`` met an EIO: if it raised, the state before or after
+    it; if it returned success although ``succeeded`` failed, exactly the state after it
+    (an acknowledged effect must be durable), else C9."""
+    if not succeeded:
+        return judge_recovered(rec, run, run.models[call], run.workload[call])
+    found = judge_recovered(rec, run, run.models[call + 1], None)
+    return tuple(("C9", f"call {call} {run.workload[call].describe()} returned success "
+                        f"although {succeeded} failed with EIO, and a power cut right after "
+                        f"it shows {c} ({CLAUSES.get(c, '?')}): {d}") for c, d in found)
 
 
 def _explore_eio(backend: BackendSpec, task: Task, base: CaseInput, m: int,
                  out: TaskResult) -> None:
     try:
-        run, call, c9, _ = eio_run(backend, task.workload, m)
+        run, call, problems, succeeded = eio_run(backend, task.workload, m)
     except ValueError as e:
         out.errors.append(f"{task.workload_id} EIO at #{m}: {e}")
         return
-    cut = events_through(run, call) if c9 else len(run.events)
-    before, op = run.models[call], task.workload[call]
+    cut = events_through(run, call) if succeeded else len(run.events)
     out.eio_points += 1
     for model in task.models:
         try:
@@ -370,7 +383,8 @@ def _explore_eio(backend: BackendSpec, task: Task, base: CaseInput, m: int,
             continue
         for st in states:
             digest = image_digest(st.image)
-            found = c9 + judge_recovered(recover_image(backend, st.image), run, before, op)
+            found = problems + eio_judge(recover_image(backend, st.image), run, call,
+                                         succeeded)
             if not found:
                 out.stats(model).count(digest, "eio")
                 continue

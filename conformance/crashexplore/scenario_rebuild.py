@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from conformance.crashexplore.backend_registry import resolve
 from conformance.crashexplore.crash_judge import as_recovery_violations, judge_recovered
 from conformance.crashexplore.crash_scenario import AT_REST, WHENS, CaseInput, CaseOutcome
-from conformance.crashexplore.crash_task import eio_run, rest_check
+from conformance.crashexplore.crash_task import eio_judge, eio_run, rest_check
 from conformance.crashexplore.disk_recovery import recover_image, recovery_trace
 from conformance.crashexplore.explored_backends import BackendSpec
 from conformance.crashexplore.recovered_queue import Recovered
@@ -74,11 +74,11 @@ def _build(case: CaseInput, sid: str) -> Built:
         return Built(CaseOutcome(case, sid, found, run.trace_hash, error=err), run,
                      recovered=rec)
     if case.kind == "eio":
-        run, failed, c9, _ = eio_run(backend, case.workload, case.index)
-        cut = events_through(run, failed) if c9 else len(run.events)
+        run, failed, problems, succeeded = eio_run(backend, case.workload, case.index)
+        cut = events_through(run, failed) if succeeded else len(run.events)
         state = crash_state(run.initial, run.events[:cut], case.model, case.state_key)
         rec = recover_image(backend, state.image)
-        found = c9 + judge_recovered(rec, run, run.models[failed], case.workload[failed])
+        found = problems + eio_judge(rec, run, failed, succeeded)
         return Built(CaseOutcome(case, sid, found, run.trace_hash, image_digest(state.image),
                                  state.description), run, failed, state, recovered=rec)
     if case.kind not in ("crash", "recovery"):

@@ -114,6 +114,7 @@ class Run:
     workload_end: int = 0  # len(events) when the last call returned (before any close)
     open_events: int = 0  # len(events) when opening the queue returned
     event_ends: list[int] = field(default_factory=list)  # len(events) when call i returned
+    close_error: BaseException | None = None  # what closing the queue after the run raised
 
     def returned(self) -> int:
         """How many calls of the workload returned (raising counts as not returning)."""
@@ -184,6 +185,8 @@ def run_workload(backend: BackendSpec, workload: Workload, plan: FaultPlan | Non
             starts.append(io.mutating_count)
             try:
                 models.append(driver.step(i, models[-1], call))
+                if i in spares:
+                    driver.take_spares(spares[i])
             except Divergence as d:
                 run.divergence = d
                 run.stopped_in = i
@@ -196,8 +199,6 @@ def run_workload(backend: BackendSpec, workload: Workload, plan: FaultPlan | Non
                 break
             ends.append(io.mutating_count)
             event_ends.append(len(io.events))
-            if i in spares:
-                driver.take_spares(spares[i])
         else:
             current = len(workload)
     except Crash:
@@ -218,7 +219,10 @@ def run_workload(backend: BackendSpec, workload: Workload, plan: FaultPlan | Non
     run.trace_hash = io.trace_hash()
     run.mutating_total = io.mutating_count
     if storage is not None and not run.crashed:
-        storage.close()
+        try:
+            storage.close()
+        except Exception as e:  # after an injected fault a close may fail, and say so
+            run.close_error = e
     return run
 
 

@@ -33,7 +33,7 @@ class Divergence(Exception):
     """The backend answered a call otherwise than the model, with no crash involved."""
 
     def __init__(self, index: int, call: Call, clause: str, detail: str) -> None:
-        super().__init__(f"call {index} {call.describe()}: {detail}")
+        super().__init__(f"call {index} {call.describe()}: {detail}" if index >= 0 else detail)
         self.index = index
         self.call = call
         self.clause = clause
@@ -116,12 +116,14 @@ class Driver:
         return after
 
     def take_spares(self, keys: Iterable[EntryKey]) -> None:
-        """List the queue and keep one more handle of each entry of ``keys``."""
+        """List the queue and keep one more handle of each entry of ``keys``; an entry the
+        listing misses is a ``Divergence`` (API: a listing that misses an entry)."""
         for key in keys:
             found = [q for q in self.storage.list_queue() if self.entry_keys.get(q.entry_id)
                      == key]
             if not found:
-                raise ValueError(f"entry {key} is not listed in the queue; no spare handle")
+                raise Divergence(-1, Call(Op.SEND_START, key), "API",
+                                 f"list_queue does not list entry {key}, which is QUEUED")
             self.spares.setdefault(key, []).append(found[0])
 
     def _enqueue(self, index: int, call: Call, mid: int) -> None:

@@ -1,0 +1,88 @@
+"""No false verdicts: findings judged by outcome against the model, replayable by id."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+
+from conformance.certify.scenario_replay import replay
+from conformance.checks import io_errors_check, process_kill_check
+from conformance.crashexplore.explored_backends import BackendSpec
+from conformance.crashexplore.recovered_queue import inspect, to_views
+from conformance.crashexplore.traced_runs import run_workload
+from conformance.crashexplore.workloads import enqueue_call
+from conformance.harness.backend_factory import Backend
+from conformance.harness.suite_profiles import QUICK
+from queue_ref.memory import MemoryStorage
+from queue_ref.storage import QueuedMail
+from spec.model import Call
+from spec.states import Op
+
+FS = "conformance.examples.backends:fs"
+FIRST = "0"  # MemoryStorage numbers messages from 0
+
+
+@pytest.mark.parametrize("scenario", ["io-errors:46:5", "io-errors:71:8", "io-errors:221:3"])
+def test_a_fault_the_queue_recovers_from_is_no_finding(scenario: str) -> None:
+    # Each of these fails the creation of a spare file (an optional step): the enqueue
+    # succeeds, and the queue, reopened and after a power cut, holds exactly the model's
+    # state.  Demanding an exception here was a false verdict.
+    assert replay(Backend.from_factory(FS), scenario) == []
+
+
+def test_a_success_whose_fsync_failed_is_a_c9_finding_that_replays() -> None:
+    backend = Backend.from_factory("conformance.examples.broken_backends:swallow_eio")
+    res = io_errors_check.run(backend, QUICK, 0)
+    assert res.findings and {f.clause for f in res.findings} == {"C9"}
+    first = res.findings[0]
+    assert "returned success although" in first.detail and "power cut" in first.detail
+    again = replay(backend, first.scenario)
+    assert [(f.clause, f.detail) for f in again] == [
+        (f.clause, f.detail) for f in res.findings if f.scenario == first.scenario]
+
+
+def test_the_real_queues_pass_io_errors() -> None:
+    for name in ("fs", "fs_fsync", "kv_log"):
+        res = io_errors_check.run(Backend.from_factory(f"conformance.examples.backends:{name}"),
+                                  QUICK, 46)
+        assert res.findings == [], (name, res.findings)
+
+
+def test_a_process_kill_trial_lands_on_the_same_call_every_time() -> None:
+    backend = Backend.from_factory(FS)
+    trial = next(t for n in range(40)
+                 if (t := process_kill_check.make_trial("process-kill", 5, n, 40)).kill_event)
+    seen = []
+    for _ in range(2):
+        root = tempfile.mkdtemp(prefix="queue-ref-test-kill-")
+        state = process_kill_check._crash_child(backend, root, trial)
+        before = process_kill_check._model_before(trial.workload, state.acked)
+        pending = trial.workload[state.acked] if state.begun >= state.acked else None
+        copy = shutil.copytree(root, root + ".copy")
+        assert process_kill_check.judge_trial(backend, root, trial, state) == []
+        rec = inspect(lambda copy=copy: backend.open(copy))
+        seen.append((state.acked, state.begun,
+                     to_views(rec, state.message_ids, state.entry_keys, before, pending)))
+        shutil.rmtree(root)
+        shutil.rmtree(copy)
+    assert seen[0] == seen[1]
+    assert seen[0][1] == trial.kill_during  # killed inside the drawn call
+
+
+class HidesFromListing(MemoryStorage):
+    """list_queue misses every entry of the first message (a listing bug)."""
+
+    def list_queue(self) -> Iterator[QueuedMail]:
+        return iter([h for h in super().list_queue() if h.message_id != FIRST])
+
+
+def test_a_listing_that_misses_an_entry_is_a_divergence_not_an_error() -> None:
+    spec = BackendSpec("hides", lambda root, io: HidesFromListing())
+    start = Call(Op.SEND_START, (0, 0))
+    # the second send_start goes through a handle listed after the enqueue (stale)
+    run = run_workload(spec, (enqueue_call(0, 1), start, start))
+    assert run.error is None and run.divergence is not None
+    assert run.divergence.clause == "API" and "does not list" in run.divergence.detail
