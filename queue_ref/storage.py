@@ -52,6 +52,7 @@ __all__ = [
     "Handle",
     "InflightMail",
     "InvalidInputError",
+    "Limits",
     "MailReader",
     "MisuseError",
     "NoSpaceError",
@@ -65,10 +66,13 @@ __all__ = [
     "StorageIOError",
     "UnsupportedError",
     "validate_address",
+    "validate_schedule",
 ]
 
 MAX_ADDRESS = 1024
 MAX_PARAMS_BYTES = 64 * 1024
+#: The largest schedule time and attempt count any backend must store (64-bit signed).
+MAX_SCHEDULE = 2**63 - 1
 
 
 # ---- errors, split by cause -----------------------------------------------------------
@@ -129,6 +133,16 @@ class Capability(enum.Enum):
     STREAMING_BODIES = "streaming-bodies"  # bodies of any size in bounded memory
     MULTI_PROCESS = "multi-process"  # several processes may open one queue at once
     IO_SEAM = "io-seam"  # every disk call goes through a queue_ref.io.IO (crash-explorable)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one message may hold in a backend (``Storage.limits``); beyond it, ``commit``
+    raises InvalidInputError before anything is stored.  None: no limit of its own."""
+
+    max_recipients: int | None = None
+    max_address: int = MAX_ADDRESS
+    max_body_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -204,6 +218,19 @@ def validate_params(params: object) -> dict[str, str]:
     return out
 
 
+def validate_schedule(value: object, what: str = "schedule") -> Schedule:
+    """A Schedule whose time and attempt count are ints in 0..MAX_SCHEDULE (a Schedule
+    forged past its own checks, with a negative, float or NaN field, is refused too)."""
+    if not isinstance(value, Schedule):
+        raise InvalidInputError(f"{what} must be a Schedule, got {type(value).__name__}")
+    for name in ("at", "attempts"):
+        v = getattr(value, name, None)
+        if type(v) is not int or not 0 <= v <= MAX_SCHEDULE:
+            raise InvalidInputError(f"{what}: {name} must be an int from 0 to {MAX_SCHEDULE}, "
+                                    f"got {v!r}")
+    return value
+
+
 def validate_recipients(rcpts: object) -> list[Recipient]:
     if isinstance(rcpts, (str, bytes)) or not isinstance(rcpts, Sequence):
         raise InvalidInputError("recipients must be a sequence of Recipient")
@@ -215,8 +242,7 @@ def validate_recipients(rcpts: object) -> list[Recipient]:
             raise InvalidInputError(f"recipient {i} is not a Recipient")
         validate_address(r.address, f"recipient {i}")
         validate_address(r.zone, f"zone of recipient {i}")
-        if not isinstance(r.schedule, Schedule):
-            raise InvalidInputError(f"schedule of recipient {i} is not a Schedule")
+        validate_schedule(r.schedule, f"schedule of recipient {i}")
         out.append(r)
     return out
 
@@ -407,6 +433,11 @@ class Storage(abc.ABC):
     """A durable mail queue.  See the module docstring for what holds after failures."""
 
     capabilities: frozenset[Capability] = frozenset()
+
+    @property
+    def limits(self) -> Limits:
+        """What one message may hold here (recipients, address and body sizes)."""
+        return Limits()
 
     def __init__(self) -> None:
         self._token = object()

@@ -220,7 +220,7 @@ def test_bad_input_passes_on_memory_and_catches_a_double_claim() -> None:
 
 def test_check_ids_are_stable() -> None:
     assert list(BY_ID) == ["lockstep", "restart", "listing", "bad-input", "many-recipients",
-                           "threads", "process-kill", "recovery-rerun", "crash-exploration",
+                           "limits", "threads", "process-kill", "recovery-rerun", "crash-exploration",
                            "io-errors", "multi-process", "streaming"]
 
 

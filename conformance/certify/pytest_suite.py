@@ -111,6 +111,9 @@ class StorageSuite:
     def test_many_recipients(self, request: pytest.FixtureRequest) -> None:
         self._run(request, "many-recipients")
 
+    def test_limits(self, request: pytest.FixtureRequest) -> None:
+        self._run(request, "limits")
+
     def test_threads(self, request: pytest.FixtureRequest) -> None:
         self._run(request, "threads")
 

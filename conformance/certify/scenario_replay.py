@@ -7,7 +7,7 @@ Scenario ids start with the check that found them:
 * ``process-kill:<seed>:<trial>:<length>``, ``recovery-rerun:...``: the same workload,
   killed during the same call after the same delay;
 * ``io-errors:<seed>:<trial>``: the same workload, the same failing call;
-* ``bad-input:<case>``, ``many-recipients:<n>``, ``threads:<seed>``,
+* ``bad-input:<case>``, ``limits:<case>``, ``many-recipients:<n>``, ``threads:<seed>``,
   ``multi-process:<seed>``, ``streaming:<bytes>``: that check again;
 * anything else is handed to the crash explorer (``conformance.checks.crash_exploration_check``).
 """
@@ -20,6 +20,7 @@ from conformance import lockstep
 from conformance.checks import (
     bad_input_check,
     io_errors_check,
+    limits_check,
     multi_process_check,
     process_kill_check,
     scale_checks,
@@ -47,6 +48,8 @@ def replay(backend: Backend, scenario: str) -> list[Finding]:
         return io_errors_check.replay(backend, scenario)
     if head == "bad-input":
         return [f for f in bad_input_check.run(backend).findings if f.scenario == scenario]
+    if head == "limits":
+        return limits_check.replay(backend, scenario)
     if head == "many-recipients":
         return scale_checks.many_recipients(backend, replace(QUICK, many_recipients=int(rest)),
                                      0).findings

@@ -19,6 +19,7 @@ from conformance.checks import (
     bad_input_check,
     crash_exploration_check,
     io_errors_check,
+    limits_check,
     multi_process_check,
     process_kill_check,
     scale_checks,
@@ -70,6 +71,8 @@ def _run_one(spec: CheckSpec, model: str, backend: Backend, probe: Probe, profil
         return bad_input_check.run(backend)
     if spec.id == "many-recipients":
         return scale_checks.many_recipients(backend, profile, s)
+    if spec.id == "limits":
+        return limits_check.run(backend, profile)
     if spec.id == "threads":
         return scale_checks.threads(backend, profile, s)
     if spec.id == "multi-process":

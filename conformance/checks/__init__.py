@@ -6,6 +6,7 @@ module                     check ids
 =========================  ==============================================================
 bad_input_check            bad-input
 scale_checks               many-recipients, threads
+limits_check               limits
 process_kill_check         process-kill, recovery-rerun
 crash_exploration_check    crash-exploration (hands the backend to ``crashexplore``)
 io_errors_check            io-errors

@@ -7,6 +7,9 @@ the project's own backends pass the same checks.  Never use them for mail.
 
 from __future__ import annotations
 
+import errno
+import os
+
 from queue_ref.io import IO, OsIO
 from queue_ref.storage import Storage
 
@@ -19,3 +22,60 @@ def swallow_eio(root: str, io: IO | None = None) -> Storage:
     from conformance.crashexplore.explored_backends import deterministic_fs
 
     return deterministic_fs(SwallowFsyncError)(root, io if io is not None else OsIO())
+
+
+# ---- limits -----------------------------------------------------------------------------
+
+class SmallLinksIO(OsIO):
+    """A file system that holds at most ``LINKS`` names per file (as some do; the
+    filesystem queue gives a message of n recipients n + 1 names)."""
+
+    LINKS = 200
+
+    def link_max(self, path: str) -> int:
+        return self.LINKS
+
+    def link(self, src: str, dst: str) -> None:
+        if os.lstat(src).st_nlink >= self.LINKS:
+            raise OSError(errno.EMLINK, os.strerror(errno.EMLINK), dst)
+        super().link(src, dst)
+
+
+def fs_small_links(root: str) -> Storage:
+    """The filesystem queue on a file system of 200 names per file: it declares 199
+    recipients per message and refuses more before anything is stored."""
+    from queue_ref.fsqueue import FsQueue
+
+    return FsQueue(root, SmallLinksIO())
+
+
+def fs_unchecked_recipients(root: str) -> Storage:
+    """As ``fs_small_links``, without the up-front recipient count check: a commit beyond
+    the limit fails on EMLINK halfway through its links (StorageIOError, not
+    InvalidInputError).  The limits check fails it on C9."""
+    from queue_ref.fsqueue import FsQueue
+
+    class UncheckedRecipients(FsQueue):
+        def _check_recipient_count(self, n: int) -> None:
+            return None
+
+    return UncheckedRecipients(root, SmallLinksIO())
+
+
+def kv_unchecked_schedule(root: str, io: IO | None = None) -> Storage:
+    """The KV queue (log engine) accepting any ``Schedule`` instance as it comes: a forged
+    one with a NaN or negative time is stored or fails deep inside (a bare ValueError).
+    The limits check fails it on C9."""
+    from queue_ref.kv.queue import KvQueue
+    from queue_ref.storage import InvalidInputError, Schedule
+
+    class UncheckedSchedule(KvQueue):
+        @staticmethod
+        def _schedule(schedule: object) -> Schedule:
+            if not isinstance(schedule, Schedule):
+                raise InvalidInputError("schedule must be a Schedule")
+            return schedule
+
+    store = UncheckedSchedule.open_log(root, io)
+    assert isinstance(store, UncheckedSchedule)
+    return store

@@ -56,6 +56,7 @@ from queue_ref.storage import (
     validate_address,
     validate_params,
     validate_recipients,
+    validate_schedule,
 )
 
 CHUNK = 256 * 1024
@@ -247,6 +248,7 @@ class SqliteStorage(Storage):
         return (int(rows[0][0]), int(rows[0][1])) if rows else None
 
     def reschedule(self, mail: QueuedMail, schedule: Schedule) -> QueuedMail | None:
+        validate_schedule(schedule)
         h = self._take(mail, QueuedMail)
         got = self._move(h, "UPDATE entries SET at=?, attempts=? WHERE id=? AND state='queued'",
                          (schedule.at, schedule.attempts, int(h.entry_id)))
@@ -269,6 +271,7 @@ class SqliteStorage(Storage):
                                                     h.message_id, Schedule(*got))
 
     def send_cancel(self, mail: InflightMail, schedule: Schedule) -> QueuedMail | None:
+        validate_schedule(schedule)
         h = self._take(mail, InflightMail)
         got = self._move(h, "UPDATE entries SET state='queued', owner=NULL, at=?, attempts=? "
                             "WHERE id=? AND state='inflight' AND owner=?",

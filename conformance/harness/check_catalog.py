@@ -79,6 +79,10 @@ CHECKS: tuple[CheckSpec, ...] = (
               Kind.BAD_INPUT, ("C9", "C7")),
     CheckSpec("many-recipients", "one message to 10,000 recipients: all listed, each "
               "entry its own recipient, drained to zero", Kind.SCALE, ("C2", "C6", "C8")),
+    CheckSpec("limits", "at and beyond the declared limits (10,000 and 100,000 "
+              "recipients, address and body sizes) and invalid schedules: InvalidInputError "
+              "with a clear message, nothing half-written, no hang", Kind.BAD_INPUT,
+              ("C9", "C2", "C6")),
     CheckSpec("threads", "threads racing send_start on the same entries and enqueuing "
               "together: one claim per entry, nothing lost", Kind.CONCURRENCY,
               ("C7", "C2", "C8")),
@@ -97,7 +101,8 @@ CHECKS: tuple[CheckSpec, ...] = (
               (Capability.IO_SEAM,), crash=True, seam_only=True),
     CheckSpec("io-errors", "a disk call fails with EIO or ENOSPC; the outcome is judged "
               "against the model: failed with StorageIOError and the old or new state, or "
-              "succeeded and the new state, after a restart and after a power cut", Kind.FAULTS, ("C9", "C2", "C5"), Level.OPTIONAL,
+              "succeeded and the new state, after a restart and after a power cut",
+              Kind.FAULTS, ("C9", "C2", "C5"), Level.OPTIONAL,
               (Capability.IO_SEAM,)),
     CheckSpec("multi-process", "processes sharing one queue race for the same entries; "
               "entries of a killed owner are found again", Kind.CONCURRENCY,

@@ -79,6 +79,7 @@ from queue_ref.storage import (
     Handle,
     InflightMail,
     InvalidInputError,
+    Limits,
     MailReader,
     PendingCleanupMail,
     QueuedMail,
@@ -89,6 +90,7 @@ from queue_ref.storage import (
     StorageIOError,
     validate_address,
     validate_params,
+    validate_schedule,
 )
 
 _CLAIMED = "claimed"  # QueuedMail._extra: a failed reschedule left the entry claimed by us
@@ -214,6 +216,11 @@ class FsQueue(FsMetadata, Storage):
                 created = True
         if created:
             self.io.fsync_dir(self.root)
+
+    @property
+    def limits(self) -> Limits:
+        """Recipients per message: one fewer than the file system's names per file."""
+        return Limits(max_recipients=self._link_max - 1)
 
     @property
     def sync_mode(self) -> str:
@@ -659,8 +666,7 @@ class _Guard:
 
 
 def _check_schedule(schedule: object) -> None:
-    if not isinstance(schedule, Schedule):
-        raise InvalidInputError(f"schedule must be a Schedule, got {type(schedule).__name__}")
+    validate_schedule(schedule)
 
 
 __all__ = ["FsQueue"]

@@ -45,7 +45,7 @@ from queue_ref.storage import (
     Footprint,
     Handle,
     InflightMail,
-    InvalidInputError,
+    Limits,
     MailReader,
     MisuseError,
     PendingCleanupMail,
@@ -55,6 +55,7 @@ from queue_ref.storage import (
     Storage,
     validate_address,
     validate_params,
+    validate_schedule,
 )
 
 H = TypeVar("H", bound=Handle)
@@ -154,10 +155,12 @@ class KvQueue(Storage):
 
     @staticmethod
     def _schedule(schedule: object) -> Schedule:
-        if not isinstance(schedule, Schedule):
-            raise InvalidInputError(
-                f"schedule must be a Schedule, got {type(schedule).__name__}")
-        return schedule
+        return validate_schedule(schedule)
+
+    @property
+    def limits(self) -> Limits:
+        """Recipients per message: what the keys' index field holds."""
+        return Limits(max_recipients=keys.MAX_RCPTS + 1)
 
     # ---- listing --------------------------------------------------------------------
 
