@@ -49,12 +49,12 @@ def test_plugin_adds_its_options(pytester: pytest.Pytester) -> None:
 
 
 def test_one_line_opt_in_reports_memory_as_not_durable(pytester: pytest.Pytester) -> None:
-    """MemoryStorage passes the semantic checks and fails durability (C1) where it is
+    """MemoryStorage passes the semantic checks (limits included) and fails durability (C1) where it is
     tested; what it does not declare is skipped as unsupported, never passed."""
     pytester.makepyfile(test_mine=THIRD_PARTY)
     result = pytester.runpytest_subprocess("--storage-models=process-kill", "-rfs",
                                            "-p", "no:randomly")
-    result.assert_outcomes(passed=5, failed=3, skipped=4)
+    result.assert_outcomes(passed=6, failed=3, skipped=4)
     out = result.stdout.str()
     for name in ("test_restart", "test_process_kill", "test_recovery_rerun"):
         assert f"FAILED test_mine.py::TestMemory::{name}" in out

@@ -90,6 +90,7 @@ def context(cert: Certificate) -> dict[str, Any]:
     findings.sort(key=lambda f: (list(ROWS).index(f["clause"]) if f["clause"] in ROWS else 99,
                                  f["model"], f["scenario"]))
     return {
+        "coverage": coverage(cert),
         "cert": cert, "status": status,
         "status_class": {CERTIFIED: "pass", KNOWN_FAILURES: "known-failure"}.get(status,
                                                                                   "fail"),
@@ -98,6 +99,29 @@ def context(cert: Certificate) -> dict[str, Any]:
         "unsupported_models": cert.unsupported_models(),
         "stale": cert.stale_expectations(),
     }
+
+
+def coverage(cert: Certificate) -> dict[str, Any]:
+    """Operation x crash model: how many crash points inside the operation crash
+    exploration crashed and judged, of how many, and whether some instance of it was
+    crashed at every one of its mutating calls."""
+    models = [r.model for r in cert.results if r.check == "crash-exploration"
+              and isinstance(r.stats.get("coverage"), dict)]
+    ops: list[str] = []
+    for r in cert.results:
+        if r.check == "crash-exploration":
+            ops += [op for op in r.stats.get("coverage", {}) if op not in ops]
+    rows = []
+    for op in ops:
+        cells = []
+        for r in cert.results:
+            if r.check != "crash-exploration" or r.model not in models:
+                continue
+            c = r.stats["coverage"].get(op, {"points": 0, "crashed": 0, "complete": 0})
+            cells.append({"text": f"{c['crashed']}/{c['points']}" if c["points"] else "none",
+                          "complete": bool(c["complete"])})
+        rows.append({"op": op, "cells": cells})
+    return {"models": models, "rows": rows}
 
 
 def markdown(cert: Certificate) -> str:

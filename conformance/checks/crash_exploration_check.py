@@ -84,6 +84,7 @@ def run_all(backend: Backend, models: Sequence[str], profile: Profile, seed: int
     name = registry_name(backend)
     cfg = ExploreConfig(backend=name, models=tuple(seam_models), bound=profile.crash_bound,
                         random=profile.crash_random, random_length=profile.crash_random_length,
+                        targeted=profile.crash_targeted,
                         seed=seed % (2**31), jobs=max(1, jobs))
     summary = explore(cfg)
     seconds = time.perf_counter() - start
@@ -111,12 +112,22 @@ def run_all(backend: Backend, models: Sequence[str], profile: Profile, seed: int
             "eio_states": st.eio_states if st else 0,
             "distinct_states": len(st.images) if st else 0,
             "violations": dict(st.violations) if st else {},
+            "coverage": {op: {"points": row[0], "crashed": row[1], "complete": row[2]}
+                         for op, row in sorted(summary.coverage.get(m, {}).items())},
         }
         res = finished(CHECK, m, per_model.get(m, []), seconds=seconds / len(seam_models),
                        seed=seed, stats=stats)
+        uncovered = summary.uncovered(m)
         if summary.errors and not res.findings and not (st and st.states):
             res.status = Status.ERROR
             res.note = f"exploration could not run: {summary.errors[0]}"
+        elif uncovered and not res.findings:
+            # A model is certified only when every operation was crashed at every one of
+            # its mutating calls under it.
+            res.status = Status.ERROR
+            res.note = (f"incomplete coverage under {m}: {', '.join(uncovered)} never crashed "
+                        "at every one of its mutating calls (no mutating call through the "
+                        "I/O seam, or its crash states could not be built)")
         elif summary.errors:
             res.note = f"{len(summary.errors)} cases could not be built, e.g. {summary.errors[0]}"
         out.append(res)

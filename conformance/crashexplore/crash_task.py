@@ -131,6 +131,15 @@ class TaskResult:
     failures: list[CaseOutcome] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    #: model -> operation -> [crash points inside it, of which crashed and judged,
+    #: instances of it crashed at every one of their points]
+    coverage: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+
+    def cover(self, model: str, op: str, points: int, crashed: int) -> None:
+        row = self.coverage.setdefault(model, {}).setdefault(op, [0, 0, 0])
+        row[0] += points
+        row[1] += crashed
+        row[2] += int(points > 0 and crashed == points)
 
     def stats(self, model: str) -> ModelStats:
         return self.per_model.setdefault(model, ModelStats())
@@ -159,6 +168,7 @@ def explore_task(task: Task) -> TaskResult:
     out = TaskResult(task.workload_id)
     backend = resolve(task.backend)
     base = CaseInput(task.backend, task.workload_id, task.workload, seed=task.limits.seed)
+    # 1. run the workload without faults; an orderly restart must show the model's state
     ref, found, err, _ = rest_check(backend, task.workload)
     rest = replace(base, kind="rest")
     out.record(NO_CRASH, CaseOutcome(rest, str(rest.scenario), found, ref.trace_hash,
@@ -167,17 +177,33 @@ def explore_task(task: Task) -> TaskResult:
         out.seconds = time.perf_counter() - t0
         return out
     judge = _Judge(backend, task, base, out)
+    # 2. crash before and after each mutating call, build every state each model allows,
+    #    recover, judge, record (and count which operation each point was inside)
+    per_op: dict[str, dict[str, list[int]]] = {
+        model: {c.op.value: [0, 0] for c in task.workload[max(task.first_call, 0):]}
+        for model in task.models}
     for m in _crash_points(ref, task.first_call):
+        op = _op_at(ref, m)
         for when in ("before", "after"):
             out.points += 1
             run = run_workload(backend, task.workload, FaultPlan(crash_at=m, crash_when=when))
+            judged: set[str] = set()
             if not run.crashed:
                 out.errors.append(f"{task.workload_id}: no crash at mutating call #{m} "
                                   "(the rerun made fewer calls than the first run)")
-                continue
-            before, call = run.interrupted()
-            judge.point(run, len(run.events), before, call, m, when,
-                        f"crash {when} #{m}")
+            else:
+                before, call = run.interrupted()
+                judged = judge.point(run, len(run.events), before, call, m, when,
+                                     f"crash {when} #{m}")
+            for model in task.models:
+                row = per_op.setdefault(model, {}).setdefault(op, [0, 0])
+                row[0] += 1
+                row[1] += model in judged
+    for model, ops in per_op.items():
+        for op, (points, crashed) in ops.items():
+            out.cover(model, op, points, crashed)
+    # 3. crash at rest after each call covered, and (in judge.point) again inside the
+    #    recovery of a sample of the passing states
     if task.at_rest:
         # The process dies between calls, without closing the queue: the disk is what
         # reached the seam, as each model keeps it (buffered data is lost even under
@@ -187,6 +213,7 @@ def explore_task(task: Task) -> TaskResult:
             out.rest_points += 1
             judge.point(ref, ref.rest_cut(n), ref.models[n], None, n, AT_REST,
                         f"crash at rest after {n} calls")
+    # 4. fail each fsync of the last call with EIO, then cut the power
     if task.eio and task.workload:
         last = len(task.workload) - 1
         if task.first_call == OPEN or task.first_call <= last:
@@ -211,6 +238,14 @@ def rest_check(backend: BackendSpec, workload: Workload
                              f"{run.error}"), None
         rec = inspect(lambda: backend.open(d, ScratchIO()))
     return run, judge_recovered(rec, run, run.models[-1], None), "", rec
+
+
+def _op_at(ref: Run, m: int) -> str:
+    """The operation during which mutating call ``m`` of the run was made."""
+    for c in range(len(ref.op_starts)):
+        if ref.op_starts[c] <= m < ref.op_ends[c]:
+            return ref.workload[c].op.value
+    return "open"
 
 
 def _crash_points(ref: Run, first_call: int) -> Iterator[int]:
@@ -238,10 +273,12 @@ class _Judge:
     recovery_cache: dict[tuple[str, object], list[_Second]] = field(default_factory=dict)
 
     def point(self, run: Run, cut: int, before: Model, call: Call | None, index: int,
-              when: str, label: str) -> None:
+              when: str, label: str) -> set[str]:
         """The crash point that keeps ``run.events[:cut]``: the interrupted ``call`` met
-        ``before`` (``call`` None: at rest, or while opening)."""
+        ``before`` (``call`` None: at rest, or while opening).  Returns the models under
+        which its states were built and judged."""
         task, out, lim = self.task, self.out, self.task.limits
+        judged: set[str] = set()
         for model in task.models:
             stats = out.stats(model)
             stats.points += 1
@@ -253,6 +290,7 @@ class _Judge:
                 out.errors.append(f"{task.workload_id} {label} under {model}: "
                                   f"the trace cannot be replayed: {e}")
                 continue
+            judged.add(model)
             sampled = _sample(len(states), task.recovery_sample)
             for pos, st in enumerate(states):
                 digest = image_digest(st.image)
@@ -267,6 +305,7 @@ class _Judge:
                 stats.count(digest)
                 if task.recovery and pos in sampled:
                     self._in_recovery(run, before, call, model, st, index, when)
+        return judged
 
     def _in_recovery(self, run: Run, before: Model, call: Call | None, model: str,
                      st: CrashState, index: int, when: str) -> None:

@@ -2,11 +2,14 @@
 
 ``plan(config)`` lists the tasks: one per workload of the exhaustive enumeration (crash
 points inside its last call and at rest after it; the empty workload covers opening a new
-queue), one per workload of the enumeration after one message's whole life when
-``after_life`` is set (``workloads.LIFE``: the queue then holds what a backend keeps of a
-finished message), and one per random workload (crash points inside every call and at rest after
-each).  ``explore(config)`` runs them, with
-``jobs`` worker processes when asked, and returns a ``Summary``.
+queue); the targeted workloads (``workloads.targeted_workloads``: every operation after a
+prefix that reaches its source state, so every operation is crashed at every one of its
+mutating calls whatever the bound); one per workload of the enumeration after one
+message's whole life when ``after_life`` is set (``workloads.LIFE``: the queue then holds
+what a backend keeps of a finished message); and one per random workload (crash points
+inside every call and at rest after each).  ``explore(config)`` runs them, with ``jobs``
+worker processes when asked, and returns a ``Summary`` with the coverage: operation x
+crash points x model.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conformance.crashexplore.backend_registry import resolve
-from conformance.crashexplore.crash_scenario import AT_REST, NO_CRASH, CaseOutcome
+from conformance.crashexplore.crash_scenario import AT_REST, NO_CRASH, CaseOutcome, workload_id
 from conformance.crashexplore.crash_task import (
     DEFAULT_LIMITS,
     RECOVERY_LIMITS,
@@ -28,8 +31,14 @@ from conformance.crashexplore.crash_task import (
     explore_task,
 )
 from conformance.crashexplore.traced_runs import OPEN, Limits
-from conformance.crashexplore.workloads import LIFE, enumerate_steps, random_workload
+from conformance.crashexplore.workloads import (
+    LIFE,
+    enumerate_steps,
+    random_workload,
+    targeted_workloads,
+)
 from faultinject.models import MODELS
+from spec.states import Op
 
 KIND_ORDER = {"rest": 0, "crash": 1, "eio": 2, "recovery": 3}
 
@@ -50,6 +59,7 @@ class ExploreConfig:
     recovery_limits: Limits = RECOVERY_LIMITS
     eio: bool = True
     at_rest: bool = True  # also crash at rest, after the calls (see ``crash_task``)
+    targeted: bool = True  # also every operation after a prefix that reaches its state
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.models if m not in MODELS]
@@ -70,6 +80,12 @@ def plan(cfg: ExploreConfig) -> list[Task]:
 
     out = [task(f"b{cfg.bound}w{s.index}", s.workload, len(s.workload) - 1 if s.workload
                 else OPEN) for s in enumerate_steps(cfg.bound)]
+    if cfg.targeted:
+        planned = {(t.workload, t.first_call) for t in out}
+        for wl in targeted_workloads():
+            if (wl, len(wl) - 1) not in planned:
+                planned.add((wl, len(wl) - 1))
+                out.append(task(workload_id(wl), wl, len(wl) - 1))
     if cfg.after_life >= 0:
         out += [task(f"a{cfg.after_life}w{s.index}", s.workload, len(s.workload) - 1)
                 for s in enumerate_steps(cfg.after_life, after=LIFE)]
@@ -90,8 +106,16 @@ class Summary:
     failures: list[CaseOutcome] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    #: model -> operation -> [crash points inside it, crashed and judged, instances crashed
+    #: at every one of their points] (see ``crash_task.TaskResult.coverage``)
+    coverage: dict[str, dict[str, list[int]]] = field(default_factory=dict)
 
     def add(self, r: TaskResult) -> None:
+        for m, ops in r.coverage.items():
+            for op, row in ops.items():
+                mine = self.coverage.setdefault(m, {}).setdefault(op, [0, 0, 0])
+                for i, v in enumerate(row):
+                    mine[i] += v
         self.workloads += 1
         self.crash_points += r.points
         self.rest_points += r.rest_points
@@ -128,6 +152,12 @@ class Summary:
         return dict(sorted(out.items(), key=lambda kv: int(kv[0][1:]) if kv[0][1:].isdigit()
                            else 99))
 
+    def uncovered(self, model: str) -> list[str]:
+        """Operations of the transition table (and enqueue) that no task crashed at every
+        one of its mutating calls under ``model``."""
+        ops = self.coverage.get(model, {})
+        return [op.value for op in Op if ops.get(op.value, [0, 0, 0])[2] == 0]
+
     def minimal(self) -> dict[str, CaseOutcome]:
         """The shortest failing scenario of each clause."""
         out: dict[str, CaseOutcome] = {}
@@ -153,6 +183,10 @@ class Summary:
                     "distinct_states": len(s.images),
                     "violations": {f"{k}": n for k, n in sorted(s.violations.items())}}
                 for m, s in self.per_model.items() if m != NO_CRASH},
+            "coverage": {m: {op: {"points": row[0], "crashed": row[1], "complete": row[2]}
+                             for op, row in sorted(ops.items())}
+                         for m, ops in self.coverage.items()},
+            "uncovered": {m: self.uncovered(m) for m in c.models},
             "errors": self.errors[:20], "error_count": len(self.errors),
             "seconds": round(self.seconds, 2),
         }

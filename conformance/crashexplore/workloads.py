@@ -190,3 +190,28 @@ def outcomes(workload: Workload) -> list[tuple[Model, Outcome | int]]:
         out.append((model, res))
         model = after
     return out
+
+
+def targeted_workloads(max_length: int = 4) -> list[Workload]:
+    """For every operation, the shortest workloads that end with it moving an entry: one
+    of a one-recipient message and one of a two-recipient message (a prefix that brings
+    the entry to the operation's source state, then the operation).  Crashing inside
+    their last call covers every operation at every one of its mutating calls, whatever
+    the exhaustive bound.  Operations no workload of ``max_length`` calls reaches are
+    missing (crash exploration then reports its coverage incomplete)."""
+    found: dict[tuple[Op, int], Workload] = {}
+    for step in enumerate_steps(max_length):
+        wl = step.workload
+        if not wl:
+            continue
+        call = wl[-1]
+        _, res = run(step.before, call)
+        if call.op is Op.ENQUEUE:
+            key = (call.op, len(call.rcpts))
+        elif res is Outcome.MOVED and call.key is not None:
+            key = (call.op, len(step.before.messages[call.key[0]].rcpts))
+        else:
+            continue
+        if key not in found or len(wl) < len(found[key]):
+            found[key] = wl
+    return [found[k] for k in sorted(found, key=lambda k: (list(Op).index(k[0]), k[1]))]

@@ -79,3 +79,40 @@ def kv_unchecked_schedule(root: str, io: IO | None = None) -> Storage:
     store = UncheckedSchedule.open_log(root, io)
     assert isinstance(store, UncheckedSchedule)
     return store
+
+
+# ---- crash coverage ------------------------------------------------------------------------
+
+def fs_done_outside_seam(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue (``fsync`` mode) whose ``send_done`` renames and fsyncs with
+    ``os`` directly instead of through its I/O seam, while declaring ``io-seam``.  Nothing
+    it does is wrong on disk, but crash exploration cannot crash inside ``send_done``:
+    its coverage is incomplete and no crash model is certified by exploration."""
+    from os.path import dirname
+
+    from conformance.crashexplore.explored_backends import deterministic_fs
+    from queue_ref.fsqueue import FsQueue
+    from queue_ref.storage import InflightMail, PendingCleanupMail
+
+    class DoneOutsideSeam(FsQueue):
+        default_sync = "fsync"
+
+        def send_done(self, mail: InflightMail) -> PendingCleanupMail | None:
+            h = self._take(mail, InflightMail)
+            e = self._entry(h)
+            src, dst = self.layout.inflight_link(e, self.owner), self.layout.cleanup_link(e)
+            with self._guard("send_done", h):
+                try:
+                    os.rename(src, dst)
+                except FileNotFoundError:
+                    return None
+                for d in {dirname(src), dirname(dst)}:
+                    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+            return self._issue(PendingCleanupMail, h.entry_id, h.message_id, h.schedule,
+                               h._extra)
+
+    return deterministic_fs(DoneOutsideSeam)(root, io if io is not None else OsIO())

@@ -34,6 +34,8 @@ class Profile:
     thread_messages: int
     processes: int
     shrink: bool  # shrink a failing lockstep run to a minimal one (slow: many reruns)
+    #: crash every operation after a prefix that reaches its state (full coverage)
+    crash_targeted: bool = True
 
     def hypothesis_settings(self) -> settings:
         phases = [Phase.explicit, Phase.reuse, Phase.generate]
