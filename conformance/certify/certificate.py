@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from conformance.harness.check_catalog import BY_ID, CHECKS, NO_CRASH, ROWS
+from conformance.harness.check_catalog import BY_ID, CHECKS, INCLUDES, NO_CRASH, ROWS
 from conformance.harness.check_results import CheckResult, Finding, Status
 
 SUITE = "queue-ref conformance suite"
@@ -155,9 +155,19 @@ class Certificate:
         ok = (Status.PASS, Status.NOT_RUN, Status.UNSUPPORTED)
         for col in self.models:
             cells = [m[c][col].status for c in m]
-            if Status.PASS in cells and all(s in ok for s in cells):
+            if Status.PASS in cells and all(s in ok for s in cells) \
+                    and not self.broken_inclusions(col, m):
                 out.append(col)
         return out
+
+    def broken_inclusions(self, col: str, m: dict[str, dict[str, Cell]] | None = None
+                          ) -> list[str]:
+        """Checked models that ``col`` includes (``INCLUDES``) and that do not hold: every
+        state they can leave is one ``col`` allows too, so ``col`` cannot hold either."""
+        m = m if m is not None else self.matrix()
+        bad = (Status.FAIL, Status.ERROR, Status.KNOWN_FAILURE)
+        return [inc for inc in INCLUDES.get(col, ()) if inc in self.models
+                and any(m[c][inc].status in bad for c in m)]
 
     def unsupported_models(self) -> list[str]:
         m = self.matrix()
@@ -186,6 +196,10 @@ class Certificate:
                     out.append(f"{clause} ({ROWS[clause]}) {what} under {col}"
                                + (f": {', '.join(cell.scenarios[:3])}" if cell.scenarios
                                   else ""))
+        for col in self.models:
+            for inc in self.broken_inclusions(col, m):
+                out.append(f"not certified under {col}: it includes every state {inc} can "
+                           f"leave, and {inc} does not hold")
         if not self.certified_models() and not out:
             if any(r.model in self.models for r in self.results):
                 out.append("no crash model could be checked: the checks of "

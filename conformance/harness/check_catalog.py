@@ -28,6 +28,14 @@ from spec.crash import CLAUSES
 NO_CRASH = "no-crash"
 #: The black-box crash model every backend can be tested under.
 PROCESS_KILL = "process-kill"
+#: Crash models whose states include every state of other models: a crash model is
+#: certified only when each model it includes holds too (a backend that fails under
+#: process-kill is never "certified under weak").  ``tests/test_conformance_inclusion.py``
+#: checks the inclusion on the crash states of the project's backends and broken variants.
+INCLUDES: dict[str, tuple[str, ...]] = {
+    "weak": ("ext4-ordered", PROCESS_KILL),
+    "ext4-ordered": (PROCESS_KILL,),
+}
 #: Clause ids, in order, plus API for answers that break the interface itself.
 API = "API"
 ROWS: dict[str, str] = {**CLAUSES, API: "Interface (answers, listings, handles)"}
