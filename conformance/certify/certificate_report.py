@@ -118,7 +118,8 @@ def coverage(cert: Certificate) -> dict[str, Any]:
             if r.check != "crash-exploration" or r.model not in models:
                 continue
             c = r.stats["coverage"].get(op, {"points": 0, "crashed": 0, "complete": 0})
-            cells.append({"text": f"{c['crashed']}/{c['points']}" if c["points"] else "none",
+            cells.append({"text": f"{c['crashed']}/{c['points']}" if c["points"] else
+                          ("no mutating call" if c["complete"] else "never run"),
                           "complete": bool(c["complete"])})
         rows.append({"op": op, "cells": cells})
     return {"models": models, "rows": rows}
