@@ -6,7 +6,13 @@ Each is MemoryStorage with one rule broken; the suite must name the clause.
 from __future__ import annotations
 
 from queue_ref.memory import MemoryStorage
-from queue_ref.storage import InflightMail, PendingCleanupMail, QueuedMail
+from queue_ref.storage import (
+    InflightMail,
+    PendingCleanupMail,
+    QueuedMail,
+    RecoveryReport,
+    Schedule,
+)
 
 
 class DoubleClaim(MemoryStorage):
@@ -38,3 +44,30 @@ class LeakyCleanup(MemoryStorage):
 def memory(root: str) -> MemoryStorage:
     """factory(root) for MemoryStorage (the root is ignored: nothing is kept)."""
     return MemoryStorage()
+
+
+class RescheduleLosesBody(MemoryStorage):
+    """reschedule rewrites the message without its body: the entry is still listed with
+    the right schedule, but its message no longer reads back as committed (C6)."""
+
+    def reschedule(self, mail: QueuedMail, schedule: Schedule) -> QueuedMail | None:
+        got = super().reschedule(mail, schedule)
+        if got is not None:
+            with self._lock:
+                msg = self._msgs[self._entries[got.entry_id].message_id]
+                msg.body = b""
+        return got
+
+
+class RecoverRequeuesLive(MemoryStorage):
+    """recover() on the live queue puts the entries this very queue holds inflight back
+    in the queue: another worker then claims them too (C7 in disguise; C10)."""
+
+    def recover(self) -> RecoveryReport:
+        with self._lock:
+            n = 0
+            for e in self._entries.values():
+                if e.state == "inflight":
+                    e.state = "queued"
+                    n += 1
+        return RecoveryReport(requeued=n)

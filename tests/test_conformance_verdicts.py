@@ -86,3 +86,36 @@ def test_a_listing_that_misses_an_entry_is_a_divergence_not_an_error() -> None:
     run = run_workload(spec, (enqueue_call(0, 1), start, start))
     assert run.error is None and run.divergence is not None
     assert run.divergence.clause == "API" and "does not list" in run.divergence.detail
+
+
+def test_the_lockstep_listing_reads_every_listed_entry_back() -> None:
+    # The entry is listed with its schedule, so only reading it back shows the loss;
+    # the other no-crash checks pass this variant.
+    from conformance.certify.suite_runner import certify
+    from conformance.harness.check_catalog import NO_CRASH
+    from tests.conformance_support import RescheduleLosesBody
+
+    cert = certify(RescheduleLosesBody, models=["process-kill"], only=[
+        "lockstep", "bad-input", "many-recipients", "limits", "threads"], seed=3)
+    failed = {(r.check, f.clause) for r in cert.results for f in r.findings}
+    assert failed == {("lockstep", "C6")}
+    finding = next(f for r in cert.results for f in r.findings)
+    assert finding.model == NO_CRASH and "reads back" in finding.detail
+    assert replay(Backend.from_factory(RescheduleLosesBody), finding.scenario)
+
+
+def test_recover_at_any_step_must_leave_a_live_queue_alone() -> None:
+    from conformance.lockstep import run_lockstep
+    from tests.conformance_support import RecoverRequeuesLive
+
+    found = run_lockstep(Backend.from_factory(RecoverRequeuesLive), QUICK, 2)
+    assert [f.clause for f in found] == ["C10"] and "recover()" in found[0].detail
+    assert run_lockstep(Backend.from_factory("queue_ref.memory:MemoryStorage"), QUICK, 3) == []
+
+
+def test_the_restart_check_restarts_with_an_enqueue_open() -> None:
+    from conformance.lockstep import run_lockstep
+
+    for name in ("fs", "kv_log"):
+        backend = Backend.from_factory(f"conformance.examples.backends:{name}")
+        assert run_lockstep(backend, QUICK, 11, check="restart", restarts=True) == []

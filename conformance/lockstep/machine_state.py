@@ -9,7 +9,11 @@ incarnation of the queue, from before a restart or a crash).
 
 After every step the invariant ``listing_equals_model`` compares the whole listing with
 the model: the QUEUED entries with their schedules, the PENDING_CLEANUP entries, no
-adopted INFLIGHT entry, and no stored object once every message is gone.
+adopted INFLIGHT entry, and no stored object once every message is gone; and it reads one
+listed entry back (the one read longest ago: claimed, read, put back with its schedule),
+so every listed entry's message is shown to exist and read back intact.  The machine with
+the crash rule skips the read-back: the syncs of its claim and cancel would make durable
+the very writes a crash must be able to lose.
 
 A difference raises ``ClauseViolation`` (an AssertionError) naming the clause it breaks.
 """
@@ -152,6 +156,8 @@ class MachineBase(RuleBasedStateMachine):
         self.mids: dict[str, int] = {}
         self.zone: dict[EntryKey, str] = {}
         self.params: dict[int, dict[str, str]] = {}
+        self.read_at: dict[EntryKey, int] = {}  # when each entry was last read back
+        self.steps = 0
 
     # ---- opening ---------------------------------------------------------------------
 
@@ -308,18 +314,70 @@ class MachineBase(RuleBasedStateMachine):
                                          f"expected {want}")
         return got
 
+    # ---- reading back ------------------------------------------------------------------
+
+    def _check_read(self, h: InflightMail, key: EntryKey, what: str) -> None:
+        """``read_inflight`` gives the committed metadata and body of ``key``."""
+        msg = self.model.messages[key[0]]
+
+        def go() -> tuple[Any, bytes]:
+            with self.store.read_inflight(h) as r:
+                return r.meta, r.read_all()
+
+        meta, body = self._call(f"read_inflight of {what}", go)
+        want = {"entry_id": h.entry_id, "message_id": h.message_id,
+                "mail_from": msg.mail_from, "rcpt": msg.rcpts[key[1]], "rcpt_index": key[1],
+                "zone": self.zone[key], "params": self.params[key[0]],
+                "schedule": self.model.entries[key].schedule, "body_size": len(msg.body)}
+        for name, value in want.items():
+            got = getattr(meta, name)
+            if (dict(got) if name == "params" else got) != value:
+                raise ClauseViolation("C6", f"{what} {key} reads back meta.{name} {got!r}, "
+                                            f"committed {value!r}")
+        if body != msg.body:
+            raise ClauseViolation("C6", f"{what} {key} reads back {len(body)} bytes that "
+                                        f"differ from the {len(msg.body)} committed")
+
+    def _read_back(self, listed: list[QueuedMail]) -> None:
+        """Each step reads back one listed entry (the one read longest ago): claimed by a
+        second worker through its listed handle, read (its message exists, metadata and
+        body as committed), and put back with its schedule.  The model does not change;
+        every handle held on it stays valid (the entry is QUEUED again)."""
+        if not listed:
+            return
+        by_key = {self._key(h): h for h in listed}
+        key = min(by_key, key=lambda k: (self.read_at.get(k, -1), k))
+        self.read_at[key] = self.steps
+        h = by_key[key]
+        f = self._call("send_start of a listed entry", lambda: self.store.send_start(h))
+        if not isinstance(f, InflightMail):
+            raise ClauseViolation("API", f"send_start of the listed queued entry {key} "
+                                         f"returned {f!r}")
+        self._check_read(f, key, "the listed entry")
+        sched = self.model.entries[key].schedule
+        back = self._call("send_cancel of a listed entry",
+                          lambda: self.store.send_cancel(f, sched))
+        if not isinstance(back, QueuedMail) or back.schedule != sched:
+            raise ClauseViolation("C5" if isinstance(back, QueuedMail) else "API",
+                                  f"send_cancel of {key} with its own schedule {sched} "
+                                  f"returned {back!r}")
+        self._keep(back, key)
+
     @invariant()
     def listing_equals_model(self) -> None:
         if not hasattr(self, "store"):
             return
         problems = check(self.model)
         assert problems == [], f"the model itself breaks its invariants: {problems}"
-        self._compare_listing("after the step")
+        listed = self._compare_listing("after the step")
         self._compare_pending("after the step")
         adopted = self._call("find_inflight", lambda: list(self.store.find_inflight()))
         if adopted:
             raise ClauseViolation("C7", f"find_inflight adopted {len(adopted)} entries this "
                                         "live queue holds inflight")
+        self.steps += 1
+        if not self.crashes:  # a read-back's own syncs would make a lost write durable
+            self._read_back(listed)
         if not self.model.messages:
             fp = self._call("footprint", self.store.footprint)
             if fp.objects or fp.bytes:

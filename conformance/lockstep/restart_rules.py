@@ -11,12 +11,22 @@ foreign: the misuse rules pass them to the new one.
 
 from __future__ import annotations
 
+import contextlib
+
+from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
 from conformance.lockstep.machine_state import ClauseViolation, MachineBase
-from queue_ref.storage import ClosedError, QueuedMail, RecoveryReport
+from queue_ref.storage import (
+    ClosedError,
+    QueuedMail,
+    QueueError,
+    Recipient,
+    RecoveryReport,
+    Schedule,
+)
 from spec.model import Model
-from spec.states import EntryState
+from spec.states import EntryState, Op
 
 FOREIGN_KEPT = 20  # handles of earlier incarnations kept for the misuse rules
 
@@ -45,6 +55,50 @@ class RestartRules(MachineBase):
         self.store = self._call("open", self._open)
         self.model = before.restart()
         self.after_reopen(before, "the restart")
+
+    @precondition(lambda self: self.restarts)
+    @rule(size=st.sampled_from((0, 1, 5000)))
+    def restart_with_an_enqueue_open(self, size: int) -> None:
+        """Restart while a message is half written: its Enqueuer is closed with the queue
+        (commit raises ClosedError) and nothing of it survives the reopening."""
+        self.log.append(f"enqueue({size}B written, not committed), then restart")
+        enq = self._call("enqueue", lambda: self.store.enqueue("open@example.org"))
+        if size:
+            self._call("write", lambda: enq.write(b"o" * size))
+        self.restart()
+        try:
+            enq.commit([Recipient("late@example.net", Schedule(0))])
+        except ClosedError:
+            pass
+        except Exception as e:
+            raise ClauseViolation("C9", f"commit of an Enqueuer whose queue was closed raised "
+                                        f"{type(e).__name__}: {e}, not ClosedError") from e
+        else:
+            raise ClauseViolation("C2", "an Enqueuer committed after its queue was closed")
+        with contextlib.suppress(QueueError):
+            enq.abort()
+
+    @rule()
+    def recover_live(self) -> None:
+        """``recover()`` on the live queue, at any step: it may finish cleanups (as another
+        worker's ``cleanup`` would: the handles held on them then vanish) and must do
+        nothing else: no entry this live queue holds inflight is requeued (C7), nothing
+        committed is removed or quarantined (C10)."""
+        self.log.append("recover() on the live queue")
+        report: RecoveryReport = self._call("recover", self.store.recover)
+        if (report.requeued, report.uncommitted_removed, report.quarantined) != (0, 0, 0):
+            raise ClauseViolation("C10", f"recover() on a live queue with no crash since the "
+                                         f"last one did more than finish cleanups: {report}")
+        pending = {self._key(h) for h in self._call(
+            "find_pending_cleanup", lambda: list(self.store.find_pending_cleanup()))}
+        finished = [k for k in self.model.keys_in(EntryState.PENDING_CLEANUP)
+                    if k not in pending]
+        if len(finished) != report.cleaned:
+            raise ClauseViolation("C10", f"recover() reports {report.cleaned} cleanups "
+                                         f"finished; {len(finished)} entries left "
+                                         "find_pending_cleanup")
+        for key in finished:
+            self.model, _ = self.model.apply(Op.CLEANUP, key, None)
 
     def forget_handles(self) -> None:
         """Every handle held becomes a handle of an earlier incarnation."""
