@@ -38,6 +38,7 @@ from types import TracebackType
 from typing import TypeVar
 
 from spec import Schedule
+from spec.errors import InvalidInputError, MisuseError, QueueError, ScheduleError
 
 __all__ = [
     "MAX_ADDRESS",
@@ -61,6 +62,7 @@ __all__ = [
     "Recipient",
     "RecoveryReport",
     "Schedule",
+    "ScheduleError",
     "Storage",
     "StorageIOError",
     "UnsupportedError",
@@ -72,10 +74,8 @@ MAX_PARAMS_BYTES = 64 * 1024
 
 
 # ---- errors, split by cause -----------------------------------------------------------
-
-
-class QueueError(Exception):
-    """Base of every error a Storage raises on purpose."""
+# QueueError, MisuseError, InvalidInputError and ScheduleError (a caller's mistakes) are
+# the contract's own (spec/errors.py): Schedule(-1) raises one.
 
 
 class StorageIOError(QueueError):
@@ -105,14 +105,6 @@ class CorruptionError(QueueError):
 
 class ClosedError(QueueError):
     """The Storage (or the Enqueuer, or the MailReader) was closed."""
-
-
-class MisuseError(QueueError):
-    """A handle was consumed already, belongs to another Storage, or has the wrong type."""
-
-
-class InvalidInputError(MisuseError, ValueError):
-    """An argument is malformed (an address with NUL or newline, an empty recipient list...)."""
 
 
 class UnsupportedError(QueueError):
