@@ -5,10 +5,12 @@ PLAIN_VENV ?= $(shell mktemp -d -u /tmp/queue-ref-plain.XXXXXX)
 
 .PHONY: plain-install-check
 plain-install-check:
-	@set -e; venv=$(PLAIN_VENV); trap 'rm -rf "$$venv" "$$venv.work"' EXIT; \
+	@set -e; venv=$(PLAIN_VENV); trap 'rm -rf "$$venv" "$$venv.work" "$$venv.src"' EXIT; \
 	$(PYTHON) -m venv "$$venv"; \
-	"$$venv/bin/pip" install --quiet --no-cache-dir . ; \
-	mkdir -p "$$venv.work"; cd "$$venv.work"; \
+	mkdir -p "$$venv.src" "$$venv.work"; \
+	git ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t "$$venv.src"; \
+	"$$venv/bin/pip" install --quiet --no-cache-dir "$$venv.src"; \
+	cd "$$venv.work"; \
 	"$$venv/bin/queue-ref" --help >/dev/null; \
 	"$$venv/bin/queue-ref" demo --json | tail -n 1 | "$$venv/bin/python" -c 'import json,sys; json.loads(sys.stdin.read())'; \
 	"$$venv/bin/queue-ref" crash explore --backend fs --model process-kill --bound 1 --no-recovery --json \

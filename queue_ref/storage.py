@@ -161,6 +161,21 @@ class RecoveryReport:
     orphans_removed: int = 0  # stray files, temp files, dangling links
     quarantined: int = 0  # entries whose bytes failed their checksum
     problems: tuple[str, ...] = ()
+    #: Ids of the messages damage took out of the queue (bytes that failed their checksum,
+    #: a missing file, a record of the store that could not be read), each explained in
+    #: ``problems``.  Nothing acknowledged leaves the queue without its id here, or a
+    #: count in ``lost_unknown``.
+    lost: tuple[str, ...] = ()
+    #: Damaged records whose message ids could not be read ("unknown ids, N records").
+    lost_unknown: int = 0
+    #: Files (relative to the queue's directory) moved aside because they are damaged;
+    #: never deleted.
+    damaged_files: tuple[str, ...] = ()
+
+    @property
+    def damage_found(self) -> bool:
+        """Whether recovery met damage (anything lost or kept aside)."""
+        return bool(self.lost or self.lost_unknown or self.damaged_files)
 
 
 def validate_address(value: object, what: str, *, allow_empty: bool = False) -> str:
