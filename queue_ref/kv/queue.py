@@ -22,18 +22,20 @@ opened has no live owner: recovery puts it back in the queue.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
 from typing import TypeVar
 
-from queue_ref.io import IO
+from queue_ref.io import IO, OsIO
+from queue_ref.kv import atrest, keys, lostids, records
 from queue_ref.kv import claims as cl
-from queue_ref.kv import keys, records
 from queue_ref.kv.base import KV, WriteBatch
 from queue_ref.kv.claims import Held
 from queue_ref.kv.core import Core, io_error
+from queue_ref.kv.engine_errors import DatabaseCorruptError
 from queue_ref.kv.records import BadRecord, EntryRec, Stored
 from queue_ref.kv.streams import KvEnqueuer, KvReader
 from queue_ref.storage import (
@@ -53,6 +55,7 @@ from queue_ref.storage import (
     RecoveryReport,
     Schedule,
     Storage,
+    StorageIOError,
     validate_address,
     validate_params,
 )
@@ -90,6 +93,7 @@ class KvQueue(Storage):
             caps.add(Capability.IO_SEAM)
         self.capabilities = frozenset(caps)
         self._kv = kv
+        self._at: tuple[IO, str] | None = None  # see close()
         try:
             self._core = Core(kv, sync_all=sync_all, clock=clock,
                               owner=owner if owner is not None else f"pid {os.getpid()}")
@@ -103,7 +107,7 @@ class KvQueue(Storage):
         """A queue over the log-structured engine at ``path`` (every byte through ``io``)."""
         from queue_ref.kv.logengine import LogEngine
         return cls._open(lambda: LogEngine(path, io=io), recover=recover, sync_all=sync_all,
-                         clock=clock)
+                         clock=clock, at=(io or OsIO(), path, "kv-log"))
 
     @classmethod
     def open_leveldb(cls, path: str, *, recover: bool = True, sync_all: bool = True,
@@ -116,17 +120,44 @@ class KvQueue(Storage):
         """
         from queue_ref.kv.leveldb import LevelDBEngine
         return cls._open(lambda: LevelDBEngine(path), recover=recover, sync_all=sync_all,
-                         clock=clock)
+                         clock=clock, at=(OsIO(), path, "kv-leveldb"))
 
     @classmethod
     def _open(cls, make: Callable[[], KV], *, recover: bool, sync_all: bool,
-              clock: Callable[[], int]) -> KvQueue:
+              clock: Callable[[], int], at: tuple[IO, str, str]) -> KvQueue:
+        """Open the engine ``make`` gives, in directory ``at[1]`` (through ``at[0]``, for
+        the record of a clean close: ``atrest.py``; ``at[2]`` is the backend's name)."""
+        io, path, backend = at
+        if not isinstance(path, str) or not path or "\x00" in path:
+            raise InvalidInputError(f"path must be a non-empty str without NUL, got {path!r}")
+        try:
+            rest, problems, kept = atrest.take(io, path)
+        except OSError as e:
+            raise io_error("opening the queue: checking it at rest", e, None) from e
         try:
             kv = make()
+        except DatabaseCorruptError as e:
+            raise io_error("opening the KV engine", e.with_repair(path, backend), None) from e
         except OSError as e:
             raise io_error("opening the KV engine", e, None) from e
         try:
-            return cls(kv, recover=recover, sync_all=sync_all, clock=clock)
+            q = cls(kv, recover=recover, sync_all=sync_all, clock=clock)
+            q._at = (io, path)
+            try:
+                q.last_recovery = lostids.merge(
+                    q.last_recovery, kv, path, list(getattr(kv, "damage", [])), rest, problems,
+                    kept)
+                atrest.forget(io, path)
+            except OSError as e:
+                raise io_error("opening the queue: reporting damage", e, None) from e
+            return q
+        except StorageIOError as e:
+            cause = e.__cause__
+            if isinstance(cause, DatabaseCorruptError):
+                raise io_error("opening the queue", cause.with_repair(path, backend),
+                               None) from cause
+            kv.close()
+            raise
         except BaseException:
             kv.close()
             raise
@@ -439,9 +470,25 @@ class KvQueue(Storage):
         return True
 
     def close(self) -> None:
-        if not self._closed:
-            super().close()
+        """Close the engine.  A queue opened by ``open_log`` or ``open_leveldb`` then
+        records what it holds (``atrest.py``), so that damage at rest is found at the next
+        open; if that record cannot be written (a full disk), there is none."""
+        if self._closed:
+            return
+        super().close()
+        if self._at is None:
             self._kv.close()
+            return
+        io, path = self._at
+        with self._core.claims.hold(excl=[cl.EVERYTHING]):
+            try:
+                rest: atrest.AtRest | None = atrest.entries_of(self._kv)
+            except (OSError, ClosedError):
+                rest = None
+            self._kv.close()
+            if rest is not None:
+                with contextlib.suppress(OSError):
+                    atrest.write(io, path, rest)
 
 
 class _IoGuard:
