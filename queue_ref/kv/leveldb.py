@@ -5,6 +5,13 @@ killing a child process, not by the fault injector.  Every write is a ``WriteBat
 with ``sync=True`` by default; LevelDB group-commits concurrent writers internally (one
 log sync for all batches waiting behind the current writer).
 
+Damage: LevelDB is opened with ``paranoid_checks`` (a damaged log record or manifest makes
+the open fail instead of being skipped) and every read verifies block checksums, so a
+damaged table is an error, never altered data.  LevelDB's ``Corruption`` becomes
+``DatabaseCorruptError`` naming the repair command (``queue-ref repair``, which runs
+LevelDB's own ``RepairDB``: ``queue_ref.kv.salvage``); an ``IOError`` for a full disk
+becomes an ``OSError`` with ``ENOSPC`` (so the queue raises ``NoSpaceError``).
+
 Locking: LevelDB locks ``LOCK`` with ``fcntl``, which is per process, and a failed second
 open in the same process closes a descriptor of that file, which drops the first open's
 lock.  So the engine first takes an ``flock`` on ``queue-ref.lock`` in the database
@@ -15,6 +22,7 @@ with ``DatabaseLockedError`` before LevelDB is touched.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import threading
@@ -24,12 +32,27 @@ import plyvel  # type: ignore[import-untyped]
 
 from queue_ref.kv.base import KV, WriteBatch
 from queue_ref.kv.engine_errors import DatabaseCorruptError, DatabaseLockedError
-from queue_ref.storage import ClosedError
+from queue_ref.storage import ClosedError, InvalidInputError
 
 LOCK_NAME = "queue-ref.lock"
 #: ``compact`` covers the keys up to this one (keys starting with more 0xFF bytes are
 #: compacted only by LevelDB's own background work).
 COMPACT_HIGH = b"\xff" * 32
+#: The backend name of this engine for ``queue-ref repair``.
+BACKEND = "kv-leveldb"
+#: LevelDB's options, for opening and for ``RepairDB``.
+OPTIONS: dict[str, object] = {"paranoid_checks": True}
+
+
+def os_error(what: str, e: Exception, path: str) -> OSError:
+    """The OSError for a plyvel error: ``DatabaseCorruptError`` for LevelDB's Corruption,
+    ``ENOSPC`` for a full disk, ``EIO`` otherwise."""
+    text = str(e)
+    if isinstance(e, plyvel.CorruptionError) or "Corruption" in text:
+        return DatabaseCorruptError(path, f"{what}: {text}", repair=(path, BACKEND))
+    if "No space left" in text or "Disk quota" in text:
+        return OSError(errno.ENOSPC, f"{what}: {text}")
+    return OSError(errno.EIO, f"{what}: {text}")
 
 
 class LevelDBEngine(KV):
@@ -40,6 +63,8 @@ class LevelDBEngine(KV):
     """
 
     def __init__(self, path: str) -> None:
+        if not isinstance(path, str) or not path or "\x00" in path:
+            raise InvalidInputError(f"path must be a non-empty str without NUL, got {path!r}")
         self.path = os.path.abspath(path)
         os.makedirs(self.path, mode=0o750, exist_ok=True)
         self._lock_fd = os.open(
@@ -51,15 +76,15 @@ class LevelDBEngine(KV):
             os.close(self._lock_fd)
             raise DatabaseLockedError(self.path) from None
         try:
-            self._db = plyvel.DB(self.path, create_if_missing=True)
+            self._db = plyvel.DB(self.path, create_if_missing=True, **OPTIONS)
         except plyvel.IOError as e:
             os.close(self._lock_fd)
             if "lock" in str(e):  # held by a LevelDB user outside this engine
                 raise DatabaseLockedError(self.path) from e
-            raise OSError(f"cannot open LevelDB at {self.path}: {e}") from e
+            raise os_error(f"cannot open LevelDB at {self.path}", e, self.path) from e
         except plyvel.CorruptionError as e:
             os.close(self._lock_fd)
-            raise DatabaseCorruptError(self.path, str(e)) from e
+            raise os_error("opening", e, self.path) from e
         except BaseException:
             os.close(self._lock_fd)
             raise
@@ -103,8 +128,10 @@ class LevelDBEngine(KV):
             raise TypeError(f"key must be bytes, not {type(key).__name__}")
         self._begin()
         try:
-            value: bytes | None = self._db.get(key)
+            value: bytes | None = self._db.get(key, verify_checksums=True)
             return value
+        except plyvel.Error as e:
+            raise os_error("LevelDB get", e, self.path) from e
         finally:
             self._end()
 
@@ -127,8 +154,8 @@ class LevelDBEngine(KV):
                         wb.delete(key)
                     else:
                         wb.put(key, value)
-        except plyvel.IOError as e:
-            raise OSError(f"LevelDB write failed: {e}") from e
+        except plyvel.Error as e:
+            raise os_error("LevelDB write failed", e, self.path) from e
         finally:
             self._end(writes=True)
 
@@ -140,7 +167,7 @@ class LevelDBEngine(KV):
             raise TypeError("start and stop must be bytes")
         self._begin()
         try:
-            it = self._db.iterator(start=start, stop=stop)
+            it = self._db.iterator(start=start, stop=stop, verify_checksums=True)
         finally:
             self._end()
         return self._drain(it)
@@ -151,6 +178,8 @@ class LevelDBEngine(KV):
                 self._begin()
                 try:
                     item = next(it, None)
+                except plyvel.Error as e:
+                    raise os_error("LevelDB iteration", e, self.path) from e
                 finally:
                     self._end()
                 if item is None:
