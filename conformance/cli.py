@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "queue_ref.demo",
     "conformance.certify_cli",
     "conformance.crash.cli",
+    "queue_ref.repair_cli",
 )
 
 

@@ -55,6 +55,20 @@ def os_error(what: str, e: Exception, path: str) -> OSError:
     return OSError(errno.EIO, f"{what}: {text}")
 
 
+def _refuse_without_current(path: str) -> None:
+    """LevelDB's ``create_if_missing`` makes a new, empty database when ``CURRENT`` is
+    missing, beside (and then over) the files of the old one: refuse instead."""
+    if os.path.exists(os.path.join(path, "CURRENT")):
+        return
+    data = sorted(n for n in os.listdir(path)
+                  if n.endswith((".ldb", ".sst", ".log")) or n.startswith("MANIFEST-"))
+    if data:
+        raise DatabaseCorruptError(
+            os.path.join(path, "CURRENT"), f"missing, but {', '.join(data[:5])}"
+            f"{' ...' if len(data) > 5 else ''} of a database are there",
+            repair=(path, BACKEND))
+
+
 class LevelDBEngine(KV):
     """LevelDB in directory ``path`` (created if missing).
 
@@ -76,6 +90,7 @@ class LevelDBEngine(KV):
             os.close(self._lock_fd)
             raise DatabaseLockedError(self.path) from None
         try:
+            _refuse_without_current(self.path)
             self._db = plyvel.DB(self.path, create_if_missing=True, **OPTIONS)
         except plyvel.IOError as e:
             os.close(self._lock_fd)
@@ -85,6 +100,9 @@ class LevelDBEngine(KV):
         except plyvel.CorruptionError as e:
             os.close(self._lock_fd)
             raise os_error("opening", e, self.path) from e
+        except DatabaseCorruptError:
+            os.close(self._lock_fd)
+            raise
         except BaseException:
             os.close(self._lock_fd)
             raise

@@ -133,6 +133,9 @@ class LogEngine(KV):
         self.damage: list[Damage] = []
         self._lock_fd = self._take_lock()
         try:
+            if self.io.exists(self._p(fmt.REPAIR)):
+                raise DatabaseCorruptError(self._p(fmt.REPAIR), "a repair of this store was "
+                                           "interrupted (its originals are kept in quarantine/)")
             if self.io.exists(self._p(fmt.CURRENT)):
                 self._recover()
             elif self._holds_data():

@@ -33,6 +33,7 @@ from queue_ref.kv.engine_errors import DatabaseCorruptError
 LOCK = "LOCK"
 CURRENT = "CURRENT"
 QUARANTINE = "quarantine"  # a directory: damaged files kept aside, never deleted
+REPAIR = "REPAIR"  # present while ``queue-ref repair`` rebuilds the store (``kv/salvage.py``)
 MANIFEST_PREFIX = "MANIFEST-"
 
 _NUMBERED = re.compile(r"^(?:MANIFEST-(\d{6,})|(\d{6,})\.(log|tbl)(\.tmp)?)$")
