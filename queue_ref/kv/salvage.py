@@ -380,7 +380,7 @@ def repair_leveldb(path: str) -> Repaired:
         after = set(os.listdir(lost_dir)) if os.path.isdir(lost_dir) else set()
         archived = sorted(after - before)
         actions.append("ran LevelDB's RepairDB" + (
-            f"; the files it replaced or could not use are kept in lost/: "
+            "; the files it replaced or could not use are kept in lost/: "
             + ", ".join(archived) if archived else ""))
         kept = kept + [os.path.join("lost", n) for n in archived]
     finally:
