@@ -93,7 +93,7 @@ def _crc(io: IO, path: str) -> tuple[int, int]:
 
 def _engine_files(io: IO, path: str) -> list[str]:
     return sorted(n for n in io.listdir(path)
-                  if n not in _SKIP and not n.startswith(NAME) and not n.endswith(".tmp")
+                  if n not in _SKIP and not n.startswith("queue-ref.") and not n.endswith(".tmp")
                   and not io.is_dir(
                       os.path.join(path, n)))
 

@@ -76,9 +76,21 @@ class LevelDBEngine(KV):
     decides at its next open); LevelDB itself refuses writes after a failed log sync.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, write_buffer_size: int | None = None) -> None:
+        """``write_buffer_size``: LevelDB's memtable size (default: LevelDB's, 4 MiB);
+        reopening writes up to that much, so a full disk's reserve must hold it."""
         if not isinstance(path, str) or not path or "\x00" in path:
             raise InvalidInputError(f"path must be a non-empty str without NUL, got {path!r}")
+        if write_buffer_size is not None and (
+                not isinstance(write_buffer_size, int) or write_buffer_size < 64 * 1024):
+            raise InvalidInputError(f"write_buffer_size must be an int of at least 64 KiB, "
+                                    f"got {write_buffer_size!r}")
+        self._options = dict(OPTIONS)
+        if write_buffer_size is not None:
+            # Tables of the same size: a compaction then rewrites little at a time, which
+            # keeps the room it needs on a nearly full disk small.
+            self._options["write_buffer_size"] = write_buffer_size
+            self._options["max_file_size"] = max(write_buffer_size, 1 << 20)
         self.path = os.path.abspath(path)
         os.makedirs(self.path, mode=0o750, exist_ok=True)
         self._lock_fd = os.open(
@@ -91,7 +103,7 @@ class LevelDBEngine(KV):
             raise DatabaseLockedError(self.path) from None
         try:
             _refuse_without_current(self.path)
-            self._db = plyvel.DB(self.path, create_if_missing=True, **OPTIONS)
+            self._db = plyvel.DB(self.path, create_if_missing=True, **self._options)
         except plyvel.IOError as e:
             os.close(self._lock_fd)
             if "lock" in str(e):  # held by a LevelDB user outside this engine
@@ -115,6 +127,42 @@ class LevelDBEngine(KV):
         self._mu = threading.Lock()
         self._cv = threading.Condition(self._mu)
         self._waiters = 0  # close() or compact() waiting for running calls to end
+        # LevelDB refuses every write after one failed (its background error) until it is
+        # reopened: the next write reopens it (``_revive``); if that fails too (the disk
+        # is still full), LevelDB is closed (``_down``) and every call tries again.
+        self._stale = False
+        self._down: str | None = None
+
+    def _revive(self, *, writes: bool) -> None:
+        """Reopen LevelDB (in this process, under our lock) after a failed write, once no
+        call runs; so a queue goes on without a restart once space is freed."""
+        if not (self._down or (writes and self._stale)):
+            return
+        with self._cv:
+            self._wait(lambda: not self._compacting or self._closed)
+            if self._closed or not (self._down or (writes and self._stale)):
+                return
+            self._compacting = True  # holds off new writers
+            try:
+                self._wait(lambda: not self._active or self._closed)
+                if self._is_closed():  # while we waited
+                    return
+                if self._down is None:
+                    self._db.close()
+                try:
+                    self._db = plyvel.DB(self.path, **self._options)
+                except plyvel.Error as e:
+                    err = os_error("reopening LevelDB after a failed write", e, self.path)
+                    self._down = str(err)
+                    raise err from e
+                self._down = None
+                self._stale = False
+            finally:
+                self._compacting = False
+                self._cv.notify_all()
+
+    def _is_closed(self) -> bool:
+        return self._closed
 
     def _begin(self, writes: bool = False) -> None:
         with self._mu:
@@ -122,6 +170,9 @@ class LevelDBEngine(KV):
                 self._cv.wait()
             if self._closed:
                 raise ClosedError(f"LevelDBEngine {self.path} is closed")
+            if self._down is not None:
+                raise OSError(errno.ENOSPC if "No space" in self._down else errno.EIO,
+                              self._down)
             self._active += 1
             self._writing += writes
 
@@ -144,6 +195,7 @@ class LevelDBEngine(KV):
     def get(self, key: bytes) -> bytes | None:
         if not isinstance(key, bytes):
             raise TypeError(f"key must be bytes, not {type(key).__name__}")
+        self._revive(writes=False)
         self._begin()
         try:
             value: bytes | None = self._db.get(key, verify_checksums=True)
@@ -164,6 +216,7 @@ class LevelDBEngine(KV):
                 if self._closed:
                     raise ClosedError(f"LevelDBEngine {self.path} is closed")
             return
+        self._revive(writes=True)
         self._begin(writes=True)
         try:
             with self._db.write_batch(sync=sync, transaction=True) as wb:
@@ -173,7 +226,10 @@ class LevelDBEngine(KV):
                     else:
                         wb.put(key, value)
         except plyvel.Error as e:
-            raise os_error("LevelDB write failed", e, self.path) from e
+            err = os_error("LevelDB write failed", e, self.path)
+            if not isinstance(err, DatabaseCorruptError):
+                self._stale = True
+            raise err from e
         finally:
             self._end(writes=True)
 
@@ -183,6 +239,7 @@ class LevelDBEngine(KV):
         """Ascending pairs with ``start <= key < stop`` from a LevelDB snapshot taken now."""
         if not isinstance(start, bytes) or not isinstance(stop, bytes | None):
             raise TypeError("start and stop must be bytes")
+        self._revive(writes=False)
         self._begin()
         try:
             it = self._db.iterator(start=start, stop=stop, verify_checksums=True)
@@ -198,6 +255,8 @@ class LevelDBEngine(KV):
                     item = next(it, None)
                 except plyvel.Error as e:
                     raise os_error("LevelDB iteration", e, self.path) from e
+                except RuntimeError as e:  # LevelDB was reopened under this iterator
+                    raise OSError(errno.EIO, f"LevelDB iteration: {e}") from e
                 finally:
                     self._end()
                 if item is None:
@@ -206,7 +265,8 @@ class LevelDBEngine(KV):
         finally:
             with self._cv:
                 if not self._closed:
-                    it.close()  # type: ignore[attr-defined]
+                    with contextlib.suppress(RuntimeError):  # of a LevelDB since reopened
+                        it.close()  # type: ignore[attr-defined]
 
     def compact(self) -> None:
         """Compact every key up to ``COMPACT_HIGH`` (drops deleted keys and shadowed values).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -22,6 +23,8 @@ from queue_ref.storage import (
     Recipient,
     validate_recipients,
 )
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 if TYPE_CHECKING:
     from queue_ref.kv.queue import KvQueue
@@ -63,6 +66,8 @@ class KvEnqueuer(Enqueuer):
             try:
                 self._mid = self._core.new_id()
             except OSError as e:
+                if e.errno in _NO_SPACE:
+                    self._queue._out_of_space()
                 raise io_error("enqueue: reserving message ids", e, None) from e
         return self._mid
 
@@ -77,6 +82,8 @@ class KvEnqueuer(Enqueuer):
             try:
                 self._core.write(self._batch, sync=False)
             except OSError as e:
+                if e.errno in _NO_SPACE:
+                    self._queue._out_of_space()
                 raise io_error("enqueue: writing body chunks", e, None) from e
             self._written = self._seq
             self._batch = WriteBatch()
@@ -133,6 +140,8 @@ class KvEnqueuer(Enqueuer):
                 self._core.write(b, sync=True)
         except OSError as e:
             # The batch may or may not be on disk: its chunks stay for recovery to judge.
+            if e.errno in _NO_SPACE:
+                self._queue._out_of_space()
             raise io_error("enqueue: commit", e, None) from e
         finally:
             with self._core.mu:

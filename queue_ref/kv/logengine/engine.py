@@ -36,7 +36,10 @@ open fail with ``DatabaseCorruptError`` naming the repair command
 
 Failure: after an I/O error while logging, flushing or compacting, the engine refuses
 further writes with ``OSError`` until it is reopened (data after a failed fsync is not
-trusted; recovery keeps exactly what the log and tables hold).  Reads keep working.
+trusted; recovery keeps exactly what the log and tables hold).  Reads keep working.  A
+full disk (``ENOSPC`` from a write, before anything was synced or published) is not such
+a failure: the log is cut back to where it was, a flush's half-made files are removed,
+the write fails with ``ENOSPC``, and writing goes on once there is space again.
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ def _check_key(key: object, what: str = "key") -> bytes:
 BUFFER_LIMIT = 64 * 1024
 #: The backend name of this engine for ``queue-ref repair``.
 BACKEND = "kv-log"
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 def _check_ops(ops: Sequence[tuple[object, object]]) -> None:
@@ -479,26 +483,63 @@ class LogEngine(KV):
             self._buffer.append(record)
             self._buffered += len(record)
             if self._buffered >= BUFFER_LIMIT:
-                self._append([])
+                try:
+                    self._append([])
+                except OSError:
+                    if self._failed is None:  # a full disk: nothing written, this batch refused
+                        self._buffer.pop()
+                        self._buffered -= len(record)
+                    raise
             with self._mu:
                 self._mem.apply(ops)
         return True
 
     def _append(self, records: list[bytes]) -> LogWriter:
         """Append the buffered unsynced records, then ``records``, with one write (the
-        caller holds ``_append_mu``).  On error the engine refuses further writes."""
+        caller holds ``_append_mu``).  On error the engine refuses further writes, except
+        for a full disk: then what the write left is cut off again and the buffered
+        records stay buffered, so the log is as before and writing goes on once there is
+        space."""
         log = self._log
         assert log is not None
-        self._buffer.extend(records)
-        data = b"".join(self._buffer)
-        self._buffer.clear()
-        self._buffered = 0
+        data = b"".join(self._buffer + records) if records else b"".join(self._buffer)
         try:
             log.append(data)
+        except OSError as e:
+            if not (e.errno in _NO_SPACE and self._cut_back(log)):
+                self._failed = e
+            raise
         except BaseException as e:
             self._failed = e
             raise
+        self._buffer.clear()
+        self._buffered = 0
         return log
+
+    def _cut_back(self, log: LogWriter) -> bool:
+        """Cut the log back to its size before a failed append; False if that fails."""
+        try:
+            self.io.ftruncate(log.fd, log.size)
+        except OSError:
+            return False
+        return True
+
+    def _survives_no_space(self, e: BaseException) -> bool:
+        """After a flush or compaction failed: True if it failed for a full disk before it
+        published anything (``CURRENT`` still names our manifest); its half-made files are
+        then removed, and the engine goes on as before it."""
+        if not isinstance(e, OSError) or e.errno not in _NO_SPACE or self._log is None:
+            return False
+        try:
+            current = read_file(self.io, self._p(fmt.CURRENT)).decode("ascii", "replace")
+            if current.strip() != fmt.manifest_name(self._manifest_no):
+                return False
+            keep = {fmt.CURRENT, current.strip(), os.path.basename(self._log.path)}
+            keep |= {os.path.basename(t.path) for t in self._tables}
+            self._scan_dir(keep)
+        except OSError:
+            return False
+        return True
 
     def _commit(self, w: Writer) -> None:
         """Commit ``w`` in a group (see ``groupcommit``); raises its group's error."""
@@ -583,8 +624,10 @@ class LogEngine(KV):
             try:
                 doomed = self._maintain(full=False)
             except Exception as e:
-                # The batches are in the log; the failure stops later writes.
-                self._failed = e
+                # The batches are in the log; the failure stops later writes (a full disk
+                # does not: the flush is tried again by a later write).
+                if not self._survives_no_space(e):
+                    self._failed = e
         self._delete(doomed)
 
     def iterate(
@@ -624,7 +667,8 @@ class LogEngine(KV):
             try:
                 doomed = self._maintain(full=True)
             except Exception as e:
-                self._failed = e
+                if not self._survives_no_space(e):
+                    self._failed = e
                 raise
         self._delete(doomed)
 
