@@ -29,6 +29,7 @@ from queue_ref.storage import (
     Storage,
     validate_address,
     validate_params,
+    validate_schedule,
 )
 
 
@@ -139,6 +140,7 @@ class MemoryStorage(Storage):
             return e
 
     def reschedule(self, mail: QueuedMail, schedule: Schedule) -> QueuedMail | None:
+        validate_schedule(schedule)
         h = self._take(mail, QueuedMail)
         e = self._move(h.entry_id, "queued", "queued", schedule)
         return None if e is None else self._issue(QueuedMail, h.entry_id, e.message_id, schedule)
@@ -156,6 +158,7 @@ class MemoryStorage(Storage):
             PendingCleanupMail, h.entry_id, e.message_id, e.schedule)
 
     def send_cancel(self, mail: InflightMail, schedule: Schedule) -> QueuedMail | None:
+        validate_schedule(schedule)
         h = self._take(mail, InflightMail)
         e = self._move(h.entry_id, "inflight", "queued", schedule)
         return None if e is None else self._issue(QueuedMail, h.entry_id, e.message_id, schedule)

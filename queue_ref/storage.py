@@ -192,6 +192,13 @@ def validate_address(value: object, what: str, *, allow_empty: bool = False) -> 
     return value
 
 
+def validate_schedule(schedule: object) -> Schedule:
+    """A schedule argument must be a ``Schedule`` (whose fields the contract checks)."""
+    if not isinstance(schedule, Schedule):
+        raise InvalidInputError(f"schedule must be a Schedule, got {type(schedule).__name__}")
+    return schedule
+
+
 def validate_params(params: object) -> dict[str, str]:
     if params is None:
         return {}

@@ -40,6 +40,7 @@ fsynced before the next step relies on them (duplicates before cleanups and requ
 
 from __future__ import annotations
 
+import os
 import stat
 from collections import defaultdict
 from os.path import join
@@ -419,3 +420,8 @@ class Recovery:
                 where = self.q._quarantine_corrupt(e, path, c)
                 self.quarantined += 1
                 self.problems.append(f"entry {e.entry_id}: {c.reason}; quarantined to {where}")
+                if not c.stray:  # a stray link was no entry: nothing of the message is lost
+                    self.lost.add(e.msgid)
+                    rel = os.path.relpath(where, self.q.root)
+                    if rel not in self.damaged:
+                        self.damaged.append(rel)

@@ -79,6 +79,11 @@ def _is_log_engine(kv: KV) -> bool:
     return isinstance(kv, LogEngine)
 
 
+def _check_path(path: object) -> None:
+    if not isinstance(path, str) or not path or "\x00" in path:
+        raise InvalidInputError(f"path must be a non-empty str without NUL, got {path!r}")
+
+
 class KvQueue(Storage):
     """A durable mail queue over an ordered KV engine (which it owns and closes).
 
@@ -137,6 +142,7 @@ class KvQueue(Storage):
         from queue_ref.kv.leveldb import LevelDBEngine
         from queue_ref.kv.reserve import leveldb_sizes
 
+        _check_path(path)
         buffer, auto = leveldb_sizes(path)
         return cls._open(lambda: LevelDBEngine(path, write_buffer_size=buffer), recover=recover,
                          sync_all=sync_all, clock=clock, at=(OsIO(), path, "kv-leveldb"),
@@ -149,8 +155,7 @@ class KvQueue(Storage):
         the record of a clean close: ``atrest.py``; ``at[2]`` is the backend's name), with
         a reserve of ``reserve`` bytes (-1: the default size; 0: none)."""
         io, path, backend = at
-        if not isinstance(path, str) or not path or "\x00" in path:
-            raise InvalidInputError(f"path must be a non-empty str without NUL, got {path!r}")
+        _check_path(path)
         if not isinstance(reserve, int) or isinstance(reserve, bool) or reserve < -1:
             raise InvalidInputError(f"reserve must be a size in bytes, got {reserve!r}")
         if reserve and os.path.exists(os.path.join(path, RESERVE_NAME)):
@@ -331,6 +336,11 @@ class KvQueue(Storage):
         if r is not None and not r.held:
             try:
                 ok = r.ensure()
+                if not ok and callable(getattr(self._kv, "compact", None)):
+                    # Drained mail still takes room until it is compacted away.
+                    with contextlib.suppress(OSError, StorageIOError):
+                        self.compact()
+                    ok = r.ensure()
             except OSError as e:
                 raise io_error("enqueue: making the disk reserve again", e, None) from e
             if not ok:
