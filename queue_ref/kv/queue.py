@@ -188,11 +188,11 @@ class KvQueue(Storage):
                 raise io_error("opening the queue: reporting damage", e, None) from e
             return q
         except StorageIOError as e:
+            kv.close()
             cause = e.__cause__
             if isinstance(cause, DatabaseCorruptError):
                 raise io_error("opening the queue", cause.with_repair(path, backend),
                                None) from cause
-            kv.close()
             raise
         except BaseException:
             kv.close()
