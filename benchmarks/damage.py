@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from queue_ref import (
     CorruptionError,
@@ -43,6 +44,7 @@ from queue_ref.fsqueue import FsQueue
 from queue_ref.fsqueue.rebuild import rebuild
 from queue_ref.kv import salvage
 from queue_ref.kv.queue import KvQueue
+from queue_ref.storage import Handle
 
 OPENERS: dict[str, Callable[[str], Storage]] = {
     "fs": FsQueue, "kv-log": KvQueue.open_log, "kv-leveldb": KvQueue.open_leveldb,
@@ -56,6 +58,9 @@ FILES: dict[str, dict[str, str]] = {
                    "CURRENT": "CURRENT", "closed record": "queue-ref.closed"},
 }
 DAMAGES = ("bit flip", "truncation", "removal")
+RETRIES = 5
+H = TypeVar("H", bound=Handle)
+R = TypeVar("R")
 MESSAGES = 12
 
 
@@ -74,6 +79,7 @@ class Row:
     reported: int = 0  # messages lost and named (or counted as unknown ids)
     silent: int = 0  # messages lost with no word
     altered: int = 0  # bodies delivered with other bytes
+    failed: int = 0  # full disk: trials where the queue could not go on
     notes: list[str] = field(default_factory=list)
 
 
@@ -143,12 +149,26 @@ def open_or_repair(backend: str, root: str) -> tuple[Storage, RecoveryReport, bo
         return OPENERS[backend](root), report, True
 
 
+def retried(call: Callable[[H], R], handle: H) -> R:
+    """``call(handle)``, tried again (with the handle the error gives back) after a
+    NoSpaceError, as a relay does: a moment later a compaction may have freed space."""
+    for attempt in range(RETRIES):
+        try:
+            return call(handle)
+        except NoSpaceError as e:
+            if attempt == RETRIES - 1 or e.handle is None:
+                raise
+            handle = e.handle  # type: ignore[assignment]
+            time.sleep(0.05 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 def drain(q: Storage) -> tuple[dict[str, bytes], set[str]]:
     """Deliver everything: (message id -> body delivered, ids refused as corrupt)."""
     got: dict[str, bytes] = {}
     corrupt: set[str] = set()
     for h in list(q.list_queue()):
-        f = q.send_start(h)
+        f = retried(q.send_start, h)
         if f is None:
             continue
         try:
@@ -157,9 +177,9 @@ def drain(q: Storage) -> tuple[dict[str, bytes], set[str]]:
         except CorruptionError:
             corrupt.add(h.message_id)
             continue
-        done = q.send_done(f)
+        done = retried(q.send_done, f)
         if done is not None:
-            q.cleanup(done)
+            retried(q.cleanup, done)
     return got, corrupt
 
 
@@ -203,14 +223,15 @@ def trial(backend: str, what: str, pattern: str, kind: str, rng: random.Random,
 
 
 def full_disk(backend: str, rng: random.Random) -> tuple[bool, int, int, str]:
-    """(passed, acknowledged, lost silently, note) on a 4 MiB tmpfs."""
+    """(passed, acknowledged, lost silently, note) on a 4 MiB tmpfs: another file takes
+    1 to 1.5 MiB, the queue fills the rest, that file is removed, the queue goes on."""
     mnt = tempfile.mkdtemp(prefix="queue-ref-damage-")
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", mnt], check=True)
+    acked: dict[str, bytes] = {}
     try:
         ballast = Path(mnt) / "ballast"
-        ballast.write_bytes(bytes(rng.randrange(256, 1536) * 1024))
+        ballast.write_bytes(bytes(rng.randrange(1024, 1536) * 1024))
         q = OPENERS[backend](os.path.join(mnt, "q"))
-        acked: dict[str, bytes] = {}
         try:
             for i in range(2000):
                 try:
@@ -232,8 +253,8 @@ def full_disk(backend: str, rng: random.Random) -> tuple[bool, int, int, str]:
             q.close()
         lost = [m for m in acked if got.get(m) != acked[m] and m not in corrupt]
         return not lost and not corrupt, len(acked), len(lost), ""
-    except QueueError as e:
-        return False, 0, 0, f"{type(e).__name__}: {e}"
+    except QueueError as e:  # stuck: nothing is lost (the store keeps it), it cannot go on
+        return False, len(acked), 0, f"{type(e).__name__}: {e}"
     finally:
         subprocess.run(["umount", "-l", mnt], check=False)
         shutil.rmtree(mnt, ignore_errors=True)
@@ -266,18 +287,21 @@ def main(argv: list[str] | None = None) -> int:
                 ok, acked, lost, note = full_disk(backend, rng)
                 row.trials += 1
                 row.expected += acked
-                row.delivered += acked - lost
                 row.silent += lost
-                row.detected += ok  # NoSpaceError raised, and every message delivered
+                if ok:  # NoSpaceError raised, then every message delivered
+                    row.detected += 1
+                    row.delivered += acked - lost
+                else:
+                    row.failed += 1
                 if note:
                     row.notes.append(note)
     head = ("backend", "damage", "trials", "detected", "harmless", "repaired", "delivered",
-            "reported lost", "lost silently", "altered")
+            "reported lost", "lost silently", "altered", "stuck")
     lines = [head]
     for (backend, what), r in rows.items():
         lines.append((backend, what, str(r.trials), str(r.detected), str(r.harmless),
                       str(r.refused), f"{r.delivered}/{r.expected}", str(r.reported),
-                      str(r.silent), str(r.altered)))
+                      str(r.silent), str(r.altered), str(r.failed)))
     widths = [max(len(x[i]) for x in lines) for i in range(len(head))]
     for line in lines:
         print("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)))
@@ -289,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [{"backend": b, "damage": w, "trials": r.trials, "detected": r.detected,
                   "harmless": r.harmless, "repaired": r.refused, "expected": r.expected,
                   "delivered": r.delivered, "reported_lost": r.reported,
-                  "lost_silently": r.silent, "altered": r.altered, "notes": r.notes[:3]}
+                  "lost_silently": r.silent, "altered": r.altered, "stuck": r.failed,
+                  "notes": r.notes[:3]}
                  for (b, w), r in rows.items()]}))
     return 0 if silent == 0 and altered == 0 else 1
 

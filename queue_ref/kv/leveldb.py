@@ -90,7 +90,7 @@ class LevelDBEngine(KV):
             # Tables of the same size: a compaction then rewrites little at a time, which
             # keeps the room it needs on a nearly full disk small.
             self._options["write_buffer_size"] = write_buffer_size
-            self._options["max_file_size"] = max(write_buffer_size, 1 << 20)
+            self._options["max_file_size"] = write_buffer_size
         self.path = os.path.abspath(path)
         os.makedirs(self.path, mode=0o750, exist_ok=True)
         self._lock_fd = os.open(
