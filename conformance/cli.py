@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "queue_ref.demo",
     "conformance.certify.certify_command",
     "conformance.crashexplore.crash_command",
+    "queue_ref.repair_cli",
 )
 
 

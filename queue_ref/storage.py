@@ -38,6 +38,7 @@ from types import TracebackType
 from typing import TypeVar
 
 from spec import Schedule
+from spec.errors import InvalidInputError, MisuseError, QueueError, ScheduleError
 
 __all__ = [
     "MAX_ADDRESS",
@@ -62,6 +63,7 @@ __all__ = [
     "Recipient",
     "RecoveryReport",
     "Schedule",
+    "ScheduleError",
     "Storage",
     "StorageIOError",
     "UnsupportedError",
@@ -76,10 +78,8 @@ MAX_SCHEDULE = 2**63 - 1
 
 
 # ---- errors, split by cause -----------------------------------------------------------
-
-
-class QueueError(Exception):
-    """Base of every error a Storage raises on purpose."""
+# QueueError, MisuseError, InvalidInputError and ScheduleError (a caller's mistakes) are
+# the contract's own (spec/errors.py): Schedule(-1) raises one.
 
 
 class StorageIOError(QueueError):
@@ -109,14 +109,6 @@ class CorruptionError(QueueError):
 
 class ClosedError(QueueError):
     """The Storage (or the Enqueuer, or the MailReader) was closed."""
-
-
-class MisuseError(QueueError):
-    """A handle was consumed already, belongs to another Storage, or has the wrong type."""
-
-
-class InvalidInputError(MisuseError, ValueError):
-    """An argument is malformed (an address with NUL or newline, an empty recipient list...)."""
 
 
 class UnsupportedError(QueueError):
@@ -183,6 +175,21 @@ class RecoveryReport:
     orphans_removed: int = 0  # stray files, temp files, dangling links
     quarantined: int = 0  # entries whose bytes failed their checksum
     problems: tuple[str, ...] = ()
+    #: Ids of the messages damage took out of the queue (bytes that failed their checksum,
+    #: a missing file, a record of the store that could not be read), each explained in
+    #: ``problems``.  Nothing acknowledged leaves the queue without its id here, or a
+    #: count in ``lost_unknown``.
+    lost: tuple[str, ...] = ()
+    #: Damaged records whose message ids could not be read ("unknown ids, N records").
+    lost_unknown: int = 0
+    #: Files (relative to the queue's directory) moved aside because they are damaged;
+    #: never deleted.
+    damaged_files: tuple[str, ...] = ()
+
+    @property
+    def damage_found(self) -> bool:
+        """Whether recovery met damage (anything lost or kept aside)."""
+        return bool(self.lost or self.lost_unknown or self.damaged_files)
 
 
 def validate_address(value: object, what: str, *, allow_empty: bool = False) -> str:

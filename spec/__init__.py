@@ -4,6 +4,7 @@ This package imports nothing else of the project and performs no I/O.
 """
 
 from spec.crash import CLAUSES, Violation, allowed_views, judge
+from spec.errors import InvalidInputError, MisuseError, QueueError, ScheduleError
 from spec.model import Call, Entry, EntryKey, EntryView, Message, Model, Schedule, run
 from spec.states import TABLE, EntryState, Op, Outcome, Transition, after_restart, step
 
@@ -15,11 +16,15 @@ __all__ = [
     "EntryKey",
     "EntryState",
     "EntryView",
+    "InvalidInputError",
     "Message",
+    "MisuseError",
     "Model",
     "Op",
     "Outcome",
+    "QueueError",
     "Schedule",
+    "ScheduleError",
     "Transition",
     "Violation",
     "after_restart",

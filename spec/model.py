@@ -16,6 +16,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from spec.errors import ScheduleError
 from spec.states import LIVE_STATES, TABLE, EntryState, Op, Outcome, after_restart, step
 
 EntryKey = tuple[int, int]
@@ -33,13 +34,13 @@ class Schedule:
 
     def __post_init__(self) -> None:
         if not isinstance(self.at, int) or isinstance(self.at, bool) or self.at < 0:
-            raise ValueError(f"schedule time must be a non-negative int, got {self.at!r}")
+            raise ScheduleError(f"schedule time must be a non-negative int, got {self.at!r}")
         if (
             not isinstance(self.attempts, int)
             or isinstance(self.attempts, bool)
             or self.attempts < 0
         ):
-            raise ValueError(f"attempts must be a non-negative int, got {self.attempts!r}")
+            raise ScheduleError(f"attempts must be a non-negative int, got {self.attempts!r}")
 
 
 @dataclass(frozen=True)

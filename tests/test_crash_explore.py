@@ -11,6 +11,7 @@ import os
 import pickle
 import re
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from multiprocessing import get_context
 
 import pytest
@@ -135,7 +136,10 @@ def test_fs_exhaustive_has_no_violations(model: str) -> None:
     cfg = ExploreConfig(backend="fs", models=(model,), bound=BOUND,
                         recovery_sample=3 if thorough() else 1)
     s = explore(cfg)
-    assert s.workloads == len(plan(cfg)) == len(list(enumerate_steps(BOUND)))
+    exhaustive = len(list(enumerate_steps(BOUND)))
+    assert len(plan(replace(cfg, targeted=False))) == exhaustive
+    # the targeted workloads add the operations the bound does not reach
+    assert s.workloads == len(plan(cfg)) > exhaustive
     st = s.per_model[model]
     assert st.points > 100 and st.states >= st.points and st.recovery_states > 0
     assert st.eio_states > 0
@@ -148,7 +152,7 @@ def test_fs_after_a_whole_life_has_no_violations(backend: str) -> None:
     """Every workload that writes into a spare file, crashed inside its last call, at rest
     after it, and in its recovery, under every model (the queue holds one spare)."""
     cfg = ExploreConfig(backend=backend, models=ALL_MODELS, bound=0,
-                        after_life=BOUND, recovery_sample=1)
+                        after_life=BOUND, recovery_sample=1, targeted=False)
     s = explore(cfg)
     assert s.workloads == 1 + len(list(enumerate_steps(BOUND, after=LIFE)))
     reused = [t for t in plan(cfg) if t.workload_id.startswith("a")
@@ -162,7 +166,7 @@ def test_fs_after_a_whole_life_has_no_violations(backend: str) -> None:
 def test_fs_random_workload_has_no_violations() -> None:
     s = explore(ExploreConfig(backend="fs", models=("weak",), bound=0, random=1,
                               random_length=8 if not thorough() else 25, seed=11,
-                              recovery_sample=1))
+                              recovery_sample=1, targeted=False))
     assert s.workloads == 2 and s.crash_points > 50
     # at rest: after opening (the empty workload), and after every call of the random one
     assert s.rest_points == 1 + (8 if not thorough() else 25)
@@ -273,7 +277,8 @@ def test_cli_explore_and_reproduce(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     summary = json.loads(out.strip().splitlines()[-1])
     assert code == 1
-    assert summary["violations"]["C1"] > 0 and summary["workloads"] == 16
+    cfg = ExploreConfig(backend="fs-broken-nosync-commit", models=("process-kill",), bound=2)
+    assert summary["violations"]["C1"] > 0 and summary["workloads"] == len(plan(cfg))
     assert set(summary["by_model"]) == {"process-kill", "ext4-ordered"}
     assert summary["by_model"]["process-kill"]["violations"] == {}
     sid = summary["minimal"]["C1"]

@@ -503,7 +503,6 @@ RECORD = len(encode_batch([(b"r000-a", b"x" * 30), (b"r000-b", b"y" * 30)]))
         ("garble-length", 9),  # the last record's length field is garbage
         ("zeros", 10),  # a power cut extended the file with zeros
         ("garbage", 10),  # random bytes after the last record
-        ("garble-middle", 5),  # record 5 is damaged: it and everything after it go
     ],
 )
 def test_torn_log_tail_is_dropped_and_truncated(
@@ -545,6 +544,41 @@ def test_torn_log_tail_is_dropped_and_truncated(
         assert kv.recovery.truncated_bytes == 0
         assert _records_present(kv, 10) == survivors
         assert kv.get(b"after") == b"repair"
+    finally:
+        kv.close()
+
+
+@pytest.mark.parametrize("where", [12, 0, 4, RECORD - 1])  # payload, length, crc, last byte
+def test_damage_in_the_middle_of_the_log_keeps_every_intact_record(
+    tmp_path: Path, where: int
+) -> None:
+    path = tmp_path / "db"
+    _write_records(str(path), 10)
+    (log,) = log_files(path)
+    data = bytearray(log.read_bytes())
+    data[5 * RECORD + where] ^= 0x10
+    log.write_bytes(bytes(data))
+
+    kv = LogEngine(str(path))
+    try:
+        present = [i for i in range(10) if kv.get(b"r%03d-a" % i) is not None]
+        assert present == [0, 1, 2, 3, 4, 6, 7, 8, 9]
+        assert _records_present(kv, 10) == 9  # the records after it are kept
+        (d,) = kv.damage
+        assert "intact records follow" in d.detail
+        assert d.sample == bytes(data[5 * RECORD:6 * RECORD])  # the bad record's bytes
+        assert d.later_keys == {b"r%03d-%c" % (i, c) for i in range(6, 10) for c in b"ab"}
+        kept = Path(d.kept)
+        assert kept.parent == path / "quarantine" and kept.read_bytes() == bytes(data)
+        assert not log.exists()  # flushed to a table; the damaged log is kept aside
+        kv.put(b"after", b"damage")
+    finally:
+        kv.close()
+    kv = LogEngine(str(path))
+    try:
+        assert kv.damage == []  # reported once: the next open is clean
+        assert [i for i in range(10) if kv.get(b"r%03d-a" % i)] == [0, 1, 2, 3, 4, 6, 7, 8, 9]
+        assert kv.get(b"after") == b"damage"
     finally:
         kv.close()
 
@@ -601,10 +635,42 @@ def test_corrupt_table_is_reported(tmp_path: Path) -> None:
     data = bytearray(table.read_bytes())
     data[20] ^= 0x01
     table.write_bytes(bytes(data))
+    # Every block is checked when the engine opens: it refuses, names the repair command,
+    # and leaves every file as it was.
+    before = sorted((p.name, p.read_bytes()) for p in path.iterdir() if p.is_file())
+    with pytest.raises(DatabaseCorruptError, match="checksum") as err:
+        LogEngine(str(path))
+    assert f"queue-ref repair --queue {path} --backend kv-log" in str(err.value)
+    assert sorted((p.name, p.read_bytes()) for p in path.iterdir() if p.is_file()) == before
+
+
+@pytest.mark.parametrize("missing", ["CURRENT", "MANIFEST", "log", "table"])
+def test_a_missing_file_never_makes_a_fresh_store_over_old_data(
+    tmp_path: Path, missing: str
+) -> None:
+    path = tmp_path / "db"
+    kv = LogEngine(str(path))
+    kv.put(b"a", b"x" * 100)
+    kv.compact()
+    kv.put(b"b", b"y" * 100)
+    kv.close()
+    victim = {"CURRENT": path / "CURRENT", "MANIFEST": next(path.glob("MANIFEST-*")),
+              "log": log_files(path)[0], "table": next(path.glob("*.tbl"))}[missing]
+    victim.unlink()
+    before = sorted((p.name, p.read_bytes()) for p in path.iterdir() if p.is_file())
+    with pytest.raises(DatabaseCorruptError, match="queue-ref repair --queue"):
+        LogEngine(str(path))
+    assert sorted((p.name, p.read_bytes()) for p in path.iterdir() if p.is_file()) == before
+
+
+def test_a_creation_cut_before_its_current_is_not_a_database(tmp_path: Path) -> None:
+    path = tmp_path / "db"
+    LogEngine(str(path)).close()
+    (path / "CURRENT").unlink()  # as if the creation had crashed before publishing it
     kv = LogEngine(str(path))
     try:
-        with pytest.raises(DatabaseCorruptError, match="checksum"):
-            kv.get(b"a")
+        kv.put(b"a", b"1")
+        assert kv.get(b"a") == b"1"
     finally:
         kv.close()
 

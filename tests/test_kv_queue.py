@@ -827,7 +827,10 @@ def test_reordered_batches_are_repaired(dict_env: Env) -> None:
     q.kv.write(ghost)
     q = dict_env.reopen(q)
     assert [h.entry_id for h in q.list_queue()] == [b.entry_id]
-    assert len(q.last_recovery.problems) == 2
+    # The ghost zone key is reported; the stored live count (7) above the entries found
+    # (1) is recounted without a word, as after cleanups a cut recovery finished.
+    assert q.last_recovery.problems == (
+        f"removed {b'delivery-zone default ' + m + b' 000000'!r}: entry is also pending cleanup",)
     p = q.drop(next(iter(q.list_queue())))
     assert p is not None and q.cleanup(p)
     assert raw_keys(q) == {b"seq"}

@@ -49,12 +49,15 @@ _junk_numbers = itertools.count()
 
 
 class Corrupt(Exception):
-    """Metadata of an entry failed verification; ``whole_message`` says what is affected."""
+    """Metadata of an entry failed verification; ``whole_message`` says what is affected.
+    ``stray``: the link names an entry its (intact) message does not have; only the link
+    is quarantined."""
 
-    def __init__(self, reason: str, whole_message: bool) -> None:
+    def __init__(self, reason: str, whole_message: bool, *, stray: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.whole_message = whole_message
+        self.stray = stray
 
 
 class EnvelopeCache:
@@ -135,6 +138,7 @@ def _stat_key(st: os.stat_result) -> tuple[int, int, int]:
 class FsMetadata(FsSteps):
     """Metadata loading and quarantine steps.  FsQueue provides the attributes."""
 
+    root: str
     _envelopes: EnvelopeCache
     _owners: Owners
 
@@ -199,7 +203,8 @@ class FsMetadata(FsSteps):
         """The entry's current schedule, and whether it comes from a schedule record (else
         from the envelope).  Raises Corrupt or OSError."""
         if e.index >= len(env.rcpts):
-            raise Corrupt(f"entry {e.entry_id} is not in its envelope", True)
+            raise Corrupt(f"entry {e.entry_id} is not in its envelope (a stray link)", False,
+                          stray=True)
         try:
             raw = read_file(self.io, self.layout.sched(e), MAX_SCHEDULE)
         except FileNotFoundError:
@@ -301,7 +306,18 @@ class FsMetadata(FsSteps):
         """Quarantine what ``c`` says is corrupt; returns where it went."""
         if c.whole_message:
             return self._quarantine_message(e.msgid, c.reason)
+        if c.stray:
+            return self._quarantine_stray(e, link, c.reason)
         return self._quarantine_entry(e, link, c.reason)
+
+    def _quarantine_stray(self, e: EntryName, link: str, reason: str) -> str:
+        """Move a link that names an entry its message does not have to quarantine/, with
+        a note; the message and its real entries are not touched."""
+        self._write_note(e.entry_id, f"link {basename(link)}: {reason}")
+        dest = self.layout.quarantined(f"{basename(link)}.link")
+        if self._move_link(link, dest):
+            self._sync_dirs(os.path.dirname(link), self.layout.quarantine)
+        return dest
 
     def _quarantine_junk(self, path: str, reason: str) -> str:
         """Move something that is not ours out of the way (one rename, then fsync both

@@ -149,6 +149,10 @@ class FsQueue(FsMetadata, Storage):
         disk fails.  After any failure nothing is held open.
         """
         Storage.__init__(self)
+        if isinstance(root, os.PathLike):
+            root = os.fspath(root)
+        if not isinstance(root, str) or not root or "\x00" in root:
+            raise InvalidInputError(f"root must be a non-empty path without NUL, got {root!r}")
         if owner is None:
             owner = new_owner()
         elif not is_owner_token(owner):

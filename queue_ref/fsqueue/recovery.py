@@ -13,14 +13,22 @@ queue open and none can open it meanwhile.  Steps, in order:
    wins over inflight.  Only links of dead owners and queue links of retired entries are
    removed, so a live process's claim is never undone.
 3. **Interrupted cleanups**: every cleanup/ link is cleaned up (steps tolerate missing data).
-4. **Uncommitted enqueues** of dead owners: their files under ``tmp/<owner>/``, the
-   dangling links of their messages (a link whose message file is missing) and the hard
-   links those messages had already made.  A dangling link of a quarantined message goes
-   to quarantine.
+4. **Uncommitted enqueues** of dead owners: the dangling links of their messages (a link
+   whose message file is missing, of a message whose file is still under
+   ``tmp/<owner>/``), then those files and the hard links those messages had already
+   made.  A dangling link of a quarantined message goes to quarantine.  A dangling link
+   of a dead owner's message that is neither in ``tmp/`` nor quarantined belongs to a
+   committed message whose file was removed: if one of its hard links remains, the file
+   is restored from it; otherwise the message is lost, its links go to quarantine with
+   a note, and the report names it (``lost``), never silently.
 5. **Requeue**: inflight links of dead owners go back to queue/ (INFLIGHT -> QUEUED).
 6. **Orphans** (exclusive only): under data/, every name of a message no link names (its
-   file, hard links, schedule records), hard links and schedule records of entries no
-   link names, schedule temp files, and unknown names (quarantined).
+   hard links, schedule records), hard links and schedule records of entries no link
+   names, schedule temp files, and unknown names (quarantined).  A committed message
+   file no link names is moved to quarantine (``<msgid>.unlinked``) and reported lost:
+   its links were removed, or (after a power cut) its cleanup or an unacknowledged
+   commit was cut short; ``queue-ref repair`` puts an intact one back in the queue.  A
+   hard link of an entry no link names is reported too, then removed.
 7. **Verification**: the metadata of every queued entry is checked; corrupt entries and
    messages are quarantined.
 8. Lock files of dead owners are removed.
@@ -32,6 +40,7 @@ fsynced before the next step relies on them (duplicates before cleanups and requ
 
 from __future__ import annotations
 
+import os
 import stat
 from collections import defaultdict
 from os.path import join
@@ -66,6 +75,8 @@ class Recovery:
         self.requeued = self.cleaned = self.uncommitted = 0
         self.orphans = self.quarantined = 0
         self.problems: list[str] = []
+        self.lost: set[str] = set()
+        self.damaged: list[str] = []
         self.queue: dict[EntryName, str] = {}
         self.inflight: Inflight = {}
         self.cleanup: dict[EntryName, str] = {}
@@ -87,7 +98,8 @@ class Recovery:
             if not self.alive(o):
                 self.q._owners.forget_dead(o)
         return RecoveryReport(self.requeued, self.cleaned, self.uncommitted, self.orphans,
-                              self.quarantined, tuple(self.problems))
+                              self.quarantined, tuple(self.problems),
+                              lost=tuple(sorted(self.lost)), damaged_files=tuple(self.damaged))
 
     # ---- 1. links and junk -------------------------------------------------------------
 
@@ -170,24 +182,31 @@ class Recovery:
     def remove_uncommitted(self) -> None:
         removed: set[str] = set()
         changed: set[str] = set()
+        dead: list[str] = []
+        building: set[str] = set()  # messages still under a dead owner's tmp/
         for owner in listdir_or_empty(self.io, self.lay.tmp):
             path = self.lay.tmp_owner(owner)
             if not OWNER_RE.match(owner) or not self.io.is_dir(path):
                 self.junk(path, "not an owner's tmp directory")
             elif not self.alive(owner):
-                removed |= self._remove_tmp_of(owner)
-                changed.add(self.lay.tmp)
+                dead.append(owner)
+                building |= {m for m in listdir_or_empty(self.io, path) if MSGID_RE.match(m)}
         for e, path in sorted(self.queue.items()):
-            if self._dangling(e, path, removed):
+            if self._dangling(e, path, building):
                 del self.queue[e]
                 changed.add(self.lay.queue)
         for e, links in list(self.inflight.items()):
             for owner, path in list(links):
-                if not self.alive(owner) and self._dangling(e, path, removed):
+                if not self.alive(owner) and self._dangling(e, path, building):
                     links.remove((owner, path))
                     changed.add(self.lay.inflight)
             if not links:
                 del self.inflight[e]
+        if changed:
+            self.q._sync_dirs(*sorted(changed))
+        for owner in dead:  # their links are gone first: a crash here leaves only files
+            removed |= self._remove_tmp_of(owner)
+            changed.add(self.lay.tmp)
         if self._remove_refs_of(removed):
             changed.add(self.lay.data)
         self.uncommitted += len(removed)
@@ -231,8 +250,9 @@ class Recovery:
                 changed |= if_exists(self.io.unlink, join(self.lay.data, n))
         return changed
 
-    def _dangling(self, e: EntryName, path: str, removed: set[str]) -> bool:
-        """Handle a link whose message file is missing; True if the link was taken away."""
+    def _dangling(self, e: EntryName, path: str, building: set[str]) -> bool:
+        """Handle a link whose message file is missing; True if the link was taken away.
+        ``building``: messages whose file is still under a dead owner's ``tmp/``."""
         if lstat_or_none(self.io, self.lay.msg_file(e.msgid)) is not None:
             return False
         if self.io.exists(self.lay.quarantined(f"{e.msgid}.msg")):
@@ -240,9 +260,50 @@ class Recovery:
             return True
         if self.alive(owner_of_msgid(e.msgid)):
             return False  # an enqueue in progress: its owner commits or discards it
-        if if_exists(self.io.unlink, path):
-            removed.add(e.msgid)
+        if e.msgid in building or self.io.exists(self.lay.quarantined(f"{e.msgid}.lost.note")):
+            if e.msgid not in building:  # a message found lost before: its last links
+                self.q._quarantine_links_of(e.msgid)
+                return True
+            if_exists(self.io.unlink, path)  # an uncommitted enqueue
+            return True
+        self._lost_message(e.msgid)
         return True
+
+    def _lost_message(self, msgid: str) -> None:
+        """A committed message whose file is gone: note it, move its links aside, report
+        it with its entries (never deleted silently)."""
+        links = sorted(set(self.q._links_of_message(self.lay.queue, msgid))
+                       | set(self.q._links_of_message(self.lay.inflight, msgid)))
+        entries = sorted({n.split("@")[0] for n in links})
+        self.q._write_note(f"{msgid}.lost", f"message {msgid}: its file data/{msgid} is "
+                                 f"missing; entries {', '.join(entries)} lost; their links "
+                                 "are kept here")
+        self.q._quarantine_links_of(msgid)
+        kept = self._keep_a_hard_link(msgid)
+        self.lost.add(msgid)
+        self.damaged.append(f"quarantine/{msgid}.lost.note")
+        self.problems.append(f"message {msgid} lost: its file data/{msgid} is missing; "
+                             f"entries {', '.join(entries)}; links moved to quarantine/"
+                             + (f"; its content, still linked as data/{kept}, moved to "
+                                f"quarantine/{msgid}.unlinked (`queue-ref repair` re-queues "
+                                "it if intact)" if kept else ""))
+
+    def _keep_a_hard_link(self, msgid: str) -> str | None:
+        """Move one hard link of a message whose own name is gone to
+        ``quarantine/<msgid>.unlinked`` (the same file: its content is kept).  A failed
+        enqueue cut by a power cut can leave this too, so nothing is put back here."""
+        dest = self.lay.quarantined(f"{msgid}.unlinked")
+        if self.io.exists(dest):
+            return None
+        for n in sorted(listdir_or_empty(self.io, self.lay.data)):
+            m = DATA_RE.match(n)
+            if (m is None or m["msgid"] != msgid or m["index"] is None or m["sched"]
+                    or m["owner"]):
+                continue
+            if self.q._move_link(join(self.lay.data, n), dest):
+                self.q._sync_dirs(self.lay.data, self.lay.quarantine)
+                return n
+        return None
 
     # ---- 5. requeue --------------------------------------------------------------------
 
@@ -290,10 +351,21 @@ class Recovery:
         for msgid, group in sorted(names.items()):
             dead = msgid not in live_msgs
             removed = False
+            if dead and any(index is None and not temp for _, index, temp in group):
+                changed |= self._unlinked_message(msgid)
+                removed = True
             for n, index, temp in sorted(group, key=lambda g: g[1] is None):
                 entry = f"{msgid}.{index}"
                 if not (dead or temp or (index is not None and entry not in refs)):
                     continue
+                if index is None and not temp:
+                    continue  # the message file: moved to quarantine above
+                if not dead and not temp and not n.endswith(".sched"):
+                    self.lost.add(msgid)
+                    self.problems.append(
+                        f"entry {entry} lost: its hard link data/{n} is left but no link "
+                        "names the entry (its link was removed, or a power cut cut its "
+                        "cleanup short); removed")
                 path = join(self.lay.data, n)
                 if n.endswith(".sched") and (
                         self.io.exists(self.lay.quarantined(f"{entry}.note"))
@@ -309,6 +381,29 @@ class Recovery:
         if changed:
             self.q._sync_dirs(self.lay.data, self.lay.quarantine)
 
+    def _unlinked_message(self, msgid: str) -> bool:
+        """A message file no link names: moved to ``quarantine/<msgid>.unlinked`` with a
+        note, reported lost (``queue-ref repair`` re-queues an intact one)."""
+        src = self.lay.msg_file(msgid)
+        try:
+            env = self.q._read_envelope(src, msgid)
+            what = (f"intact, {len(env.rcpts)} recipient(s): {', '.join(r.address for r in env.rcpts)}")
+        except Corrupt as c:
+            what = f"damaged too: {c.reason}"
+        except FileNotFoundError:
+            return False
+        dest = self.lay.quarantined(f"{msgid}.unlinked")
+        self.q._write_note(f"{msgid}.unlinked", f"message {msgid}: no link names it ({what}); "
+                           "its links were removed, or a power cut cut its cleanup or an "
+                           "unacknowledged commit short; `queue-ref repair` re-queues it")
+        if not self.q._move_link(src, dest):
+            return False
+        self.lost.add(msgid)
+        self.damaged.append(f"quarantine/{msgid}.unlinked")
+        self.problems.append(f"message {msgid} lost: no link names its file ({what}); moved "
+                             f"to quarantine/{msgid}.unlinked")
+        return True
+
     # ---- 7. verification ---------------------------------------------------------------
 
     def verify_queued(self) -> None:
@@ -321,3 +416,8 @@ class Recovery:
                 where = self.q._quarantine_corrupt(e, path, c)
                 self.quarantined += 1
                 self.problems.append(f"entry {e.entry_id}: {c.reason}; quarantined to {where}")
+                if not c.stray:  # a stray link was no entry: nothing of the message is lost
+                    self.lost.add(e.msgid)
+                    rel = os.path.relpath(where, self.q.root)
+                    if rel not in self.damaged:
+                        self.damaged.append(rel)

@@ -5,6 +5,13 @@ killing a child process, not by the fault injector.  Every write is a ``WriteBat
 with ``sync=True`` by default; LevelDB group-commits concurrent writers internally (one
 log sync for all batches waiting behind the current writer).
 
+Damage: LevelDB is opened with ``paranoid_checks`` (a damaged log record or manifest makes
+the open fail instead of being skipped) and every read verifies block checksums, so a
+damaged table is an error, never altered data.  LevelDB's ``Corruption`` becomes
+``DatabaseCorruptError`` naming the repair command (``queue-ref repair``, which runs
+LevelDB's own ``RepairDB``: ``queue_ref.kv.salvage``); an ``IOError`` for a full disk
+becomes an ``OSError`` with ``ENOSPC`` (so the queue raises ``NoSpaceError``).
+
 Locking: LevelDB locks ``LOCK`` with ``fcntl``, which is per process, and a failed second
 open in the same process closes a descriptor of that file, which drops the first open's
 lock.  So the engine first takes an ``flock`` on ``queue-ref.lock`` in the database
@@ -15,6 +22,7 @@ with ``DatabaseLockedError`` before LevelDB is touched.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import threading
@@ -24,12 +32,41 @@ import plyvel  # type: ignore[import-untyped]
 
 from queue_ref.kv.base import KV, WriteBatch
 from queue_ref.kv.engine_errors import DatabaseCorruptError, DatabaseLockedError
-from queue_ref.storage import ClosedError
+from queue_ref.storage import ClosedError, InvalidInputError
 
 LOCK_NAME = "queue-ref.lock"
 #: ``compact`` covers the keys up to this one (keys starting with more 0xFF bytes are
 #: compacted only by LevelDB's own background work).
 COMPACT_HIGH = b"\xff" * 32
+#: The backend name of this engine for ``queue-ref repair``.
+BACKEND = "kv-leveldb"
+#: LevelDB's options, for opening and for ``RepairDB``.
+OPTIONS: dict[str, object] = {"paranoid_checks": True}
+
+
+def os_error(what: str, e: Exception, path: str) -> OSError:
+    """The OSError for a plyvel error: ``DatabaseCorruptError`` for LevelDB's Corruption,
+    ``ENOSPC`` for a full disk, ``EIO`` otherwise."""
+    text = str(e)
+    if isinstance(e, plyvel.CorruptionError) or "Corruption" in text:
+        return DatabaseCorruptError(path, f"{what}: {text}", repair=(path, BACKEND))
+    if "No space left" in text or "Disk quota" in text:
+        return OSError(errno.ENOSPC, f"{what}: {text}")
+    return OSError(errno.EIO, f"{what}: {text}")
+
+
+def _refuse_without_current(path: str) -> None:
+    """LevelDB's ``create_if_missing`` makes a new, empty database when ``CURRENT`` is
+    missing, beside (and then over) the files of the old one: refuse instead."""
+    if os.path.exists(os.path.join(path, "CURRENT")):
+        return
+    data = sorted(n for n in os.listdir(path)
+                  if n.endswith((".ldb", ".sst", ".log")) or n.startswith("MANIFEST-"))
+    if data:
+        raise DatabaseCorruptError(
+            os.path.join(path, "CURRENT"), f"missing, but {', '.join(data[:5])}"
+            f"{' ...' if len(data) > 5 else ''} of a database are there",
+            repair=(path, BACKEND))
 
 
 class LevelDBEngine(KV):
@@ -39,7 +76,21 @@ class LevelDBEngine(KV):
     decides at its next open); LevelDB itself refuses writes after a failed log sync.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, write_buffer_size: int | None = None) -> None:
+        """``write_buffer_size``: LevelDB's memtable size (default: LevelDB's, 4 MiB);
+        reopening writes up to that much, so a full disk's reserve must hold it."""
+        if not isinstance(path, str) or not path or "\x00" in path:
+            raise InvalidInputError(f"path must be a non-empty str without NUL, got {path!r}")
+        if write_buffer_size is not None and (
+                not isinstance(write_buffer_size, int) or write_buffer_size < 64 * 1024):
+            raise InvalidInputError(f"write_buffer_size must be an int of at least 64 KiB, "
+                                    f"got {write_buffer_size!r}")
+        self._options = dict(OPTIONS)
+        if write_buffer_size is not None:
+            # Tables of the same size: a compaction then rewrites little at a time, which
+            # keeps the room it needs on a nearly full disk small.
+            self._options["write_buffer_size"] = write_buffer_size
+            self._options["max_file_size"] = write_buffer_size
         self.path = os.path.abspath(path)
         os.makedirs(self.path, mode=0o750, exist_ok=True)
         self._lock_fd = os.open(
@@ -51,15 +102,19 @@ class LevelDBEngine(KV):
             os.close(self._lock_fd)
             raise DatabaseLockedError(self.path) from None
         try:
-            self._db = plyvel.DB(self.path, create_if_missing=True)
+            _refuse_without_current(self.path)
+            self._db = plyvel.DB(self.path, create_if_missing=True, **self._options)
         except plyvel.IOError as e:
             os.close(self._lock_fd)
             if "lock" in str(e):  # held by a LevelDB user outside this engine
                 raise DatabaseLockedError(self.path) from e
-            raise OSError(f"cannot open LevelDB at {self.path}: {e}") from e
+            raise os_error(f"cannot open LevelDB at {self.path}", e, self.path) from e
         except plyvel.CorruptionError as e:
             os.close(self._lock_fd)
-            raise DatabaseCorruptError(self.path, str(e)) from e
+            raise os_error("opening", e, self.path) from e
+        except DatabaseCorruptError:
+            os.close(self._lock_fd)
+            raise
         except BaseException:
             os.close(self._lock_fd)
             raise
@@ -72,6 +127,42 @@ class LevelDBEngine(KV):
         self._mu = threading.Lock()
         self._cv = threading.Condition(self._mu)
         self._waiters = 0  # close() or compact() waiting for running calls to end
+        # LevelDB refuses every write after one failed (its background error) until it is
+        # reopened: the next write reopens it (``_revive``); if that fails too (the disk
+        # is still full), LevelDB is closed (``_down``) and every call tries again.
+        self._stale = False
+        self._down: str | None = None
+
+    def _revive(self, *, writes: bool) -> None:
+        """Reopen LevelDB (in this process, under our lock) after a failed write, once no
+        call runs; so a queue goes on without a restart once space is freed."""
+        if not (self._down or (writes and self._stale)):
+            return
+        with self._cv:
+            self._wait(lambda: not self._compacting or self._closed)
+            if self._closed or not (self._down or (writes and self._stale)):
+                return
+            self._compacting = True  # holds off new writers
+            try:
+                self._wait(lambda: not self._active or self._closed)
+                if self._is_closed():  # while we waited
+                    return
+                if self._down is None:
+                    self._db.close()
+                try:
+                    self._db = plyvel.DB(self.path, **self._options)
+                except plyvel.Error as e:
+                    err = os_error("reopening LevelDB after a failed write", e, self.path)
+                    self._down = str(err)
+                    raise err from e
+                self._down = None
+                self._stale = False
+            finally:
+                self._compacting = False
+                self._cv.notify_all()
+
+    def _is_closed(self) -> bool:
+        return self._closed
 
     def _begin(self, writes: bool = False) -> None:
         with self._mu:
@@ -79,6 +170,9 @@ class LevelDBEngine(KV):
                 self._cv.wait()
             if self._closed:
                 raise ClosedError(f"LevelDBEngine {self.path} is closed")
+            if self._down is not None:
+                raise OSError(errno.ENOSPC if "No space" in self._down else errno.EIO,
+                              self._down)
             self._active += 1
             self._writing += writes
 
@@ -101,10 +195,13 @@ class LevelDBEngine(KV):
     def get(self, key: bytes) -> bytes | None:
         if not isinstance(key, bytes):
             raise TypeError(f"key must be bytes, not {type(key).__name__}")
+        self._revive(writes=False)
         self._begin()
         try:
-            value: bytes | None = self._db.get(key)
+            value: bytes | None = self._db.get(key, verify_checksums=True)
             return value
+        except plyvel.Error as e:
+            raise os_error("LevelDB get", e, self.path) from e
         finally:
             self._end()
 
@@ -119,6 +216,7 @@ class LevelDBEngine(KV):
                 if self._closed:
                     raise ClosedError(f"LevelDBEngine {self.path} is closed")
             return
+        self._revive(writes=True)
         self._begin(writes=True)
         try:
             with self._db.write_batch(sync=sync, transaction=True) as wb:
@@ -127,8 +225,11 @@ class LevelDBEngine(KV):
                         wb.delete(key)
                     else:
                         wb.put(key, value)
-        except plyvel.IOError as e:
-            raise OSError(f"LevelDB write failed: {e}") from e
+        except plyvel.Error as e:
+            err = os_error("LevelDB write failed", e, self.path)
+            if not isinstance(err, DatabaseCorruptError):
+                self._stale = True
+            raise err from e
         finally:
             self._end(writes=True)
 
@@ -138,9 +239,10 @@ class LevelDBEngine(KV):
         """Ascending pairs with ``start <= key < stop`` from a LevelDB snapshot taken now."""
         if not isinstance(start, bytes) or not isinstance(stop, bytes | None):
             raise TypeError("start and stop must be bytes")
+        self._revive(writes=False)
         self._begin()
         try:
-            it = self._db.iterator(start=start, stop=stop)
+            it = self._db.iterator(start=start, stop=stop, verify_checksums=True)
         finally:
             self._end()
         return self._drain(it)
@@ -151,6 +253,10 @@ class LevelDBEngine(KV):
                 self._begin()
                 try:
                     item = next(it, None)
+                except plyvel.Error as e:
+                    raise os_error("LevelDB iteration", e, self.path) from e
+                except RuntimeError as e:  # LevelDB was reopened under this iterator
+                    raise OSError(errno.EIO, f"LevelDB iteration: {e}") from e
                 finally:
                     self._end()
                 if item is None:
@@ -159,7 +265,8 @@ class LevelDBEngine(KV):
         finally:
             with self._cv:
                 if not self._closed:
-                    it.close()  # type: ignore[attr-defined]
+                    with contextlib.suppress(RuntimeError):  # of a LevelDB since reopened
+                        it.close()  # type: ignore[attr-defined]
 
     def compact(self) -> None:
         """Compact every key up to ``COMPACT_HIGH`` (drops deleted keys and shadowed values).

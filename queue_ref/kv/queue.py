@@ -22,19 +22,24 @@ opened has no live owner: recovery puts it back in the queue.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
 from typing import TypeVar
 
-from queue_ref.io import IO
+from queue_ref.io import IO, OsIO
+from queue_ref.kv import atrest, keys, lostids, records
 from queue_ref.kv import claims as cl
-from queue_ref.kv import keys, records
 from queue_ref.kv.base import KV, WriteBatch
 from queue_ref.kv.claims import Held
 from queue_ref.kv.core import Core, io_error
+from queue_ref.kv.engine_errors import DatabaseCorruptError
 from queue_ref.kv.records import BadRecord, EntryRec, Stored
+from queue_ref.kv.reserve import NAME as RESERVE_NAME
+from queue_ref.kv.reserve import Reserve, default_size, free_bytes
 from queue_ref.kv.streams import KvEnqueuer, KvReader
 from queue_ref.storage import (
     Capability,
@@ -45,20 +50,24 @@ from queue_ref.storage import (
     Footprint,
     Handle,
     InflightMail,
+    InvalidInputError,
     Limits,
     MailReader,
     MisuseError,
+    NoSpaceError,
     PendingCleanupMail,
     QueuedMail,
     RecoveryReport,
     Schedule,
     Storage,
+    StorageIOError,
     validate_address,
     validate_params,
     validate_schedule,
 )
 
 H = TypeVar("H", bound=Handle)
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 _CAPS = frozenset({Capability.ZONE_LISTING, Capability.DOMAIN_INDEX,
                    Capability.GROUP_COMMIT, Capability.STREAMING_BODIES})
@@ -70,6 +79,11 @@ def _is_log_engine(kv: KV) -> bool:
     except ImportError:
         return False
     return isinstance(kv, LogEngine)
+
+
+def _check_path(path: object) -> None:
+    if not isinstance(path, str) or not path or "\x00" in path:
+        raise InvalidInputError(f"path must be a non-empty str without NUL, got {path!r}")
 
 
 class KvQueue(Storage):
@@ -91,6 +105,8 @@ class KvQueue(Storage):
             caps.add(Capability.IO_SEAM)
         self.capabilities = frozenset(caps)
         self._kv = kv
+        self._at: tuple[IO, str] | None = None  # see close()
+        self._reserve: Reserve | None = None  # see reserve.py
         try:
             self._core = Core(kv, sync_all=sync_all, clock=clock,
                               owner=owner if owner is not None else f"pid {os.getpid()}")
@@ -100,34 +116,86 @@ class KvQueue(Storage):
 
     @classmethod
     def open_log(cls, path: str, io: IO | None = None, *, recover: bool = True,
-                 sync_all: bool = False, clock: Callable[[], int] = time.time_ns) -> KvQueue:
-        """A queue over the log-structured engine at ``path`` (every byte through ``io``)."""
+                 sync_all: bool = False, clock: Callable[[], int] = time.time_ns,
+                 reserve: int | None = None) -> KvQueue:
+        """A queue over the log-structured engine at ``path`` (every byte through ``io``).
+
+        ``reserve``: bytes of disk kept free for draining a full disk (``reserve.py``);
+        None: 1/16 of the file system (64 KiB to 8 MiB) when ``io`` is None, else none."""
         from queue_ref.kv.logengine import LogEngine
         return cls._open(lambda: LogEngine(path, io=io), recover=recover, sync_all=sync_all,
-                         clock=clock)
+                         clock=clock, at=(io or OsIO(), path, "kv-log"),
+                         reserve=reserve if reserve is not None else (-1 if io is None else 0))
 
     @classmethod
     def open_leveldb(cls, path: str, *, recover: bool = True, sync_all: bool = True,
-                     clock: Callable[[], int] = time.time_ns) -> KvQueue:
+                     clock: Callable[[], int] = time.time_ns,
+                     reserve: int | None = None) -> KvQueue:
         """A queue over real LevelDB (plyvel) at ``path``.
 
         Every batch is synced by default: LevelDB does not fsync a log file when it
         switches to a new one, so an unsynced batch (a body chunk) could be lost by a
         power cut while a later synced batch (the commit that points at it) survives.
+
+        LevelDB writes its memtable to a table when it opens, so its memtable is sized to
+        the file system (1/32 of it, 256 KiB to LevelDB's 4 MiB) and the disk reserve
+        holds twice that (``reserve.leveldb_sizes``; ``reserve=0`` keeps none).
         """
         from queue_ref.kv.leveldb import LevelDBEngine
-        return cls._open(lambda: LevelDBEngine(path), recover=recover, sync_all=sync_all,
-                         clock=clock)
+        from queue_ref.kv.reserve import leveldb_sizes
+
+        _check_path(path)
+        buffer, auto = leveldb_sizes(path)
+        return cls._open(lambda: LevelDBEngine(path, write_buffer_size=buffer), recover=recover,
+                         sync_all=sync_all, clock=clock, at=(OsIO(), path, "kv-leveldb"),
+                         reserve=auto if reserve is None else reserve)
 
     @classmethod
     def _open(cls, make: Callable[[], KV], *, recover: bool, sync_all: bool,
-              clock: Callable[[], int]) -> KvQueue:
+              clock: Callable[[], int], at: tuple[IO, str, str], reserve: int) -> KvQueue:
+        """Open the engine ``make`` gives, in directory ``at[1]`` (through ``at[0]``, for
+        the record of a clean close: ``atrest.py``; ``at[2]`` is the backend's name), with
+        a reserve of ``reserve`` bytes (-1: the default size; 0: none)."""
+        io, path, backend = at
+        _check_path(path)
+        if not isinstance(reserve, int) or isinstance(reserve, bool) or reserve < -1:
+            raise InvalidInputError(f"reserve must be a size in bytes, got {reserve!r}")
+        if reserve and os.path.exists(os.path.join(path, RESERVE_NAME)):
+            size = reserve if reserve > 0 else default_size(path)
+            if free_bytes(path) < size:  # a full disk: recovery needs the room
+                Reserve(path, size).release()
+        try:
+            rest, problems, kept = atrest.take(io, path)
+        except OSError as e:
+            raise io_error("opening the queue: checking it at rest", e, None) from e
         try:
             kv = make()
+        except DatabaseCorruptError as e:
+            raise io_error("opening the KV engine", e.with_repair(path, backend), None) from e
         except OSError as e:
             raise io_error("opening the KV engine", e, None) from e
         try:
-            return cls(kv, recover=recover, sync_all=sync_all, clock=clock)
+            q = cls(kv, recover=recover, sync_all=sync_all, clock=clock)
+            q._at = (io, path)
+            if reserve:
+                q._reserve = Reserve(path, reserve if reserve > 0 else default_size(path))
+                with contextlib.suppress(OSError):
+                    q._reserve.ensure()
+            try:
+                q.last_recovery = lostids.merge(
+                    q.last_recovery, kv, path, list(getattr(kv, "damage", [])), rest, problems,
+                    kept)
+                atrest.forget(io, path)
+            except OSError as e:
+                raise io_error("opening the queue: reporting damage", e, None) from e
+            return q
+        except StorageIOError as e:
+            kv.close()
+            cause = e.__cause__
+            if isinstance(cause, DatabaseCorruptError):
+                raise io_error("opening the queue", cause.with_repair(path, backend),
+                               None) from cause
+            raise
         except BaseException:
             kv.close()
             raise
@@ -263,9 +331,33 @@ class KvQueue(Storage):
     # ---- mail -----------------------------------------------------------------------
 
     def enqueue(self, mail_from: str, params: Mapping[str, str] | None = None) -> Enqueuer:
+        """Start a message.  NoSpaceError while the disk is full (the reserve is spent and
+        cannot be made again): delivering, dropping and cleaning up still work."""
         self._check_open()
         validate_address(mail_from, "mail_from", allow_empty=True)
-        return KvEnqueuer(self, mail_from, validate_params(params))
+        checked = validate_params(params)
+        r = self._reserve
+        if r is not None and not r.held:
+            try:
+                ok = r.ensure()
+                if not ok and callable(getattr(self._kv, "compact", None)):
+                    # Drained mail still takes room until it is compacted away.
+                    with contextlib.suppress(OSError, StorageIOError):
+                        self.compact()
+                    ok = r.ensure()
+            except OSError as e:
+                raise io_error("enqueue: making the disk reserve again", e, None) from e
+            if not ok:
+                raise NoSpaceError(
+                    f"the disk of {r.directory} is full: new mail is refused until space is "
+                    "freed (delivering, dropping and cleaning up queued mail still work)")
+        return KvEnqueuer(self, mail_from, checked)
+
+    def _out_of_space(self) -> None:
+        """A write failed for a full disk: release the reserve, for draining."""
+        if self._reserve is not None:
+            with contextlib.suppress(OSError):
+                self._reserve.release()
 
     def read_inflight(self, mail: InflightMail) -> MailReader:
         h = self._peek(mail, InflightMail)
@@ -426,10 +518,14 @@ class KvQueue(Storage):
             return list(self._kv.iterate(keys.QUARANTINE, keys.end_of(keys.QUARANTINE)))
 
     def disk_usage(self) -> int:
-        """Bytes the engine's files take on disk."""
+        """Bytes the engine's files take on disk (the disk reserve not counted)."""
         self._check_open()
         with self._io("disk usage"):
-            return self._kv.disk_usage()
+            used = self._kv.disk_usage()
+            if self._reserve is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    used -= os.stat(self._reserve.path).st_size
+            return used
 
     def compact(self) -> bool:
         """Ask the engine to drop deleted keys from its files; False if it cannot."""
@@ -442,9 +538,25 @@ class KvQueue(Storage):
         return True
 
     def close(self) -> None:
-        if not self._closed:
-            super().close()
+        """Close the engine.  A queue opened by ``open_log`` or ``open_leveldb`` then
+        records what it holds (``atrest.py``), so that damage at rest is found at the next
+        open; if that record cannot be written (a full disk), there is none."""
+        if self._closed:
+            return
+        super().close()
+        if self._at is None:
             self._kv.close()
+            return
+        io, path = self._at
+        with self._core.claims.hold(excl=[cl.EVERYTHING]):
+            try:
+                rest: atrest.AtRest | None = atrest.entries_of(self._kv)
+            except (OSError, ClosedError):
+                rest = None
+            self._kv.close()
+            if rest is not None:
+                with contextlib.suppress(OSError):
+                    atrest.write(io, path, rest)
 
 
 class _IoGuard:
@@ -468,6 +580,8 @@ class _IoGuard:
                  tb: TracebackType | None) -> None:
         if self._held is not None:
             self._held.__exit__(et, ev, tb)
+        if isinstance(ev, OSError) and ev.errno in _NO_SPACE:
+            self._queue._out_of_space()
         if isinstance(ev, OSError):
             if self._handle is not None:
                 self._queue._give_back(self._handle)

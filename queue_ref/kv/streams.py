@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Protocol
@@ -24,6 +25,7 @@ from queue_ref.storage import (
     validate_recipients,
 )
 
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 class _Queue(Protocol):
     """What the streams need of their KvQueue (which imports this module)."""
@@ -31,6 +33,7 @@ class _Queue(Protocol):
     _core: Core
 
     def _check_open(self) -> None: ...
+    def _out_of_space(self) -> None: ...
     def _issue(self, cls: type[QueuedMail], entry_id: str, message_id: str,
                schedule: Schedule, extra: object = None) -> QueuedMail: ...
 
@@ -71,6 +74,8 @@ class KvEnqueuer(Enqueuer):
             try:
                 self._mid = self._core.new_id()
             except OSError as e:
+                if e.errno in _NO_SPACE:
+                    self._queue._out_of_space()
                 raise io_error("enqueue: reserving message ids", e, None) from e
         return self._mid
 
@@ -85,6 +90,8 @@ class KvEnqueuer(Enqueuer):
             try:
                 self._core.write(self._batch, sync=False)
             except OSError as e:
+                if e.errno in _NO_SPACE:
+                    self._queue._out_of_space()
                 raise io_error("enqueue: writing body chunks", e, None) from e
             self._written = self._seq
             self._batch = WriteBatch()
@@ -141,6 +148,8 @@ class KvEnqueuer(Enqueuer):
                 self._core.write(b, sync=True)
         except OSError as e:
             # The batch may or may not be on disk: its chunks stay for recovery to judge.
+            if e.errno in _NO_SPACE:
+                self._queue._out_of_space()
             raise io_error("enqueue: commit", e, None) from e
         finally:
             with self._core.mu:

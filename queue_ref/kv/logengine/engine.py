@@ -22,14 +22,24 @@ old log, the old manifest and the merged tables deleted.  A crash anywhere leave
 ``CURRENT`` naming either the old manifest (whose log still holds everything) or the new
 one (whose tables do); recovery deletes the files that neither names.
 
-Recovery reads ``CURRENT``, the manifest, each live table's footer and index (not its
-data), and replays the one live log, which is at most about ``memtable_limit`` bytes:
-reopening costs time in proportion to live data, not history.  A torn log tail (short,
-bad CRC, unparseable) is dropped and the log is truncated there durably.
+Recovery reads ``CURRENT``, the manifest, each live table (every block's CRC is checked),
+and replays the one live log, which is at most about ``memtable_limit`` bytes: reopening
+costs time in proportion to live data, not history.  A torn log tail (short, bad CRC,
+unparseable, with no intact record after it) is dropped and the log is truncated there
+durably.  Damage in the middle of the log (intact records after a bad one) is survived:
+every intact record is kept, the damage is reported in ``damage`` (with the bad bytes,
+from which the queue reads the ids they named), the memtable is flushed to a table and
+the damaged log is moved to ``quarantine/``, never deleted, so the next open is clean.
+A damaged table or manifest, or a missing ``CURRENT``, manifest, table or log, makes the
+open fail with ``DatabaseCorruptError`` naming the repair command
+(``queue_ref.kv.salvage``); an engine never creates a new database over old files.
 
 Failure: after an I/O error while logging, flushing or compacting, the engine refuses
 further writes with ``OSError`` until it is reopened (data after a failed fsync is not
-trusted; recovery keeps exactly what the log and tables hold).  Reads keep working.
+trusted; recovery keeps exactly what the log and tables hold).  Reads keep working.  A
+full disk (``ENOSPC`` from a write, before anything was synced or published) is not such
+a failure: the log is cut back to where it was, a flush's half-made files are removed,
+the write fails with ``ENOSPC``, and writing goes on once there is space again.
 """
 
 from __future__ import annotations
@@ -47,14 +57,14 @@ from itertools import chain
 
 from queue_ref.io import IO, OsIO, read_file, write_file_durable
 from queue_ref.kv.base import KV, WriteBatch
-from queue_ref.kv.engine_errors import DatabaseCorruptError, DatabaseLockedError
+from queue_ref.kv.engine_errors import Damage, DatabaseCorruptError, DatabaseLockedError
 from queue_ref.kv.logengine import format as fmt
 from queue_ref.kv.logengine.groupcommit import Group, Writer, WriterQueue
 from queue_ref.kv.logengine.memtable import Memtable
 from queue_ref.kv.logengine.merge import drop_tombstones, merge_newest, merge_start
 from queue_ref.kv.logengine.table import Table, write_entries
-from queue_ref.kv.logengine.wal import LogWriter, replay
-from queue_ref.storage import ClosedError
+from queue_ref.kv.logengine.wal import LogWriter, Replayed, replay
+from queue_ref.storage import ClosedError, InvalidInputError
 
 
 @dataclass(frozen=True)
@@ -77,6 +87,9 @@ def _check_key(key: object, what: str = "key") -> bytes:
 
 #: Unsynced records kept in memory before they are written to the log on their own.
 BUFFER_LIMIT = 64 * 1024
+#: The backend name of this engine for ``queue-ref repair``.
+BACKEND = "kv-log"
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 def _check_ops(ops: Sequence[tuple[object, object]]) -> None:
@@ -91,8 +104,11 @@ class LogEngine(KV):
     """A crash-safe ordered KV store in one directory (see the module docstring)."""
 
     def __init__(self, path: str, io: IO | None = None, *, memtable_limit: int = 4 << 20) -> None:
-        if memtable_limit <= 0:
-            raise ValueError("memtable_limit must be positive")
+        if not isinstance(memtable_limit, int) or isinstance(memtable_limit, bool) or (
+                memtable_limit <= 0):
+            raise InvalidInputError(f"memtable_limit must be a positive int, got {memtable_limit!r}")
+        if not isinstance(path, str) or not path or "\x00" in path:
+            raise InvalidInputError(f"path must be a non-empty str without NUL, got {path!r}")
         self.path = os.path.abspath(path)
         self.io: IO = io if io is not None else OsIO()
         self.memtable_limit = memtable_limit
@@ -117,12 +133,24 @@ class LogEngine(KV):
         self._closed = False
         self._failed: BaseException | None = None
         self.recovery = RecoveryStats(0, 0, 0, 0, 0, 0)
+        #: Damage the last open met and survived (see the module docstring).
+        self.damage: list[Damage] = []
         self._lock_fd = self._take_lock()
         try:
+            if self.io.exists(self._p(fmt.REPAIR)):
+                raise DatabaseCorruptError(self._p(fmt.REPAIR), "a repair of this store was "
+                                           "interrupted (its originals are kept in quarantine/)")
             if self.io.exists(self._p(fmt.CURRENT)):
                 self._recover()
+            elif self._holds_data():
+                raise DatabaseCorruptError(
+                    self._p(fmt.CURRENT), "missing, but the directory holds the files of a "
+                    "database (tables, a log with records, or a manifest naming tables)")
             else:
                 self._create()
+        except DatabaseCorruptError as e:
+            self._release_files()
+            raise e.with_repair(self.path, BACKEND) from None
         except BaseException:
             self._release_files()
             raise
@@ -163,6 +191,30 @@ class LogEngine(KV):
                 removed += 1
         return removed
 
+    def _holds_data(self) -> bool:
+        """Whether files of ours hold data (without a CURRENT naming them).  A creation
+        that crashed before its CURRENT leaves only an empty log and a manifest naming no
+        table (or torn): no write was ever acknowledged there (the first CURRENT is
+        durable before the first write)."""
+        io = self.io
+        for name in io.listdir(self.path):
+            parsed = fmt.parse_name(name)
+            if parsed is None or parsed[0] == "tmp":
+                continue
+            path = self._p(name)
+            if parsed[0] == "tbl":
+                return True
+            if parsed[0] == "log":
+                if io.lstat(path).st_size > 0:
+                    return True
+                continue
+            try:
+                if fmt.Manifest.decode(path, read_file(io, path)).tables:
+                    return True
+            except DatabaseCorruptError:
+                continue  # torn by a crash while it was first written
+        return False
+
     def _create(self) -> None:
         """A new database.  No CURRENT means no write was ever acknowledged (the first
         CURRENT is durable before the first write), so leftovers of ours are garbage."""
@@ -186,6 +238,7 @@ class LogEngine(KV):
             self._tables.append(table)
             if table.size != size:
                 raise DatabaseCorruptError(table.path, f"size {table.size}, manifest says {size}")
+            table.verify()
         log_path = self._p(fmt.log_name(manifest.log_number))
         if not io.exists(log_path):
             raise DatabaseCorruptError(log_path, "live log is missing")
@@ -196,7 +249,8 @@ class LogEngine(KV):
             records += 1
             self._mem.apply(ops)
 
-        valid, size = replay(io, log_path, apply)
+        replayed = replay(io, log_path, apply)
+        valid, size = replayed.valid, replayed.size
         fd = io.open_create(log_path, exclusive=False, append=True)
         self._log = LogWriter(io, log_path, fd, valid)
         if valid < size:
@@ -209,8 +263,43 @@ class LogEngine(KV):
             valid, records, size - valid, len(self._tables),
             sum(t.size for t in self._tables), garbage,
         )
-        if self._over_limit():
+        if replayed.bad:
+            self._set_aside_log(replayed)
+        elif self._over_limit():
             self._delete(self._maintain(full=False))
+
+    def _set_aside_log(self, replayed: Replayed) -> None:
+        """After damage in the middle of the live log: flush what it holds intact into a
+        table under a new log, and move the damaged log to ``quarantine/`` (never deleted),
+        so the next open does not meet (and report) the same damage again."""
+        assert self._log is not None
+        damaged = self._log.path
+        doomed = self._maintain(full=False, force=True)
+        kept = self._keep_aside(damaged)
+        self._delete([p for p in doomed if p != damaged])
+        for region in replayed.bad:
+            self.damage.append(Damage(
+                kept, f"log {os.path.basename(damaged)}: bytes {region.start} to {region.end} "
+                "hold no intact record (intact records follow them and were kept)",
+                region.sample, frozenset(replayed.later_keys)))
+
+    def _keep_aside(self, path: str) -> str:
+        """Move a damaged file of ours to ``quarantine/`` (durably); returns its new path."""
+        io = self.io
+        qdir = self._p(fmt.QUARANTINE)
+        if not io.is_dir(qdir):
+            with contextlib.suppress(FileExistsError):
+                io.mkdir(qdir)
+            io.fsync_dir(self.path)
+        base = os.path.join(qdir, os.path.basename(path))
+        dest, n = base, 0
+        while io.exists(dest):
+            n += 1
+            dest = f"{base}.{n}"
+        io.rename(path, dest)
+        io.fsync_dir(qdir)
+        io.fsync_dir(self.path)
+        return dest
 
     def _open_table(self, number: int) -> Table:
         path = self._p(fmt.table_name(number))
@@ -284,7 +373,7 @@ class LogEngine(KV):
         limit = self.memtable_limit
         return self._mem.approx_bytes > limit or log.size + self._buffered > limit
 
-    def _maintain(self, *, full: bool) -> list[str]:
+    def _maintain(self, *, full: bool, force: bool = False) -> list[str]:
         """Flush the memtable merged with the tables the policy picks (all if ``full``).
 
         Runs in an exclusive turn: no writer touches the memtable or the log meanwhile.
@@ -293,7 +382,8 @@ class LogEngine(KV):
         megabytes takes long, and the next open deletes what is left anyway.
         """
         mem, old = self._mem, list(self._tables)
-        if not len(mem) and not (full and (len(old) > 1 or any(t.tombstones for t in old))):
+        if not (len(mem) or force) and not (
+                full and (len(old) > 1 or any(t.tombstones for t in old))):
             return []
         start = 0 if full else merge_start([t.entries for t in old], len(mem))
         inputs = old[start:]
@@ -393,26 +483,63 @@ class LogEngine(KV):
             self._buffer.append(record)
             self._buffered += len(record)
             if self._buffered >= BUFFER_LIMIT:
-                self._append([])
+                try:
+                    self._append([])
+                except OSError:
+                    if self._failed is None:  # a full disk: nothing written, this batch refused
+                        self._buffer.pop()
+                        self._buffered -= len(record)
+                    raise
             with self._mu:
                 self._mem.apply(ops)
         return True
 
     def _append(self, records: list[bytes]) -> LogWriter:
         """Append the buffered unsynced records, then ``records``, with one write (the
-        caller holds ``_append_mu``).  On error the engine refuses further writes."""
+        caller holds ``_append_mu``).  On error the engine refuses further writes, except
+        for a full disk: then what the write left is cut off again and the buffered
+        records stay buffered, so the log is as before and writing goes on once there is
+        space."""
         log = self._log
         assert log is not None
-        self._buffer.extend(records)
-        data = b"".join(self._buffer)
-        self._buffer.clear()
-        self._buffered = 0
+        data = b"".join(self._buffer + records) if records else b"".join(self._buffer)
         try:
             log.append(data)
+        except OSError as e:
+            if not (e.errno in _NO_SPACE and self._cut_back(log)):
+                self._failed = e
+            raise
         except BaseException as e:
             self._failed = e
             raise
+        self._buffer.clear()
+        self._buffered = 0
         return log
+
+    def _cut_back(self, log: LogWriter) -> bool:
+        """Cut the log back to its size before a failed append; False if that fails."""
+        try:
+            self.io.ftruncate(log.fd, log.size)
+        except OSError:
+            return False
+        return True
+
+    def _survives_no_space(self, e: BaseException) -> bool:
+        """After a flush or compaction failed: True if it failed for a full disk before it
+        published anything (``CURRENT`` still names our manifest); its half-made files are
+        then removed, and the engine goes on as before it."""
+        if not isinstance(e, OSError) or e.errno not in _NO_SPACE or self._log is None:
+            return False
+        try:
+            current = read_file(self.io, self._p(fmt.CURRENT)).decode("ascii", "replace")
+            if current.strip() != fmt.manifest_name(self._manifest_no):
+                return False
+            keep = {fmt.CURRENT, current.strip(), os.path.basename(self._log.path)}
+            keep |= {os.path.basename(t.path) for t in self._tables}
+            self._scan_dir(keep)
+        except OSError:
+            return False
+        return True
 
     def _commit(self, w: Writer) -> None:
         """Commit ``w`` in a group (see ``groupcommit``); raises its group's error."""
@@ -497,8 +624,10 @@ class LogEngine(KV):
             try:
                 doomed = self._maintain(full=False)
             except Exception as e:
-                # The batches are in the log; the failure stops later writes.
-                self._failed = e
+                # The batches are in the log; the failure stops later writes (a full disk
+                # does not: the flush is tried again by a later write).
+                if not self._survives_no_space(e):
+                    self._failed = e
         self._delete(doomed)
 
     def iterate(
@@ -538,7 +667,8 @@ class LogEngine(KV):
             try:
                 doomed = self._maintain(full=True)
             except Exception as e:
-                self._failed = e
+                if not self._survives_no_space(e):
+                    self._failed = e
                 raise
         self._delete(doomed)
 

@@ -7,6 +7,7 @@ Files in a database directory::
     MANIFEST-<n>       the live log number and the live tables, oldest first (text, CRC line)
     <n>.log            write-ahead log: one framed record per WriteBatch
     <n>.tbl            immutable sorted table (see ``table.py``); written as <n>.tbl.tmp first
+    quarantine/        damaged files kept aside (never deleted)
 
 Every number ``<n>`` is 6+ decimal digits and unique over the life of the database.
 
@@ -31,6 +32,8 @@ from queue_ref.kv.engine_errors import DatabaseCorruptError
 
 LOCK = "LOCK"
 CURRENT = "CURRENT"
+QUARANTINE = "quarantine"  # a directory: damaged files kept aside, never deleted
+REPAIR = "REPAIR"  # present while ``queue-ref repair`` rebuilds the store (``kv/salvage.py``)
 MANIFEST_PREFIX = "MANIFEST-"
 
 _NUMBERED = re.compile(r"^(?:MANIFEST-(\d{6,})|(\d{6,})\.(log|tbl)(\.tmp)?)$")

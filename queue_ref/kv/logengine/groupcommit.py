@@ -88,7 +88,8 @@ def member_error(e: BaseException) -> BaseException:
     """A fresh exception for a group member whose leader failed with ``e``."""
     if isinstance(e, ClosedError):
         return ClosedError(str(e))
-    err = OSError(errno.EIO, f"group commit failed in its leader: {e!r}")
+    code = e.errno if isinstance(e, OSError) and e.errno else errno.EIO
+    err = OSError(code, f"group commit failed in its leader: {e!r}")
     err.__cause__ = e
     return err
 

@@ -204,6 +204,11 @@ class Table:
             raise DatabaseCorruptError(self.path, f"block checksum mismatch at {offset}")
         return _parse_block(self.path, data)
 
+    def verify(self) -> None:
+        """Check every block's CRC (and shape); DatabaseCorruptError at the first bad one."""
+        for i in range(len(self._blocks)):
+            self._block(i)
+
     # ---- reads ---------------------------------------------------------------------
 
     def get(self, key: bytes) -> tuple[bool, bytes | None]:

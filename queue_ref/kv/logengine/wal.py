@@ -1,14 +1,20 @@
 """The write-ahead log: appending framed records and replaying them.
 
-A record is one WriteBatch (framing in ``format.py``).  Replay stops at the first record
-that is short, fails its CRC or does not parse: a synced write covers every byte before
-it, so nothing from that point on was ever acknowledged as durable, and the caller
-truncates the log there (a torn tail left by a crash or a failed write).
+A record is one WriteBatch (framing in ``format.py``).  When replay meets a record that
+is short, fails its CRC or does not parse, it looks for the next intact record after it
+(resynchronises).  If there is none, the bad bytes are a torn tail: the last write, cut
+short by a crash or a failed write, which no synced write covers, so nothing in it was
+acknowledged; the caller truncates the log there.  If intact records follow, the bad
+bytes are damage in the middle of the log (a flipped bit, a lost block): replay keeps
+every intact record after them and reports the bad region, so the caller can say what
+was lost and keep the file aside.
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from queue_ref.io import IO
 from queue_ref.kv.logengine.format import HEADER, Op, check_record, decode_batch
@@ -67,28 +73,93 @@ class _Reader:
         return self._buf[rel : rel + n]
 
 
-def replay(io: IO, path: str, apply: Callable[[list[Op]], None]) -> tuple[int, int]:
-    """Apply every intact record of the log in order; returns ``(valid length, file size)``.
+#: Bytes of a damaged region kept in memory for the report (ids are read from them).
+SAMPLE_LIMIT = 1 << 20
+_COUNT_KIND = struct.Struct("<IB")
 
-    Reads the file once, in chunks; memory is one chunk or one record.
+
+@dataclass(frozen=True)
+class BadRegion:
+    """Bytes ``[start, end)`` of a log that hold no intact record; ``sample`` is (a prefix
+    of) them."""
+
+    start: int
+    end: int
+    sample: bytes
+
+
+@dataclass
+class Replayed:
+    """What replay found: the end of the last intact record, the file's size, the damaged
+    regions in the middle (the torn tail, if any, is ``[valid, size)``), and the keys the
+    intact records after the first damaged region wrote (so a caller can tell a message
+    that the damage took from one that later records finished)."""
+
+    valid: int
+    size: int
+    bad: list[BadRegion] = field(default_factory=list)
+    later_keys: set[bytes] = field(default_factory=set)
+
+
+def _intact_at(reader: _Reader, pos: int) -> tuple[list[Op], int] | None:
+    """The operations of an intact record starting at ``pos`` and its end, or None."""
+    header = reader.take(pos, HEADER.size)
+    if header is None:
+        return None
+    length, _crc = HEADER.unpack(header)
+    if pos + HEADER.size + length > reader.size or length < 4:
+        return None
+    head = reader.take(pos + HEADER.size, min(length, _COUNT_KIND.size))
+    if head is None:
+        return None
+    if length >= _COUNT_KIND.size:  # cheap filters before the CRC: a count and a kind
+        count, kind = _COUNT_KIND.unpack(head)
+        if kind > 1 or count == 0 or count > length // 5:
+            return None
+    payload = reader.take(pos + HEADER.size, length)
+    if payload is None or not check_record(header, payload):
+        return None
+    ops = decode_batch(payload)
+    if ops is None:
+        return None
+    return ops, pos + HEADER.size + length
+
+
+def _resync(reader: _Reader, pos: int) -> int | None:
+    """The start of the first intact record after ``pos``, or None (a torn tail)."""
+    for q in range(pos + 1, reader.size - HEADER.size + 1):
+        if _intact_at(reader, q) is not None:
+            return q
+    return None
+
+
+def replay(io: IO, path: str, apply: Callable[[list[Op]], None]) -> Replayed:
+    """Apply every intact record of the log in order, resynchronising after damage.
+
+    Reads the file once, in chunks, while it is intact; memory is one chunk or one record
+    (a search for the next intact record after damage reads ahead as it goes).
     """
     fd = io.open_read(path)
     try:
         reader = _Reader(io, fd, io.fsize(fd))
+        out = Replayed(0, reader.size)
         pos = 0
-        while True:
-            header = reader.take(pos, HEADER.size)
-            if header is None:
-                break
-            length, _crc = HEADER.unpack(header)
-            payload = reader.take(pos + HEADER.size, length)
-            if payload is None or not check_record(header, payload):
-                break
-            ops = decode_batch(payload)
-            if ops is None:
-                break
+        while pos < reader.size:
+            got = _intact_at(reader, pos)
+            if got is None:
+                nxt = _resync(reader, pos)
+                if nxt is None:
+                    break  # a torn tail
+                sample = reader.take(pos, min(nxt - pos, SAMPLE_LIMIT)) or b""
+                out.bad.append(BadRegion(pos, nxt, sample))
+                pos = nxt
+                continue
+            ops, end = got
             apply(ops)
-            pos += HEADER.size + length
-        return pos, reader.size
+            if out.bad:
+                out.later_keys.update(k for k, _ in ops)
+            pos = end
+            out.valid = end
+        return out
     finally:
         io.close(fd)
