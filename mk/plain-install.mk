@@ -16,8 +16,9 @@ plain-install-check:
 	"$$venv/bin/queue-ref" crash explore --backend fs --model process-kill --bound 1 --no-recovery --json \
 	  | tail -n 1 | "$$venv/bin/python" -c 'import json,sys; assert json.loads(sys.stdin.read())["violating_states"] == 0' ; \
 	"$$venv/bin/queue-ref" certify --help >/dev/null; \
-	"$$venv/bin/queue-ref" certify queue_ref.memory:MemoryStorage --only listing,bad-input --seed 1 \
-	  --out "$$venv.work/cert" --json >/dev/null; \
+	"$$venv/bin/queue-ref" certify conformance.examples.sqlite_backend:factory --model process-kill \
+	  --only bad-input,process-kill --seed 1 --out "$$venv.work/cert" --json \
+	  | tail -n 1 | "$$venv/bin/python" -c 'import json,sys; assert json.loads(sys.stdin.read())["status"] == "certified"'; \
 	"$$venv/bin/queue-ref" repair --help >/dev/null; \
 	echo "plain install: queue-ref --help, demo, crash explore, certify and repair work"
 
