@@ -109,3 +109,18 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                              args: list[str], message: str) -> None:
     assert main(["certify", *args, "--out", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_fail_fast_stops_at_the_first_failing_check(capsys: pytest.CaptureFixture[str],
+                                                    tmp_path: Path) -> None:
+    # The in-memory backend keeps nothing across a restart: "restart" (the second check)
+    # fails, and nothing after it runs.
+    code, cert, _ = certify(capsys, "queue_ref.memory:MemoryStorage", "--model",
+                              "process-kill", "--seed", "3", "--out", str(tmp_path),
+                              "--fail-fast")
+    assert code == 1
+    assert cert["status"] == "not certified"
+    ran = [r["check"] for r in cert["checks"]]
+    assert ran == ["lockstep", "restart"]
+    assert cert["checks"][-1]["status"] == "fail"
+    assert cell(cert, "C1", "process-kill")["status"] == "not-run"

@@ -53,6 +53,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="replay one scenario id from a report instead of certifying")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="worker processes for crash exploration (default: %(default)s)")
+    p.add_argument("--fail-fast", action="store_true",
+                   help="stop after the first check that fails (the rest are not run)")
     p.add_argument("--json", action="store_true",
                    help="print the certificate as one JSON object on the last line")
     p.set_defaults(func=main)
@@ -117,6 +119,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         cert = certify(args.factory, models=models, profile=args.profile, seed=seed,
                        expectations=expectations, only=only, jobs=max(1, args.jobs),
+                       fail_fast=args.fail_fast,
                        progress=lambda r: print(_line(r), flush=True))
     except (FactoryError, ValueError) as e:
         print(f"queue-ref certify: {e}", file=sys.stderr)

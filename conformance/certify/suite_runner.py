@@ -140,8 +140,12 @@ def certify(factory: Factory | str | Backend, *, models: Iterable[str] = DEFAULT
             profile: str | Profile = "quick", seed: int = 0,
             expectations: Sequence[Expectation] = (), only: Iterable[str] | None = None,
             progress: Progress | None = None, name: str | None = None,
-            jobs: int = 1) -> Certificate:
+            jobs: int = 1, fail_fast: bool = False) -> Certificate:
     """Run the suite on ``factory`` and return its certificate.
+
+    With ``fail_fast`` the run stops after the first check that fails or errs (the rest
+    are not run, so the certificate cannot say "certified"): a quick verdict for mutation
+    testing and bisecting, never a full report.
 
     Raises ``conformance.harness.backend_factory.FactoryError`` when the factory cannot open a queue.
     """
@@ -171,6 +175,8 @@ def certify(factory: Factory | str | Backend, *, models: Iterable[str] = DEFAULT
             results.append(res)
             if progress is not None:
                 progress(res)
+        if fail_fast and any(r.status in (Status.FAIL, Status.ERROR) for r in got):
+            break
     return Certificate(
         backend=backend.name, storage_class=probe.storage_class,
         capabilities=sorted(c.value for c in probe.capabilities), profile=prof.name,
