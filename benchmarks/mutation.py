@@ -1,0 +1,206 @@
+"""How strong is the certifier?  Mutation testing of the backends with cosmic-ray.
+
+    python benchmarks/mutation.py [--backend fs|kv|all] [--sample N] [--seed S]
+                                  [--timeout SECONDS] [--work DIR] [--resume]
+
+For each backend, cosmic-ray (``pip install -e '.[mutation]'``) makes every mutant of its
+storage code (``queue_ref/fsqueue/`` for the filesystem queue; ``queue_ref/kv/`` with the log
+engine for the KV queue), a random sample of ``--sample`` of them is kept (the rest are
+marked skipped in cosmic-ray's session), and each is judged by the test command the issue
+names: the quick certification of that backend (``queue-ref certify --profile quick
+--fail-fast``; the KV queue is certified on its log engine, then on LevelDB).  A mutant
+that makes the certificate fail, crash or hang (``--timeout``) is killed; one certified
+anyway survived.
+
+cosmic-ray changes the source files in place, so it works on a copy of the repository
+under ``--work`` (default ``out/mutation``), with that copy first on ``PYTHONPATH``.  The
+session is a SQLite file there: ``--resume`` continues an interrupted run.  Survivors are
+written with their diffs to ``<work>/<backend>/survivors.md`` for a person to tell
+equivalent mutants (same behaviour, nothing to catch) from real gaps.  The last line is one
+JSON object: killed, survived and incompetent per backend, and the kill rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+#: Storage code of each backend: the files cosmic-ray mutates (relative to the repository).
+#: Repair-only modules (the filesystem rebuild, the KV salvage) are not exercised by
+#: certification and are left out; their own tests cover them.
+MODULES: dict[str, list[str]] = {
+    "fs": ["queue_ref/fsqueue"],
+    "kv": ["queue_ref/kv"],
+}
+EXCLUDED: dict[str, list[str]] = {
+    "fs": ["queue_ref/fsqueue/rebuild.py", "queue_ref/fsqueue/__init__.py"],
+    "kv": ["queue_ref/kv/salvage.py", "queue_ref/kv/__init__.py",
+           "queue_ref/kv/logengine/__init__.py"],
+}
+#: Certified factories, in the order they are tried (the first failure kills the mutant).
+FACTORIES: dict[str, list[str]] = {
+    "fs": ["conformance.examples.backends:fs"],
+    "kv": ["conformance.examples.backends:kv_log", "conformance.examples.backends:kv_leveldb"],
+}
+
+
+def copy_repo(dest: Path) -> None:
+    """The repository's tracked and unignored files, copied to ``dest`` (fresh)."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+        check=True, capture_output=True).stdout.split(b"\0")
+    for f in files:
+        if not f:
+            continue
+        src = ROOT / os.fsdecode(f)
+        if src.is_file():
+            target = dest / os.fsdecode(f)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, target)
+
+
+def kill_script(backend: str, src: Path, seed: int) -> Path:
+    """The test command: certify each factory of ``backend``, stopping at the first failure."""
+    script = src / f"mutation-kill-{backend}.sh"
+    lines = ["#!/bin/sh", "set -e", f'cd "{src}"', f'export PYTHONPATH="{src}"']
+    for factory in FACTORIES[backend]:
+        lines.append(f'"{sys.executable}" -m conformance.cli certify {factory} --profile quick '
+                     f'--fail-fast --jobs 1 --seed {seed} --out "{src}/out/cert" >/dev/null')
+    script.write_text("\n".join(lines) + "\n")
+    script.chmod(0o755)
+    return script
+
+
+def write_config(backend: str, src: Path, script: Path, timeout: float) -> Path:
+    cfg = src / f"mutation-{backend}.toml"
+    excluded = ", ".join(json.dumps(e) for e in EXCLUDED[backend])
+    modules = ", ".join(json.dumps(m) for m in MODULES[backend])
+    cfg.write_text(
+        "[cosmic-ray]\n"
+        f"module-path = [{modules}]\n"
+        f"timeout = {timeout}\n"
+        f"excluded-modules = [{excluded}]\n"
+        f'test-command = "{script}"\n'
+        "[cosmic-ray.distributor]\n"
+        'name = "local"\n')
+    return cfg
+
+
+def cosmic(*args: str, cwd: Path) -> None:
+    subprocess.run([sys.executable, "-m", "cosmic_ray.cli", *args], cwd=cwd, check=True)
+
+
+def sample(session: Path, n: int, seed: int) -> tuple[int, int]:
+    """Keep ``n`` random mutants of the session; mark the others skipped.  (total, kept)"""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    with use_db(str(session), WorkDB.Mode.open) as db:
+        ids = sorted(item.job_id for item in db.pending_work_items)
+        keep = set(random.Random(seed).sample(ids, min(n, len(ids))))
+        skip = [i for i in ids if i not in keep]
+        if skip:
+            db.set_multiple_results(skip, WorkResult(worker_outcome=WorkerOutcome.SKIPPED,
+                                                     output="not in the sample"))
+        return len(ids), len(keep)
+
+
+def summarize(backend: str, session: Path, out: Path) -> dict[str, object]:
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome, WorkerOutcome
+
+    counts = {"killed": 0, "survived": 0, "incompetent": 0, "pending": 0}
+    by_op: dict[str, dict[str, int]] = {}
+    survivors: list[str] = []
+    with use_db(str(session), WorkDB.Mode.open) as db:
+        done = {job_id: res for job_id, res in db.results}
+        for item in db.work_items:
+            res = done.get(item.job_id)
+            if res is not None and res.worker_outcome == WorkerOutcome.SKIPPED:
+                continue
+            if res is None:
+                counts["pending"] += 1
+                continue
+            if res.worker_outcome != WorkerOutcome.NORMAL or res.test_outcome is None:
+                verdict = "incompetent"
+            elif res.test_outcome == TestOutcome.SURVIVED:
+                verdict = "survived"
+            elif res.test_outcome == TestOutcome.INCOMPETENT:
+                verdict = "incompetent"
+            else:
+                verdict = "killed"
+            counts[verdict] += 1
+            for m in item.mutations:
+                op = by_op.setdefault(m.operator_name.split("/")[-1],
+                                      {"killed": 0, "survived": 0, "incompetent": 0})
+                op[verdict] += 1
+                if verdict == "survived":
+                    survivors.append(
+                        f"## {item.job_id}: {m.module_path}:{m.start_pos[0]} "
+                        f"({m.operator_name})\n\n```diff\n{res.diff or ''}\n```\n")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "survivors.md").write_text(
+        f"# Surviving mutants of the {backend} backend\n\n" + "\n".join(survivors))
+    judged = counts["killed"] + counts["survived"]
+    return {**counts, "kill_rate": round(counts["killed"] / judged, 4) if judged else None,
+            "by_operator": by_op}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", choices=("fs", "kv", "all"), default="all")
+    ap.add_argument("--sample", type=int, default=150, help="mutants per backend")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--work", default=str(ROOT / "out" / "mutation"))
+    ap.add_argument("--resume", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        import cosmic_ray  # noqa: F401
+    except ImportError:
+        print("mutation.py: cosmic-ray is not installed: pip install -e '.[mutation]'",
+              file=sys.stderr)
+        return 2
+    backends = ["fs", "kv"] if args.backend == "all" else [args.backend]
+    work = Path(args.work).resolve()
+    result: dict[str, object] = {"seed": args.seed, "sample": args.sample}
+    t0 = time.monotonic()
+    for backend in backends:
+        here = work / backend
+        src = here / "src"
+        session = here / "session.sqlite"
+        if not (args.resume and session.exists()):
+            copy_repo(src)
+            script = kill_script(backend, src, args.seed)
+            cfg = write_config(backend, src, script, args.timeout)
+            session.unlink(missing_ok=True)
+            cosmic("init", str(cfg), str(session), cwd=src)
+            total, kept = sample(session, args.sample, args.seed)
+            print(f"{backend}: {total} mutants, {kept} sampled", flush=True)
+        cfg = src / f"mutation-{backend}.toml"
+        started = time.monotonic()
+        cosmic("exec", str(cfg), str(session), cwd=src)
+        summary = summarize(backend, session, here)
+        summary["seconds"] = round(time.monotonic() - started, 1)
+        result[backend] = summary
+        print(f"{backend}: killed {summary['killed']}, survived {summary['survived']}, "
+              f"incompetent {summary['incompetent']}, kill rate {summary['kill_rate']} "
+              f"(survivors: {here / 'survivors.md'})", flush=True)
+    result["seconds"] = round(time.monotonic() - t0, 1)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
