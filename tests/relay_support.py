@@ -142,7 +142,8 @@ class _SinkHandler:
             return "554 5.6.0 Content rejected"
         with self.state.lock:
             self.state.messages.append(Received(
-                envelope.mail_from or "", list(envelope.rcpt_tos), envelope.original_content or b"",
+                "" if envelope.mail_from in (None, "<>") else envelope.mail_from,
+                list(envelope.rcpt_tos), envelope.original_content or b"",
                 str(session.peer[0]), bool(session.ssl)))
         return "250 2.0.0 Ok: kept"
 
