@@ -294,27 +294,54 @@ class _ListStream:
 # ---- the relay as a process ----
 
 
+class RelayProcess:
+    """A ``queue-ref relay`` process whose standard error is read as it comes (a full
+    pipe would stop the relay), kept in ``err_lines``."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+        self.err_lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.err_lines.append(line)
+
+    def stderr(self, timeout: float = 10.0) -> str:
+        """Everything the process wrote to standard error (waits for its end)."""
+        self._reader.join(timeout)
+        return "".join(self.err_lines)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.proc, name)
+
+
 @contextlib.contextmanager
 def relay_process(args: list[str], env: dict[str, str] | None = None,
-                  timeout: float = 30.0) -> Iterator[tuple[subprocess.Popen[str], int]]:
+                  timeout: float = 30.0) -> Iterator[tuple[RelayProcess, int]]:
     """``queue-ref relay ARGS`` as a process; yields it and its SMTP port once ready."""
     cmd = [sys.executable, "-m", "conformance.cli", "relay", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **(env or {})})
+    rp = RelayProcess(proc)
     try:
-        port = wait_ready(proc, timeout)
-        yield proc, port
+        port = wait_ready(rp, timeout)
+        yield rp, port
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.wait(30)
+        rp.stderr(10)
         for stream in (proc.stdout, proc.stderr):
             if stream is not None:
                 stream.close()
 
 
-def wait_ready(proc: subprocess.Popen[str], timeout: float = 30.0) -> int:
+def wait_ready(rp: RelayProcess, timeout: float = 30.0) -> int:
     """Read the ready line (``... smtp=HOST:PORT ...``) of a relay process; its port."""
+    proc = rp.proc
     assert proc.stdout is not None
     result: list[str] = []
 
@@ -328,7 +355,6 @@ def wait_ready(proc: subprocess.Popen[str], timeout: float = 30.0) -> int:
     line = result[0] if result else ""
     if "ready" not in line:
         proc.kill()
-        err = proc.stderr.read() if proc.stderr else ""
-        raise RuntimeError(f"relay did not get ready: {line!r} {err[-2000:]}")
+        raise RuntimeError(f"relay did not get ready: {line!r} {rp.stderr()[-2000:]}")
     field_ = next(f for f in line.split() if f.startswith("smtp="))
     return int(field_.rsplit(":", 1)[1])

@@ -250,7 +250,7 @@ class SmtpReceiver:
         proto = ("UTF8SMTP" if envelope.smtp_utf8 else "ESMTP") if session.extended_smtp else "SMTP"
         if session.ssl and session.extended_smtp:
             proto += "S"
-        params = {"arrival": str(int(time.time())), "client": client, "helo": helo[:255]}
+        params = {"arrival": f"{time.time():.3f}", "client": client, "helo": helo[:255]}
         if "BODY=8BITMIME" in opts:
             params["body"] = "8BITMIME"
         if envelope.smtp_utf8:
