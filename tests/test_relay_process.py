@@ -95,6 +95,7 @@ def test_sigkill_at_random_moments_loses_no_acknowledged_message(tmp_path):
     total, kills = 300, 4
     rng = random.Random(int(os.environ.get("RELAY_KILL_SEED", "12")))
     acked: set[str] = set()
+    acked_at_kill: list[int] = []
     state = {"port": 0, "done": False}
     lock = threading.Lock()
 
@@ -103,14 +104,18 @@ def test_sigkill_at_random_moments_loses_no_acknowledged_message(tmp_path):
         while len(acked) < total:
             token = f"m{i:05d}"
             i += 1
+            c = smtplib.SMTP(timeout=5)
             try:
-                with smtplib.SMTP("127.0.0.1", state["port"], timeout=5) as c:
-                    c.sendmail("a@example.org", [f"r{i % 7}@example.net"],
-                               f"Subject: {token}\r\n\r\nbody {token}\r\n".encode())
+                c.connect("127.0.0.1", state["port"])
+                c.sendmail("a@example.org", [f"r{i % 7}@example.net"],
+                           f"Subject: {token}\r\n\r\nbody {token}\r\n".encode())
                 with lock:
                     acked.add(token)
+                c.quit()
             except (OSError, smtplib.SMTPException):
                 time.sleep(0.05)
+            finally:
+                c.close()
         state["done"] = True
 
     args = ["--queue", queue, "--listen", "127.0.0.1:0", "--log-json"]
@@ -127,6 +132,7 @@ def test_sigkill_at_random_moments_loses_no_acknowledged_message(tmp_path):
                     time.sleep(rng.uniform(0.3, 1.5))
                     proc.kill()
                     proc.wait(30)
+                    acked_at_kill.append(len(acked))
                     continue
                 t.join(60)
                 assert state["done"], f"client sent {len(acked)} of {total}"
@@ -139,6 +145,8 @@ def test_sigkill_at_random_moments_loses_no_acknowledged_message(tmp_path):
                 proc.send_signal(signal.SIGTERM)
                 assert proc.wait(30) == 0
         elapsed = time.monotonic() - started
+    # The kills came while mail was flowing.
+    assert sum(0 < n < total for n in acked_at_kill) >= 2, acked_at_kill
     missing = acked - got
     assert not missing, f"{len(missing)} acknowledged messages never delivered: {sorted(missing)[:5]}"
     with open_queue(queue) as q:
