@@ -4,8 +4,9 @@ in this process (a thread with its own event loop) or as a ``queue-ref relay`` p
 
 Sink behaviour by the recipient's local part: ``defer...`` gets 450 at RCPT, ``reject...``
 550 at RCPT, ``flaky...`` 451 at RCPT the first time it is seen and 250 afterwards,
-``drop...`` has the connection closed at the end of DATA (no reply), ``datafail...`` a
-554 reply to DATA; anything else is accepted.
+``drop...`` has the connection closed at the end of DATA (no reply), ``slow...`` waits a
+minute before it answers DATA, ``datafail...`` gets a 554 reply to DATA; anything else is
+accepted.
 """
 
 from __future__ import annotations
@@ -138,6 +139,8 @@ class _SinkHandler:
             assert server.transport is not None
             server.transport.abort()
             return "250 never sent"
+        if local.startswith("slow"):
+            await asyncio.sleep(60)
         if local.startswith("datafail"):
             return "554 5.6.0 Content rejected"
         with self.state.lock:

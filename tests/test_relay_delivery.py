@@ -230,3 +230,48 @@ def test_starttls_is_used_when_offered(tmp_path):
         (got,) = sink.wait_for(1)
     assert got.tls
     assert b"with ESMTPS" in got.data.split(b"\r\n\r\n")[0]
+
+
+def test_a_delay_warning_is_sent_once_while_retries_go_on(tmp_path):
+    with dns_server() as dns, Sink() as sink, RelayThread(config(
+            tmp_path, dns, sink, delay_warning_time=1.5)) as r:
+        send(r.port, "alice@ok.test", ["defer-me@ok.test"])
+        (warn,) = r.wait_events(1, "delayed", timeout=15)
+        got = sink.wait_for(1)
+        r.wait_events(4, status="deferred", timeout=15)
+        assert len(r.events("delayed")) == 1
+    assert warn["to"] == "alice@ok.test"
+    msg = _dsn(got[0])
+    assert "Delayed Mail" in msg["Subject"]
+    block = list(msg.iter_parts())[1].get_payload()[1]
+    assert block["Action"] == "delayed" and block["Status"] == "4.2.0"
+    assert "Will-Retry-Until" in block
+
+
+def test_shutdown_puts_a_delivery_in_progress_back_with_its_schedule(tmp_path):
+    with dns_server() as dns, Sink() as sink, RelayThread(config(
+            tmp_path, dns, sink, shutdown_timeout=0.5)) as r:
+        send(r.port, "alice@ok.test", ["slow-one@ok.test"])
+        deadline = time.monotonic() + 10
+        while not sink.state.seen and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)  # the sink now sits on DATA
+        started = time.monotonic()
+    assert time.monotonic() - started < 10
+    with open_queue(str(tmp_path / "q")) as q:
+        (entry,) = list(q.list_queue())
+    assert entry.schedule.attempts == 0  # not counted as an attempt: it was cut short
+    assert sink.state.rcpts() == []
+
+
+def test_undeliverable_bounces_go_to_the_double_bounce_recipient(tmp_path):
+    with dns_server() as dns, Sink() as sink, RelayThread(config(
+            tmp_path, dns, sink, double_bounce_recipient="postmaster@ok.test")) as r:
+        send(r.port, "reject-sender@ok.test", ["reject-rcpt@ok.test"])
+        (got,) = sink.wait_for(1)
+        r.wait_events(1, status="sent")
+        time.sleep(0.3)
+    assert got.rcpts == ["postmaster@ok.test"] and got.mail_from == ""
+    block = list(_dsn(got).iter_parts())[1].get_payload()[1]
+    assert block["Final-Recipient"] == "rfc822; reject-sender@ok.test"
+    assert len(sink.state.messages) == 1

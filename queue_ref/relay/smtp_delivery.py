@@ -216,6 +216,9 @@ class SmtpDeliverer:
             for i in accepted:
                 results[i] = r
             self._release(conn)
+        except asyncio.CancelledError:
+            smtp.close()  # cut short (shutdown): the outcome is unknown, so not reused
+            raise
         except UnicodeEncodeError:
             smtp.close()
             text = f"{relay} does not support SMTPUTF8 and an address needs it"
