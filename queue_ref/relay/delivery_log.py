@@ -53,7 +53,7 @@ class DeliveryLog:
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z",
             "event": event, "queue_id": queue_id}
         record.update({k: v for k, v in fields.items() if v is not None})
-        line = json.dumps(record, sort_keys=False) if self.json_lines else self._text(record)
+        line = json.dumps(record, sort_keys=False) if self.json_lines else self.text(record)
         with self._lock:
             try:
                 self._stream.write(line + "\n")
@@ -61,7 +61,8 @@ class DeliveryLog:
             except (OSError, ValueError):
                 pass  # a closed or broken log must not stop mail
 
-    def _text(self, r: dict[str, Any]) -> str:
+    def text(self, r: dict[str, Any]) -> str:
+        """The Postfix-style line of a record."""
         head = f"{r['ts']} queue-ref/relay[{self._pid}]: "
         if r["queue_id"]:
             head += f"{r['queue_id']}: "

@@ -396,7 +396,7 @@ class DeliveryScheduler:
 
     def _enqueue_dsn(self, job: _Job, to: str, message: bytes, kind: str, now: float
                      ) -> list[QueuedMail] | None:
-        params = {"arrival": str(int(now)), "dsn": kind, "client": "localhost",
+        params = {"arrival": f"{now:.3f}", "dsn": kind, "client": "localhost",
                   "helo": self.config.myhostname}
         try:
             with self.store.enqueue("", params) as enq:
