@@ -23,9 +23,17 @@ import os
 import sys
 import threading
 import time
-from typing import IO, Any
+from typing import Any, Protocol
 
-__all__ = ["DeliveryLog"]
+__all__ = ["DeliveryLog", "LogStream"]
+
+
+class LogStream(Protocol):
+    """Where log lines go: any text stream."""
+
+    def write(self, text: str, /) -> int: ...
+
+    def flush(self) -> None: ...
 
 _FIRST = ("queue_id", "to", "from", "relay", "delay", "attempts", "dsn", "status")
 
@@ -34,13 +42,14 @@ class DeliveryLog:
     """Writes records to a stream (standard error by default), line-buffered, thread-safe."""
 
     def __init__(self, json_lines: bool = False, path: str = "",
-                 stream: IO[str] | None = None) -> None:
+                 stream: LogStream | None = None) -> None:
         self.json_lines = json_lines
         self._own = False
         if stream is not None:
             self._stream = stream
         elif path:
-            self._stream = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+            self._file = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+            self._stream = self._file
             self._own = True
         else:
             self._stream = sys.stderr
@@ -90,4 +99,4 @@ class DeliveryLog:
 
     def close(self) -> None:
         if self._own:
-            self._stream.close()
+            self._file.close()

@@ -153,7 +153,8 @@ def run_relay_demo(root: str, console: Console, quiet: bool = False) -> dict[str
     if report.is_multipart():
         parts = list(report.iter_parts())
         if len(parts) > 1:
-            statuses = [dict(b.items()) for b in parts[1].get_payload()[1:]]
+            blocks: Any = parts[1].get_payload()
+            statuses = [dict(b.items()) for b in blocks[1:]]
     with open_queue(root) as q:
         left = len(list(q.list_queue()))
         footprint = q.footprint()

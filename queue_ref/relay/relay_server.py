@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import IO
 
 from queue_ref.opener import PID_FILE, open_queue, read_relay_pid
-from queue_ref.relay.delivery_log import DeliveryLog
+from queue_ref.relay.delivery_log import DeliveryLog, LogStream
 from queue_ref.relay.delivery_scheduler import DeliveryScheduler
 from queue_ref.relay.mx_routing import Router
 from queue_ref.relay.relay_config import RelayConfig, parse_hostport
@@ -44,7 +44,7 @@ class RelayStartError(RuntimeError):
 
 
 class Relay:
-    def __init__(self, config: RelayConfig, *, log_stream: IO[str] | None = None,
+    def __init__(self, config: RelayConfig, *, log_stream: LogStream | None = None,
                  ready_stream: IO[str] | None = None) -> None:
         self.config = config
         self.queue_dir = os.path.abspath(config.queue)
