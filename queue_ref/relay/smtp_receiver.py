@@ -84,7 +84,6 @@ class RelaySMTP(SMTP):
         self.receiver = handler
         self.raw_pushes = 0  # replies (EHLO/HELO lines) that take no enhanced code
         self.errors = 0
-        self.committing = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -261,7 +260,6 @@ class SmtpReceiver:
                   + (f"\r\n\tfor <{rcpts[0]}>" if len(rcpts) == 1 else "")
                   + f"; {stamp}\r\n").encode("utf-8", "surrogateescape")
         self.commits += 1
-        server.committing = True
         started = time.perf_counter()
         try:
             loop = asyncio.get_running_loop()
@@ -278,7 +276,6 @@ class SmtpReceiver:
             return "451 4.3.0 Error: queue file write error"
         finally:
             self.commits -= 1
-            server.committing = False
         if self.on_commit_time is not None:
             self.on_commit_time(time.perf_counter() - started)
         queue_id = handles[0].message_id
