@@ -46,3 +46,30 @@ def test_relay_on_each_backend_with_metrics(tmp_path, backend):
         rounds = m[("queue_ref_group_commit_rounds_total", ())]
         served = m[("queue_ref_group_commit_requests_total", ())]
         assert 0 < rounds <= served
+
+
+def test_concurrent_sessions_share_group_commit_rounds(tmp_path):
+    import threading
+
+    from queue_ref.relay.relay_metrics import group_commit_counts
+
+    with Sink() as sink, RelayThread(relay_config(
+            str(tmp_path / "q"), relayhost=f"[127.0.0.1]:{sink.port}")) as r:
+        before = group_commit_counts(r.relay.store)
+        assert before is not None
+
+        def client() -> None:
+            with smtplib.SMTP("127.0.0.1", r.port, timeout=30) as c:
+                for _ in range(5):
+                    c.sendmail("a@example.org", ["b@example.net"], b"Subject: m\r\n\r\nhi\r\n")
+
+        threads = [threading.Thread(target=client) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        sink.wait_for(40)
+        after = group_commit_counts(r.relay.store)
+    assert after is not None
+    rounds, served = after[0] - before[0], after[1] - before[1]
+    assert served >= 40 and rounds < served, (rounds, served)  # some rounds served several
