@@ -32,6 +32,7 @@ setup: sysdeps $(STAMP)
 
 demo: setup
 	$(BIN)/queue-ref demo
+	$(BIN)/queue-ref demo --relay
 
 lint: setup
 	$(BIN)/ruff check .

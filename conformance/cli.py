@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "conformance.certify.certify_command",
     "conformance.crashexplore.crash_command",
     "queue_ref.repair_cli",
+    "queue_ref.relay.relay_command",
 )
 
 

@@ -179,6 +179,13 @@ def _cmd(args: argparse.Namespace) -> int:
             console.print(f"[red]{root} is not empty; pass --force to replace it[/red]")
             return 2
         shutil.rmtree(root)
+    if args.relay:
+        from queue_ref.relay.relay_demo import run_relay_demo
+
+        result = run_relay_demo(root, console, quiet=args.json)
+        if args.json:
+            print(json.dumps(result))
+        return 0
     result = run_demo(root, console, quiet=args.json)
     if args.json:
         print(json.dumps(result))
@@ -193,5 +200,7 @@ def register(sub: Any) -> None:
     p.add_argument("--dir", help="queue directory (default: a new temporary one)")
     p.add_argument("--force", action="store_true", help="replace --dir if it exists")
     p.add_argument("--json", action="store_true", help="print the steps as one JSON object")
+    p.add_argument("--relay", action="store_true",
+                   help="show queue-ref relay instead: accept, defer, retry, deliver, bounce")
     p.set_defaults(func=_cmd)
 

@@ -1,0 +1,102 @@
+"""The relay's log: one record per event, as a Postfix-style line or a JSON object.
+
+Every record has ``ts`` (ISO 8601, UTC), ``event`` and ``queue_id`` (the message id the
+250 reply named).  The events and their fields are documented in ``docs/relay.md``:
+
+* ``received``  from, size, nrcpt, client, helo
+* ``delivery``  to, relay, delay, attempts, dsn, status (sent | deferred | bounced |
+  expired), reason, entry_id
+* ``bounce``    the DSN message enqueued for failed recipients (bounce_id, to, nrcpt),
+  or ``dropped`` when the failed message was itself a bounce
+* ``delayed``   a delay warning enqueued (bounce_id, to)
+* ``relay``     the process starting or stopping (what, and details)
+* ``error``     a queue operation that failed (what, reason)
+
+The text line reads like Postfix's ``smtp[pid]: QUEUEID: to=<a@b>, relay=h[ip]:25,
+delay=1.2, dsn=2.0.0, status=sent (250 2.0.0 Ok)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any, Protocol
+
+__all__ = ["DeliveryLog", "LogStream"]
+
+
+class LogStream(Protocol):
+    """Where log lines go: any text stream."""
+
+    def write(self, text: str, /) -> int: ...
+
+    def flush(self) -> None: ...
+
+_FIRST = ("queue_id", "to", "from", "relay", "delay", "attempts", "dsn", "status")
+
+
+class DeliveryLog:
+    """Writes records to a stream (standard error by default), line-buffered, thread-safe."""
+
+    def __init__(self, json_lines: bool = False, path: str = "",
+                 stream: LogStream | None = None) -> None:
+        self.json_lines = json_lines
+        self._own = False
+        if stream is not None:
+            self._stream = stream
+        elif path:
+            self._file = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+            self._stream = self._file
+            self._own = True
+        else:
+            self._stream = sys.stderr
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    def emit(self, event: str, queue_id: str = "", **fields: Any) -> None:
+        now = time.time()
+        record: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z",
+            "event": event, "queue_id": queue_id}
+        record.update({k: v for k, v in fields.items() if v is not None})
+        line = json.dumps(record, sort_keys=False) if self.json_lines else self.text(record)
+        with self._lock:
+            try:
+                self._stream.write(line + "\n")
+                self._stream.flush()
+            except (OSError, ValueError):
+                pass  # a closed or broken log must not stop mail
+
+    def text(self, r: dict[str, Any]) -> str:
+        """The Postfix-style line of a record."""
+        head = f"{r['ts']} queue-ref/relay[{self._pid}]: "
+        if r["queue_id"]:
+            head += f"{r['queue_id']}: "
+        parts = []
+        reason = r.get("reason")
+        keys = [k for k in _FIRST if k in r and k != "queue_id"]
+        keys += [k for k in r if k not in _FIRST and k not in ("ts", "event", "reason")]
+        if r["event"] not in ("delivery",):
+            parts.append(r["event"])
+        for k in keys:
+            v = r[k]
+            if k in ("to", "from"):
+                parts.append(f"{k}=<{v}>")
+            elif k == "status":
+                parts.append(f"status={v}" + (f" ({reason})" if reason else ""))
+                reason = None
+            elif isinstance(v, float):
+                parts.append(f"{k}={v:.2f}")
+            else:
+                parts.append(f"{k}={v}")
+        line = head + ", ".join(parts)
+        if reason:
+            line += f" ({reason})"
+        return line
+
+    def close(self) -> None:
+        if self._own:
+            self._file.close()

@@ -1,0 +1,451 @@
+"""The delivery scheduler (Postfix's qmgr): due entries in, outcomes out.
+
+The scheduler keeps the queued entries it knows in a heap ordered by due time.  It learns
+of entries from the receiver (the handles ``commit`` returned: a new message is taken at
+once), from its own ``send_cancel`` calls, and from a full listing (``list_queue``) at
+start, on ``wake()`` (SIGUSR1, operator tools) and every ``queue_scan_interval`` (as
+Postfix's qmgr scans its deferred queue).  Between those it sleeps until the earliest due
+time: it never polls the queue.
+
+A *job* is one message's due entries: claimed with ``send_start`` (one storage thread hop
+for all of them), the body read once, the recipients grouped by domain, each group sent
+in one SMTP transaction under a per-destination and a global concurrency limit, then
+every outcome finished in one more hop:
+
+* 2xx: ``send_done`` and ``cleanup``;
+* 4xx or no connection: ``send_cancel`` with the next retry time (``retry_backoff``),
+  unless the message is older than its lifetime: then it is bounced;
+* 5xx: a bounce.
+
+A bounce is enqueued and committed *before* its failed entries are finished, so a crash in
+between can duplicate a bounce but never lose one.  If the bounce cannot be committed, the
+failed entries go back to the queue instead (tried again later, never lost).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+from queue_ref.relay.delivery_log import DeliveryLog
+from queue_ref.relay.dsn_bounce import FailedRecipient, build_dsn
+from queue_ref.relay.mx_routing import Router
+from queue_ref.relay.relay_config import RelayConfig
+from queue_ref.relay.relay_metrics import RelayMetrics
+from queue_ref.relay.retry_backoff import RetryPolicy
+from queue_ref.relay.smtp_delivery import RcptResult, SmtpDeliverer
+from queue_ref.storage import (
+    CorruptionError,
+    InflightMail,
+    PendingCleanupMail,
+    QueuedMail,
+    QueueError,
+    Recipient,
+    Schedule,
+    Storage,
+    StorageIOError,
+)
+
+__all__ = ["DeliveryScheduler"]
+
+FINISH_RETRIES = (0.2, 1.0, 3.0)  # waits between tries of a transition that hit an I/O error
+
+
+@dataclass
+class _Entry:
+    mail: InflightMail
+    rcpt: str
+    schedule: Schedule
+
+
+@dataclass
+class _Job:
+    message_id: str
+    mail_from: str
+    params: dict[str, str]
+    body: bytes
+    entries: list[_Entry] = field(default_factory=list)
+
+    @property
+    def arrival(self) -> float:
+        try:
+            return float(self.params.get("arrival", ""))
+        except ValueError:
+            return 0.0
+
+
+class DeliveryScheduler:
+    def __init__(self, store: Storage, config: RelayConfig, router: Router,
+                 deliverer: SmtpDeliverer, log: DeliveryLog, executor: Executor,
+                 metrics: RelayMetrics | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self.config = config
+        self.router = router
+        self.deliverer = deliverer
+        self.log = log
+        self.executor = executor
+        self.metrics = metrics
+        self.clock = clock
+        self.retry = RetryPolicy(config)
+        self._heap: list[tuple[int, int, str, QueuedMail]] = []
+        self._latest: dict[str, QueuedMail] = {}  # entry id -> the handle to use
+        self._claimed: set[str] = set()  # entry ids our jobs hold inflight
+        self._scanning = False
+        self._added_in_scan: list[QueuedMail] = []
+        self._seq = itertools.count()
+        self._event = asyncio.Event()
+        self._rescan = True
+        self._stopping = False
+        self._jobs: set[asyncio.Task[None]] = set()
+        self._global = asyncio.Semaphore(config.max_deliveries)
+        self._destinations: dict[str, asyncio.Semaphore] = {}
+        self._started = self.clock()
+        self.counts = {"sent": 0, "deferred": 0, "bounced": 0, "expired": 0}
+
+    # ---- what others call ----
+
+    def add(self, handles: list[QueuedMail]) -> None:
+        """Queued entries to deliver when due (new commits, entries put back)."""
+        for h in handles:
+            self._push(h)
+        self._event.set()
+
+    def wake(self) -> None:
+        """List the queue again and deliver what is due now (SIGUSR1, operator tools)."""
+        self._rescan = True
+        self._event.set()
+
+    def sizes(self) -> dict[str, int]:
+        return {"queued": len(self._latest), "inflight": len(self._claimed)}
+
+    def _push(self, h: QueuedMail) -> None:
+        if self._scanning:
+            self._added_in_scan.append(h)
+        self._latest[h.entry_id] = h
+        heapq.heappush(self._heap, (h.schedule.at, next(self._seq), h.entry_id, h))
+
+    # ---- the loop ----
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_scan = 0.0
+        while not self._stopping:
+            self._event.clear()
+            if self._rescan or time.monotonic() >= next_scan:
+                self._rescan = False
+                await self._scan(loop)
+                next_scan = time.monotonic() + self.config.queue_scan_interval
+            self._dispatch()
+            wait = next_scan - time.monotonic()
+            if self._heap and len(self._jobs) < self.config.max_deliveries:
+                wait = min(wait, self._heap[0][0] - self.clock())
+            if wait > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._event.wait(), timeout=max(wait, 0.01))
+            else:
+                await asyncio.sleep(0)
+
+    async def _scan(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._scanning = True
+        self._added_in_scan = []
+        try:
+            listed = await loop.run_in_executor(self.executor, self._list)
+        except QueueError as e:
+            self.log.emit("error", what="list_queue", reason=f"{type(e).__name__}: {e}")
+            return
+        finally:
+            self._scanning = False
+        latest = {h.entry_id: h for h in listed if h.entry_id not in self._claimed}
+        for h in self._added_in_scan:
+            latest[h.entry_id] = h
+        self._added_in_scan = []
+        self._latest = latest
+        self._heap = [(h.schedule.at, next(self._seq), h.entry_id, h) for h in latest.values()]
+        heapq.heapify(self._heap)
+
+    def _list(self) -> list[QueuedMail]:
+        found = list(self.store.list_queue())
+        try:  # entries of other processes of a shared queue that died holding them
+            for inflight in self.store.find_inflight():
+                queued = self.store.send_cancel(inflight, inflight.schedule)
+                if queued is not None:
+                    found.append(queued)
+        except QueueError as e:
+            self.log.emit("error", what="find_inflight", reason=str(e))
+        return found
+
+    def _dispatch(self) -> None:
+        now = self.clock()
+        due: dict[str, list[QueuedMail]] = {}
+        while self._heap and self._heap[0][0] <= now:
+            if len(self._jobs) + len(due) >= self.config.max_deliveries:
+                break
+            _, _, entry_id, h = heapq.heappop(self._heap)
+            if self._latest.get(entry_id) is not h or entry_id in self._claimed:
+                continue  # superseded by a newer handle, or ours already
+            del self._latest[entry_id]
+            self._claimed.add(entry_id)
+            due.setdefault(h.message_id, []).append(h)
+        for handles in due.values():
+            task = asyncio.get_running_loop().create_task(self._job(handles))
+            self._jobs.add(task)
+            task.add_done_callback(self._job_done)
+
+    def _job_done(self, task: asyncio.Task[None]) -> None:
+        self._jobs.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            self.log.emit("error", what="delivery job", reason=f"{type(exc).__name__}: {exc}")
+        self._event.set()
+
+    async def stop(self, timeout: float) -> None:
+        """Stop taking entries; let jobs finish within ``timeout``; put the rest back."""
+        self._stopping = True
+        self._event.set()
+        if self._jobs:
+            _, pending = await asyncio.wait(set(self._jobs), timeout=timeout)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending)
+
+    # ---- one job ----
+
+    async def _job(self, handles: list[QueuedMail]) -> None:
+        loop = asyncio.get_running_loop()
+        ids = [h.entry_id for h in handles]
+        try:
+            claim = loop.run_in_executor(self.executor, self._claim, handles)
+            try:
+                job = await asyncio.shield(claim)
+            except asyncio.CancelledError:
+                job = await claim
+                if job is not None:
+                    self.add(await loop.run_in_executor(self.executor, self._put_back, job))
+                raise
+            if job is None:
+                return
+            try:
+                outcomes = await self._deliver(job)
+            except asyncio.CancelledError:
+                self.add(await loop.run_in_executor(self.executor, self._put_back, job))
+                raise
+            finish = loop.run_in_executor(self.executor, self._finish, job, outcomes)
+            try:
+                requeued = await asyncio.shield(finish)
+            except asyncio.CancelledError:
+                requeued = await finish
+                self.add(requeued)
+                raise
+            self.add(requeued)
+        finally:
+            self._claimed.difference_update(ids)
+
+    def _claim(self, handles: list[QueuedMail]) -> _Job | None:
+        """send_start every entry, read the body once (a storage thread)."""
+        job: _Job | None = None
+        for h in handles:
+            try:
+                mail = self.store.send_start(h)
+            except QueueError as e:
+                self.log.emit("error", h.message_id, what="send_start", entry_id=h.entry_id,
+                              reason=f"{type(e).__name__}: {e}")
+                continue
+            if mail is None:
+                continue  # another worker took it, or an operator changed it
+            try:
+                with self.store.read_inflight(mail) as reader:
+                    meta = reader.meta
+                    if job is None:
+                        job = _Job(mail.message_id, meta.mail_from, dict(meta.params),
+                                   reader.read_all())
+            except CorruptionError as e:
+                self.log.emit("error", mail.message_id, what="read", entry_id=mail.entry_id,
+                              reason=f"quarantined: {e}")
+                continue
+            except QueueError as e:
+                self.log.emit("error", mail.message_id, what="read", entry_id=mail.entry_id,
+                              reason=f"{type(e).__name__}: {e}")
+                self._retrying("send_cancel", self.store.send_cancel, mail,
+                               Schedule(int(self.clock()) + 60, mail.schedule.attempts))
+                continue
+            job.entries.append(_Entry(mail, meta.rcpt, mail.schedule))
+        return job if job is not None and job.entries else None
+
+    async def _deliver(self, job: _Job) -> list[tuple[_Entry, RcptResult]]:
+        by_domain: dict[str, list[_Entry]] = {}
+        for e in job.entries:
+            by_domain.setdefault(e.rcpt.rpartition("@")[2].lower(), []).append(e)
+        groups = await asyncio.gather(*(self._deliver_domain(job, d, es)
+                                        for d, es in by_domain.items()))
+        return [pair for g in groups for pair in g]
+
+    async def _deliver_domain(self, job: _Job, domain: str, entries: list[_Entry]
+                              ) -> list[tuple[_Entry, RcptResult]]:
+        route = await self.router.route(domain)
+        if route.failed:
+            code = 550 if route.dsn.startswith("5") else 0
+            return [(e, RcptResult(code, route.dsn, route.reason, "none")) for e in entries]
+        sem = self._destinations.get(route.destination)
+        if sem is None:
+            sem = asyncio.Semaphore(self.config.default_destination_concurrency_limit)
+            self._destinations[route.destination] = sem
+        async with self._global, sem:
+            results = await self.deliverer.deliver(route.hosts, job.mail_from,
+                                                   [e.rcpt for e in entries], job.body, job.params)
+        return list(zip(entries, results, strict=True))
+
+    # ---- outcomes (a storage thread) ----
+
+    def _put_back(self, job: _Job) -> list[QueuedMail]:
+        """Shutdown: every entry back in the queue with the schedule it had."""
+        out = []
+        for e in job.entries:
+            queued = self._retrying("send_cancel", self.store.send_cancel, e.mail, e.schedule)
+            if isinstance(queued, QueuedMail):
+                out.append(queued)
+        return out
+
+    def _finish(self, job: _Job, outcomes: list[tuple[_Entry, RcptResult]]) -> list[QueuedMail]:
+        now = self.clock()
+        arrival = job.arrival or self._started
+        null_sender = not job.mail_from
+        done: list[tuple[_Entry, RcptResult, str]] = []
+        deferred: list[tuple[_Entry, RcptResult]] = []
+        failed: list[tuple[_Entry, RcptResult, str]] = []
+        for e, r in outcomes:
+            if r.outcome == "sent":
+                done.append((e, r, "sent"))
+            elif r.outcome == "bounced":
+                failed.append((e, r, "bounced"))
+            elif self.retry.expired(now, arrival, null_sender):
+                failed.append((e, r, "expired"))
+            else:
+                deferred.append((e, r))
+        requeued: list[QueuedMail] = []
+        if failed:
+            bounce = self._bounce(job, failed, now)
+            if bounce is None:  # not committed: keep the entries, try them again later
+                for e, r, _ in failed:
+                    deferred.append((e, r))
+                failed = []
+            else:
+                requeued.extend(bounce)
+        warn = self._delay_warning(job, deferred, now, arrival)
+        if warn:
+            requeued.extend(warn)
+        for e, r, status in done + failed:
+            self._record(job, e, r, status, now, arrival)
+            pending = self._retrying("send_done", self.store.send_done, e.mail)
+            if isinstance(pending, PendingCleanupMail):
+                self._retrying("cleanup", self.store.cleanup, pending)
+        for e, r in deferred:
+            attempts = e.schedule.attempts + 1
+            schedule = Schedule(self.retry.next_try(now, attempts), attempts)
+            self._record(job, e, r, "deferred", now, arrival)
+            queued = self._retrying("send_cancel", self.store.send_cancel, e.mail, schedule)
+            if isinstance(queued, QueuedMail):
+                requeued.append(queued)
+        return requeued
+
+    def _record(self, job: _Job, e: _Entry, r: RcptResult, status: str, now: float,
+                arrival: float) -> None:
+        self.counts[status] += 1
+        if self.metrics is not None:
+            self.metrics.deliveries.labels(outcome=status).inc()
+            if status == "sent":
+                self.metrics.delivery_seconds.observe(max(0.0, now - arrival))
+        reason = r.text if status != "expired" else f"message expired: {r.text}"
+        self.log.emit("delivery", job.message_id, to=e.rcpt, relay=r.relay,
+                      delay=round(now - arrival, 2), attempts=e.schedule.attempts + 1, dsn=r.dsn,
+                      status="bounced" if status == "expired" else status, reason=reason,
+                      entry_id=e.mail.entry_id)
+
+    def _bounce(self, job: _Job, failed: list[tuple[_Entry, RcptResult, str]], now: float
+                ) -> list[QueuedMail] | None:
+        """Commit the DSN for ``failed`` (the handles to deliver it), [] when none is due
+        (a bounce of a bounce is dropped), None when it could not be committed."""
+        to = job.mail_from
+        if not to or job.params.get("dsn"):
+            if job.params.get("dsn") != "double" and self.config.double_bounce_recipient:
+                to = self.config.double_bounce_recipient
+            else:
+                self.log.emit("bounce", job.message_id, status="dropped",
+                              reason="undeliverable mail with the null sender is not bounced",
+                              nrcpt=len(failed))
+                return []
+        recipients = [FailedRecipient(e.rcpt, r.dsn if r.dsn[0] in "45" else "5.0.0", r.text,
+                                      r.relay.split("[", 1)[0] if r.relay != "none" else "", now)
+                      for e, r, _ in failed]
+        message = build_dsn(reporting_mta=self.config.myhostname, queue_id=job.message_id,
+                            sender=job.mail_from or "MAILER-DAEMON", arrival=job.arrival or now,
+                            recipients=recipients, original=job.body, now=now)
+        kind = "double" if not job.mail_from or job.params.get("dsn") else "bounce"
+        handles = self._enqueue_dsn(job, to, message, kind, now)
+        if handles is not None:
+            self.log.emit("bounce", job.message_id, bounce_id=handles[0].message_id, to=to,
+                          nrcpt=len(failed))
+        return handles
+
+    def _enqueue_dsn(self, job: _Job, to: str, message: bytes, kind: str, now: float
+                     ) -> list[QueuedMail] | None:
+        params = {"arrival": f"{now:.3f}", "dsn": kind, "client": "localhost",
+                  "helo": self.config.myhostname}
+        try:
+            with self.store.enqueue("", params) as enq:
+                enq.write(message)
+                return enq.commit([Recipient(to, Schedule(int(now)))])
+        except QueueError as e:
+            self.log.emit("error", job.message_id, what=f"enqueue {kind}",
+                          reason=f"{type(e).__name__}: {e}")
+            return None
+
+    def _delay_warning(self, job: _Job, deferred: list[tuple[_Entry, RcptResult]], now: float,
+                       arrival: float) -> list[QueuedMail]:
+        """A "delayed" DSN once per message: on the deferral whose retry interval spans
+        ``arrival + delay_warning_time`` (the intervals of one entry never overlap)."""
+        warn_at = arrival + self.config.delay_warning_time
+        if self.config.delay_warning_time <= 0 or not job.mail_from or not deferred:
+            return []
+        late = []
+        for e, r in deferred:
+            nxt = now + self.retry.base_delay(e.schedule.attempts + 1)
+            if e.schedule.at < warn_at <= nxt:
+                late.append(FailedRecipient(e.rcpt, r.dsn, r.text,
+                                            r.relay.split("[", 1)[0] if r.relay != "none" else "",
+                                            now))
+        if not late:
+            return []
+        until = arrival + self.retry.lifetime(False)
+        message = build_dsn(reporting_mta=self.config.myhostname, queue_id=job.message_id,
+                            sender=job.mail_from, arrival=arrival, recipients=late,
+                            original=job.body, now=now, action="delayed", retry_until=until)
+        handles = self._enqueue_dsn(job, job.mail_from, message, "delay", now)
+        if handles:
+            self.log.emit("delayed", job.message_id, bounce_id=handles[0].message_id,
+                          to=job.mail_from, nrcpt=len(late))
+        return handles or []
+
+    def _retrying(self, what: str, call: Callable[..., object], *args: object) -> object:
+        """Run a transition, trying again after an I/O error (StorageIOError leaves the
+        entry in its old state).  Gives up after a few tries: the entry then stays
+        inflight and is queued again when the queue is next opened (at least once)."""
+        for wait in (*FINISH_RETRIES, None):
+            try:
+                return call(*args)
+            except StorageIOError as e:
+                if wait is None:
+                    self.log.emit("error", what=what, reason=f"gave up: {e}")
+                    return e
+                time.sleep(wait)
+            except QueueError as e:
+                self.log.emit("error", what=what, reason=f"{type(e).__name__}: {e}")
+                return e
+        return None

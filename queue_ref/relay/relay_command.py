@@ -1,0 +1,77 @@
+"""``queue-ref relay``: run the SMTP relay, or check its configuration."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any
+
+from queue_ref.relay.relay_config import ConfigError, RelayConfig, load_config
+
+__all__ = ["register"]
+
+
+def _config(args: argparse.Namespace) -> RelayConfig:
+    overrides: dict[str, Any] = {
+        "queue": args.queue, "backend": args.backend, "listen": args.listen,
+        "relayhost": args.relayhost, "log_json": True if args.log_json else None,
+    }
+    return load_config(args.config, overrides)
+
+
+def _show(config: RelayConfig) -> str:
+    lines = []
+    for key, value in config.as_dict().items():
+        if isinstance(value, dict):
+            inner = ", ".join(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in value.items())
+            lines.append(f"{key} = {{ {inner} }}")
+        else:
+            lines.append(f"{key} = {json.dumps(value)}")
+    return "\n".join(lines)
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    try:
+        config = _config(args)
+    except ConfigError as e:
+        print(f"queue-ref relay: {e}", file=sys.stderr)
+        return 2
+    if args.check_config:
+        if args.json:
+            print(json.dumps({"ok": True, "config": config.as_dict()}))
+        else:
+            print(_show(config))
+        return 0
+    from queue_ref.relay.relay_server import Relay, RelayStartError
+
+    relay = Relay(config)
+    try:
+        asyncio.run(relay.run())
+    except RelayStartError as e:
+        print(f"queue-ref relay: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "relay", help="run the SMTP relay (receive, queue, deliver, bounce) on a queue",
+        description="An SMTP relay on any Storage backend: mail is answered 250 only once "
+                    "committed, delivered to its MX (or a relayhost) with retries, bounced "
+                    "with an RFC 3464 DSN when it cannot be.  See docs/relay.md.")
+    p.add_argument("--config", metavar="FILE", help="TOML configuration (default: built-in)")
+    p.add_argument("--queue", metavar="DIR", help="queue directory (overrides the file)")
+    p.add_argument("--backend", help="fs (default), fs-fsync, kv-log, kv-leveldb or "
+                                     "pkg.module:factory")
+    p.add_argument("--listen", metavar="HOST:PORT", help="SMTP address (default 127.0.0.1:2525)")
+    p.add_argument("--relayhost", metavar="HOST:PORT",
+                   help="send all mail to this smarthost ([host]:port skips the MX lookup)")
+    p.add_argument("--log-json", action="store_true", help="log JSON lines instead of text")
+    p.add_argument("--check-config", action="store_true",
+                   help="validate and print the effective configuration, then exit")
+    p.add_argument("--json", action="store_true", help="with --check-config: one JSON object")
+    p.set_defaults(func=_cmd)

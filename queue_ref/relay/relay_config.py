@@ -1,0 +1,235 @@
+"""The relay's configuration: a TOML file read with ``tomllib``, Postfix's names and defaults.
+
+Every key has a default, so ``queue-ref relay --queue DIR`` runs with no file.  Durations
+are seconds, or strings with a unit (``"300s"``, ``"15m"``, ``"4h"``, ``"5d"``).  Unknown
+keys are refused (a typo must not silently leave a default in force).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import re
+import socket
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ConfigError", "RelayConfig", "load_config", "parse_duration", "parse_hostport"]
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message says which key and why."""
+
+
+def parse_duration(value: object, key: str) -> float:
+    """Seconds from an int, a float or a string like ``"15m"``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a duration, got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ConfigError(f"{key}: a duration cannot be negative ({value})")
+        return float(value)
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", value)
+        if m:
+            return float(m.group(1)) * _UNITS[m.group(2) or "s"]
+    raise ConfigError(f"{key}: expected a duration like 300, \"15m\" or \"5d\", got {value!r}")
+
+
+def parse_hostport(value: str, key: str, default_port: int) -> tuple[str, int, bool]:
+    """``host``, ``host:port``, ``[host]:port`` or ``[v6addr]:port``: (host, port, bracketed).
+
+    Brackets mean what they mean in Postfix: use this host as it is, no MX lookup.
+    """
+    value = value.strip()
+    bracketed = value.startswith("[")
+    if bracketed:
+        end = value.find("]")
+        if end < 0:
+            raise ConfigError(f"{key}: unclosed '[' in {value!r}")
+        host, rest = value[1:end], value[end + 1:]
+        if rest and not rest.startswith(":"):
+            raise ConfigError(f"{key}: expected [host]:port, got {value!r}")
+        port_s = rest[1:] if rest else ""
+    else:
+        host, _, port_s = value.rpartition(":") if ":" in value else (value, "", "")
+    if not host:
+        raise ConfigError(f"{key}: no host in {value!r}")
+    if port_s:
+        if not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
+            raise ConfigError(f"{key}: bad port in {value!r}")
+        port = int(port_s)
+    else:
+        port = default_port
+    return host, port, bracketed
+
+
+@dataclass
+class RelayConfig:
+    """The effective configuration.  Names follow Postfix's main.cf where one exists."""
+
+    # -- where --
+    queue: str = ""
+    backend: str = "fs"
+    listen: str = "127.0.0.1:2525"
+    myhostname: str = field(default_factory=socket.getfqdn)
+    # -- receiver policy (smtpd) --
+    mynetworks: list[str] = field(default_factory=lambda: ["127.0.0.0/8", "::1/128"])
+    relay_domains: list[str] = field(default_factory=list)
+    message_size_limit: int = 10_240_000
+    smtpd_recipient_limit: int = 1000
+    smtpd_timeout: float = 300.0
+    smtpd_tls_cert_file: str = ""
+    smtpd_tls_key_file: str = ""
+    # -- routing --
+    relayhost: str = ""
+    transport_maps: dict[str, str] = field(default_factory=dict)
+    dns_nameservers: list[str] = field(default_factory=list)  # empty: /etc/resolv.conf
+    dns_port: int = 53
+    dns_timeout: float = 5.0
+    smtp_port: int = 25  # the port MX hosts are reached on
+    smtp_mx_address_limit: int = 5
+    # -- delivery (smtp client) --
+    smtp_connect_timeout: float = 30.0
+    smtp_timeout: float = 300.0
+    smtp_tls_security_level: str = "may"  # may: STARTTLS when offered; none: never
+    smtp_connection_cache_time_limit: float = 2.0
+    default_destination_concurrency_limit: int = 20
+    max_deliveries: int = 100  # Postfix's default_process_limit
+    # -- retries and bounces --
+    minimal_backoff_time: float = 300.0
+    maximal_backoff_time: float = 4000.0
+    backoff_jitter: float = 0.1  # a retry comes up to this fraction of its delay early
+    retry_delays: list[float] = field(default_factory=list)  # a fixed schedule instead
+    maximal_queue_lifetime: float = 5 * 86400.0
+    bounce_queue_lifetime: float = 5 * 86400.0
+    delay_warning_time: float = 0.0  # 0: no "delayed" DSN
+    double_bounce_recipient: str = ""  # where undeliverable bounces go; "": dropped
+    # -- the process --
+    queue_scan_interval: float = 300.0  # Postfix's queue_run_delay: a full listing
+    shutdown_timeout: float = 10.0
+    log_json: bool = False
+    log_file: str = ""  # "": standard error
+    metrics_listen: str = ""  # e.g. "127.0.0.1:9125"; "": no metrics
+
+    # ---- checks ----
+
+    def validate(self) -> RelayConfig:
+        if not self.queue:
+            raise ConfigError("queue: no queue directory (set it in the file or pass --queue)")
+        self.listen_address()
+        for net in self.mynetworks:
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError as e:
+                raise ConfigError(f"mynetworks: {e}") from None
+        if self.relayhost:
+            parse_hostport(self.relayhost, "relayhost", self.smtp_port)
+        for dom, nexthop in self.transport_maps.items():
+            if not isinstance(nexthop, str):
+                raise ConfigError(f"transport_maps.{dom}: expected a string like \"[host]:port\"")
+            parse_hostport(nexthop, f"transport_maps.{dom}", self.smtp_port)
+        for ns in self.dns_nameservers:
+            try:
+                ipaddress.ip_address(ns)
+            except ValueError:
+                raise ConfigError(f"dns_nameservers: {ns!r} is not an IP address") from None
+        if self.smtp_tls_security_level not in ("may", "none"):
+            raise ConfigError("smtp_tls_security_level: expected \"may\" or \"none\"")
+        if bool(self.smtpd_tls_cert_file) != bool(self.smtpd_tls_key_file):
+            raise ConfigError("smtpd_tls_cert_file and smtpd_tls_key_file go together")
+        for name in ("message_size_limit", "smtpd_recipient_limit",
+                     "default_destination_concurrency_limit", "max_deliveries",
+                     "smtp_mx_address_limit"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be at least 1")
+        if not 1 <= self.dns_port <= 65535 or not 1 <= self.smtp_port <= 65535:
+            raise ConfigError("dns_port and smtp_port must be from 1 to 65535")
+        if self.maximal_backoff_time < self.minimal_backoff_time:
+            raise ConfigError("maximal_backoff_time is below minimal_backoff_time")
+        if not 0 <= self.backoff_jitter < 1:
+            raise ConfigError("backoff_jitter: must be at least 0 and below 1")
+        if self.metrics_listen:
+            host, _, _ = parse_hostport(self.metrics_listen, "metrics_listen", 0)
+            if host not in ("127.0.0.1", "::1", "localhost"):
+                raise ConfigError("metrics_listen: metrics are served on a loopback address only")
+        return self
+
+    def listen_address(self) -> tuple[str, int]:
+        host, port, _ = parse_hostport(self.listen, "listen", 25)
+        return host, port
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_DURATIONS = {f.name for f in dataclasses.fields(RelayConfig) if f.type == "float"}
+_INTS = {f.name for f in dataclasses.fields(RelayConfig) if f.type == "int"}
+_STRS = {f.name for f in dataclasses.fields(RelayConfig) if f.type == "str"}
+_STR_LISTS = {"mynetworks", "relay_domains", "dns_nameservers"}
+
+
+def _coerce(key: str, value: object) -> object:
+    if key in _DURATIONS:
+        return parse_duration(value, key)
+    if key in _INTS:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if key in _STRS:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    if key in _STR_LISTS:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{key}: expected a list of strings")
+        return list(value)
+    if key == "retry_delays":
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list of durations")
+        return [parse_duration(v, key) for v in value]
+    if key == "transport_maps":
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a table of domain = \"[host]:port\"")
+        return {str(k).lower(): v for k, v in value.items()}
+    if key == "log_json":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false")
+        return value
+    raise ConfigError(f"unknown key {key!r}")
+
+
+def load_config(path: str | None, overrides: dict[str, Any] | None = None) -> RelayConfig:
+    """The configuration from ``path`` (None: defaults only), then ``overrides``, validated.
+
+    Keys may sit at the top level or in a ``[relay]`` table.  Raises ConfigError.
+    """
+    values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"{path}: {e.strerror}") from None
+        table = data.pop("relay", {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: [relay] must be a table")
+        values.update(data)
+        values.update(table)
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            values[key] = value
+    known = {f.name for f in dataclasses.fields(RelayConfig)}
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(f"unknown key {key!r}" + (f" in {path}" if path else ""))
+        kwargs[key] = _coerce(key, value)
+    return RelayConfig(**kwargs).validate()

@@ -1,0 +1,100 @@
+"""Prometheus metrics of the relay, served on a loopback port (``metrics_listen``).
+
+Each relay has a registry of its own (several relays in one test process never share
+counters).  Group-commit figures come from the backend when it keeps them: the
+filesystem queue counts its sync rounds and the callers they served.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from queue_ref.storage import Storage
+
+__all__ = ["RelayMetrics", "group_commit_counts"]
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 3600, 86400)
+_COMMIT = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+def group_commit_counts(store: Storage) -> tuple[int, int] | None:
+    """(sync rounds run, callers served) of a backend that counts them, else None."""
+    group = getattr(store, "_group", None)
+    rounds = getattr(group, "rounds", None)
+    requests = getattr(group, "requests", None)
+    if isinstance(rounds, int) and isinstance(requests, int):
+        return rounds, requests
+    return None
+
+
+class _GroupCommitCollector(Collector):
+    def __init__(self, store: Storage) -> None:
+        self._store = store
+
+    def collect(self) -> Iterator[Metric]:
+        counts = group_commit_counts(self._store)
+        if counts is None:
+            return
+        rounds = CounterMetricFamily(
+            "queue_ref_group_commit_rounds", "Sync rounds the backend ran (group commit)")
+        rounds.add_metric([], counts[0])
+        served = CounterMetricFamily(
+            "queue_ref_group_commit_requests",
+            "Callers the sync rounds served; requests/rounds is the mean round size")
+        served.add_metric([], counts[1])
+        yield rounds
+        yield served
+
+
+class _QueueSizeCollector(Collector):
+    def __init__(self, sizes: Callable[[], dict[str, int]]) -> None:
+        self._sizes = sizes
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily("queue_ref_relay_queue_entries",
+                                   "Entries the relay holds, by state", labels=["state"])
+        for state, n in self._sizes().items():
+            family.add_metric([state], n)
+        yield family
+
+
+class RelayMetrics:
+    def __init__(self, store: Storage, queue_sizes: Callable[[], dict[str, int]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.deliveries = Counter("queue_ref_relay_deliveries", "Delivery attempts per recipient",
+                                  ["outcome"], registry=r)
+        self.delivery_seconds = Histogram(
+            "queue_ref_relay_delivery_seconds",
+            "From arrival to the end of a successful delivery", buckets=_LATENCY, registry=r)
+        self.commit_seconds = Histogram(
+            "queue_ref_relay_commit_seconds", "Time a received message's commit took",
+            buckets=_COMMIT, registry=r)
+        self.received = Counter("queue_ref_relay_received_messages", "Messages queued (250 sent)",
+                                registry=r)
+        r.register(_QueueSizeCollector(queue_sizes))
+        r.register(_GroupCommitCollector(store))
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve on ``host:port`` (0: any free port); the port bound."""
+        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server, self._thread = server, thread
+        bound: int = server.server_address[1]
+        return bound
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None

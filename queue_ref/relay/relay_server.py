@@ -1,0 +1,225 @@
+"""The relay process: one asyncio loop running the SMTP receiver and the scheduler.
+
+Start and stop live here and only here.  ``Relay.add_service(start, stop)`` adds one more
+asyncio server (a control socket, say) started after the SMTP listener and stopped before
+it closes; ``wake()`` makes the scheduler list the queue and deliver what is due;
+``store`` and ``queue_dir`` are the queue the relay works on.
+
+Signals: SIGTERM and SIGINT stop in order (no new connections; sessions get 421 once
+their commits are done; deliveries in progress get ``shutdown_timeout`` to finish, the
+rest are put back with ``send_cancel`` and their old schedule; the queue is closed; exit
+0).  SIGUSR1 (``queue-ref`` operator tools, ``opener.wake_relay``) and SIGHUP wake the
+scheduler.  The process id is in ``relay.pid`` in the queue directory while it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import IO
+
+from queue_ref.opener import PID_FILE, open_queue, read_relay_pid
+from queue_ref.relay.delivery_log import DeliveryLog, LogStream
+from queue_ref.relay.delivery_scheduler import DeliveryScheduler
+from queue_ref.relay.mx_routing import Router
+from queue_ref.relay.relay_config import RelayConfig, parse_hostport
+from queue_ref.relay.relay_metrics import RelayMetrics
+from queue_ref.relay.smtp_delivery import SmtpDeliverer
+from queue_ref.relay.smtp_receiver import SmtpReceiver
+from queue_ref.storage import Storage
+
+__all__ = ["Relay", "RelayStartError"]
+
+STORAGE_THREADS = 32  # concurrent commits and transitions share group-commit rounds
+
+Service = Callable[["Relay"], Awaitable[None]]
+
+
+class RelayStartError(RuntimeError):
+    """The relay could not start (queue, port, another relay); the message says why."""
+
+
+class Relay:
+    def __init__(self, config: RelayConfig, *, log_stream: LogStream | None = None,
+                 ready_stream: IO[str] | None = None) -> None:
+        self.config = config
+        self.queue_dir = os.path.abspath(config.queue)
+        self.log = DeliveryLog(config.log_json, config.log_file, log_stream)
+        self._ready_stream = ready_stream
+        self.executor = ThreadPoolExecutor(STORAGE_THREADS, thread_name_prefix="relay-storage")
+        self._store: Storage | None = None
+        self.scheduler: DeliveryScheduler | None = None
+        self.receiver: SmtpReceiver | None = None
+        self.deliverer = SmtpDeliverer(config)
+        self.metrics: RelayMetrics | None = None
+        self.smtp_address: tuple[str, int] | None = None
+        self.metrics_port: int | None = None
+        self._server: asyncio.Server | None = None
+        self._services: list[tuple[Service, Service]] = []
+        self._started_services: list[Service] = []
+        self._scheduler_task: asyncio.Task[None] | None = None
+        self._stop_requested: asyncio.Event | None = None
+        self._wrote_pid = False
+
+    @property
+    def store(self) -> Storage:
+        if self._store is None:
+            raise RuntimeError("the relay has not started")
+        return self._store
+
+    def add_service(self, start: Service, stop: Service) -> None:
+        """Run ``start(relay)`` after the SMTP listener is up, ``stop(relay)`` at shutdown
+        (before sessions are closed and the queue is)."""
+        self._services.append((start, stop))
+
+    def wake(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.wake()
+
+    def request_stop(self) -> None:
+        if self._stop_requested is not None:
+            self._stop_requested.set()
+
+    # ---- start ----
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._stop_requested = asyncio.Event()
+        other = read_relay_pid(self.queue_dir)
+        if other is not None and other != os.getpid():
+            raise RelayStartError(f"another relay (pid {other}) works on {self.queue_dir}")
+        try:
+            self._store = await loop.run_in_executor(
+                self.executor, open_queue, self.queue_dir, self.config.backend)
+        except Exception as e:
+            raise RelayStartError(f"cannot open the queue {self.queue_dir} "
+                                  f"(backend {self.config.backend}): {e}") from e
+        try:
+            await self._start_parts(loop)
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start_parts(self, loop: asyncio.AbstractEventLoop) -> None:
+        store = self.store
+        self._write_pid()
+        self.metrics = RelayMetrics(store, self._sizes)
+        self.scheduler = DeliveryScheduler(store, self.config, Router(self.config), self.deliverer,
+                                           self.log, self.executor, self.metrics)
+        self.receiver = SmtpReceiver(self.config, store, self.executor, self.log,
+                                     self.scheduler.add, self._committed)
+        host, port = self.config.listen_address()
+        try:
+            self._server = await loop.create_server(self.receiver.protocol, host, port)
+        except OSError as e:
+            raise RelayStartError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+        sockname = self._server.sockets[0].getsockname()
+        self.smtp_address = (sockname[0], sockname[1])
+        if self.config.metrics_listen:
+            mhost, mport, _ = parse_hostport(self.config.metrics_listen, "metrics_listen", 0)
+            try:
+                self.metrics_port = self.metrics.serve(mhost, mport)
+            except OSError as e:
+                raise RelayStartError(f"cannot serve metrics on {mhost}:{mport}: {e}") from e
+        for start, stop in self._services:
+            await start(self)
+            self._started_services.append(stop)
+        self._scheduler_task = loop.create_task(self.scheduler.run())
+        self.log.emit("relay", what="started", smtp=f"{host}:{self.smtp_address[1]}",
+                      queue=self.queue_dir, backend=self.config.backend)
+
+    def _committed(self, seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.commit_seconds.observe(seconds)
+            self.metrics.received.inc()
+
+    def _sizes(self) -> dict[str, int]:
+        return self.scheduler.sizes() if self.scheduler is not None else {}
+
+    def _write_pid(self) -> None:
+        path = os.path.join(self.queue_dir, PID_FILE)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="ascii") as f:
+            f.write(f"{os.getpid()}\n")
+        os.replace(tmp, path)
+        self._wrote_pid = True
+
+    def _remove_pid(self) -> None:
+        if not self._wrote_pid:
+            return
+        path = os.path.join(self.queue_dir, PID_FILE)
+        try:
+            with open(path, encoding="ascii") as f:
+                mine = f.read().strip() == str(os.getpid())
+            if mine:
+                os.unlink(path)
+        except OSError:
+            pass
+        self._wrote_pid = False
+
+    def ready_line(self) -> str:
+        assert self.smtp_address is not None
+        line = (f"queue-ref relay ready: smtp={self.smtp_address[0]}:{self.smtp_address[1]} "
+                f"queue={self.queue_dir} backend={self.config.backend} pid={os.getpid()}")
+        if self.metrics_port is not None:
+            line += f" metrics={self.metrics_port}"
+        return line
+
+    # ---- stop ----
+
+    async def stop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._server is not None:
+            self._server.close()
+        for stop in reversed(self._started_services):
+            try:
+                await stop(self)
+            except Exception as e:
+                self.log.emit("error", what="stopping a service", reason=str(e))
+        self._started_services = []
+        if self.receiver is not None:
+            await self.receiver.close_sessions(self.config.shutdown_timeout)
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+        if self.scheduler is not None:
+            await self.scheduler.stop(self.config.shutdown_timeout)
+        if self._scheduler_task is not None:
+            self._scheduler_task.cancel()
+            await asyncio.gather(self._scheduler_task, return_exceptions=True)
+            self._scheduler_task = None
+        await self.deliverer.close()
+        if self.metrics is not None:
+            self.metrics.stop()
+        if self._store is not None:
+            await loop.run_in_executor(self.executor, self._store.close)
+            self._store = None
+        self._remove_pid()
+        self.executor.shutdown(wait=True)
+        self.log.emit("relay", what="stopped")
+        self.log.close()
+
+    # ---- the process ----
+
+    async def run(self) -> None:
+        """Start, say ready, serve until SIGTERM or SIGINT, stop in order."""
+        loop = asyncio.get_running_loop()
+        await self.start()
+        assert self._stop_requested is not None
+        handlers = {signal.SIGTERM: self.request_stop, signal.SIGINT: self.request_stop,
+                    signal.SIGUSR1: self.wake, signal.SIGHUP: self.wake}
+        for sig, fn in handlers.items():
+            loop.add_signal_handler(sig, fn)
+        try:
+            out = self._ready_stream or sys.stdout
+            out.write(self.ready_line() + "\n")
+            out.flush()
+            await self._stop_requested.wait()
+        finally:
+            for sig in handlers:
+                loop.remove_signal_handler(sig)
+            await self.stop()

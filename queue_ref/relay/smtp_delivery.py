@@ -1,0 +1,251 @@
+"""The SMTP client (Postfix's smtp): one transaction for a message's recipients at one
+destination, over aiosmtplib, STARTTLS when offered, connections kept for reuse.
+
+``deliver`` tries the route's addresses in order; it moves to the next on a connection
+failure or a greeting that is not 220 (Postfix's smtp_skip_5xx_greeting).  Once a
+transaction has begun, each recipient gets the reply that decided its fate: the RCPT
+reply when refused, otherwise the reply to the end of DATA.  A connection lost during the
+transaction defers the recipients it had not finished (their fate is unknown: at least
+once means they are tried again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from dataclasses import dataclass
+
+import aiosmtplib
+
+from queue_ref.relay.mx_routing import Nexthop
+from queue_ref.relay.relay_config import RelayConfig
+
+__all__ = ["RcptResult", "SmtpDeliverer", "dsn_of"]
+
+
+@dataclass
+class RcptResult:
+    code: int  # the SMTP reply code; 0 when no server answered (connection failure)
+    dsn: str  # the enhanced status code, "4.4.1" for a connection failure
+    text: str  # the reply or the failure, for logs and bounces
+    relay: str  # the host that answered, "none" when none did
+
+    @property
+    def outcome(self) -> str:
+        """sent, deferred or bounced."""
+        if 200 <= self.code < 300:
+            return "sent"
+        return "bounced" if self.code >= 500 else "deferred"
+
+
+def dsn_of(code: int, text: str) -> str:
+    m = re.match(r"([245])\.(\d{1,3})\.(\d{1,3})\b", text)
+    if m and m.group(1) == str(code)[0]:
+        return m.group(0)
+    return {2: "2.0.0", 4: "4.0.0", 5: "5.0.0"}.get(code // 100, "4.0.0")
+
+
+def _reply(code: int, message: str) -> str:
+    return f"{code} {' '.join(message.split())}"
+
+
+class _Conn:
+    __slots__ = ("hop", "idle_since", "smtp")
+
+    def __init__(self, hop: Nexthop, smtp: aiosmtplib.SMTP) -> None:
+        self.hop = hop
+        self.smtp = smtp
+        self.idle_since = time.monotonic()
+
+
+class SmtpDeliverer:
+    def __init__(self, config: RelayConfig) -> None:
+        self.config = config
+        self._idle: dict[Nexthop, list[_Conn]] = {}
+        self._reaper: asyncio.TimerHandle | None = None
+        self._closing: set[asyncio.Task[None]] = set()
+        self.connections_made = 0
+        self.connections_reused = 0
+
+    async def _connect(self, hop: Nexthop) -> _Conn:
+        c = self.config
+        smtp = aiosmtplib.SMTP(
+            hostname=hop.address, port=hop.port, local_hostname=c.myhostname,
+            timeout=c.smtp_timeout, start_tls=None if c.smtp_tls_security_level == "may" else False,
+            validate_certs=False)
+        await smtp.connect(timeout=c.smtp_connect_timeout)
+        try:
+            if smtp.last_ehlo_response is None and smtp.last_helo_response is None:
+                try:
+                    await smtp.ehlo()
+                except aiosmtplib.SMTPHeloError:
+                    await smtp.helo()
+        except BaseException:
+            smtp.close()
+            raise
+        self.connections_made += 1
+        return _Conn(hop, smtp)
+
+    def _take_idle(self, hop: Nexthop) -> _Conn | None:
+        pool = self._idle.get(hop)
+        while pool:
+            conn = pool.pop()
+            if conn.smtp.is_connected:
+                self.connections_reused += 1
+                return conn
+        return None
+
+    def _release(self, conn: _Conn) -> None:
+        if not conn.smtp.is_connected:
+            return
+        conn.idle_since = time.monotonic()
+        self._idle.setdefault(conn.hop, []).append(conn)
+        if self._reaper is None:
+            loop = asyncio.get_running_loop()
+            self._reaper = loop.call_later(self.config.smtp_connection_cache_time_limit,
+                                           self._reap)
+
+    def _reap(self) -> None:
+        self._reaper = None
+        limit = self.config.smtp_connection_cache_time_limit
+        now = time.monotonic()
+        left = False
+        for hop, pool in list(self._idle.items()):
+            keep = []
+            for conn in pool:
+                if now - conn.idle_since >= limit or not conn.smtp.is_connected:
+                    task = asyncio.get_running_loop().create_task(_quit(conn.smtp))
+                    self._closing.add(task)
+                    task.add_done_callback(self._closing.discard)
+                else:
+                    keep.append(conn)
+            if keep:
+                self._idle[hop] = keep
+                left = True
+            else:
+                del self._idle[hop]
+        if left:
+            self._reaper = asyncio.get_running_loop().call_later(limit, self._reap)
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
+        pools, self._idle = self._idle, {}
+        await asyncio.gather(*(_quit(c.smtp) for pool in pools.values() for c in pool))
+
+    async def deliver(self, hosts: list[Nexthop], mail_from: str, rcpts: list[str], body: bytes,
+                      params: dict[str, str]) -> list[RcptResult]:
+        """One result per recipient, in order."""
+        failures: list[str] = []
+        for hop in hosts:
+            conn = self._take_idle(hop)
+            reused = conn is not None
+            if conn is None:
+                try:
+                    conn = await self._connect(hop)
+                except aiosmtplib.SMTPConnectResponseError as e:
+                    failures.append(f"host {hop} refused to talk to me: {_reply(e.code, e.message)}")
+                    continue
+                except (TimeoutError, aiosmtplib.SMTPException, OSError) as e:
+                    failures.append(f"connect to {hop}: {_why(e)}")
+                    continue
+            results = await self._transaction(conn, mail_from, rcpts, body, params)
+            if results is None and reused:
+                # A cached connection the server had closed: try once on a new one.
+                try:
+                    conn = await self._connect(hop)
+                except (TimeoutError, aiosmtplib.SMTPException, OSError) as e:
+                    failures.append(f"connect to {hop}: {_why(e)}")
+                    continue
+                results = await self._transaction(conn, mail_from, rcpts, body, params)
+            if results is None:
+                failures.append(f"lost connection with {hop} before the transaction")
+                continue
+            return results
+        text = failures[-1] if failures else "no host to deliver to"
+        return [RcptResult(0, "4.4.1", text, "none") for _ in rcpts]
+
+    async def _transaction(self, conn: _Conn, mail_from: str, rcpts: list[str], body: bytes,
+                           params: dict[str, str]) -> list[RcptResult] | None:
+        """The results, or None when the connection was found dead before MAIL was answered."""
+        smtp, relay = conn.smtp, str(conn.hop)
+        options = []
+        if params.get("body") == "8BITMIME" and smtp.supports_extension("8bitmime"):
+            options.append("BODY=8BITMIME")
+        if params.get("smtputf8") and smtp.supports_extension("smtputf8"):
+            options.append("SMTPUTF8")
+        if smtp.supports_extension("size"):
+            options.append(f"SIZE={len(body)}")
+        encoding = "utf-8" if "SMTPUTF8" in options else "ascii"
+        results: list[RcptResult | None] = [None] * len(rcpts)
+        stage = "MAIL FROM"
+        try:
+            try:
+                await smtp.mail(mail_from, options=options, encoding=encoding)
+            except aiosmtplib.SMTPSenderRefused as e:
+                r = RcptResult(e.code, dsn_of(e.code, e.message), _reply(e.code, e.message), relay)
+                await _rset(smtp)
+                self._release(conn)
+                return [r for _ in rcpts]
+            except (aiosmtplib.SMTPServerDisconnected, ConnectionError):
+                smtp.close()
+                return None
+            stage = "RCPT TO"
+            accepted = []
+            for i, rcpt in enumerate(rcpts):
+                try:
+                    await smtp.rcpt(rcpt, encoding=encoding)
+                    accepted.append(i)
+                except aiosmtplib.SMTPRecipientRefused as e:
+                    results[i] = RcptResult(e.code, dsn_of(e.code, e.message),
+                                            _reply(e.code, e.message), relay)
+            if not accepted:
+                await _rset(smtp)
+                self._release(conn)
+                return [r for r in results if r is not None]
+            stage = "DATA"
+            try:
+                resp = await smtp.data(body)
+                r = RcptResult(resp.code, dsn_of(resp.code, resp.message),
+                               _reply(resp.code, resp.message), relay)
+            except aiosmtplib.SMTPDataError as e:
+                r = RcptResult(e.code, dsn_of(e.code, e.message), _reply(e.code, e.message), relay)
+                await _rset(smtp)
+            for i in accepted:
+                results[i] = r
+            self._release(conn)
+        except asyncio.CancelledError:
+            smtp.close()  # cut short (shutdown): the outcome is unknown, so not reused
+            raise
+        except UnicodeEncodeError:
+            smtp.close()
+            text = f"{relay} does not support SMTPUTF8 and an address needs it"
+            return [x or RcptResult(550, "5.6.7", text, relay) for x in results]
+        except (TimeoutError, aiosmtplib.SMTPException, OSError) as e:
+            smtp.close()
+            text = f"lost connection with {relay} while sending {stage}: {_why(e)}"
+            return [x or RcptResult(0, "4.4.2", text, relay) for x in results]
+        return [x if x is not None else RcptResult(0, "4.4.2", "no reply", relay) for x in results]
+
+
+def _why(e: BaseException) -> str:
+    if isinstance(e, aiosmtplib.SMTPResponseException):
+        return _reply(e.code, e.message)
+    text = str(e) or type(e).__name__
+    return " ".join(text.split())
+
+
+async def _rset(smtp: aiosmtplib.SMTP) -> None:
+    try:
+        await smtp.rset()
+    except (TimeoutError, aiosmtplib.SMTPException, OSError):
+        smtp.close()
+
+
+async def _quit(smtp: aiosmtplib.SMTP) -> None:
+    try:
+        await asyncio.wait_for(smtp.quit(), 5)
+    except (TimeoutError, aiosmtplib.SMTPException, OSError):
+        smtp.close()

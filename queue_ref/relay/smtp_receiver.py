@@ -1,0 +1,290 @@
+"""The SMTP receiver (Postfix's smtpd): aiosmtpd with the relay's policy and limits.
+
+The one promise that matters: ``250 2.0.0 Ok: queued as ID`` is sent only after the
+backend's ``commit`` returned, so the message is durable before the client may forget it.
+Commits run on the relay's storage threads, never on the event loop, so the commits of
+concurrent sessions share the backend's group-commit rounds.  A failed commit leaves
+nothing queued (``Enqueuer`` aborts) and answers 451 4.3.0, or 452 4.3.1 on a full disk.
+
+Policy, in Postfix's terms: a client in ``mynetworks`` may send anywhere; any other client
+only to ``relay_domains``; everything else gets ``554 5.7.1 Relay access denied``, so the
+relay is never an open relay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import email.utils
+import ipaddress
+import re
+import ssl
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from typing import Any
+
+from aiosmtpd.smtp import SMTP, Envelope, Session
+
+from queue_ref.relay.delivery_log import DeliveryLog
+from queue_ref.relay.relay_config import RelayConfig
+from queue_ref.storage import (
+    MAX_ADDRESS,
+    InvalidInputError,
+    NoSpaceError,
+    QueuedMail,
+    Recipient,
+    Schedule,
+    Storage,
+)
+
+__all__ = ["RelaySMTP", "SmtpReceiver", "valid_address"]
+
+HARD_ERROR_LIMIT = 20  # Postfix's smtpd_hard_error_limit
+
+_LABEL = r"[A-Za-z0-9\u0080-\U0010ffff](?:[A-Za-z0-9\u0080-\U0010ffff-]*[A-Za-z0-9\u0080-\U0010ffff])?"
+_DOMAIN = rf"(?:{_LABEL}\.)*{_LABEL}"
+_ADDRESS = re.compile(r"[^\s@<>()\[\],;:\\\"\x00-\x1f\x7f]+@(?:" + _DOMAIN + r"|\[[0-9A-Fa-f:.]+\])")
+
+# aiosmtpd's own replies, with the enhanced status codes (RFC 3463) Postfix gives them.
+_REWRITES = {
+    "500 Command line too long": "500 5.5.2 Error: command line too long",
+    "500 Line too long (see RFC5321 4.5.3.1.6)": "500 5.5.2 Error: line too long in DATA",
+    "552 Error: Too much mail data": "552 5.3.4 Error: message file too big",
+    "552 Error: message size exceeds fixed maximum message size":
+        "552 5.3.4 Message size exceeds fixed limit",
+    "553 5.1.3 Error: malformed address": "501 5.1.3 Bad recipient address syntax",
+}
+_CLASS_DEFAULT = {"2": "2.0.0", "4": "4.0.0", "5": "5.5.0"}
+_CODE_DEFAULT = {"500": "5.5.2", "501": "5.5.4", "502": "5.5.1", "503": "5.5.1", "504": "5.5.4",
+                 "530": "5.7.0", "554": "5.7.0", "555": "5.5.4"}
+
+
+def valid_address(address: str) -> bool:
+    """A plain ``local@domain`` (or ``local@[literal]``) address the queue can store."""
+    return len(address) <= MAX_ADDRESS and _ADDRESS.fullmatch(address) is not None
+
+
+def _enhance(status: str) -> str:
+    status = _REWRITES.get(status, status)
+    code, sep, text = status.partition(" ")
+    if not sep or len(code) != 3 or not code.isdigit() or code in ("220", "354"):
+        return status
+    if re.match(r"[245]\.\d{1,3}\.\d{1,3}( |$)", text):
+        return status
+    enhanced = _CODE_DEFAULT.get(code) or _CLASS_DEFAULT.get(code[0])
+    return f"{code} {enhanced} {text}" if enhanced else status
+
+
+class RelaySMTP(SMTP):
+    """aiosmtpd's server speaking enhanced status codes, counting errors like Postfix."""
+
+    def __init__(self, handler: SmtpReceiver, **kwargs: Any) -> None:
+        super().__init__(handler, **kwargs)
+        self.receiver = handler
+        self.raw_pushes = 0  # replies (EHLO/HELO lines) that take no enhanced code
+        self.errors = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.receiver.sessions.add(self)
+
+    def connection_lost(self, error: Exception | None) -> None:
+        self.receiver.sessions.discard(self)
+        super().connection_lost(error)
+
+    async def push(self, status: Any) -> None:
+        if isinstance(status, bytes):
+            status = status.decode("utf-8", "surrogateescape")
+        if self.raw_pushes > 0:
+            self.raw_pushes -= 1
+        else:
+            status = _enhance(status)
+        await super().push(status)
+        if status[:1] in ("4", "5") and not status.startswith("421"):
+            self.errors += 1
+            if self.errors >= HARD_ERROR_LIMIT and self.transport is not None:
+                await super().push("421 4.7.0 Error: too many errors")
+                self.transport.close()
+
+    async def close_for_shutdown(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await super().push("421 4.3.2 Service shutting down, closing transmission channel")
+            if self.transport is not None:
+                self.transport.close()
+
+
+def _store_message(store: Storage, mail_from: str, params: dict[str, str], header: bytes,
+                   body: bytes, rcpts: Sequence[str]) -> list[QueuedMail]:
+    """Enqueue and commit (on a storage thread).  Nothing stays queued if it raises."""
+    now = int(time.time())
+    with store.enqueue(mail_from, params) as enq:
+        enq.write(header)
+        enq.write(body)
+        return enq.commit([Recipient(r, Schedule(now)) for r in rcpts])
+
+
+class SmtpReceiver:
+    """aiosmtpd handler: policy, limits, ``Received:``, commit, then 250."""
+
+    def __init__(self, config: RelayConfig, store: Storage, executor: Executor,
+                 log: DeliveryLog, on_queued: Callable[[list[QueuedMail]], None],
+                 on_commit_time: Callable[[float], None] | None = None) -> None:
+        self.config = config
+        self.store = store
+        self.executor = executor
+        self.log = log
+        self.on_queued = on_queued
+        self.on_commit_time = on_commit_time
+        self.sessions: set[RelaySMTP] = set()
+        self.shutting_down = False
+        self.commits = 0  # commits in progress
+        self._networks = [ipaddress.ip_network(n, strict=False) for n in config.mynetworks]
+        self._domains = [d.lower() for d in config.relay_domains]
+        self._tls: ssl.SSLContext | None = None
+        if config.smtpd_tls_cert_file:
+            self._tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            self._tls.load_cert_chain(config.smtpd_tls_cert_file, config.smtpd_tls_key_file)
+
+    # ---- the server ----
+
+    def protocol(self) -> RelaySMTP:
+        return RelaySMTP(
+            self, data_size_limit=self.config.message_size_limit, enable_SMTPUTF8=True,
+            hostname=self.config.myhostname, ident="ESMTP queue-ref", tls_context=self._tls,
+            timeout=self.config.smtpd_timeout, loop=asyncio.get_running_loop())
+
+    async def close_sessions(self, timeout: float) -> None:
+        """Refuse new transactions, let running commits end (up to ``timeout``), then say
+        421 to every session and close it."""
+        self.shutting_down = True
+        deadline = time.monotonic() + timeout
+        while self.commits and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for s in list(self.sessions):
+            await s.close_for_shutdown()
+
+    # ---- policy ----
+
+    def client_trusted(self, session: Session) -> bool:
+        peer = session.peer
+        host = peer[0] if isinstance(peer, tuple) else ""
+        try:
+            addr = ipaddress.ip_address(host.split("%", 1)[0])
+        except ValueError:
+            return False
+        if addr.version == 6 and addr.ipv4_mapped is not None:
+            addr = addr.ipv4_mapped
+        return any(addr in n for n in self._networks if n.version == addr.version)
+
+    def relay_domain(self, domain: str) -> bool:
+        domain = domain.lower().rstrip(".")
+        for d in self._domains:
+            if d.startswith("."):
+                if domain.endswith(d):
+                    return True
+            elif domain == d:
+                return True
+        return False
+
+    # ---- aiosmtpd hooks ----
+
+    async def handle_EHLO(self, server: RelaySMTP, session: Session, envelope: Envelope,
+                          hostname: str, responses: list[str]) -> list[str]:
+        session.host_name = hostname
+        out = [r for r in responses if not r.endswith(" HELP") and not r.endswith("-HELP")]
+        out = [r.replace("250 ", "250-", 1) for r in out]
+        out += ["250-PIPELINING", "250 ENHANCEDSTATUSCODES"]
+        server.raw_pushes = len(out)
+        return out
+
+    async def handle_HELO(self, server: RelaySMTP, session: Session, envelope: Envelope,
+                          hostname: str) -> str:
+        session.host_name = hostname
+        server.raw_pushes = 1
+        return f"250 {self.config.myhostname}"
+
+    async def handle_MAIL(self, server: RelaySMTP, session: Session, envelope: Envelope,
+                          address: str, mail_options: list[str]) -> str:
+        if self.shutting_down:
+            return "421 4.3.2 Service shutting down"
+        if address and not valid_address(address):
+            return "501 5.1.7 Bad sender address syntax"
+        envelope.mail_from = address
+        envelope.mail_options.extend(mail_options)
+        return "250 2.1.0 Ok"
+
+    async def handle_RCPT(self, server: RelaySMTP, session: Session, envelope: Envelope,
+                          address: str, rcpt_options: list[str]) -> str:
+        limit = self.config.smtpd_recipient_limit
+        backend_limit = self.store.limits.max_recipients
+        if backend_limit is not None:
+            limit = min(limit, backend_limit)
+        if len(envelope.rcpt_tos) >= limit:
+            return "452 4.5.3 Error: too many recipients"
+        if not valid_address(address):
+            return "501 5.1.3 Bad recipient address syntax"
+        domain = address.rpartition("@")[2]
+        if not self.client_trusted(session) and not self.relay_domain(domain):
+            return f"554 5.7.1 <{address}>: Relay access denied"
+        envelope.rcpt_tos.append(address)
+        envelope.rcpt_options.extend(rcpt_options)
+        return "250 2.1.5 Ok"
+
+    async def handle_DATA(self, server: RelaySMTP, session: Session, envelope: Envelope) -> str:
+        if self.shutting_down:
+            return "421 4.3.2 Service shutting down"
+        body = envelope.original_content or b""
+        if b"\x00" in body:
+            return "554 5.6.0 Error: message content contains a NUL character"
+        # Bare LF becomes CRLF (Postfix's smtpd_forbid_bare_newline = normalize).
+        body = re.sub(rb"(?<!\r)\n", b"\r\n", body)
+        mail_from = envelope.mail_from or ""
+        rcpts = list(envelope.rcpt_tos)
+        peer = session.peer
+        client = peer[0] if isinstance(peer, tuple) else "unknown"
+        helo = session.host_name or client
+        opts = [o.upper() for o in envelope.mail_options]
+        proto = ("UTF8SMTP" if envelope.smtp_utf8 else "ESMTP") if session.extended_smtp else "SMTP"
+        if session.ssl and session.extended_smtp:
+            proto += "S"
+        params = {"arrival": f"{time.time():.3f}", "client": client, "helo": helo[:255]}
+        if "BODY=8BITMIME" in opts:
+            params["body"] = "8BITMIME"
+        if envelope.smtp_utf8:
+            params["smtputf8"] = "yes"
+        stamp = email.utils.formatdate(localtime=True)
+        header = (f"Received: from {_clean(helo)} ([{client}])\r\n"
+                  f"\tby {self.config.myhostname} (queue-ref) with {proto}"
+                  + (f"\r\n\tfor <{rcpts[0]}>" if len(rcpts) == 1 else "")
+                  + f"; {stamp}\r\n").encode("utf-8", "surrogateescape")
+        self.commits += 1
+        started = time.perf_counter()
+        try:
+            loop = asyncio.get_running_loop()
+            handles = await loop.run_in_executor(
+                self.executor, _store_message, self.store, mail_from, params, header, body, rcpts)
+        except NoSpaceError as e:
+            self.log.emit("error", what="commit", reason=f"no space: {e}")
+            return "452 4.3.1 Insufficient system storage"
+        except InvalidInputError as e:
+            self.log.emit("error", what="commit", reason=f"refused by the queue: {e}")
+            return "554 5.3.4 Error: the queue refuses this message"
+        except Exception as e:  # any queue failure: nothing was queued, the client retries
+            self.log.emit("error", what="commit", reason=f"{type(e).__name__}: {e}")
+            return "451 4.3.0 Error: queue file write error"
+        finally:
+            self.commits -= 1
+        if self.on_commit_time is not None:
+            self.on_commit_time(time.perf_counter() - started)
+        queue_id = handles[0].message_id
+        self.log.emit("received", queue_id, **{"from": mail_from}, size=len(header) + len(body),
+                      nrcpt=len(rcpts), client=client, helo=helo[:255])
+        self.on_queued(handles)
+        return f"250 2.0.0 Ok: queued as {queue_id}"
+
+
+def _clean(text: str) -> str:
+    """A client-supplied name made safe for a header (no controls, no parentheses)."""
+    return re.sub(r"[\x00-\x20\x7f()\[\]\\]", "_", text)[:255] or "unknown"
