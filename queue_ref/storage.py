@@ -440,6 +440,9 @@ class Storage(abc.ABC):
     """A durable mail queue.  See the module docstring for what holds after failures."""
 
     capabilities: frozenset[Capability] = frozenset()
+    #: The report of the recovery that ran when the queue was opened (None if none ran).
+    #: Damage at rest is named here (``lost``, ``lost_unknown``): C6.
+    last_recovery: RecoveryReport | None = None
 
     @property
     def limits(self) -> Limits:

@@ -12,6 +12,7 @@ crash_exploration_check    crash-exploration (hands the backend to ``crashexplor
 io_errors_check            io-errors
 multi_process_check        multi-process
 streaming_check            streaming
+damage_at_rest_check       damage-at-rest
 =========================  ==============================================================
 
 The lockstep checks (lockstep, restart, listing) are ``conformance.lockstep``.  Each

@@ -117,3 +117,46 @@ def fs_done_outside_seam(root: str, io: IO | None = None) -> Storage:
                                h._extra)
 
     return deterministic_fs(DoneOutsideSeam)(root, io if io is not None else OsIO())
+
+
+# ---- damage at rest ------------------------------------------------------------------------
+
+def fs_unverified_bodies(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue whose reader hands out a body without checking it against the
+    sha256 of its envelope: a bit flipped in a committed body is delivered altered.  No
+    crash or fault check alters committed bytes; the damage-at-rest check fails it on C6."""
+    from queue_ref.fsqueue import FsQueue
+    from queue_ref.fsqueue.reader import FsMailReader
+    from queue_ref.storage import InflightMail, MailReader
+
+    class UnverifiedBodies(FsQueue):
+        def read_inflight(self, mail: InflightMail) -> MailReader:
+            reader = super().read_inflight(mail)
+            assert isinstance(reader, FsMailReader)
+            reader._expect = ""
+
+            def trust() -> None:
+                reader._verified = True
+
+            reader._verify_end = trust  # type: ignore[method-assign]
+            return reader
+
+    return UnverifiedBodies(root, io if io is not None else OsIO())
+
+
+def kv_resurrecting(root: str, io: IO | None = None) -> Storage:
+    """The KV queue (log engine) that does not compare the entries it holds after a
+    damaged open with those it held at its last clean close: a log cut short drops the
+    records that finished delivered entries, and they are delivered again.  The
+    damage-at-rest check fails it on C3."""
+    from collections.abc import Mapping
+
+    from queue_ref.kv.queue import KvQueue
+
+    class Resurrecting(KvQueue):
+        def _finish_resurrected(self, back: Mapping[str, str]) -> None:
+            return None
+
+    store = Resurrecting.open_log(root, io)
+    assert isinstance(store, Resurrecting)
+    return store

@@ -96,6 +96,10 @@ CREATE INDEX IF NOT EXISTS entries_by_msg ON entries (msg_id);
 """
 
 
+#: Written once the database exists: a directory with it and no database lost its queue.
+MARKER = "queue.created"
+
+
 class SqliteStorage(Storage):
     capabilities = frozenset({Capability.ZONE_LISTING, Capability.DOMAIN_INDEX,
                               Capability.STREAMING_BODIES, Capability.MULTI_PROCESS})
@@ -112,8 +116,15 @@ class SqliteStorage(Storage):
         if owner_fd is None:
             raise StorageIOError(f"cannot lock owner file of {self.owner}")
         self._owner_fd: int = owner_fd
+        db_path = os.path.join(root, "queue.sqlite3")
+        marker = os.path.join(root, MARKER)
+        if os.path.exists(marker) and not os.path.exists(db_path):
+            os.close(self._owner_fd)
+            raise StorageIOError(
+                f"the queue database {db_path} is missing but {marker} says this directory "
+                "held a queue: refusing to start an empty one over acknowledged mail")
         try:
-            self._db = sqlite3.connect(os.path.join(root, "queue.sqlite3"),
+            self._db = sqlite3.connect(db_path,
                                        isolation_level=None, check_same_thread=False,
                                        timeout=30.0)
             self._db.execute(f"PRAGMA journal_mode={journal}")
@@ -125,6 +136,13 @@ class SqliteStorage(Storage):
         except sqlite3.Error as e:
             os.close(self._owner_fd)
             raise StorageIOError(f"cannot open the queue database: {e}") from e
+        if not os.path.exists(marker):  # the database is durable (synchronous=FULL) first
+            fd = os.open(marker, os.O_WRONLY | os.O_CREAT, 0o644)
+            os.fsync(fd)
+            os.close(fd)
+            dfd = os.open(root, os.O_RDONLY)
+            os.fsync(dfd)
+            os.close(dfd)
         self.recover()
 
     # ---- plumbing --------------------------------------------------------------------

@@ -55,6 +55,7 @@ class Kind(enum.Enum):
     CRASH_EXPLORATION = "crash exploration"
     FAULTS = "I/O faults"
     STREAMING = "streaming"
+    DAMAGE = "damage at rest"
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,10 @@ CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec("streaming", "a 100 MB body enqueued and read back in bounded memory, "
               "byte for byte", Kind.STREAMING, ("C6",), Level.OPTIONAL,
               (Capability.STREAMING_BODIES,)),
+    CheckSpec("damage-at-rest", "every file the backend wrote is bit-flipped, cut short or "
+              "removed in turn: opening refuses with a typed error or serves the rest, "
+              "nothing is delivered altered, every message not delivered is named lost",
+              Kind.DAMAGE, ("C6", "C3", "C9")),
 )
 
 BY_ID: dict[str, CheckSpec] = {c.id: c for c in CHECKS}

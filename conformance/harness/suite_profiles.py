@@ -36,6 +36,8 @@ class Profile:
     shrink: bool  # shrink a failing lockstep run to a minimal one (slow: many reruns)
     #: crash every operation after a prefix that reaches its state (full coverage)
     crash_targeted: bool = True
+    #: damage at rest: every file in every way (else every file once, in a random way)
+    damage_every_way: bool = False
 
     def hypothesis_settings(self) -> settings:
         phases = [Phase.explicit, Phase.reuse, Phase.generate]
@@ -65,7 +67,7 @@ THOROUGH = Profile(
     kill_ops=120, recovery_trials=20, crash_bound=3, crash_random=20,
     crash_random_length=20, fault_trials=80, many_recipients=10_000, many_full_drain=True,
     streaming_bytes=100 * 1024 * 1024, streaming_peak_limit=16 * 1024 * 1024,
-    threads=8, thread_messages=40, processes=4, shrink=True,
+    threads=8, thread_messages=40, processes=4, shrink=True, damage_every_way=True,
 )
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (QUICK, THOROUGH)}

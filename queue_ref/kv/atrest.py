@@ -212,12 +212,22 @@ def compare(rest: AtRest, now: AtRest) -> tuple[dict[int, list[int]], list[str]]
             elif have[idx] != sched:
                 problems.append(f"entry {keys.entry_id(mid, idx)}: schedule {have[idx]} "
                                 f"after damage at rest, {sched} at the last clean close")
-    for mid, idxs in sorted(rest.retired.items()):
-        back = sorted(i for i in idxs if i in now.live.get(mid, {}))
-        for idx in back:
-            problems.append(f"entry {keys.entry_id(mid, idx)} was done (pending cleanup) at "
-                            "the last clean close and is deliverable again after damage")
     return lost, problems
+
+
+def resurrected(rest: AtRest, now: AtRest) -> dict[str, str]:
+    """Entries deliverable now that were not at the last clean close (entry id -> what
+    they were then).  Nothing creates an entry between a close and the next open, so
+    each came back from damage (a log cut short drops the records that finished it):
+    C3 says it must not be delivered again."""
+    back: dict[str, str] = {}
+    for mid, entries in sorted(now.live.items()):
+        held = rest.live.get(mid, {})
+        for idx in sorted(entries):
+            if idx not in held:
+                was = "pending cleanup" if idx in rest.retired.get(mid, set()) else "gone"
+                back[keys.entry_id(mid, idx)] = was
+    return back
 
 
 def take(io: IO, path: str) -> tuple[AtRest | None, list[str], list[str]]:

@@ -27,6 +27,7 @@ import errno
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from types import TracebackType
 from typing import TypeVar
 
@@ -183,8 +184,10 @@ class KvQueue(Storage):
                     q._reserve.ensure()
             try:
                 q.last_recovery = lostids.merge(
-                    q.last_recovery, kv, path, list(getattr(kv, "damage", [])), rest, problems,
-                    kept)
+                    q.last_recovery or RecoveryReport(), kv, path,
+                    list(getattr(kv, "damage", [])), rest, problems, kept)
+                if rest is not None:
+                    q._finish_resurrected(atrest.resurrected(rest, atrest.entries_of(kv)))
                 atrest.forget(io, path)
             except OSError as e:
                 raise io_error("opening the queue: reporting damage", e, None) from e
@@ -492,6 +495,24 @@ class KvQueue(Storage):
         return True
 
     # ---- lifecycle ------------------------------------------------------------------
+
+    def _finish_resurrected(self, back: Mapping[str, str]) -> None:
+        """Take out of the queue, through ``drop`` and ``cleanup``, the entries damage at
+        rest brought back (``atrest.resurrected``), and say so in the recovery report:
+        they were delivered or dropped before the last clean close (C3).  A crash in
+        between leaves the record of that close, so the next open finishes the rest."""
+        if not back:
+            return
+        for h in list(self.list_queue()):
+            if h.entry_id in back:
+                done = self.drop(h)
+                if done is not None:
+                    self.cleanup(done)
+        report = self.last_recovery or RecoveryReport()
+        notes = tuple(f"entry {e} was {was} at the last clean close and came back after "
+                      "damage at rest: finished again, not delivered twice"
+                      for e, was in back.items())
+        self.last_recovery = replace(report, problems=report.problems + notes)
 
     def recover(self) -> RecoveryReport:
         from queue_ref.kv.recovery import recover

@@ -1,0 +1,238 @@
+"""Damage at rest: every file a backend wrote is damaged in turn; nothing may go silently.
+
+The check fills a queue (messages of one and two recipients, some already delivered and
+cleaned up), closes it, and keeps that directory as a template.  Each trial copies the
+template, damages one file of the copy (every regular file and symbolic link the backend
+left, so a backend with its own I/O is damaged through its directory as a whole) by a bit
+flip, a truncation or a removal, opens the copy and delivers everything it lists.  C6
+requires, for every trial:
+
+* opening either works or refuses with a typed ``QueueError`` (a store that cannot tell
+  what it lost must not start as if nothing happened); any other exception fails C9;
+* no body is delivered with other bytes, and no entry with another recipient (C6);
+* every acknowledged message not delivered is named: in the recovery report of the open
+  (``Storage.last_recovery``: ``lost``, or counted in ``lost_unknown``), or by a typed
+  error (``CorruptionError``) when its body is read (C6);
+* the undamaged rest is still served: every message not named is delivered (C6);
+* no message that was delivered and cleaned up before the damage comes back (C3).
+
+Every file is damaged at least once (in a way drawn at random), then in the other ways:
+all of them in the thorough profile, up to 48 trials in all in the quick one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from conformance.harness.backend_factory import Backend
+from conformance.harness.check_catalog import NO_CRASH
+from conformance.harness.check_results import CheckResult, Finding, Status, finished
+from conformance.harness.suite_profiles import Profile
+from queue_ref.storage import QueueError, Recipient, RecoveryReport, Schedule, Storage
+
+KINDS = ("bit flip", "truncation", "removal")
+MESSAGES = 8
+CLEANED = 2  # messages delivered and cleaned up before the damage
+
+
+def _body(i: int) -> bytes:
+    return b"Subject: at rest %d\r\n\r\n" % i + (b"line %03d of the body\r\n" % i) * (20 + 13 * i)
+
+
+def _fill(backend: Backend, root: str) -> tuple[dict[str, bytes], dict[str, str], set[str]]:
+    """The template queue: (message id -> body of messages still queued, entry id ->
+    recipient, ids of messages delivered and cleaned up)."""
+    store = backend.open(root)
+    want: dict[str, bytes] = {}
+    rcpt_of: dict[str, str] = {}
+    try:
+        for i in range(MESSAGES):
+            rcpts = [Recipient(f"r{i}.{k}@example.net", Schedule(i)) for k in range(1 + i % 2)]
+            with store.enqueue(f"s{i}@example.org") as enq:
+                enq.write(_body(i))
+                handles = enq.commit(rcpts)
+            want[handles[0].message_id] = _body(i)
+            for h, r in zip(handles, rcpts, strict=True):
+                rcpt_of[h.entry_id] = r.address
+        cleaned: set[str] = set()
+        for h in list(store.list_queue()):
+            if len(cleaned) == CLEANED and h.message_id not in cleaned:
+                continue
+            cleaned.add(h.message_id)
+            f = store.send_start(h)
+            done = store.send_done(f) if f is not None else None
+            if done is not None:
+                store.cleanup(done)
+        for m in cleaned:
+            want.pop(m, None)
+    finally:
+        store.close()
+    return want, rcpt_of, cleaned
+
+
+def _files(root: str) -> list[str]:
+    out = []
+    for d, _dirs, names in os.walk(root):
+        for n in names:
+            p = os.path.join(d, n)
+            if os.path.islink(p) or os.path.isfile(p):
+                out.append(os.path.relpath(p, root))
+    return sorted(out)
+
+
+def damage(path: Path, kind: str, rng: random.Random) -> str:
+    """Damage ``path`` in place; returns what was done, for the finding."""
+    if kind == "removal":
+        path.unlink()
+        return f"removed {path.name}"
+    if path.is_symlink():
+        target = bytearray(os.readlink(path).encode())
+        if kind == "bit flip":
+            i = rng.randrange(len(target))
+            target[i] ^= 1 << rng.randrange(7)  # stays ASCII: a valid, wrong target
+            what = f"flipped a bit of {path.name}'s target"
+        else:
+            del target[rng.randrange(len(target)):]
+            what = f"cut {path.name}'s target to {len(target)} bytes"
+        path.unlink()
+        os.symlink(bytes(target) or b"x", path)
+        return what
+    data = bytearray(path.read_bytes())
+    if not data:
+        path.write_bytes(b"\x01")
+        return f"wrote a byte into the empty {path.name}"
+    if kind == "bit flip":
+        i = rng.randrange(len(data))
+        data[i] ^= 1 << rng.randrange(8)
+        what = f"flipped bit of byte {i} of {path.name} ({len(data)} bytes)"
+    else:
+        keep = rng.randrange(len(data))
+        del data[keep:]
+        what = f"cut {path.name} to {keep} of its bytes"
+    path.write_bytes(bytes(data))
+    return what
+
+
+QUICK_TRIALS = 48
+
+
+def _plan(files: list[str], thorough: bool, rng: random.Random) -> list[tuple[str, str]]:
+    """Every file once (in a random way), then the other ways, shuffled: all of them when
+    ``thorough``, else up to QUICK_TRIALS trials in all."""
+    first = [(f, rng.choice(KINDS)) for f in files]
+    rest = [(f, k) for f in files for k in KINDS if (f, k) not in set(first)]
+    rng.shuffle(rest)
+    plan = first + rest
+    return plan if thorough else plan[:max(QUICK_TRIALS, len(files))]
+
+
+def _trial(backend: Backend, template: str, rel: str, kind: str, rng: random.Random,
+           want: dict[str, bytes], rcpt_of: dict[str, str], cleaned: set[str],
+           fail: list[Finding], stats: dict[str, int]) -> None:
+    work = tempfile.mkdtemp(prefix="queue-ref-atrest-")
+    root = os.path.join(work, "q")
+    scenario = f"damage-at-rest:{rel}:{kind}"
+    try:
+        shutil.copytree(template, root, symlinks=True)
+        what = damage(Path(root, rel), kind, rng)
+        steps = (f"fill a queue of {MESSAGES} messages, deliver {CLEANED}, close",
+                 f"{kind}: {what}", "open the queue and deliver what it lists")
+
+        def finding(clause: str, detail: str) -> None:
+            fail.append(Finding(clause, f"{kind} of {rel}: {detail}", scenario, NO_CRASH,
+                                steps))
+
+        try:
+            store: Storage = backend.open(root)
+        except QueueError:
+            stats["refused"] += 1
+            return
+        except Exception as e:
+            finding("C9", f"opening raised {type(e).__name__} ({e}), not a QueueError")
+            return
+        try:
+            report = getattr(store, "last_recovery", None) or RecoveryReport()
+            delivered: dict[str, bytes] = {}
+            named = set(report.lost)
+            seen: set[str] = set()
+            altered: set[str] = set()
+            for h in list(store.list_queue()):
+                if h.entry_id in seen:
+                    finding("C6", f"entry {h.entry_id} was listed twice")
+                seen.add(h.entry_id)
+                try:
+                    f = store.send_start(h)
+                    if f is None:
+                        continue
+                    with store.read_inflight(f) as r:
+                        body = r.read_all()
+                        meta = r.meta
+                except QueueError:
+                    named.add(h.message_id)
+                    continue
+                if h.message_id in cleaned:
+                    finding("C3", f"message {h.message_id}, delivered and cleaned up before "
+                                  "the damage, came back")
+                elif h.message_id not in want:
+                    finding("C6", f"an entry of an unknown message {h.message_id} was listed")
+                elif body != want[h.message_id]:
+                    altered.add(h.message_id)
+                    finding("C6", f"message {h.message_id} was delivered with other bytes "
+                                  f"({len(body)} for {len(want[h.message_id])})")
+                elif rcpt_of.get(h.entry_id) not in (None, meta.rcpt):
+                    finding("C6", f"entry {h.entry_id} was delivered to {meta.rcpt!r}, "
+                                  f"not {rcpt_of[h.entry_id]!r}")
+                else:
+                    delivered[h.message_id] = body
+                done = store.send_done(f)
+                if done is not None:
+                    store.cleanup(done)
+            silent = sorted(set(want) - set(delivered) - named - altered)
+            if silent and not report.lost_unknown:
+                finding("C6", f"{len(silent)} acknowledged messages were neither delivered "
+                              f"nor named lost (first: {silent[0]})")
+            stats["delivered"] += len(delivered)
+            stats["named_lost"] += len(named & set(want))
+            if report.damage_found or named:
+                stats["detected"] += 1
+        except QueueError:
+            stats["refused_later"] += 1  # a typed error while serving: the store says so
+        except Exception as e:
+            finding("C9", f"serving the damaged queue raised {type(e).__name__} ({e}), "
+                          "not a QueueError")
+        finally:
+            with contextlib.suppress(Exception):
+                store.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run(backend: Backend, profile: Profile, seed: int) -> CheckResult:
+    start = time.perf_counter()
+    if not backend.takes_root:
+        return CheckResult("damage-at-rest", NO_CRASH, Status.UNSUPPORTED,
+                           note="the backend keeps nothing at rest (its factory takes no root)")
+    rng = random.Random(seed)
+    findings: list[Finding] = []
+    stats = {"files": 0, "trials": 0, "refused": 0, "refused_later": 0, "detected": 0,
+             "delivered": 0, "named_lost": 0}
+    base = tempfile.mkdtemp(prefix="queue-ref-atrest-template-")
+    try:
+        template = os.path.join(base, "q")
+        os.mkdir(template)
+        want, rcpt_of, cleaned = _fill(backend, template)
+        files = _files(template)
+        stats["files"] = len(files)
+        for rel, kind in _plan(files, profile.damage_every_way, rng):
+            stats["trials"] += 1
+            _trial(backend, template, rel, kind, rng, want, rcpt_of, cleaned, findings, stats)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    return finished("damage-at-rest", NO_CRASH, findings, seconds=time.perf_counter() - start,
+                    seed=seed, stats=stats)
