@@ -78,7 +78,7 @@ def tree(root: str, owners: Sequence[str] = ()) -> list[str]:
     return sorted(text.split("\n")) if text else []
 
 
-EMPTY = ["cleanup/", "data/", "inflight/", "quarantine/", "queue/", "tmp/", "tmp/O0/"]
+EMPTY = ["cleanup/", "data/", "held/", "inflight/", "quarantine/", "queue/", "tmp/", "tmp/O0/"]
 
 
 def message_parts(path: str) -> tuple[bytes, bytes]:

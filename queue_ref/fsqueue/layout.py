@@ -14,6 +14,7 @@ Layout under the queue's root (seed 001, with ``tmp/``, ``quarantine/`` and ``ow
     queue/<msgid>.<i>            symlink -> ../data/<msgid>           (QUEUED)
     inflight/<msgid>.<i>@<owner> the same symlink, claimed by <owner>  (INFLIGHT)
     cleanup/<msgid>.<i>          the same symlink                      (PENDING_CLEANUP)
+    held/<msgid>.<i>             the same symlink, set aside            (HELD)
     tmp/<owner>/<msgid>          a message file being written by <owner>
     quarantine/                  corrupt entries, their notes, and junk found in our directories
     owners/<owner>.lock          flock-held while <owner> (one open FsQueue) is alive
@@ -36,8 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from os.path import join
 
-DIRS = ("data", "queue", "inflight", "cleanup", "tmp", "quarantine", "owners")
-LINK_DIRS = ("queue", "inflight", "cleanup")
+DIRS = ("data", "queue", "inflight", "cleanup", "held", "tmp", "quarantine", "owners")
+LINK_DIRS = ("queue", "inflight", "cleanup", "held")
 
 OWNER_LEN = 16
 MSGID_LEN = 16 + 6 + OWNER_LEN
@@ -117,6 +118,7 @@ class Layout:
         self.queue = join(root, "queue")
         self.inflight = join(root, "inflight")
         self.cleanup = join(root, "cleanup")
+        self.held = join(root, "held")
         self.tmp = join(root, "tmp")
         self.quarantine = join(root, "quarantine")
         self.owners = join(root, "owners")
@@ -161,6 +163,9 @@ class Layout:
 
     def cleanup_link(self, e: EntryName) -> str:
         return f"{self.cleanup}/{e.msgid}.{e.index}"
+
+    def held_link(self, e: EntryName) -> str:
+        return f"{self.held}/{e.msgid}.{e.index}"
 
     # -- owners and quarantine --
 

@@ -277,9 +277,9 @@ class FsMetadata(FsSteps):
             self._sync_dirs(self.layout.data, self.layout.quarantine)
 
     def _quarantine_links_of(self, msgid: str) -> int:
-        """Move the queue/ and inflight/ links of ``msgid`` to quarantine/."""
+        """Move the queue/, held/ and inflight/ links of ``msgid`` to quarantine/."""
         moved = 0
-        for d in (self.layout.queue, self.layout.inflight):
+        for d in (self.layout.queue, self.layout.held, self.layout.inflight):
             names = self._links_of_message(d, msgid)
             for n in names:
                 moved += self._move_link(join(d, n), self.layout.quarantined(f"{n}.link"))

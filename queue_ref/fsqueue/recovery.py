@@ -4,13 +4,16 @@ Runs when a queue is opened and on ``recover()``, always holding ``owners/gate.l
 owners.py).  It is *exclusive* when every other owner is dead: no other process has the
 queue open and none can open it meanwhile.  Steps, in order:
 
-1. **Junk**: anything in queue/, inflight/, cleanup/ that is not one of our links (a name we
+1. **Junk**: anything in queue/, inflight/, cleanup/, held/ that is not one of our links (a name we
    never create, a regular file or directory, a symlink whose target is not exactly
    ``../data/<msgid>`` for its own name) is moved to quarantine/ and reported.
    Links are never followed; the check compares the link text.
 2. **Duplicates** (an entry linked twice, possible after power loss because a rename
-   persists in one directory before the other): cleanup wins over queue and inflight, queue
-   wins over inflight.  Only links of dead owners and queue links of retired entries are
+   persists in one directory before the other): cleanup wins over queue, held and
+   inflight; held wins over queue and a dead owner's inflight (only an interrupted hold or
+   release links an entry in held/ and queue/ at once, and either state is allowed then;
+   an inflight link beside a held one is a claim renamed back by an interrupted cancel);
+   queue wins over inflight.  Only links of dead owners and queue links of retired entries are
    removed, so a live process's claim is never undone.
 3. **Interrupted cleanups**: every cleanup/ link is cleaned up (steps tolerate missing data).
 4. **Uncommitted enqueues** of dead owners: the dangling links of their messages (a link
@@ -29,7 +32,7 @@ queue open and none can open it meanwhile.  Steps, in order:
    its links were removed, or (after a power cut) its cleanup or an unacknowledged
    commit was cut short; ``queue-ref repair`` puts an intact one back in the queue.  A
    hard link of an entry no link names is reported too, then removed.
-7. **Verification**: the metadata of every queued entry is checked; corrupt entries and
+7. **Verification**: the metadata of every queued and held entry is checked; corrupt entries and
    messages are quarantined.
 8. Lock files of dead owners are removed.
 
@@ -80,6 +83,7 @@ class Recovery:
         self.queue: dict[EntryName, str] = {}
         self.inflight: Inflight = {}
         self.cleanup: dict[EntryName, str] = {}
+        self.held: dict[EntryName, str] = {}
 
     def alive(self, owner: str) -> bool:
         return self.q._owners.alive(owner)
@@ -126,6 +130,8 @@ class Recovery:
             self._scan_one(self.lay.queue, name, self.queue)
         for name in listdir_or_empty(self.io, self.lay.cleanup):
             self._scan_one(self.lay.cleanup, name, self.cleanup)
+        for name in listdir_or_empty(self.io, self.lay.held):
+            self._scan_one(self.lay.held, name, self.held)
         for name in listdir_or_empty(self.io, self.lay.inflight):
             path = join(self.lay.inflight, name)
             parsed = parse_inflight(name)
@@ -155,10 +161,16 @@ class Recovery:
         for e in self.cleanup:
             if e in self.queue:
                 drop(self.queue.pop(e), self.lay.queue)
+            if e in self.held:
+                drop(self.held.pop(e), self.lay.held)
+        for e in self.held:
+            if e in self.queue:
+                drop(self.queue.pop(e), self.lay.queue)
         for e, links in list(self.inflight.items()):
             keep = [(o, p) for o, p in links if self.alive(o)]
             dead = [(o, p) for o, p in links if not self.alive(o)]
-            if not keep and dead and e not in self.cleanup and e not in self.queue:
+            if (not keep and dead and e not in self.cleanup and e not in self.queue
+                    and e not in self.held):
                 keep.append(dead.pop(0))  # one dead claim survives, to be requeued
             for _, p in dead:
                 drop(p, self.lay.inflight)
@@ -195,6 +207,10 @@ class Recovery:
             if self._dangling(e, path, building):
                 del self.queue[e]
                 changed.add(self.lay.queue)
+        for e, path in sorted(self.held.items()):
+            if self._dangling(e, path, building):
+                del self.held[e]
+                changed.add(self.lay.held)
         for e, links in list(self.inflight.items()):
             for owner, path in list(links):
                 if not self.alive(owner) and self._dangling(e, path, building):
@@ -273,6 +289,7 @@ class Recovery:
         """A committed message whose file is gone: note it, move its links aside, report
         it with its entries (never deleted silently)."""
         links = sorted(set(self.q._links_of_message(self.lay.queue, msgid))
+                       | set(self.q._links_of_message(self.lay.held, msgid))
                        | set(self.q._links_of_message(self.lay.inflight, msgid)))
         entries = sorted({n.split("@")[0] for n in links})
         self.q._write_note(f"{msgid}.lost", f"message {msgid}: its file data/{msgid} is "
@@ -321,9 +338,9 @@ class Recovery:
     # ---- 6. orphans --------------------------------------------------------------------
 
     def _referenced(self) -> set[str]:
-        """Entry ids that a link in queue/, inflight/ or cleanup/ names, read afresh."""
+        """Entry ids that a link in queue/, held/, inflight/ or cleanup/ names, read afresh."""
         refs: set[str] = set()
-        for d in (self.lay.queue, self.lay.cleanup):
+        for d in (self.lay.queue, self.lay.held, self.lay.cleanup):
             refs.update(n for n in listdir_or_empty(self.io, d) if EntryName.parse(n))
         for n in listdir_or_empty(self.io, self.lay.inflight):
             parsed = parse_inflight(n)
@@ -407,7 +424,7 @@ class Recovery:
     # ---- 7. verification ---------------------------------------------------------------
 
     def verify_queued(self) -> None:
-        for e, path in sorted(self.queue.items()):
+        for e, path in sorted([*self.queue.items(), *self.held.items()]):
             try:
                 self.q._load_entry(e)
             except Corrupt as c:
