@@ -92,7 +92,7 @@ def test_hold_release_delete_requeue_by_id_domain_and_all(
     held = sorted(k for k, (s, _) in st.items() if s == "held")
     assert entry in held and len(held) == 4
     assert all(sched == Schedule(LATER, 2) for _, sched in st.values())  # schedules kept
-    code, out, _ = run(capsys, "mailq", "--queue", str(q))
+    _, out, _ = run(capsys, "mailq", "--queue", str(q))
     assert "held)" in out
     # qshape of held entries only: d2 and the one d1 entry
     _, shape = run_json(capsys, "qshape", "--queue", str(q), "--held")
