@@ -78,6 +78,10 @@ class RelayMetrics:
             buckets=_COMMIT, registry=r)
         self.received = Counter("queue_ref_relay_received_messages", "Messages queued (250 sent)",
                                 registry=r)
+        self.etrn = Counter("queue_ref_relay_etrn_requests",
+                            "ETRN commands that reached the queue, by outcome (started: mail "
+                            "was waiting; empty: none was; failed: the queue failed)",
+                            ["outcome"], registry=r)
         r.register(_QueueSizeCollector(queue_sizes))
         r.register(_GroupCommitCollector(store))
         self._server: Any = None
