@@ -350,6 +350,18 @@ class RecoveryForgetsHolds(_OwnRecovery):
     recovery_class = _ForgetHolds
 
 
+class _IndexNotRebuilt(Recovery):
+    def _index(self, e: EntryName, address: str) -> None:
+        return None
+
+
+class IndexNotRebuilt(_OwnRecovery):
+    """Recovery trusts the domain index as it finds it: the index is never synced, so
+    after a power cut list_domain misses queued entries (ETRN would not deliver them)."""
+
+    recovery_class = _IndexNotRebuilt
+
+
 class RequeueUnlinkFirst(_OwnRecovery):
     """Recovery requeues an inflight entry by deleting its link and creating a new one in
     queue/, each durably, instead of one rename: a crash in between loses the entry."""
@@ -401,6 +413,7 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("fs-broken-nosync-hold", NoHoldDirFsync, "C14", (_E1, Call(Op.HOLD, _K))),
     Variant("fs-broken-recovery-forgets-holds", RecoveryForgetsHolds, "C14",
             (_E1, Call(Op.HOLD, _K))),
+    Variant("fs-broken-index-not-rebuilt", IndexNotRebuilt, "C10", (_E1,)),
     Variant("fs-broken-syncfs-nocommit", SyncfsNoCommitRound, "C1", (_E1, _RESCHED)),
     Variant("fs-broken-syncfs-nodone", SyncfsNoDoneRound, "C3",
             (_E1, _START, Call(Op.SEND_DONE, _K), Call(Op.CLEANUP, _K))),

@@ -163,6 +163,17 @@ class FsMetadata(FsSteps):
             self._envelopes.put(msgid, key, env, st.st_size)
         return env
 
+    def _entry_address(self, e: EntryName) -> str | None:
+        """The recipient of ``e``: from the envelope cache, else read (None if the message
+        file is gone or damaged)."""
+        try:
+            env = self._envelopes.peek(e.msgid) or self._load_envelope(e.msgid)
+        except (Corrupt, OSError):
+            return None
+        if env is None or e.index >= len(env.rcpts):
+            return None
+        return env.rcpts[e.index].address
+
     def _live_envelope(self, msgid: str) -> Envelope | None:
         """The envelope of a message the caller knows is live (it holds one of its
         entries): the one this queue cached (committed or verified here) as it is, else

@@ -56,6 +56,7 @@ from queue_ref.fsqueue.layout import (
     EntryName,
     Layout,
     MessageIds,
+    domain_of,
     is_owner_token,
     new_owner,
     parse_inflight,
@@ -117,7 +118,8 @@ class FsQueue(FsMetadata, Storage):
     """A mail queue in a directory.  Several processes may open one root at once."""
 
     capabilities = frozenset({Capability.GROUP_COMMIT, Capability.STREAMING_BODIES,
-                              Capability.MULTI_PROCESS, Capability.IO_SEAM, Capability.HOLD})
+                              Capability.MULTI_PROCESS, Capability.IO_SEAM, Capability.HOLD,
+                              Capability.DOMAIN_INDEX})
 
     #: The sync mode when the constructor is given none (None: ``default_sync_mode()``).
     default_sync: str | None = None
@@ -333,6 +335,22 @@ class FsQueue(FsMetadata, Storage):
                 got = self._verified(e, mine)
             if got is not None:
                 yield self._issue(InflightMail, e.entry_id, e.msgid, got[1])
+
+    def list_domain(self, domain: str) -> Iterator[QueuedMail]:
+        """QUEUED entries whose recipient is at ``domain`` (case-insensitive), oldest
+        message first, read from the domain index ``domains/<h>/`` without a scan of the
+        queue: each index link is only a hint, checked against ``queue/<e>`` (its link
+        text) and the entry's verified envelope (its recipient's domain), so a stale or
+        foreign name in the index is never listed (C13)."""
+        self._check_open()
+        validate_address(domain, "domain", allow_empty=True)
+        d = domain.lower()
+        for e in self._sorted_names(self.layout.domain_dir(d)):
+            self._check_open()
+            with self._guard("listing a domain", None, writes=False):
+                got = self._verified(e, self.layout.queue_link(e))
+            if got is not None and domain_of(got[0].rcpts[e.index].address) == d:
+                yield self._issue(QueuedMail, e.entry_id, e.msgid, got[1])
 
     def list_held(self) -> Iterator[HeldMail]:
         """Every HELD entry (a link in held/), oldest message first; corrupt ones are

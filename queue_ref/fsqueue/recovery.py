@@ -33,7 +33,9 @@ queue open and none can open it meanwhile.  Steps, in order:
    commit was cut short; ``queue-ref repair`` puts an intact one back in the queue.  A
    hard link of an entry no link names is reported too, then removed.
 7. **Verification**: the metadata of every queued and held entry is checked; corrupt entries and
-   messages are quarantined.
+   messages are quarantined.  Every queued and held entry gets its domain index link
+   back if a power cut lost it (the index is never synced); exclusive recoveries also
+   remove index links of entries no link names (cleaned up, quarantined, uncommitted).
 8. Lock files of dead owners are removed.
 
 Every step is idempotent and leaves a state the next run accepts, so a crash inside
@@ -57,9 +59,11 @@ from queue_ref.fsqueue.diskutil import (
 )
 from queue_ref.fsqueue.layout import (
     DATA_RE,
+    DOMAIN_DIR_RE,
     MSGID_RE,
     OWNER_RE,
     EntryName,
+    domain_of,
     owner_of_msgid,
     parse_inflight,
 )
@@ -84,6 +88,7 @@ class Recovery:
         self.inflight: Inflight = {}
         self.cleanup: dict[EntryName, str] = {}
         self.held: dict[EntryName, str] = {}
+        self.index_paths: dict[str, str] = {}  # entry id -> its index link (verified entries)
 
     def alive(self, owner: str) -> bool:
         return self.q._owners.alive(owner)
@@ -98,6 +103,8 @@ class Recovery:
         if self.exclusive:
             self.remove_orphans()
         self.verify_queued()
+        if self.exclusive:
+            self.prune_index()
         for o in self.q._owners.on_disk():
             if not self.alive(o):
                 self.q._owners.forget_dead(o)
@@ -421,12 +428,36 @@ class Recovery:
                              f"to quarantine/{msgid}.unlinked")
         return True
 
-    # ---- 7. verification ---------------------------------------------------------------
+    # ---- 7. verification and the domain index -------------------------------------------
+
+    def _index(self, e: EntryName, address: str) -> None:
+        """Put back the index link of a queued or held entry if it is missing."""
+        path = self.lay.domain_link(domain_of(address), e)
+        self.index_paths[e.entry_id] = path
+        if lstat_or_none(self.io, path) is None:
+            self.q._add_to_index(e, address)
+
+    def prune_index(self) -> None:
+        """Exclusive only: remove index links of entries no link names, and links of
+        verified entries under another domain's directory (unsynced: a link a power cut
+        brings back is removed again by the next recovery)."""
+        refs = self._referenced()
+        for d in listdir_or_empty(self.io, self.lay.domains):
+            path = join(self.lay.domains, d)
+            if not DOMAIN_DIR_RE.match(d) or not self.io.is_dir(path):
+                self.junk(path, "not a directory of the domain index")
+                continue
+            for n in listdir_or_empty(self.io, path):
+                link = join(path, n)
+                if n not in refs or self.index_paths.get(n, link) != link:
+                    if_exists(self.io.unlink, link)
 
     def verify_queued(self) -> None:
         for e, path in sorted([*self.queue.items(), *self.held.items()]):
             try:
-                self.q._load_entry(e)
+                got = self.q._load_entry(e)
+                if got is not None and e.index < len(got[0].rcpts):
+                    self._index(e, got[0].rcpts[e.index].address)
             except Corrupt as c:
                 if readlink_or_none(self.io, path) != e.target:
                     continue  # taken and cleaned up by a live process meanwhile
