@@ -204,3 +204,20 @@ def test_qshape_buckets_by_age_and_sender() -> None:
     by_sender = dict(qa.qshape(infos, now, by="sender"))
     assert by_sender["TOTAL"][0] == 3 and by_sender["MAILER-DAEMON"][2] == 1
     assert list(qa.qshape(infos, now, top=1))[1][0] == "one.example"
+
+
+def test_the_relay_configuration_names_the_queue(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    q = tmp_path / "q"
+    ids = fill(q, "kv-log")
+    conf = tmp_path / "relay.toml"
+    conf.write_text(f'queue = "{q}"\nbackend = "kv-log"\n')
+    _, summary = run_json(capsys, "mailq", "--config", str(conf))
+    assert summary["messages"] == len(ids)
+    _, res = run_json(capsys, "hold", "--config", str(conf), ids[0])
+    assert res["changed"] == 2
+    conf.write_text("queue = 3\n")
+    for argv in (["mailq", "--config", str(conf)], ["mailq"],
+                 ["mailq", "--queue", str(q), "--config", str(conf)]):
+        code, _, err = run(capsys, *argv)
+        assert code == 2 and len(err.strip().splitlines()) == 1, (argv, err)

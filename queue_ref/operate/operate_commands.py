@@ -1,7 +1,7 @@
 """The operator commands: ``mailq``, ``qshape``, ``hold``, ``release``, ``delete``,
 ``requeue``, ``flush`` and ``show``.
 
-    queue-ref mailq   --queue DIR [--backend B] [--json]
+    queue-ref mailq   (--queue DIR [--backend B] | --config RELAY.toml) [--json]
     queue-ref qshape  --queue DIR [--by recipient|sender] [--held] [--top N] [--json]
     queue-ref hold    --queue DIR (ID... | --domain D | --all) [--json]
     queue-ref release --queue DIR (ID... | --domain D | --all) [--json]
@@ -32,6 +32,7 @@ from typing import Any
 
 from queue_ref.opener import open_queue, read_relay_pid, wake_relay
 from queue_ref.operate import queue_actions as qa
+from queue_ref.relay.relay_config import ConfigError, load_config
 from queue_ref.storage import (
     CorruptionError,
     InvalidInputError,
@@ -221,10 +222,28 @@ def _show(store: Storage, args: argparse.Namespace) -> int:
 # ---- plumbing ---------------------------------------------------------------------------
 
 
+def _where(args: argparse.Namespace) -> tuple[str, str | None]:
+    """The queue directory and backend: ``--queue``/``--backend``, or the relay's
+    ``--config`` file (its ``queue`` and ``backend``; ``--backend`` still wins)."""
+    if (args.queue is None) == (args.config is None):
+        raise InvalidInputError("name the queue: --queue DIR or --config FILE (the relay's)")
+    if args.config is None:
+        return args.queue, args.backend
+    try:
+        cfg = load_config(args.config)
+    except (ConfigError, OSError) as e:
+        raise InvalidInputError(f"{args.config}: {e}") from e
+    if not cfg.queue:
+        raise InvalidInputError(f"{args.config} names no queue directory")
+    return cfg.queue, args.backend if args.backend is not None else cfg.backend
+
+
 def _run(name: str, fn: Callable[[Storage, argparse.Namespace], int],
          args: argparse.Namespace) -> int:
     try:
-        store, _ = open_for_operator(os.path.abspath(args.queue), args.backend)
+        queue, backend = _where(args)
+        args.queue = os.path.abspath(queue)
+        store, _ = open_for_operator(args.queue, backend)
     except InvalidInputError as e:
         print(f"queue-ref {name}: {e}", file=sys.stderr)
         return 2
@@ -247,7 +266,9 @@ def _run(name: str, fn: Callable[[Storage, argparse.Namespace], int],
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--queue", required=True, metavar="DIR", help="the queue's directory")
+    p.add_argument("--queue", metavar="DIR", help="the queue's directory")
+    p.add_argument("--config", metavar="FILE",
+                   help="the relay's TOML configuration: its queue and backend")
     p.add_argument("--backend", default=None,
                    help="fs, fs-fsync, kv-log, kv-leveldb or package.module:factory "
                         "(default: the one whose files are in DIR)")
