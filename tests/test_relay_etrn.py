@@ -53,6 +53,10 @@ def test_etrn_delivers_one_domain_at_once(tmp_path: Path) -> None:
         assert m[("queue_ref_relay_etrn_requests_total", (("outcome", "started"),))] == 1
         assert m[("queue_ref_relay_etrn_requests_total", (("outcome", "empty"),))] == 1
         assert m[("queue_ref_relay_queue_entries", (("state", "held"),))] == 1
+        rounds = m[("queue_ref_group_commit_rounds_total", ())]
+        assert m[("queue_ref_group_commit_round_size_count", ())] == rounds > 0
+        assert m[("queue_ref_group_commit_round_size_sum", ())] == m[
+            ("queue_ref_group_commit_requests_total", ())]
     assert len(sink.state.rcpts()) == 2
     with open_queue(queue) as q:
         left = {(h.schedule.at, h.entry_id) for h in q.list_queue()}
