@@ -8,6 +8,7 @@ model and the durable backends, and it is a template for backend authors.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -19,6 +20,7 @@ from queue_ref.storage import (
     Enqueuer,
     EntryMeta,
     Footprint,
+    HeldMail,
     InflightMail,
     MailReader,
     PendingCleanupMail,
@@ -46,12 +48,14 @@ class _Msg:
 class _Entry:
     message_id: str
     index: int
-    state: str  # "queued" | "inflight" | "cleanup"
+    state: str  # "queued" | "held" | "inflight" | "cleanup"
     schedule: Schedule
+    arrival_ns: int = 0
 
 
 class MemoryStorage(Storage):
-    capabilities = frozenset({Capability.ZONE_LISTING, Capability.DOMAIN_INDEX})
+    capabilities = frozenset({Capability.ZONE_LISTING, Capability.DOMAIN_INDEX,
+                              Capability.HOLD})
 
     def __init__(self) -> None:
         super().__init__()
@@ -73,6 +77,10 @@ class MemoryStorage(Storage):
     def list_queue(self) -> Iterator[QueuedMail]:
         for k, e in self._list("queued"):
             yield self._issue(QueuedMail, k, e.message_id, e.schedule)
+
+    def list_held(self) -> Iterator[HeldMail]:
+        for k, e in self._list("held"):
+            yield self._issue(HeldMail, k, e.message_id, e.schedule)
 
     def find_inflight(self) -> Iterator[InflightMail]:
         # Every owner of a memory queue lives in this process: none ever dies.
@@ -112,7 +120,7 @@ class MemoryStorage(Storage):
             out = []
             for i, r in enumerate(rcpts):
                 eid = f"{mid}.{i}"
-                self._entries[eid] = _Entry(mid, i, "queued", r.schedule)
+                self._entries[eid] = _Entry(mid, i, "queued", r.schedule, time.time_ns())
                 msg.live.add(eid)
                 out.append(self._issue(QueuedMail, eid, mid, r.schedule))
             return out
@@ -127,6 +135,19 @@ class MemoryStorage(Storage):
             r = m.rcpts[e.index]
             meta = EntryMeta(e.message_id, mail.entry_id, m.mail_from, r.address, e.index,
                              r.zone, dict(m.params), e.schedule, len(m.body))
+            return BytesReader(meta, m.body)
+
+    def inspect_entry(self, mail: QueuedMail | HeldMail) -> MailReader | None:
+        state = "held" if isinstance(mail, HeldMail) else "queued"
+        self._peek(mail, HeldMail if state == "held" else QueuedMail)
+        with self._lock:
+            e = self._entries.get(mail.entry_id)
+            if e is None or e.state != state:
+                return None
+            m = self._msgs[e.message_id]
+            r = m.rcpts[e.index]
+            meta = EntryMeta(e.message_id, mail.entry_id, m.mail_from, r.address, e.index,
+                             r.zone, dict(m.params), e.schedule, len(m.body), e.arrival_ns)
             return BytesReader(meta, m.body)
 
     def _move(self, entry_id: str, src: str, dst: str, sched: Schedule | None) -> _Entry | None:
@@ -166,6 +187,23 @@ class MemoryStorage(Storage):
     def drop(self, mail: QueuedMail) -> PendingCleanupMail | None:
         h = self._take(mail, QueuedMail)
         e = self._move(h.entry_id, "queued", "cleanup", None)
+        return None if e is None else self._issue(
+            PendingCleanupMail, h.entry_id, e.message_id, e.schedule)
+
+    def hold(self, mail: QueuedMail) -> HeldMail | None:
+        h = self._take(mail, QueuedMail)
+        e = self._move(h.entry_id, "queued", "held", None)
+        return None if e is None else self._issue(HeldMail, h.entry_id, e.message_id, e.schedule)
+
+    def release(self, mail: HeldMail) -> QueuedMail | None:
+        h = self._take(mail, HeldMail)
+        e = self._move(h.entry_id, "held", "queued", None)
+        return None if e is None else self._issue(QueuedMail, h.entry_id, e.message_id,
+                                                  e.schedule)
+
+    def drop_held(self, mail: HeldMail) -> PendingCleanupMail | None:
+        h = self._take(mail, HeldMail)
+        e = self._move(h.entry_id, "held", "cleanup", None)
         return None if e is None else self._issue(
             PendingCleanupMail, h.entry_id, e.message_id, e.schedule)
 

@@ -10,6 +10,12 @@ A mail moves through typed handles, each transition consuming one and returning 
     InflightMail --send_done--->  PendingCleanupMail
     PendingCleanupMail --cleanup-> True            (False: already cleaned up)
 
+With ``Capability.HOLD`` (C14) an operator may set a queued entry aside::
+
+    QueuedMail   --hold------->   HeldMail         (never claimed; schedule kept)
+    HeldMail     --release---->   QueuedMail       (the schedule it had)
+    HeldMail     --drop_held-->   PendingCleanupMail
+
 What every method guarantees (the clauses are in ``spec/CONTRACT.md``):
 
 * **On success** the effect is durable: it survives a crash, power loss included (C1, C9).
@@ -51,6 +57,7 @@ __all__ = [
     "EntryMeta",
     "Footprint",
     "Handle",
+    "HeldMail",
     "InflightMail",
     "InvalidInputError",
     "Limits",
@@ -125,6 +132,7 @@ class Capability(enum.Enum):
     STREAMING_BODIES = "streaming-bodies"  # bodies of any size in bounded memory
     MULTI_PROCESS = "multi-process"  # several processes may open one queue at once
     IO_SEAM = "io-seam"  # every disk call goes through a queue_ref.io.IO (crash-explorable)
+    HOLD = "hold"  # hold/release/drop_held/list_held: the HELD state (C14)
 
 
 @dataclass(frozen=True)
@@ -157,6 +165,8 @@ class EntryMeta:
     params: Mapping[str, str]
     schedule: Schedule
     body_size: int
+    #: When the message was committed (ns since the epoch; 0 where a backend keeps none).
+    arrival_ns: int = 0
 
 
 @dataclass(frozen=True)
@@ -271,6 +281,11 @@ class Handle:
 
 @dataclass(eq=False)
 class QueuedMail(Handle):
+    pass
+
+
+@dataclass(eq=False)
+class HeldMail(Handle):
     pass
 
 
@@ -480,6 +495,10 @@ class Storage(abc.ABC):
         """QUEUED entries whose recipient is at ``domain`` (Capability.DOMAIN_INDEX)."""
         raise UnsupportedError(f"{type(self).__name__} does not support a domain index")
 
+    def list_held(self) -> Iterator[HeldMail]:
+        """Every HELD entry, each once (Capability.HOLD)."""
+        raise UnsupportedError(f"{type(self).__name__} does not support holding mail")
+
     # -- writing and reading mail --
 
     @abc.abstractmethod
@@ -493,6 +512,14 @@ class Storage(abc.ABC):
         Does not consume the handle.  Raises CorruptionError (entry quarantined) when the
         metadata fails its checksum now, or the body does while it is read.
         """
+
+    def inspect_entry(self, mail: QueuedMail | HeldMail) -> MailReader | None:
+        """The metadata and body of a QUEUED or HELD entry, without claiming it (for
+        operators' tools: ``mailq``, ``show``).  Does not consume the handle; None when the
+        entry is no longer in the handle's state.  Raises CorruptionError (quarantined)
+        like ``read_inflight``.  The entry may be claimed, held or dropped meanwhile: what
+        is read is its state when the call was made (C13)."""
+        raise UnsupportedError(f"{type(self).__name__} cannot inspect queued entries")
 
     # -- state changes: each consumes its handle --
 
@@ -515,6 +542,19 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def drop(self, mail: QueuedMail) -> PendingCleanupMail | None:
         """Remove a QUEUED entry without sending it; it is never sent (C3)."""
+
+    def hold(self, mail: QueuedMail) -> HeldMail | None:
+        """Set a QUEUED entry aside: never claimed until released; its schedule is kept.
+        Atomic and durable like every transition (C14; Capability.HOLD)."""
+        raise UnsupportedError(f"{type(self).__name__} does not support holding mail")
+
+    def release(self, mail: HeldMail) -> QueuedMail | None:
+        """Put a HELD entry back in the queue with the schedule it had (C14)."""
+        raise UnsupportedError(f"{type(self).__name__} does not support holding mail")
+
+    def drop_held(self, mail: HeldMail) -> PendingCleanupMail | None:
+        """Remove a HELD entry without sending it; it is never sent (C3, C14)."""
+        raise UnsupportedError(f"{type(self).__name__} does not support holding mail")
 
     @abc.abstractmethod
     def cleanup(self, mail: PendingCleanupMail) -> bool:

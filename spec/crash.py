@@ -29,6 +29,7 @@ CLAUSES: dict[str, str] = {
     "C8": "No leaks",
     "C9": "Honest errors",
     "C10": "Idempotent recovery",
+    "C14": "Durable hold",
 }
 
 
@@ -89,8 +90,14 @@ def judge(
             clause = "C3" if key in before.retired else "C2"
             out.append(Violation(clause, f"entry {key} is listed but must not exist"))
             continue
-        if g.state is not EntryState.QUEUED:
-            out.append(Violation("C10", f"entry {key} is {g.state.value} after recovery"))
+        states = {v.state for v in (o, n) if v is not None}
+        if g.state not in states:
+            if g.state in (EntryState.QUEUED, EntryState.HELD):
+                # a hold lost, or one that appeared: held mail delivered, or never again
+                out.append(Violation("C14", f"entry {key} is {g.state.value} after recovery, "
+                                            f"allowed {sorted(s.value for s in states)}"))
+            else:
+                out.append(Violation("C10", f"entry {key} is {g.state.value} after recovery"))
         ref = o if o is not None else n
         assert ref is not None
         if (g.rcpt, g.mail_from, g.body_digest) != (ref.rcpt, ref.mail_from, ref.body_digest):

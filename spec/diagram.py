@@ -16,6 +16,7 @@ from spec.states import RESTART, TABLE, EntryState, Op
 _NAME: dict[EntryState, str] = {
     EntryState.ABSENT: "[*]",
     EntryState.QUEUED: "QUEUED",
+    EntryState.HELD: "HELD",
     EntryState.INFLIGHT: "INFLIGHT",
     EntryState.PENDING_CLEANUP: "PENDING_CLEANUP",
     EntryState.GONE: "GONE",

@@ -180,7 +180,7 @@ class Model:
     def restart(self) -> Model:
         """The model as recovery after a restart must leave it (rule 5).
 
-        post: all(e.state == EntryState.QUEUED for e in __return__.entries.values())
+        post: all(e.state in (EntryState.QUEUED, EntryState.HELD) for e in __return__.entries.values())
         post: __return__.retired == self.retired and __return__.next_id == self.next_id
         post: __return__.restart() == __return__
         """

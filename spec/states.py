@@ -8,6 +8,9 @@ An *entry* is one (message, recipient) pair. Its life:
     INFLIGHT --send_cancel-----> QUEUED            with its new schedule, atomically
     INFLIGHT --send_done-------> PENDING_CLEANUP   delivered or bounced: never sent again
     QUEUED   --drop------------> PENDING_CLEANUP   removed by an operator: never sent again
+    QUEUED   --hold------------> HELD              set aside by an operator, schedule kept
+    HELD     --release---------> QUEUED            back in the queue with the schedule it had
+    HELD     --drop_held-------> PENDING_CLEANUP   a held entry removed: never sent
     PENDING_CLEANUP --cleanup--> GONE              its bytes are released
 
 Rules, which the table below encodes and nothing else may add to:
@@ -22,7 +25,11 @@ Rules, which the table below encodes and nothing else may add to:
 4. GONE is final.  An entry that reached PENDING_CLEANUP never becomes QUEUED or
    INFLIGHT again.
 5. After a restart (crash or orderly), recovery maps INFLIGHT to QUEUED (the send may
-   be repeated: at-least-once) and finishes PENDING_CLEANUP to GONE.
+   be repeated: at-least-once), keeps HELD entries HELD and finishes PENDING_CLEANUP to
+   GONE.
+6. A HELD entry is never claimed (no operation takes it to INFLIGHT); only ``release``
+   (back to QUEUED) and ``drop_held`` (to PENDING_CLEANUP) move it.  Postfix's hold
+   queue and ZMailer's freezer (seed 004).
 
 No I/O lives here.
 """
@@ -36,6 +43,7 @@ from dataclasses import dataclass
 class EntryState(enum.Enum):
     ABSENT = "absent"  # before enqueue committed; not stored
     QUEUED = "queued"
+    HELD = "held"
     INFLIGHT = "inflight"
     PENDING_CLEANUP = "pending_cleanup"
     GONE = "gone"  # final; not stored
@@ -49,6 +57,9 @@ class Op(enum.Enum):
     SEND_DONE = "send_done"
     DROP = "drop"
     CLEANUP = "cleanup"
+    HOLD = "hold"
+    RELEASE = "release"
+    DROP_HELD = "drop_held"
 
 
 class Outcome(enum.Enum):
@@ -75,18 +86,29 @@ TABLE: dict[Op, Transition] = {
         Transition(Op.SEND_DONE, EntryState.INFLIGHT, EntryState.PENDING_CLEANUP, False),
         Transition(Op.DROP, EntryState.QUEUED, EntryState.PENDING_CLEANUP, False),
         Transition(Op.CLEANUP, EntryState.PENDING_CLEANUP, EntryState.GONE, False),
+        Transition(Op.HOLD, EntryState.QUEUED, EntryState.HELD, False),
+        Transition(Op.RELEASE, EntryState.HELD, EntryState.QUEUED, False),
+        Transition(Op.DROP_HELD, EntryState.HELD, EntryState.PENDING_CLEANUP, False),
     )
 }
 
 #: States an entry can be stored in.
-LIVE_STATES = frozenset({EntryState.QUEUED, EntryState.INFLIGHT, EntryState.PENDING_CLEANUP})
+LIVE_STATES = frozenset({EntryState.QUEUED, EntryState.HELD, EntryState.INFLIGHT,
+                         EntryState.PENDING_CLEANUP})
 
-#: States from which an entry may still be delivered.
-DELIVERABLE = frozenset({EntryState.QUEUED, EntryState.INFLIGHT})
+#: States from which an entry may still be delivered (a HELD one once released).
+DELIVERABLE = frozenset({EntryState.QUEUED, EntryState.HELD, EntryState.INFLIGHT})
+
+#: The operations of the hold capability (``Capability.HOLD`` of a Storage).
+HOLD_OPS = frozenset({Op.HOLD, Op.RELEASE, Op.DROP_HELD})
+
+#: States a backend lists after recovery (rule 5).
+AT_REST = frozenset({EntryState.QUEUED, EntryState.HELD})
 
 #: Where recovery after a restart takes each stored state.
 RESTART: dict[EntryState, EntryState] = {
     EntryState.QUEUED: EntryState.QUEUED,
+    EntryState.HELD: EntryState.HELD,
     EntryState.INFLIGHT: EntryState.QUEUED,
     EntryState.PENDING_CLEANUP: EntryState.GONE,
 }
@@ -110,11 +132,12 @@ def step(state: EntryState, op: Op) -> tuple[Outcome, EntryState]:
 def after_restart(state: EntryState) -> EntryState:
     """Where recovery takes a stored entry (rule 5).
 
-    post: __return__ in (EntryState.QUEUED, EntryState.GONE, EntryState.ABSENT)
+    post: __return__ in (EntryState.QUEUED, EntryState.HELD, EntryState.GONE, EntryState.ABSENT)
     post: state != EntryState.GONE or __return__ == EntryState.GONE
     post: state != EntryState.INFLIGHT or __return__ == EntryState.QUEUED
+    post: state != EntryState.HELD or __return__ == EntryState.HELD
     post: state != EntryState.PENDING_CLEANUP or __return__ == EntryState.GONE
-    post: state not in LIVE_STATES or __return__ in (EntryState.QUEUED, EntryState.GONE)
+    post: state not in LIVE_STATES or __return__ not in (EntryState.INFLIGHT, EntryState.ABSENT)
     """
     if state in RESTART:
         return RESTART[state]

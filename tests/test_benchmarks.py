@@ -58,3 +58,22 @@ def test_lifecycle_benchmark_refuses_bad_sizes(tmp_path: Path, args: tuple[str, 
                           cwd=tmp_path, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
     assert proc.returncode == 2 and args[0] in proc.stderr
+
+
+def test_domain_listing_benchmark_prints_both_ratios(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "domain_listing.py"),
+                           "--entries", "2000", "--target", "10", "--rcpts", "50",
+                           "--repeat", "1", "--dir", str(tmp_path)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for backend in ("fs", "kv-log"):
+        fig = out[backend]
+        assert fig["entries"] == 2000 and fig["target"] == 10
+        assert fig["index_s"] > 0 and fig["ratio"] == fig["scan_s"] / fig["index_s"]
+        assert f"{backend}" in proc.stderr and "ratio" in proc.stderr
+    assert os.listdir(tmp_path) == []  # the queues were removed
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "domain_listing.py"),
+                          "--target", "0"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert bad.returncode == 2 and "--target" in bad.stderr

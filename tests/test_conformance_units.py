@@ -21,7 +21,14 @@ from conformance.certify.certificate import (
 from conformance.certify.scenario_replay import replay
 from conformance.checks import bad_input_check
 from conformance.harness.backend_factory import Backend, FactoryError, load_factory
-from conformance.harness.check_catalog import BY_ID, CHECKS, NO_CRASH, PROCESS_KILL, checks_for
+from conformance.harness.check_catalog import (
+    BY_ID,
+    CAPABILITY_CLAUSES,
+    CHECKS,
+    NO_CRASH,
+    PROCESS_KILL,
+    checks_for,
+)
 from conformance.harness.check_results import CheckResult, Finding, Status
 from conformance.harness.suite_profiles import QUICK
 from conformance.lockstep import ClauseViolation, lockstep_machine, run_lockstep
@@ -33,6 +40,10 @@ from tests.conformance_support import DoubleClaim, LeakyCleanup
 
 def test_every_clause_has_a_core_check() -> None:
     for clause in CLAUSES:
+        if clause in CAPABILITY_CLAUSES:  # a capability's clause: checked where declared
+            checks = checks_for(clause)
+            assert checks and all(CAPABILITY_CLAUSES[clause] in c.requires for c in checks)
+            continue
         core = [c.id for c in checks_for(clause) if c.level.value == "core"]
         assert core, f"{clause} is tested by no core check"
 
@@ -221,7 +232,7 @@ def test_bad_input_passes_on_memory_and_catches_a_double_claim() -> None:
 def test_check_ids_are_stable() -> None:
     assert list(BY_ID) == ["lockstep", "restart", "listing", "bad-input", "many-recipients",
                            "limits", "threads", "process-kill", "recovery-rerun", "crash-exploration",
-                           "io-errors", "multi-process", "streaming", "damage-at-rest"]
+                           "io-errors", "multi-process", "streaming", "damage-at-rest", "hold"]
 
 
 def _child_echo(ch: object, value: object) -> None:

@@ -173,7 +173,8 @@ def test_path_like_addresses_are_data_not_paths(tmp_path: str, q: FsQueue) -> No
         hs = enq.commit([Recipient(a, Schedule(0), zone=a) for a in evil])
     assert sorted(os.listdir(tmp_path)) == outside
     names = [line for line in t(q) if not line.startswith("tmp/")]
-    assert names == sorted(["cleanup/", "data/", "data/M0", "inflight/", "quarantine/", "queue/"]
+    assert names == sorted(["cleanup/", "data/", "data/M0", "held/", "inflight/", "quarantine/",
+                            "queue/"]
                            + [f"data/M0.{i}" for i in range(6)]
                            + [f"queue/M0.{i} -> ../data/M0" for i in range(6)])
     got = []

@@ -82,22 +82,22 @@ def test_an_unknown_sync_mode_is_refused_before_touching_the_disk(tmp_path: Any,
     assert not os.path.exists(root)
 
 
-def test_syncfs_mode_lifecycle_is_three_shared_syncs_and_ten_calls(tmp_path: Any) -> None:
+def test_syncfs_mode_lifecycle_is_three_shared_syncs_and_twelve_calls(tmp_path: Any) -> None:
     io = CountingIO()
     q = FsQueue(str(tmp_path / "q"), io, sync="syncfs")
     try:
         lifecycle(q)  # a new message file, kept as a spare by its cleanup
-        assert io.calls["open_create"] == 1 and io.calls["unlink"] == 1
+        assert io.calls["open_create"] == 1 and io.calls["unlink"] == 2  # index + cleanup/ link
         assert q.spare_files == 1
         io.calls.clear()
         lifecycle(q)  # written into the spare: the same calls every time from now on
         assert io.calls == collections.Counter({
             "syncfs": 3,
             "open_create": 1, "write": 1, "close": 1,  # the spare, rewritten
-            "symlink": 1,  # the queue/ link
+            "symlink": 2,  # the queue/ link and the domain index link
             "rename": 4,  # commit, send_start, send_done, cleanup (data/ to a spare name)
             "open_read": 1,  # send_start: the entry has no schedule record
-            "unlink": 1})  # the cleanup/ link
+            "unlink": 2})  # the domain index link and the cleanup/ link
         assert q.spare_files == 1
     finally:
         q.close()
@@ -111,8 +111,8 @@ def test_spares_off_makes_each_message_a_new_file(tmp_path: Any) -> None:
         io.calls.clear()
         lifecycle(q)
         assert io.calls == collections.Counter(
-            {"syncfs": 3, "open_create": 1, "write": 1, "close": 1, "symlink": 1,
-             "rename": 3, "open_read": 1, "unlink": 2})
+            {"syncfs": 3, "open_create": 1, "write": 1, "close": 1, "symlink": 2,
+             "rename": 3, "open_read": 1, "unlink": 3})
         assert q.spare_files == 0
     finally:
         q.close()

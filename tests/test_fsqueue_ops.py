@@ -51,7 +51,8 @@ def test_open_creates_the_layout_and_declares_capabilities(q: FsQueue) -> None:
     owners = sorted(os.listdir(os.path.join(q.root, "owners")))
     assert owners == sorted(["gate.lock", f"{q.owner}.lock"])
     assert q.capabilities == {Capability.GROUP_COMMIT, Capability.STREAMING_BODIES,
-                              Capability.MULTI_PROCESS, Capability.IO_SEAM}
+                              Capability.MULTI_PROCESS, Capability.IO_SEAM, Capability.HOLD,
+                              Capability.DOMAIN_INDEX}
     assert q.footprint() == Footprint(0, 0)
 
 

@@ -52,18 +52,19 @@ def put(q: FsQueue, n: int = 2, body: bytes = b"Subject: hi\r\n\r\nbody\r\n",
 
 
 def tree(root: str, owners: Sequence[str] = ()) -> list[str]:
-    """Every name under ``root`` except owners/, one line each, with message ids renamed
-    M0, M1... (in id order) and the given owner tokens O0, O1...; directories end in /,
-    symlinks show their target.  Read with ``os`` directly: a backdoor."""
+    """Every name under ``root`` except owners/ and the domain index domains/ (see
+    ``index_tree``), one line each, with message ids renamed M0, M1... (in id order) and
+    the given owner tokens O0, O1...; directories end in /, symlinks show their target.
+    Read with ``os`` directly: a backdoor."""
     lines = []
     for dirpath, dirnames, filenames in os.walk(root):
         rel = os.path.relpath(dirpath, root)
-        if rel == "owners" or rel.startswith("owners" + os.sep):
+        if rel.split(os.sep)[0] in ("owners", "domains"):
             continue
         for d in dirnames:
             p = os.path.join(dirpath, d)
             r = os.path.relpath(p, root)
-            if r == "owners":
+            if r in ("owners", "domains"):
                 continue
             lines.append(f"{r} -> {os.readlink(p)}" if os.path.islink(p) else f"{r}/")
         for f in filenames:
@@ -78,7 +79,7 @@ def tree(root: str, owners: Sequence[str] = ()) -> list[str]:
     return sorted(text.split("\n")) if text else []
 
 
-EMPTY = ["cleanup/", "data/", "inflight/", "quarantine/", "queue/", "tmp/", "tmp/O0/"]
+EMPTY = ["cleanup/", "data/", "held/", "inflight/", "quarantine/", "queue/", "tmp/", "tmp/O0/"]
 
 
 def message_parts(path: str) -> tuple[bytes, bytes]:

@@ -866,7 +866,7 @@ def test_one_claim_wins(env: Env) -> None:
 def test_capabilities_per_engine(env: Env) -> None:
     q = env.open()
     caps = {Capability.ZONE_LISTING, Capability.DOMAIN_INDEX, Capability.GROUP_COMMIT,
-            Capability.STREAMING_BODIES}
+            Capability.STREAMING_BODIES, Capability.HOLD}
     if env.kind == "log":
         caps.add(Capability.IO_SEAM)
     assert q.capabilities == caps

@@ -5,12 +5,12 @@ most ``d`` are exactly the first ``d`` layers of a breadth-first search.  The se
 runs to its fixpoint, so it covers every operation sequence of every length within the
 bound (messages, recipients per message, schedules); its depth is reported.
 
-CI bound: 2 messages x 1-2 recipients x 2 schedules: 3,193 states, every one reached within
-10 operations (the count equals a closed form, so no state is missed or invented);
-102,518 (state, call) pairs, of which 27,462 move an entry.  The thorough
+CI bound: 2 messages x 1-2 recipients x 2 schedules: 8,191 states (HELD included), every
+one reached within 10 operations (the count equals a closed form, so no state is missed or
+invented); 360,950 (state, call) pairs, of which 76,204 move an entry.  The thorough
 profile (``QUEUE_REF_PROFILE=thorough``) adds 2 messages x 1-2 recipients x 3 schedules
-(12,211 states, 489,772 pairs) and 3 messages x 1-2 recipients x 1 schedule (8,421 states,
-depth 15, 303,998 pairs), and checks the crash oracle on every pair.
+(33,307 states) and 3 messages x 1-2 recipients x 1 schedule (27,931 states), and checks
+the crash oracle on every pair.
 
 Besides the invariants and the transition table, the crash oracle is checked: every
 allowed recovery is accepted and hand-made bad recoveries are rejected with the clause
@@ -57,9 +57,9 @@ class Bound:
     schedules: tuple[Schedule, ...]
 
     def expected_states(self) -> int:
-        """Closed form: each entry of an enqueued message is in one of 3*S+1 states
-        (QUEUED, INFLIGHT or PENDING_CLEANUP with each of S schedules, or GONE)."""
-        per_entry = 3 * len(self.schedules) + 1
+        """Closed form: each entry of an enqueued message is in one of 4*S+1 states
+        (QUEUED, HELD, INFLIGHT or PENDING_CLEANUP with each of S schedules, or GONE)."""
+        per_entry = len(LIVE_STATES) * len(self.schedules) + 1
         per_message = sum(per_entry ** n for n in range(1, self.max_rcpts + 1))
         return sum(per_message ** k for k in range(self.messages + 1))
 
@@ -162,10 +162,10 @@ def test_state_space_is_complete_and_deep(b: Bound) -> None:
 def test_ci_bound_numbers() -> None:
     """The numbers the module docstring quotes."""
     ex = explore(CI_BOUND)
-    assert len(ex.states) == 3193
+    assert len(ex.states) == 8191
     assert max(ex.depth.values()) == 10
-    assert ex.edges == sum(1 for _ in pairs(CI_BOUND)) == 102_518
-    assert sum(1 for _ in moved_pairs(CI_BOUND)) == 27_462
+    assert ex.edges == sum(1 for _ in pairs(CI_BOUND)) == 360_950
+    assert sum(1 for _ in moved_pairs(CI_BOUND)) == 76_204
 
 
 @over_bounds
@@ -291,7 +291,7 @@ def test_restart_is_idempotent_and_follows_rule_5(b: Bound) -> None:
             if target in LIVE_STATES:
                 assert r.entries[k].schedule == e.schedule
         assert set(r.entries) <= set(m.entries)
-        assert all(v.state is EntryState.QUEUED for v in r.view())
+        assert all(v.state in (EntryState.QUEUED, EntryState.HELD) for v in r.view())
 
 
 # ---- the crash oracle --------------------------------------------------------------------
@@ -350,6 +350,9 @@ def test_judge_rejects_bad_recoveries_at_rest(b: Bound) -> None:
             assert "C6" in clauses(m, None, good | {_with_schedule(v, OTHER)})
             inflight = replace(v, state=EntryState.INFLIGHT)
             assert clauses(m, None, good - {v} | {inflight}) == {"C10"}
+            flipped = replace(v, state=EntryState.QUEUED if v.state is EntryState.HELD
+                              else EntryState.HELD)
+            assert clauses(m, None, good - {v} | {flipped}) == {"C14"}
         for key in m.retired:
             ghost = EntryView(key[0], key[1], rcpt(*key), sender(key[0]), "", S0,
                               EntryState.QUEUED)
@@ -381,7 +384,12 @@ def test_judge_on_every_call_that_moves(b: Bound) -> None:
             if old != new:
                 (v,) = old - new
                 assert clauses(m, c, old - {v} | {_with_schedule(v, OTHER)}) == {"C5"}
-        elif c.op in (Op.SEND_DONE, Op.DROP):
+        elif c.op in (Op.HOLD, Op.RELEASE):
+            (v,) = old - new
+            (w,) = new - old
+            assert v.state is not w.state and v.schedule == w.schedule  # the schedule is kept
+            assert clauses(m, c, old - {v} | {_with_schedule(v, OTHER)}) == {"C5"}
+        elif c.op in (Op.SEND_DONE, Op.DROP, Op.DROP_HELD):
             (v,) = old - new
             assert not new - old
             assert clauses(m, c, old - {v} | {_with_schedule(v, OTHER)}) == {"C5"}

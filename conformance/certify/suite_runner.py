@@ -19,6 +19,7 @@ from conformance.checks import (
     bad_input_check,
     crash_exploration_check,
     damage_at_rest_check,
+    hold_check,
     io_errors_check,
     limits_check,
     multi_process_check,
@@ -82,6 +83,8 @@ def _run_one(spec: CheckSpec, model: str, backend: Backend, probe: Probe, profil
         return streaming_check.run(backend, profile)
     if spec.id == "damage-at-rest":
         return damage_at_rest_check.run(backend, profile, s)
+    if spec.id == "hold":
+        return hold_check.run(backend)
     if spec.id == "process-kill":
         return process_kill_check.run_check(backend, "process-kill", s, profile.kill_trials,
                                   profile.kill_ops)

@@ -11,19 +11,21 @@ that holds the step) and otherwise runs FsQueue's code unchanged.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from conformance.crashexplore.workloads import LIFE, Workload, enqueue_call
 from queue_ref.fsqueue import FsQueue
-from queue_ref.fsqueue.diskutil import if_exists, readlink_or_none
+from queue_ref.fsqueue.diskutil import if_exists, listdir_or_empty, readlink_or_none
 from queue_ref.fsqueue.layout import EntryName
 from queue_ref.fsqueue.records import Envelope, encode_schedule, trailer
 from queue_ref.fsqueue.recovery import Recovery
 from queue_ref.fsqueue.steps import MessageTx
 from queue_ref.io import IO
 from queue_ref.storage import (
+    HeldMail,
     InflightMail,
     PendingCleanupMail,
     QueuedMail,
@@ -163,6 +165,20 @@ class NoDropDirFsync(_Fsync):
                 return None
             h._extra = None
         return self._issue(PendingCleanupMail, h.entry_id, h.message_id, h.schedule)
+
+
+class NoHoldDirFsync(_Fsync):
+    """hold renames the link from queue/ to held/ without fsyncing the directories: a
+    power cut after the hold was acknowledged may bring the entry back as queued."""
+
+    def hold(self, mail: QueuedMail) -> HeldMail | None:
+        h = self._take(mail, QueuedMail)
+        e = self._entry(h)
+        with self._guard("hold", h):
+            if not self._move_link(self._queued_link(h, e), self.layout.held_link(e)):
+                return None
+            h._extra = None
+        return self._issue(HeldMail, h.entry_id, h.message_id, h.schedule)
 
 
 class NoScheduleFsync(_Fsync):
@@ -318,6 +334,34 @@ class _UnlinkFirstRequeue(Recovery):
                 self.queue[e] = self.lay.queue_link(e)
 
 
+class _ForgetHolds(Recovery):
+    def scan_links(self) -> None:
+        for name in listdir_or_empty(self.io, self.lay.held):
+            self.q._move_link(os.path.join(self.lay.held, name),
+                              os.path.join(self.lay.queue, name))
+        self.q._sync_move(self.lay.held, self.lay.queue)
+        super().scan_links()
+
+
+class RecoveryForgetsHolds(_OwnRecovery):
+    """Recovery puts held entries back in the queue ("a restart releases everything"): a
+    hold is lost after any crash or restart, held mail is delivered."""
+
+    recovery_class = _ForgetHolds
+
+
+class _IndexNotRebuilt(Recovery):
+    def _index(self, e: EntryName, address: str) -> None:
+        return None
+
+
+class IndexNotRebuilt(_OwnRecovery):
+    """Recovery trusts the domain index as it finds it: the index is never synced, so
+    after a power cut list_domain misses queued entries (ETRN would not deliver them)."""
+
+    recovery_class = _IndexNotRebuilt
+
+
 class RequeueUnlinkFirst(_OwnRecovery):
     """Recovery requeues an inflight entry by deleting its link and creating a new one in
     queue/, each durably, instead of one rename: a crash in between loses the entry."""
@@ -366,6 +410,10 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("fs-broken-spare-not-cut", SpareNotCut, "C1", (*LIFE, enqueue_call(1, 1))),
     Variant("fs-broken-noorphans", NoOrphanScan, "C8", (_E1, _RESCHED)),
     Variant("fs-broken-requeue-unlink-first", RequeueUnlinkFirst, "C10", (_E1, _START)),
+    Variant("fs-broken-nosync-hold", NoHoldDirFsync, "C14", (_E1, Call(Op.HOLD, _K))),
+    Variant("fs-broken-recovery-forgets-holds", RecoveryForgetsHolds, "C14",
+            (_E1, Call(Op.HOLD, _K))),
+    Variant("fs-broken-index-not-rebuilt", IndexNotRebuilt, "C10", (_E1,)),
     Variant("fs-broken-syncfs-nocommit", SyncfsNoCommitRound, "C1", (_E1, _RESCHED)),
     Variant("fs-broken-syncfs-nodone", SyncfsNoDoneRound, "C3",
             (_E1, _START, Call(Op.SEND_DONE, _K), Call(Op.CLEANUP, _K))),

@@ -14,7 +14,10 @@ crash points x model.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
+import os
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -34,11 +37,14 @@ from conformance.crashexplore.traced_runs import OPEN, Limits
 from conformance.crashexplore.workloads import (
     LIFE,
     enumerate_steps,
+    hold_workloads,
     random_workload,
     targeted_workloads,
 )
 from faultinject.models import MODELS
-from spec.states import Op
+from queue_ref.io import OsIO
+from queue_ref.storage import Capability
+from spec.states import HOLD_OPS, Op
 
 KIND_ORDER = {"rest": 0, "crash": 1, "eio": 2, "recovery": 3}
 
@@ -60,6 +66,9 @@ class ExploreConfig:
     eio: bool = True
     at_rest: bool = True  # also crash at rest, after the calls (see ``crash_task``)
     targeted: bool = True  # also every operation after a prefix that reaches its state
+    #: the hold workloads (``workloads.hold_workloads``); None: when the backend declares
+    #: Capability.HOLD
+    hold: bool | None = None
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.models if m not in MODELS]
@@ -71,6 +80,23 @@ class ExploreConfig:
         if self.after_life < -1:
             raise ValueError("after_life must be >= 0 (or -1: none)")
         resolve(self.backend)  # fails early with the known names
+
+
+@functools.cache
+def _declares_hold(backend: str) -> bool:
+    """Whether the backend named ``backend`` declares Capability.HOLD (opened once, in a
+    scratch directory, to read its capabilities)."""
+    spec = resolve(backend)
+    with tempfile.TemporaryDirectory(prefix="queue-ref-probe-") as d:
+        store = spec.open(os.path.join(d, "q"), OsIO())
+        try:
+            return Capability.HOLD in store.capabilities
+        finally:
+            store.close()
+
+
+def explores_hold(cfg: ExploreConfig) -> bool:
+    return cfg.hold if cfg.hold is not None else _declares_hold(cfg.backend)
 
 
 def plan(cfg: ExploreConfig) -> list[Task]:
@@ -86,6 +112,15 @@ def plan(cfg: ExploreConfig) -> list[Task]:
             if (wl, len(wl) - 1) not in planned:
                 planned.add((wl, len(wl) - 1))
                 out.append(task(workload_id(wl), wl, len(wl) - 1))
+    if cfg.targeted and explores_hold(cfg):
+        # each prefix crashed inside its last call: every call of every hold workload
+        planned = {(t.workload, t.first_call) for t in out}
+        for whole in hold_workloads():
+            for n in range(2, len(whole) + 1):
+                wl = whole[:n]
+                if (wl, n - 1) not in planned:
+                    planned.add((wl, n - 1))
+                    out.append(task(workload_id(wl), wl, n - 1))
     if cfg.after_life >= 0:
         out += [task(f"a{cfg.after_life}w{s.index}", s.workload, len(s.workload) - 1)
                 for s in enumerate_steps(cfg.after_life, after=LIFE)]
@@ -158,7 +193,9 @@ class Summary:
         mutating call through the seam is covered by running it: the crashes at rest
         around it see the whole of what it did)."""
         ops = self.coverage.get(model, {})
-        return [op.value for op in Op if ops.get(op.value, [0, 0, 0])[2] == 0]
+        skip = () if explores_hold(self.config) else HOLD_OPS
+        return [op.value for op in Op
+                if op not in skip and ops.get(op.value, [0, 0, 0])[2] == 0]
 
     def minimal(self) -> dict[str, CaseOutcome]:
         """The shortest failing scenario of each clause."""

@@ -59,7 +59,7 @@ def _owners_on_disk(root: str) -> list[int]:
         p = fl.parse_inflight(n)
         if p:
             found += [p[1], fl.owner_of_msgid(p[0].msgid)]
-    for sub in ("queue", "cleanup"):
+    for sub in ("queue", "held", "cleanup"):
         for n in names(sub):
             e = fl.EntryName.parse(n)
             if e:

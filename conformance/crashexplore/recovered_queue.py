@@ -19,8 +19,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from queue_ref.storage import (
+    Capability,
     CorruptionError,
+    HeldMail,
     InflightMail,
+    MailReader,
     PendingCleanupMail,
     QueuedMail,
     Storage,
@@ -81,16 +84,22 @@ def inspect(open_storage: Callable[[], Storage], *, drain: bool = True) -> Recov
     try:
         try:
             queued = list(storage.list_queue())
+            held = (list(storage.list_held()) if Capability.HOLD in storage.capabilities
+                    else [])
             inflight = list(storage.find_inflight())
             pending = list(storage.find_pending_cleanup())
         except Exception as e:
             return Recovered((), (("C10", f"listing after recovery failed: "
                                    f"{_describe_exc(e)}"),))
-        ids = [h.entry_id for h in (*queued, *inflight, *pending)]
+        if Capability.DOMAIN_INDEX in storage.capabilities:
+            problems.extend(_check_domain_index(storage, queued))
+        ids = [h.entry_id for h in (*queued, *held, *inflight, *pending)]
         for eid in sorted({i for i in ids if ids.count(i) > 1}):
             problems.append(("C6", f"entry {eid} is listed {ids.count(eid)} times"))
         for q in queued:
             entries.extend(_read_queued(storage, q, claimed, quarantined, problems))
+        for hm in held:
+            entries.extend(_read_held(storage, hm, quarantined, problems))
         for f in inflight:
             claimed.append(f)
             entries.extend(_read(storage, f, f.schedule, EntryState.INFLIGHT, quarantined,
@@ -99,7 +108,7 @@ def inspect(open_storage: Callable[[], Storage], *, drain: bool = True) -> Recov
             entries.append(RecoveredEntry(p.message_id, p.entry_id, -1, "", "", "",
                                           p.schedule, EntryState.PENDING_CLEANUP))
         if drain:
-            left = _drain(storage, claimed, pending, problems)
+            left = _drain(storage, claimed, pending, problems, held)
     finally:
         try:
             storage.close()
@@ -130,12 +139,64 @@ def _read_queued(storage: Storage, q: QueuedMail, claimed: list[InflightMail],
     return _read(storage, f, q.schedule, EntryState.QUEUED, quarantined, problems)
 
 
-def _read(storage: Storage, f: InflightMail, schedule: Schedule, state: EntryState,
-          quarantined: list[str], problems: list[tuple[str, str]]) -> list[RecoveredEntry]:
+def _check_domain_index(storage: Storage, queued: list[QueuedMail]
+                        ) -> list[tuple[str, str]]:
+    """After recovery ``list_domain`` lists exactly the queued entries of each domain
+    (C13; recovery must leave the index whole, so a miss is reported as C10).  Needs
+    ``inspect_entry`` to learn the domains without claiming anything."""
+    want: dict[str, set[str]] = {}
+    for q in queued:
+        try:
+            r = storage.inspect_entry(q)
+        except Exception:  # unsupported, or damage the reading below reports
+            return []
+        if r is None:
+            continue
+        with r:
+            want.setdefault(r.meta.rcpt.rpartition("@")[2].lower(), set()).add(q.entry_id)
+    out = []
+    for domain, ids in sorted(want.items()):
+        try:
+            got = {h.entry_id for h in storage.list_domain(domain)}
+        except Exception as e:
+            return [("C10", f"list_domain({domain!r}) after recovery failed: "
+                            f"{_describe_exc(e)}")]
+        if got != ids:
+            out.append(("C10", f"after recovery list_domain({domain!r}) lists "
+                               f"{sorted(got)}, the queue holds {sorted(ids)} (C13)"))
+    return out
+
+
+def _read_held(storage: Storage, h: HeldMail, quarantined: list[str],
+               problems: list[tuple[str, str]]) -> list[RecoveredEntry]:
+    """A HELD entry is read without claiming it (``inspect_entry``): no claim takes it."""
     try:
-        with storage.read_inflight(f) as reader:
-            body = reader.read_all()
-            meta = reader.meta
+        r = storage.inspect_entry(h)
+    except CorruptionError:
+        quarantined.append(h.entry_id)
+        return []
+    except Exception as e:
+        problems.append(("C14", f"held entry {h.entry_id} could not be inspected: "
+                                f"{_describe_exc(e)}"))
+        return []
+    if r is None:
+        problems.append(("C14", f"entry {h.entry_id} is listed as held but inspect_entry "
+                                "finds it no longer held"))
+        return []
+    return _read(storage, h, h.schedule, EntryState.HELD, quarantined, problems, reader=r)
+
+
+def _read(storage: Storage, f: InflightMail | HeldMail, schedule: Schedule,
+          state: EntryState, quarantined: list[str], problems: list[tuple[str, str]],
+          reader: MailReader | None = None) -> list[RecoveredEntry]:
+    try:
+        opened = reader
+        if opened is None:
+            assert isinstance(f, InflightMail)
+            opened = storage.read_inflight(f)
+        with opened as r:
+            body = r.read_all()
+            meta = r.meta
     except CorruptionError:
         quarantined.append(f.entry_id)
         return []
@@ -153,8 +214,13 @@ def _read(storage: Storage, f: InflightMail, schedule: Schedule, state: EntrySta
 
 
 def _drain(storage: Storage, claimed: list[InflightMail], pending: list[PendingCleanupMail],
-           problems: list[tuple[str, str]]) -> tuple[int, int]:
+           problems: list[tuple[str, str]], held: list[HeldMail] | None = None
+           ) -> tuple[int, int]:
     try:
+        for hm in held or ():
+            p = storage.drop_held(hm)
+            if p is not None:
+                pending.append(p)
         for f in claimed:
             p = storage.send_done(f)
             if p is not None:
@@ -162,7 +228,8 @@ def _drain(storage: Storage, claimed: list[InflightMail], pending: list[PendingC
         for p in pending:
             storage.cleanup(p)
         rest = (list(storage.list_queue()), list(storage.find_inflight()),
-                list(storage.find_pending_cleanup()))
+                list(storage.find_pending_cleanup()),
+                list(storage.list_held()) if held else [])
         if any(rest):
             problems.append(("C8", f"after draining, {sum(len(r) for r in rest)} entries are "
                                    "still listed"))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from conformance.crashexplore.workloads import Workload
 from queue_ref.storage import (
     Handle,
+    HeldMail,
     InflightMail,
     PendingCleanupMail,
     QueuedMail,
@@ -160,6 +161,15 @@ class Driver:
         if op is Op.CLEANUP:
             assert isinstance(h, PendingCleanupMail)
             return s.cleanup(h)
+        if op is Op.HOLD:
+            assert isinstance(h, QueuedMail)
+            return s.hold(h)
+        if op is Op.RELEASE:
+            assert isinstance(h, HeldMail)
+            return s.release(h)
+        if op is Op.DROP_HELD:
+            assert isinstance(h, HeldMail)
+            return s.drop_held(h)
         raise ValueError(f"unknown operation {op!r}")
 
 

@@ -206,6 +206,7 @@ def targeted_workloads(max_length: int = 4) -> list[Workload]:
             continue
         call = wl[-1]
         _, res = run(step.before, call)
+        key: tuple[Op, int]
         if call.op is Op.ENQUEUE:
             key = (call.op, len(call.rcpts))
         elif res is Outcome.MOVED and call.key is not None:
@@ -215,3 +216,24 @@ def targeted_workloads(max_length: int = 4) -> list[Workload]:
         if key not in found or len(wl) < len(found[key]):
             found[key] = wl
     return [found[k] for k in sorted(found, key=lambda k: (list(Op).index(k[0]), k[1]))]
+
+
+def hold_workloads() -> list[Workload]:
+    """Workloads of the hold capability (``Capability.HOLD``): hold, release and drop_held
+    of a one- and a two-recipient message, and two longer ones where a held entry sits
+    beside a sibling that is rescheduled, claimed, delivered or dropped.  Crash
+    exploration crashes them from their second call on, for backends that declare HOLD."""
+    out: list[Workload] = []
+    for n in (1, 2):
+        enq = enqueue_call(0, n)
+        key = (0, n - 1)
+        hold = Call(Op.HOLD, key)
+        out += [(enq, hold), (enq, hold, Call(Op.RELEASE, key)),
+                (enq, hold, Call(Op.DROP_HELD, key))]
+    enq = enqueue_call(0, 2)
+    out.append((enq, Call(Op.HOLD, (0, 0)), Call(Op.RESCHEDULE, (0, 1), Schedule(at=5000)),
+                Call(Op.SEND_START, (0, 1)), Call(Op.RELEASE, (0, 0)),
+                Call(Op.SEND_DONE, (0, 1)), Call(Op.HOLD, (0, 0))))
+    out.append((enq, Call(Op.HOLD, (0, 1)), Call(Op.DROP, (0, 0)), Call(Op.CLEANUP, (0, 0)),
+                Call(Op.DROP_HELD, (0, 1)), Call(Op.CLEANUP, (0, 1))))
+    return out

@@ -160,3 +160,17 @@ def kv_resurrecting(root: str, io: IO | None = None) -> Storage:
     store = Resurrecting.open_log(root, io)
     assert isinstance(store, Resurrecting)
     return store
+
+
+# ---- hold ---------------------------------------------------------------------------------
+
+def fs_forgets_holds(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue whose recovery puts every held entry back in the queue: a hold
+    is lost after any crash or restart (C14).  The hold check fails it::
+
+        queue-ref certify conformance.examples.broken_backends:fs_forgets_holds --only hold
+    """
+    from conformance.crashexplore.broken_fs_variants import RecoveryForgetsHolds
+    from conformance.crashexplore.explored_backends import deterministic_fs
+
+    return deterministic_fs(RecoveryForgetsHolds)(root, io if io is not None else OsIO())

@@ -1,6 +1,6 @@
 """Which checks test which clause of the contract, at which level, needing what.
 
-Every clause C1..C10 of ``spec.crash.CLAUSES`` is tested by at least one check (the
+Every clause of ``spec.crash.CLAUSES`` is tested by at least one check (the
 module asserts it on import).  A check is *core* (every backend must pass it) or
 *optional* (it needs a capability; a backend that does not declare the capability is
 reported "unsupported" for it, which is never counted as a pass).
@@ -36,6 +36,9 @@ INCLUDES: dict[str, tuple[str, ...]] = {
     "weak": ("ext4-ordered", PROCESS_KILL),
     "ext4-ordered": (PROCESS_KILL,),
 }
+#: Clauses of a capability: only a backend that declares it promises them (its checks
+#: are optional; without the capability they are "unsupported", never passed).
+CAPABILITY_CLAUSES: dict[str, Capability] = {"C14": Capability.HOLD}
 #: Clause ids, in order, plus API for answers that break the interface itself.
 API = "API"
 ROWS: dict[str, str] = {**CLAUSES, API: "Interface (answers, listings, handles)"}
@@ -123,6 +126,10 @@ CHECKS: tuple[CheckSpec, ...] = (
               "removed in turn: opening refuses with a typed error or serves the rest, "
               "nothing is delivered altered, every message not delivered is named lost",
               Kind.DAMAGE, ("C6", "C3", "C9")),
+    CheckSpec("hold", "hold, release and drop_held: a held entry is never claimed or "
+              "listed as queued, keeps its schedule, stays held across reopening; "
+              "(crashes inside them: lockstep crash rule and crash exploration)",
+              Kind.LOCKSTEP, ("C14",), Level.OPTIONAL, (Capability.HOLD,)),
 )
 
 BY_ID: dict[str, CheckSpec] = {c.id: c for c in CHECKS}

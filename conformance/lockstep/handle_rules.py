@@ -28,6 +28,13 @@ class HandleRules(MachineBase):
         for h in self._compare_listing("now"):
             self._keep(h, self._key(h))
 
+    @precondition(lambda self: self.holds)
+    @rule()
+    def list_held(self) -> None:
+        self.log.append("list_held()")
+        for h in self._compare_held("now"):
+            self._keep(h, self._key(h))
+
     @rule()
     def find_pending_cleanup(self) -> None:
         self.log.append("find_pending_cleanup()")
@@ -93,7 +100,7 @@ class HandleRules(MachineBase):
         self._misuse(data, h, what, same_type=True)
 
     def _misuse(self, data: st.DataObject, h: Handle, what: str, *, same_type: bool) -> None:
-        ops = [op for op, cls in TAKES.items() if (cls is type(h)) == same_type]
+        ops = [op for op in self._ops() if (TAKES[op] is type(h)) == same_type]
         op = data.draw(st.sampled_from(ops))
         self.log.append(f"{op.value} through {what}")
         fn = getattr(self.store, op.value)

@@ -35,7 +35,9 @@ from conformance.harness.backend_factory import Backend
 from faultinject.seam import FaultyIO
 from queue_ref.memory import MemoryStorage
 from queue_ref.storage import (
+    Capability,
     Handle,
+    HeldMail,
     InflightMail,
     MisuseError,
     PendingCleanupMail,
@@ -46,7 +48,7 @@ from queue_ref.storage import (
 )
 from spec.invariants import check
 from spec.model import EntryKey, Model
-from spec.states import EntryState, Op, Outcome
+from spec.states import HOLD_OPS, EntryState, Op, Outcome
 
 
 class ClauseViolation(AssertionError):
@@ -105,10 +107,12 @@ def body_bytes(seed: int, size: int) -> bytes:
 TAKES: dict[Op, type[Handle]] = {
     Op.RESCHEDULE: QueuedMail, Op.SEND_START: QueuedMail, Op.DROP: QueuedMail,
     Op.SEND_DONE: InflightMail, Op.SEND_CANCEL: InflightMail, Op.CLEANUP: PendingCleanupMail,
+    Op.HOLD: QueuedMail, Op.RELEASE: HeldMail, Op.DROP_HELD: HeldMail,
 }
 GIVES: dict[Op, type[Handle]] = {
     Op.RESCHEDULE: QueuedMail, Op.SEND_START: InflightMail, Op.DROP: PendingCleanupMail,
     Op.SEND_DONE: PendingCleanupMail, Op.SEND_CANCEL: QueuedMail,
+    Op.HOLD: HeldMail, Op.RELEASE: QueuedMail, Op.DROP_HELD: PendingCleanupMail,
 }
 POOL_CAP = 40  # live handles kept at most (every listing adds second handles)
 
@@ -221,6 +225,15 @@ class MachineBase(RuleBasedStateMachine):
                                          f"{h.message_id!r}, not the one commit gave")
         return key
 
+    @property
+    def holds(self) -> bool:
+        """Whether the backend declares Capability.HOLD (the hold rules run only then)."""
+        return Capability.HOLD in self.store.capabilities
+
+    def _ops(self) -> list[Op]:
+        """The operations of TAKES this backend declares (hold ones only with HOLD)."""
+        return [op for op in TAKES if self.holds or op not in HOLD_OPS]
+
     def _has(self, cls: type[Handle]) -> bool:
         return any(type(h) is cls for h, _ in self.pool)
 
@@ -304,6 +317,24 @@ class MachineBase(RuleBasedStateMachine):
                                             f"{self.model.entries[k].schedule}")
         return listed
 
+    def _compare_held(self, when: str) -> list[HeldMail]:
+        """list_held must give the model's HELD entries, each once, with their schedules
+        (C14); a backend without Capability.HOLD has none."""
+        if not self.holds:
+            return []
+        got: list[HeldMail] = self._call("list_held", lambda: list(self.store.list_held()))
+        keys = [self._key(h) for h in got]
+        want = self.model.keys_in(EntryState.HELD)
+        if sorted(keys) != want or len(set(keys)) != len(keys):
+            raise ClauseViolation("C14", f"list_held {when} lists {sorted(keys)}, expected "
+                                         f"{want}")
+        for h, k in zip(got, keys, strict=True):
+            if h.schedule != self.model.entries[k].schedule:
+                raise ClauseViolation("C14", f"list_held {when} gives {k} schedule "
+                                             f"{h.schedule}, expected "
+                                             f"{self.model.entries[k].schedule}")
+        return got
+
     def _compare_pending(self, when: str) -> list[PendingCleanupMail]:
         got: list[PendingCleanupMail] = self._call(
             "find_pending_cleanup", lambda: list(self.store.find_pending_cleanup()))
@@ -370,6 +401,7 @@ class MachineBase(RuleBasedStateMachine):
         problems = check(self.model)
         assert problems == [], f"the model itself breaks its invariants: {problems}"
         listed = self._compare_listing("after the step")
+        self._compare_held("after the step")
         self._compare_pending("after the step")
         adopted = self._call("find_inflight", lambda: list(self.store.find_inflight()))
         if adopted:

@@ -30,6 +30,7 @@ from conformance.lockstep.machine_state import (
     schedules,
 )
 from queue_ref.storage import (
+    HeldMail,
     InflightMail,
     InvalidInputError,
     PendingCleanupMail,
@@ -38,7 +39,7 @@ from queue_ref.storage import (
     Schedule,
 )
 from spec.model import Call, run
-from spec.states import TABLE, EntryState, Op
+from spec.states import HOLD_OPS, TABLE, EntryState, Op
 
 #: The operations the crash rule may crash inside, by rule name.
 CRASHABLE = ("enqueue", "enqueue_aborted", *(op.value for op in TAKES))
@@ -189,11 +190,28 @@ class Operations(MachineBase):
     def cleanup(self, data: st.DataObject) -> None:
         self._act(data, Op.CLEANUP)
 
+    @precondition(lambda self: self.holds and self._has(QueuedMail))
+    @rule(data=st.data())
+    def hold(self, data: st.DataObject) -> None:
+        self._act(data, Op.HOLD)
+
+    @precondition(lambda self: self.holds and self._has(HeldMail))
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        self._act(data, Op.RELEASE)
+
+    @precondition(lambda self: self.holds and self._has(HeldMail))
+    @rule(data=st.data())
+    def drop_held(self, data: st.DataObject) -> None:
+        self._act(data, Op.DROP_HELD)
+
     # ---- any of them, for the crash rule --------------------------------------------------
 
     def can_perform(self, name: str) -> bool:
         if name in ("enqueue", "enqueue_aborted"):
             return True
+        if Op(name) in HOLD_OPS and not self.holds:
+            return False
         return self._has(TAKES[Op(name)])
 
     def perform(self, name: str, data: st.DataObject) -> Call | None:

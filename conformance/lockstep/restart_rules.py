@@ -19,7 +19,7 @@ from hypothesis.stateful import precondition, rule
 from conformance.lockstep.machine_state import ClauseViolation, MachineBase
 from queue_ref.storage import (
     ClosedError,
-    QueuedMail,
+    Handle,
     QueueError,
     Recipient,
     RecoveryReport,
@@ -111,8 +111,21 @@ class RestartRules(MachineBase):
     def after_reopen(self, before: Model, what: str) -> None:
         """The reopened backend against ``self.model``; ``before`` names the clauses (the
         state the restart or crash interrupted)."""
-        listed: list[QueuedMail] = self._call("list_queue",
-                                              lambda: list(self.store.list_queue()))
+        listed: list[Handle] = self._call("list_queue",
+                                          lambda: list(self.store.list_queue()))
+        held = (self._call("list_held", lambda: list(self.store.list_held()))
+                if self.holds else [])
+        for h in held:
+            key = self._key(h)
+            if self.model.state_of(key) is EntryState.QUEUED:
+                raise ClauseViolation("C14", f"entry {key} is held after {what}, but its "
+                                             "hold was never acknowledged")
+        for h in listed:
+            key = self._key(h)
+            if self.model.state_of(key) is EntryState.HELD:
+                raise ClauseViolation("C14", f"entry {key} is queued after {what}: its "
+                                             "acknowledged hold was lost")
+        listed = [*listed, *held]
         inflight = self._call("find_inflight", lambda: list(self.store.find_inflight()))
         pending = self._call("find_pending_cleanup",
                              lambda: list(self.store.find_pending_cleanup()))

@@ -37,6 +37,7 @@ the leader, and the callers it served, or whose step it was to run, get EIO.
 
 from __future__ import annotations
 
+import collections
 import errno
 import threading
 from collections import deque
@@ -80,6 +81,8 @@ class GroupSync:
         self._leading = False
         self.rounds = 0
         self.requests = 0
+        #: how many rounds served n callers, by n (the round sizes, for metrics)
+        self.round_sizes: collections.Counter[int] = collections.Counter()
 
     @property
     def covers_files(self) -> bool:
@@ -153,6 +156,7 @@ class GroupSync:
                     (nxt if w.then is not None and w.error is None else done).append(w)
             with self._lock:
                 self.rounds += 1
+                self.round_sizes[len(batch) + len(stepping)] += 1
                 self._stepping = nxt
                 following: _Waiter | None = None
                 if me in done:

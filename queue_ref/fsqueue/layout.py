@@ -14,6 +14,12 @@ Layout under the queue's root (seed 001, with ``tmp/``, ``quarantine/`` and ``ow
     queue/<msgid>.<i>            symlink -> ../data/<msgid>           (QUEUED)
     inflight/<msgid>.<i>@<owner> the same symlink, claimed by <owner>  (INFLIGHT)
     cleanup/<msgid>.<i>          the same symlink                      (PENDING_CLEANUP)
+    held/<msgid>.<i>             the same symlink, set aside            (HELD)
+    domains/<h>/<msgid>.<i>      the domain index: a symlink to the entry id, for every
+                                 entry whose recipient's domain hashes to <h> (the first
+                                 32 hex digits of the SHA-256 of the lower-cased domain:
+                                 never a name built from an address).  A hint, never
+                                 trusted alone: see ``FsQueue.list_domain``
     tmp/<owner>/<msgid>          a message file being written by <owner>
     quarantine/                  corrupt entries, their notes, and junk found in our directories
     owners/<owner>.lock          flock-held while <owner> (one open FsQueue) is alive
@@ -28,6 +34,7 @@ the disk.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import secrets
 import threading
@@ -36,8 +43,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from os.path import join
 
-DIRS = ("data", "queue", "inflight", "cleanup", "tmp", "quarantine", "owners")
-LINK_DIRS = ("queue", "inflight", "cleanup")
+DIRS = ("data", "queue", "inflight", "cleanup", "held", "domains", "tmp", "quarantine",
+        "owners")
+LINK_DIRS = ("queue", "inflight", "cleanup", "held")
 
 OWNER_LEN = 16
 MSGID_LEN = 16 + 6 + OWNER_LEN
@@ -53,10 +61,16 @@ INFLIGHT_RE = re.compile(rf"(?P<msgid>{_MSGID})\.(?P<index>{_INDEX})@(?P<owner>{
 DATA_RE = re.compile(  # every name we create under data/
     rf"(?P<msgid>{_MSGID})(?:\.(?P<index>{_INDEX})"
     rf"(?:\.(?P<sched>sched)|\.(?P<owner>{_OWNER})\.tmp)?)?\Z")
+DOMAIN_DIR_RE = re.compile(r"[0-9a-f]{32}\Z")
 OWNER_LOCK_RE = re.compile(rf"(?P<owner>{_OWNER})\.lock\Z")
 
 SCHED = "sched"
 GATE = "gate.lock"
+
+
+def domain_of(address: str) -> str:
+    """The part after the last ``@``, lower-cased (as every backend's domain listing)."""
+    return address.rpartition("@")[2].lower()
 
 
 def new_owner() -> str:
@@ -117,6 +131,8 @@ class Layout:
         self.queue = join(root, "queue")
         self.inflight = join(root, "inflight")
         self.cleanup = join(root, "cleanup")
+        self.held = join(root, "held")
+        self.domains = join(root, "domains")
         self.tmp = join(root, "tmp")
         self.quarantine = join(root, "quarantine")
         self.owners = join(root, "owners")
@@ -161,6 +177,20 @@ class Layout:
 
     def cleanup_link(self, e: EntryName) -> str:
         return f"{self.cleanup}/{e.msgid}.{e.index}"
+
+    def held_link(self, e: EntryName) -> str:
+        return f"{self.held}/{e.msgid}.{e.index}"
+
+    # -- the domain index --
+
+    def domain_dir(self, domain: str) -> str:
+        """``domains/<h>``: the index directory of a recipient domain (lower-cased by the
+        caller); its name is a hash, so no address ever becomes a path."""
+        h = hashlib.sha256(domain.encode("utf-8", "surrogateescape")).hexdigest()[:32]
+        return f"{self.domains}/{h}"
+
+    def domain_link(self, domain: str, e: EntryName) -> str:
+        return f"{self.domain_dir(domain)}/{e.msgid}.{e.index}"
 
     # -- owners and quarantine --
 

@@ -163,6 +163,17 @@ class FsMetadata(FsSteps):
             self._envelopes.put(msgid, key, env, st.st_size)
         return env
 
+    def _entry_address(self, e: EntryName) -> str | None:
+        """The recipient of ``e``: from the envelope cache, else read (None if the message
+        file is gone or damaged)."""
+        try:
+            env = self._envelopes.peek(e.msgid) or self._load_envelope(e.msgid)
+        except (Corrupt, OSError):
+            return None
+        if env is None or e.index >= len(env.rcpts):
+            return None
+        return env.rcpts[e.index].address
+
     def _live_envelope(self, msgid: str) -> Envelope | None:
         """The envelope of a message the caller knows is live (it holds one of its
         entries): the one this queue cached (committed or verified here) as it is, else
@@ -277,9 +288,9 @@ class FsMetadata(FsSteps):
             self._sync_dirs(self.layout.data, self.layout.quarantine)
 
     def _quarantine_links_of(self, msgid: str) -> int:
-        """Move the queue/ and inflight/ links of ``msgid`` to quarantine/."""
+        """Move the queue/, held/ and inflight/ links of ``msgid`` to quarantine/."""
         moved = 0
-        for d in (self.layout.queue, self.layout.inflight):
+        for d in (self.layout.queue, self.layout.held, self.layout.inflight):
             names = self._links_of_message(d, msgid)
             for n in names:
                 moved += self._move_link(join(d, n), self.layout.quarantined(f"{n}.link"))

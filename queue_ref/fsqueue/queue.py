@@ -56,6 +56,7 @@ from queue_ref.fsqueue.layout import (
     EntryName,
     Layout,
     MessageIds,
+    domain_of,
     is_owner_token,
     new_owner,
     parse_inflight,
@@ -77,6 +78,7 @@ from queue_ref.storage import (
     EntryMeta,
     Footprint,
     Handle,
+    HeldMail,
     InflightMail,
     InvalidInputError,
     Limits,
@@ -116,7 +118,8 @@ class FsQueue(FsMetadata, Storage):
     """A mail queue in a directory.  Several processes may open one root at once."""
 
     capabilities = frozenset({Capability.GROUP_COMMIT, Capability.STREAMING_BODIES,
-                              Capability.MULTI_PROCESS, Capability.IO_SEAM})
+                              Capability.MULTI_PROCESS, Capability.IO_SEAM, Capability.HOLD,
+                              Capability.DOMAIN_INDEX})
 
     #: The sync mode when the constructor is given none (None: ``default_sync_mode()``).
     default_sync: str | None = None
@@ -237,7 +240,7 @@ class FsQueue(FsMetadata, Storage):
         dirs = [self.layout.data]
         if self.sync_mode == "fsync":
             dirs += [self.layout.queue, self.layout.inflight, self.layout.cleanup,
-                     self.layout.tmp_owner(self.owner)]
+                     self.layout.held, self.layout.tmp_owner(self.owner)]
         for d in dirs:
             self.io.pin_dir(d)
             self._pinned.append(d)
@@ -332,6 +335,33 @@ class FsQueue(FsMetadata, Storage):
                 got = self._verified(e, mine)
             if got is not None:
                 yield self._issue(InflightMail, e.entry_id, e.msgid, got[1])
+
+    def list_domain(self, domain: str) -> Iterator[QueuedMail]:
+        """QUEUED entries whose recipient is at ``domain`` (case-insensitive), oldest
+        message first, read from the domain index ``domains/<h>/`` without a scan of the
+        queue: each index link is only a hint, checked against ``queue/<e>`` (its link
+        text) and the entry's verified envelope (its recipient's domain), so a stale or
+        foreign name in the index is never listed (C13)."""
+        self._check_open()
+        validate_address(domain, "domain", allow_empty=True)
+        d = domain.lower()
+        for e in self._sorted_names(self.layout.domain_dir(d)):
+            self._check_open()
+            with self._guard("listing a domain", None, writes=False):
+                got = self._verified(e, self.layout.queue_link(e))
+            if got is not None and domain_of(got[0].rcpts[e.index].address) == d:
+                yield self._issue(QueuedMail, e.entry_id, e.msgid, got[1])
+
+    def list_held(self) -> Iterator[HeldMail]:
+        """Every HELD entry (a link in held/), oldest message first; corrupt ones are
+        quarantined and skipped, like ``list_queue``."""
+        self._check_open()
+        for e in self._sorted_names(self.layout.held):
+            self._check_open()
+            with self._guard("listing held entries", None, writes=False):
+                got = self._verified(e, self.layout.held_link(e))
+            if got is not None:
+                yield self._issue(HeldMail, e.entry_id, e.msgid, got[1])
 
     def find_pending_cleanup(self) -> Iterator[PendingCleanupMail]:
         """Every link in cleanup/ (its data may be partly released already)."""
@@ -430,6 +460,43 @@ class FsQueue(FsMetadata, Storage):
         with self._reading_lock:  # its file is not made a spare while a reader has it open
             self._reading[e.msgid] += 1
         return FsMailReader(self.io, fd, meta, env.body_sha256, h,
+                            lambda why: self._body_corrupt(e, link, why),
+                            lambda: self._reader_closed(e.msgid))
+
+    def inspect_entry(self, mail: QueuedMail | HeldMail) -> MailReader | None:
+        """Open a QUEUED or HELD entry's metadata and body without claiming it; None if
+        its link is no longer where the handle says (claimed, held, dropped meanwhile).
+        The message file stays readable while it is open even if the entry is delivered
+        and cleaned up meanwhile (it is never made a spare while a reader has it)."""
+        h: HeldMail | QueuedMail = (self._peek(mail, HeldMail) if isinstance(mail, HeldMail)
+                                    else self._peek(mail, QueuedMail))
+        e = self._entry(h)
+        link = (self.layout.held_link(e) if isinstance(h, HeldMail)
+                else self._queued_link(h, e))
+        try:
+            with self._rw.shared():
+                with self._reading_lock:
+                    self._reading[e.msgid] += 1
+                try:
+                    got = self._verified(e, link)
+                    if got is None:
+                        self._reader_closed(e.msgid)
+                        return None
+                    env, sched = got
+                    try:
+                        fd = self.io.open_read(self.layout.msg_file(e.msgid))
+                    except FileNotFoundError:  # cleaned up since the link was read
+                        self._reader_closed(e.msgid)
+                        return None
+                except BaseException:
+                    self._reader_closed(e.msgid)
+                    raise
+        except OSError as err:
+            raise storage_error("inspecting an entry", err) from err
+        r = env.rcpts[e.index]
+        meta = EntryMeta(e.msgid, e.entry_id, env.mail_from, r.address, e.index, r.zone,
+                         dict(env.params), sched, env.body_size, int(e.msgid[:16], 16))
+        return FsMailReader(self.io, fd, meta, env.body_sha256, None,
                             lambda why: self._body_corrupt(e, link, why),
                             lambda: self._reader_closed(e.msgid))
 
@@ -586,6 +653,52 @@ class FsQueue(FsMetadata, Storage):
                 return None
             h._extra = None
             self._sync_move(os.path.dirname(src), self.layout.cleanup)
+            try:
+                got = self._load_entry(e)
+            except Corrupt:
+                got = None
+        sched = got[1] if got is not None else h.schedule
+        return self._issue(PendingCleanupMail, h.entry_id, h.message_id, sched)
+
+    def hold(self, mail: QueuedMail) -> HeldMail | None:
+        """Rename ``queue/<e>`` to ``held/<e>`` and sync both directories: no claim can
+        take the entry from held/, and its schedule record is not touched (C14)."""
+        h = self._take(mail, QueuedMail)
+        e = self._entry(h)
+        dst = self.layout.held_link(e)
+        with self._guard("hold", h):
+            src = self._queued_link(h, e)
+            if not self._move_link(src, dst):
+                return None
+            h._extra = None
+            self._sync_move(os.path.dirname(src), self.layout.held)
+            got = self._verified(e, dst, check_link=False)
+        if got is None:  # its metadata was corrupt: quarantined
+            return None
+        return self._issue(HeldMail, h.entry_id, h.message_id, got[1])
+
+    def release(self, mail: HeldMail) -> QueuedMail | None:
+        """Rename ``held/<e>`` back to ``queue/<e>`` (synced), with the schedule it had."""
+        h = self._take(mail, HeldMail)
+        e = self._entry(h)
+        dst = self.layout.queue_link(e)
+        with self._guard("release", h):
+            if not self._move_link(self.layout.held_link(e), dst):
+                return None
+            self._sync_move(self.layout.held, self.layout.queue)
+            got = self._verified(e, dst, check_link=False)
+        if got is None:
+            return None
+        return self._issue(QueuedMail, h.entry_id, h.message_id, got[1])
+
+    def drop_held(self, mail: HeldMail) -> PendingCleanupMail | None:
+        """Rename ``held/<e>`` to ``cleanup/<e>`` (synced): never sent (C3)."""
+        h = self._take(mail, HeldMail)
+        e = self._entry(h)
+        with self._guard("drop_held", h):
+            if not self._move_link(self.layout.held_link(e), self.layout.cleanup_link(e)):
+                return None
+            self._sync_move(self.layout.held, self.layout.cleanup)
             try:
                 got = self._load_entry(e)
             except Corrupt:

@@ -15,13 +15,13 @@ from collections.abc import Callable
 
 from queue_ref.fsqueue.diskutil import storage_error
 from queue_ref.io import IO
-from queue_ref.storage import ClosedError, CorruptionError, EntryMeta, InflightMail, MailReader
+from queue_ref.storage import ClosedError, CorruptionError, EntryMeta, Handle, MailReader
 
 CHUNK = 1 << 16
 
 
 class FsMailReader(MailReader):
-    def __init__(self, io: IO, fd: int, meta: EntryMeta, sha256: str, handle: InflightMail,
+    def __init__(self, io: IO, fd: int, meta: EntryMeta, sha256: str, handle: Handle | None,
                  on_corrupt: Callable[[str], CorruptionError],
                  on_close: Callable[[], None]) -> None:
         self.meta = meta

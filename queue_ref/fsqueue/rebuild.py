@@ -79,12 +79,12 @@ def _restore(q: FsQueue, path: str, msgid: str) -> int:
             io.link(path, ref)
     for i in range(n):
         e = EntryName(msgid, i)
-        for d in (lay.queue, lay.inflight, lay.cleanup):
+        for d in (lay.queue, lay.held, lay.inflight, lay.cleanup):
             for name in q._links_of_message(d, msgid):
                 if name.split("@")[0] == e.entry_id:
                     if_exists(io.unlink, os.path.join(d, name))
         io.symlink(e.target, lay.queue_link(e))
-    q._sync_dirs(lay.data, lay.queue, lay.inflight, lay.cleanup)
+    q._sync_dirs(lay.data, lay.queue, lay.held, lay.inflight, lay.cleanup)
     io.rename(path, lay.msg_file(msgid))  # the commit point
     q._sync_dirs(lay.data, lay.quarantine)
     return n

@@ -4,13 +4,16 @@ Runs when a queue is opened and on ``recover()``, always holding ``owners/gate.l
 owners.py).  It is *exclusive* when every other owner is dead: no other process has the
 queue open and none can open it meanwhile.  Steps, in order:
 
-1. **Junk**: anything in queue/, inflight/, cleanup/ that is not one of our links (a name we
+1. **Junk**: anything in queue/, inflight/, cleanup/, held/ that is not one of our links (a name we
    never create, a regular file or directory, a symlink whose target is not exactly
    ``../data/<msgid>`` for its own name) is moved to quarantine/ and reported.
    Links are never followed; the check compares the link text.
 2. **Duplicates** (an entry linked twice, possible after power loss because a rename
-   persists in one directory before the other): cleanup wins over queue and inflight, queue
-   wins over inflight.  Only links of dead owners and queue links of retired entries are
+   persists in one directory before the other): cleanup wins over queue, held and
+   inflight; held wins over queue and a dead owner's inflight (only an interrupted hold or
+   release links an entry in held/ and queue/ at once, and either state is allowed then;
+   an inflight link beside a held one is a claim renamed back by an interrupted cancel);
+   queue wins over inflight.  Only links of dead owners and queue links of retired entries are
    removed, so a live process's claim is never undone.
 3. **Interrupted cleanups**: every cleanup/ link is cleaned up (steps tolerate missing data).
 4. **Uncommitted enqueues** of dead owners: the dangling links of their messages (a link
@@ -29,8 +32,10 @@ queue open and none can open it meanwhile.  Steps, in order:
    its links were removed, or (after a power cut) its cleanup or an unacknowledged
    commit was cut short; ``queue-ref repair`` puts an intact one back in the queue.  A
    hard link of an entry no link names is reported too, then removed.
-7. **Verification**: the metadata of every queued entry is checked; corrupt entries and
-   messages are quarantined.
+7. **Verification**: the metadata of every queued and held entry is checked; corrupt entries and
+   messages are quarantined.  Every queued and held entry gets its domain index link
+   back if a power cut lost it (the index is never synced); exclusive recoveries also
+   remove index links of entries no link names (cleaned up, quarantined, uncommitted).
 8. Lock files of dead owners are removed.
 
 Every step is idempotent and leaves a state the next run accepts, so a crash inside
@@ -54,9 +59,11 @@ from queue_ref.fsqueue.diskutil import (
 )
 from queue_ref.fsqueue.layout import (
     DATA_RE,
+    DOMAIN_DIR_RE,
     MSGID_RE,
     OWNER_RE,
     EntryName,
+    domain_of,
     owner_of_msgid,
     parse_inflight,
 )
@@ -80,6 +87,8 @@ class Recovery:
         self.queue: dict[EntryName, str] = {}
         self.inflight: Inflight = {}
         self.cleanup: dict[EntryName, str] = {}
+        self.held: dict[EntryName, str] = {}
+        self.index_paths: dict[str, str] = {}  # entry id -> its index link (verified entries)
 
     def alive(self, owner: str) -> bool:
         return self.q._owners.alive(owner)
@@ -94,6 +103,8 @@ class Recovery:
         if self.exclusive:
             self.remove_orphans()
         self.verify_queued()
+        if self.exclusive:
+            self.prune_index()
         for o in self.q._owners.on_disk():
             if not self.alive(o):
                 self.q._owners.forget_dead(o)
@@ -126,6 +137,8 @@ class Recovery:
             self._scan_one(self.lay.queue, name, self.queue)
         for name in listdir_or_empty(self.io, self.lay.cleanup):
             self._scan_one(self.lay.cleanup, name, self.cleanup)
+        for name in listdir_or_empty(self.io, self.lay.held):
+            self._scan_one(self.lay.held, name, self.held)
         for name in listdir_or_empty(self.io, self.lay.inflight):
             path = join(self.lay.inflight, name)
             parsed = parse_inflight(name)
@@ -155,10 +168,16 @@ class Recovery:
         for e in self.cleanup:
             if e in self.queue:
                 drop(self.queue.pop(e), self.lay.queue)
+            if e in self.held:
+                drop(self.held.pop(e), self.lay.held)
+        for e in self.held:
+            if e in self.queue:
+                drop(self.queue.pop(e), self.lay.queue)
         for e, links in list(self.inflight.items()):
             keep = [(o, p) for o, p in links if self.alive(o)]
             dead = [(o, p) for o, p in links if not self.alive(o)]
-            if not keep and dead and e not in self.cleanup and e not in self.queue:
+            if (not keep and dead and e not in self.cleanup and e not in self.queue
+                    and e not in self.held):
                 keep.append(dead.pop(0))  # one dead claim survives, to be requeued
             for _, p in dead:
                 drop(p, self.lay.inflight)
@@ -195,6 +214,10 @@ class Recovery:
             if self._dangling(e, path, building):
                 del self.queue[e]
                 changed.add(self.lay.queue)
+        for e, path in sorted(self.held.items()):
+            if self._dangling(e, path, building):
+                del self.held[e]
+                changed.add(self.lay.held)
         for e, links in list(self.inflight.items()):
             for owner, path in list(links):
                 if not self.alive(owner) and self._dangling(e, path, building):
@@ -273,6 +296,7 @@ class Recovery:
         """A committed message whose file is gone: note it, move its links aside, report
         it with its entries (never deleted silently)."""
         links = sorted(set(self.q._links_of_message(self.lay.queue, msgid))
+                       | set(self.q._links_of_message(self.lay.held, msgid))
                        | set(self.q._links_of_message(self.lay.inflight, msgid)))
         entries = sorted({n.split("@")[0] for n in links})
         self.q._write_note(f"{msgid}.lost", f"message {msgid}: its file data/{msgid} is "
@@ -321,9 +345,9 @@ class Recovery:
     # ---- 6. orphans --------------------------------------------------------------------
 
     def _referenced(self) -> set[str]:
-        """Entry ids that a link in queue/, inflight/ or cleanup/ names, read afresh."""
+        """Entry ids that a link in queue/, held/, inflight/ or cleanup/ names, read afresh."""
         refs: set[str] = set()
-        for d in (self.lay.queue, self.lay.cleanup):
+        for d in (self.lay.queue, self.lay.held, self.lay.cleanup):
             refs.update(n for n in listdir_or_empty(self.io, d) if EntryName.parse(n))
         for n in listdir_or_empty(self.io, self.lay.inflight):
             parsed = parse_inflight(n)
@@ -404,12 +428,36 @@ class Recovery:
                              f"to quarantine/{msgid}.unlinked")
         return True
 
-    # ---- 7. verification ---------------------------------------------------------------
+    # ---- 7. verification and the domain index -------------------------------------------
+
+    def _index(self, e: EntryName, address: str) -> None:
+        """Put back the index link of a queued or held entry if it is missing."""
+        path = self.lay.domain_link(domain_of(address), e)
+        self.index_paths[e.entry_id] = path
+        if lstat_or_none(self.io, path) is None:
+            self.q._add_to_index(e, address)
+
+    def prune_index(self) -> None:
+        """Exclusive only: remove index links of entries no link names, and links of
+        verified entries under another domain's directory (unsynced: a link a power cut
+        brings back is removed again by the next recovery)."""
+        refs = self._referenced()
+        for d in listdir_or_empty(self.io, self.lay.domains):
+            path = join(self.lay.domains, d)
+            if not DOMAIN_DIR_RE.match(d) or not self.io.is_dir(path):
+                self.junk(path, "not a directory of the domain index")
+                continue
+            for n in listdir_or_empty(self.io, path):
+                link = join(path, n)
+                if n not in refs or self.index_paths.get(n, link) != link:
+                    if_exists(self.io.unlink, link)
 
     def verify_queued(self) -> None:
-        for e, path in sorted(self.queue.items()):
+        for e, path in sorted([*self.queue.items(), *self.held.items()]):
             try:
-                self.q._load_entry(e)
+                got = self.q._load_entry(e)
+                if got is not None and e.index < len(got[0].rcpts):
+                    self._index(e, got[0].rcpts[e.index].address)
             except Corrupt as c:
                 if readlink_or_none(self.io, path) != e.target:
                     continue  # taken and cleaned up by a live process meanwhile

@@ -56,7 +56,7 @@ from typing import Any
 
 from queue_ref.fsqueue.diskutil import if_exists, listdir_or_empty, lstat_or_none, write_whole
 from queue_ref.fsqueue.groupsync import GroupSync
-from queue_ref.fsqueue.layout import EntryName, Layout
+from queue_ref.fsqueue.layout import EntryName, Layout, domain_of
 from queue_ref.fsqueue.records import Envelope, encode_schedule, trailer
 from queue_ref.fsqueue.spares import Spares
 from queue_ref.io import IO
@@ -86,6 +86,7 @@ class MessageTx:
     pending: bytearray = field(default_factory=bytearray)  # body bytes not yet written
     written: int = 0  # bytes written to the file
     reused: int = -1  # the size of the spare file written into (-1: a new file)
+    indexed: list[str] = field(default_factory=list)  # domain index links created
 
 
 class FsSteps:
@@ -251,10 +252,46 @@ class FsSteps:
             dirs.append(self.layout.queue)
         self._sync_dirs(*dirs)
 
+    def _index_message(self, tx: MessageTx, env: Envelope) -> None:
+        """Add every entry to the domain index (``domains/<h>/<msgid>.<i>``) before any of
+        its links can be published, so a running queue never lists a QUEUED entry its
+        index lacks.  Not synced: after a power cut recovery adds what the index lost
+        (it reads every queued entry's envelope anyway), and removes what it holds of
+        entries no link names (C13)."""
+        for i, r in enumerate(env.rcpts):
+            tx.indexed.append(self._add_to_index(EntryName(tx.msgid, i), r.address))
+
+    def _add_to_index(self, e: EntryName, address: str) -> str:
+        """Create the index link of ``e`` (and its domain's directory); existing is fine."""
+        domain = domain_of(address)
+        path = self.layout.domain_link(domain, e)
+        try:
+            self.io.symlink(e.entry_id, path)
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            with suppress(FileExistsError):
+                self.io.mkdir(self.layout.domain_dir(domain))
+            with suppress(FileExistsError):
+                self.io.symlink(e.entry_id, path)
+        return path
+
+    def _entry_address(self, e: EntryName) -> str | None:
+        """The recipient of ``e`` if its envelope can be had (FsMetadata reads it)."""
+        return None
+
+    def _drop_from_index(self, e: EntryName) -> None:
+        """Remove the index link of an entry that leaves the queue for good (unsynced: a
+        leftover is a stale hint, skipped by listings and removed by recovery)."""
+        address = self._entry_address(e)
+        if address is not None:
+            if_exists(self.io.unlink, self.layout.domain_link(domain_of(address), e))
+
     def _commit_message(self, tx: MessageTx, env: Envelope) -> None:
         """The whole commit, in the only safe order."""
         n = len(env.rcpts)
         self._write_envelope(tx, env)
+        self._index_message(tx, env)
         if n == 1 and self._group.covers_files:
             self._commit_pipelined(tx)
             return
@@ -298,6 +335,8 @@ class FsSteps:
             self.io.close(fd)
         for i in range(tx.links):
             if_exists(self.io.unlink, self.layout.queue_link(EntryName(tx.msgid, i)))
+        for path in tx.indexed:
+            if_exists(self.io.unlink, path)
         tx.links = 0
         for i in range(tx.refs):
             if_exists(self.io.unlink, self.layout.ref(EntryName(tx.msgid, i)))
@@ -431,6 +470,7 @@ class FsSteps:
         which the first recovery after the power loss (exclusive, since every process
         died) removes (C3, C8).  Returns True if this call removed the link.
         """
+        self._drop_from_index(e)
         self._release_entry(e, single=single, record=record)
         return self._unlink_link(self.layout.cleanup_link(e))
 

@@ -57,7 +57,8 @@ class AtRest:
 def entries_of(kv: KV) -> AtRest:
     """The entries the store holds now (files left empty)."""
     out = AtRest()
-    for prefix, state in ((keys.ZONE, records.QUEUED), (keys.INFLIGHT, records.INFLIGHT)):
+    for prefix, state in ((keys.ZONE, records.QUEUED), (keys.INFLIGHT, records.INFLIGHT),
+                          (keys.HELD, records.HELD)):
         for k, v in kv.iterate(prefix, keys.end_of(prefix)):
             try:
                 mid, idx = (keys.parse_indexed(k)[1:] if state == records.QUEUED

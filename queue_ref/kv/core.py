@@ -217,7 +217,7 @@ class Core:
         except BadRecord:
             meta = None
         n = sum(1 for _ in self.zone_keys(mid, meta))
-        for fam in (keys.INFLIGHT, keys.CLEANUP):
+        for fam in (keys.INFLIGHT, keys.CLEANUP, keys.HELD):
             p = fam + keys.num(mid, keys.ID_WIDTH) + b" "
             n += sum(1 for _ in self.kv.iterate(p, keys.end_of(p)))
         return n
@@ -298,7 +298,7 @@ class Core:
         b.put(keys.quarantine_mark(mid), records.seal(
             {"k": "quarantine", "id": mid, "reason": reason, "at": self.clock()}))
         moved = [keys.created(mid), keys.meta(mid), keys.live(mid), *self.zone_keys(mid, meta)]
-        for fam in (keys.INFLIGHT, keys.CLEANUP):
+        for fam in (keys.INFLIGHT, keys.CLEANUP, keys.HELD):
             p = fam + keys.num(mid, keys.ID_WIDTH) + b" "
             moved.extend(k for k, _ in self.kv.iterate(p, keys.end_of(p)))
         for k in moved:

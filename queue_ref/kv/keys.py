@@ -11,6 +11,7 @@ message first::
     delivery-zone <zone> <id> <idx> a QUEUED entry (address, schedule)
     domain <domain> <id> <idx>      the same entry, indexed by recipient domain (ETRN)
     inflight <id> <idx>             an INFLIGHT entry (address, zone, schedule, owner)
+    held <id> <idx>                 a HELD entry (address, zone, schedule): never claimed
     cleanup <id> <idx>              a PENDING_CLEANUP entry
     seq                             high-water mark of message ids
     quarantine <original key>       bytes that failed their checksum, moved aside
@@ -42,11 +43,12 @@ ZONE = b"delivery-zone "
 DOMAIN = b"domain "
 INFLIGHT = b"inflight "
 CLEANUP = b"cleanup "
+HELD = b"held "
 QUARANTINE = b"quarantine "
 SEQ = b"seq"
 
 #: Key families that hold queue data (footprint counts these, not seq or quarantine).
-DATA_FAMILIES = (MESSAGE, LIVE, ZONE, DOMAIN, INFLIGHT, CLEANUP)
+DATA_FAMILIES = (MESSAGE, LIVE, ZONE, DOMAIN, INFLIGHT, CLEANUP, HELD)
 
 CREATED = b"#"
 META = b"*"
@@ -174,6 +176,10 @@ def inflight(mid: int, idx: int) -> bytes:
 
 def cleanup(mid: int, idx: int) -> bytes:
     return CLEANUP + _entry_tail(mid, idx)
+
+
+def held(mid: int, idx: int) -> bytes:
+    return HELD + _entry_tail(mid, idx)
 
 
 def parse_indexed(key: bytes) -> tuple[str, int, int]:

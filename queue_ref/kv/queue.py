@@ -50,6 +50,7 @@ from queue_ref.storage import (
     EntryMeta,
     Footprint,
     Handle,
+    HeldMail,
     InflightMail,
     InvalidInputError,
     Limits,
@@ -71,7 +72,7 @@ H = TypeVar("H", bound=Handle)
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 _CAPS = frozenset({Capability.ZONE_LISTING, Capability.DOMAIN_INDEX,
-                   Capability.GROUP_COMMIT, Capability.STREAMING_BODIES})
+                   Capability.GROUP_COMMIT, Capability.STREAMING_BODIES, Capability.HOLD})
 
 
 def _is_log_engine(kv: KV) -> bool:
@@ -322,6 +323,19 @@ class KvQueue(Storage):
         self._check_open()
         return self._pending_cleanup()
 
+    def list_held(self) -> Iterator[HeldMail]:
+        self._check_open()
+        return self._held()
+
+    def _held(self) -> Iterator[HeldMail]:
+        with self._io("listing held entries"):
+            for key, raw in self._kv.iterate(keys.HELD, keys.end_of(keys.HELD)):
+                ref = self._listed(key, raw, records.HELD)
+                if ref is not None:
+                    rec = ref.rec
+                    yield self._issue(HeldMail, keys.entry_id(rec.mid, rec.idx),
+                                      str(rec.mid), rec.schedule, ref)
+
     def _pending_cleanup(self) -> Iterator[PendingCleanupMail]:
         with self._io("listing pending cleanups"):
             for key, raw in self._kv.iterate(keys.CLEANUP, keys.end_of(keys.CLEANUP)):
@@ -384,6 +398,27 @@ class KvQueue(Storage):
                                   keys.quarantine(keys.message_prefix(mid)).decode())
         em = EntryMeta(str(mid), h.entry_id, meta.mail_from, rec.address, idx, rec.zone,
                        dict(meta.params), rec.schedule, meta.size)
+        return KvReader(self, em, meta)
+
+    def inspect_entry(self, mail: QueuedMail | HeldMail) -> MailReader | None:
+        held = isinstance(mail, HeldMail)
+        h = self._peek(mail, HeldMail if held else QueuedMail)
+        mid, idx, ref = self._locate(h)
+        with self._entry_op(h, "inspect_entry", mid, idx):
+            key = keys.held(mid, idx) if held else keys.zone(ref.rec.zone, mid, idx)
+            rec = self._core.entry(key, mid, idx, records.HELD if held else records.QUEUED,
+                                   ref)
+            if rec is None:
+                return None
+            try:
+                meta = self._core.meta(mid)
+            except BadRecord:
+                meta = None
+            if meta is None or idx >= len(meta.rcpts) or meta.rcpts[idx] != (rec.address,
+                                                                                rec.zone):
+                return None  # recovery or a reader quarantines a damaged message
+        em = EntryMeta(str(mid), h.entry_id, meta.mail_from, rec.address, idx, rec.zone,
+                       dict(meta.params), rec.schedule, meta.size, meta.created)
         return KvReader(self, em, meta)
 
     # ---- state changes --------------------------------------------------------------
@@ -472,6 +507,59 @@ class KvQueue(Storage):
             b = WriteBatch()
             b.delete(zkey)
             b.delete(keys.domain(keys.domain_of(rec.address), mid, idx))
+            b.put(keys.cleanup(mid, idx), new.raw)
+            self._core.write(b, sync=True)
+        return self._issue(PendingCleanupMail, h.entry_id, h.message_id, rec.schedule, new)
+
+    def hold(self, mail: QueuedMail) -> HeldMail | None:
+        """Move the entry's record from its delivery-zone key (and its domain-index key)
+        to ``held <id> <idx>`` in one synced batch: no listing of the queue shows it, so
+        nothing claims it, and its schedule is kept (C14)."""
+        h = self._take(mail, QueuedMail)
+        mid, idx, ref = self._locate(h)
+        with self._entry_op(h, "hold", mid, idx):
+            zkey = keys.zone(ref.rec.zone, mid, idx)
+            rec = self._core.entry(zkey, mid, idx, records.QUEUED, ref)
+            if rec is None:
+                return None
+            new = Stored.of(rec.moved(records.HELD))
+            b = WriteBatch()
+            b.delete(zkey)
+            b.delete(keys.domain(keys.domain_of(rec.address), mid, idx))
+            b.put(keys.held(mid, idx), new.raw)
+            self._core.write(b, sync=True)
+        return self._issue(HeldMail, h.entry_id, h.message_id, rec.schedule, new)
+
+    def release(self, mail: HeldMail) -> QueuedMail | None:
+        """Put a held entry back under its delivery-zone and domain keys (one synced
+        batch), with the schedule it had."""
+        h = self._take(mail, HeldMail)
+        mid, idx, ref = self._locate(h)
+        with self._entry_op(h, "release", mid, idx):
+            hkey = keys.held(mid, idx)
+            rec = self._core.entry(hkey, mid, idx, records.HELD, ref)
+            if rec is None:
+                return None
+            new = Stored.of(rec.moved(records.QUEUED))
+            b = WriteBatch()
+            b.delete(hkey)
+            b.put(keys.zone(rec.zone, mid, idx), new.raw)
+            b.put(keys.domain(keys.domain_of(rec.address), mid, idx),
+                  records.domain_value(mid, idx, rec.zone))
+            self._core.write(b, sync=True)
+        return self._issue(QueuedMail, h.entry_id, h.message_id, rec.schedule, new)
+
+    def drop_held(self, mail: HeldMail) -> PendingCleanupMail | None:
+        h = self._take(mail, HeldMail)
+        mid, idx, ref = self._locate(h)
+        with self._entry_op(h, "drop_held", mid, idx):
+            hkey = keys.held(mid, idx)
+            rec = self._core.entry(hkey, mid, idx, records.HELD, ref)
+            if rec is None:
+                return None
+            new = Stored.of(rec.moved(records.CLEANUP))
+            b = WriteBatch()
+            b.delete(hkey)
             b.put(keys.cleanup(mid, idx), new.raw)
             self._core.write(b, sync=True)
         return self._issue(PendingCleanupMail, h.entry_id, h.message_id, rec.schedule, new)

@@ -26,7 +26,8 @@ from spec import Schedule
 QUEUED = "queued"
 INFLIGHT = "inflight"
 CLEANUP = "cleanup"
-STATES = (QUEUED, INFLIGHT, CLEANUP)
+HELD = "held"
+STATES = (QUEUED, INFLIGHT, CLEANUP, HELD)
 
 
 class BadRecord(ValueError):

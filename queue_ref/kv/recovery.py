@@ -11,7 +11,8 @@ process is using (entries it holds inflight, enqueues still open).  In order:
 2. pending cleanups are noted; an entry stored in two states (only a reordering of
    batches could do that) keeps the later one, pending cleanup;
 3. inflight entries (their owners died: one process owns the database) go back to the
-   queue with their schedule (rule 5);
+   queue with their schedule (rule 5); held entries stay held (checked like queued ones;
+   an entry also pending cleanup loses its held key);
 4. pending cleanups are finished (rule 5): their keys go, step 7 does the rest;
 5. queued entries are checked: corrupt ones quarantined, those of no committed message
    removed, missing domain-index keys added;
@@ -48,6 +49,7 @@ class _Run:
     committed: set[int] = field(default_factory=set)
     counts: Counter[int] = field(default_factory=Counter)  # entries kept, per message
     retired: set[tuple[int, int]] = field(default_factory=set)  # pending cleanup
+    held_keys: set[tuple[int, int]] = field(default_factory=set)  # held, kept
     finished: Counter[int] = field(default_factory=Counter)  # cleanups finished, per message
     top: int = -1
 
@@ -149,6 +151,8 @@ class _Run:
         self.retired = {(m, i) for _, m, i in cleanups}
         for k, v in kv.iterate(keys.INFLIGHT, keys.end_of(keys.INFLIGHT)):
             self.inflight(k, v)
+        for k, v in kv.iterate(keys.HELD, keys.end_of(keys.HELD)):
+            self.held(k, v)
         # Finishing a cleanup only deletes its key here: step 7 recounts every message
         # and removes those left without entries.
         self.delete_all([k for k, _, _ in cleanups])
@@ -193,6 +197,27 @@ class _Run:
         self.write(b)
         self.requeued += 1
 
+    def held(self, k: bytes, v: bytes) -> None:
+        try:
+            mid, idx = keys.parse_entry(k)
+        except keys.BadKey:
+            self.orphan(k, "bad held key")
+            return
+        self.top = max(self.top, mid)
+        if (mid, idx) in self.retired:
+            self.orphan(k, "entry is also pending cleanup")
+            return
+        if mid not in self.committed:
+            self.orphan(k, "entry of no committed message")
+            return
+        try:
+            EntryRec.decode(v, mid, idx, records.HELD)
+        except BadRecord as e:
+            self.quarantine(k, v, mid, idx, str(e))
+            return
+        self.held_keys.add((mid, idx))
+        self.counts[mid] += 1
+
     def quarantine(self, k: bytes, v: bytes, mid: int, idx: int, why: str) -> None:
         self.quarantined += 1
         self.lost.add(mid)
@@ -215,6 +240,9 @@ class _Run:
                 continue
             if (mid, idx) in self.retired:
                 self.orphan(k, "entry is also pending cleanup")
+                continue
+            if (mid, idx) in self.held_keys:
+                self.orphan(k, "entry is also held")
                 continue
             try:
                 rec = EntryRec.decode(v, mid, idx, records.QUEUED)

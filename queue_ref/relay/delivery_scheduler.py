@@ -41,6 +41,7 @@ from queue_ref.relay.relay_metrics import RelayMetrics
 from queue_ref.relay.retry_backoff import RetryPolicy
 from queue_ref.relay.smtp_delivery import RcptResult, SmtpDeliverer
 from queue_ref.storage import (
+    Capability,
     CorruptionError,
     InflightMail,
     PendingCleanupMail,
@@ -107,6 +108,7 @@ class DeliveryScheduler:
         self._global = asyncio.Semaphore(config.max_deliveries)
         self._destinations: dict[str, asyncio.Semaphore] = {}
         self._started = self.clock()
+        self.held: int | None = None  # held entries at the last scan (Capability.HOLD)
         self.counts = {"sent": 0, "deferred": 0, "bounced": 0, "expired": 0}
 
     # ---- what others call ----
@@ -123,7 +125,12 @@ class DeliveryScheduler:
         self._event.set()
 
     def sizes(self) -> dict[str, int]:
-        return {"queued": len(self._latest), "inflight": len(self._claimed)}
+        """Entries by state: queued and inflight as the scheduler holds them now, held as
+        its last scan of the queue found them (backends with Capability.HOLD)."""
+        out = {"queued": len(self._latest), "inflight": len(self._claimed)}
+        if self.held is not None:
+            out["held"] = self.held
+        return out
 
     def _push(self, h: QueuedMail) -> None:
         if self._scanning:
@@ -172,6 +179,8 @@ class DeliveryScheduler:
 
     def _list(self) -> list[QueuedMail]:
         found = list(self.store.list_queue())
+        if Capability.HOLD in self.store.capabilities:
+            self.held = sum(1 for _ in self.store.list_held())
         try:  # entries of other processes of a shared queue that died holding them
             for inflight in self.store.find_inflight():
                 queued = self.store.send_cancel(inflight, inflight.schedule)

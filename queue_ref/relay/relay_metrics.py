@@ -8,11 +8,16 @@ filesystem queue counts its sync rounds and the callers they served.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from queue_ref.storage import Storage
@@ -20,6 +25,7 @@ from queue_ref.storage import Storage
 __all__ = ["RelayMetrics", "group_commit_counts"]
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 3600, 86400)
+_ROUND_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _COMMIT = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 
@@ -50,6 +56,17 @@ class _GroupCommitCollector(Collector):
         served.add_metric([], counts[1])
         yield rounds
         yield served
+        sizes = getattr(getattr(self._store, "_group", None), "round_sizes", None)
+        if isinstance(sizes, Mapping):
+            snapshot = sorted(sizes.items())
+            buckets = []
+            for bound in _ROUND_SIZES:
+                buckets.append((str(bound), sum(n for k, n in snapshot if k <= bound)))
+            buckets.append(("+Inf", sum(n for _, n in snapshot)))
+            hist = HistogramMetricFamily(
+                "queue_ref_group_commit_round_size", "Callers each sync round served")
+            hist.add_metric([], buckets, sum_value=sum(k * n for k, n in snapshot))
+            yield hist
 
 
 class _QueueSizeCollector(Collector):
@@ -78,6 +95,10 @@ class RelayMetrics:
             buckets=_COMMIT, registry=r)
         self.received = Counter("queue_ref_relay_received_messages", "Messages queued (250 sent)",
                                 registry=r)
+        self.etrn = Counter("queue_ref_relay_etrn_requests",
+                            "ETRN commands that reached the queue, by outcome (started: mail "
+                            "was waiting; empty: none was; failed: the queue failed)",
+                            ["outcome"], registry=r)
         r.register(_QueueSizeCollector(queue_sizes))
         r.register(_GroupCommitCollector(store))
         self._server: Any = None

@@ -111,7 +111,7 @@ class Relay:
         self.scheduler = DeliveryScheduler(store, self.config, Router(self.config), self.deliverer,
                                            self.log, self.executor, self.metrics)
         self.receiver = SmtpReceiver(self.config, store, self.executor, self.log,
-                                     self.scheduler.add, self._committed)
+                                     self.scheduler.add, self._committed, self._etrn)
         host, port = self.config.listen_address()
         try:
             self._server = await loop.create_server(self.receiver.protocol, host, port)
@@ -131,6 +131,12 @@ class Relay:
         self._scheduler_task = loop.create_task(self.scheduler.run())
         self.log.emit("relay", what="started", smtp=f"{host}:{self.smtp_address[1]}",
                       queue=self.queue_dir, backend=self.config.backend)
+
+    def _etrn(self, domain: str, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.etrn.labels(outcome).inc()
+        if outcome == "started" and self.scheduler is not None:
+            self.scheduler.wake()
 
     def _committed(self, seconds: float) -> None:
         if self.metrics is not None:

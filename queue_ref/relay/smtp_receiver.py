@@ -9,6 +9,11 @@ nothing queued (``Enqueuer`` aborts) and answers 451 4.3.0, or 452 4.3.1 on a fu
 Policy, in Postfix's terms: a client in ``mynetworks`` may send anywhere; any other client
 only to ``relay_domains``; everything else gets ``554 5.7.1 Relay access denied``, so the
 relay is never an open relay.
+
+``ETRN domain`` (RFC 1985), from a client in ``mynetworks`` only: the domain's deferred
+mail is made due now (``queue_ref.operate.queue_actions.flush``, through the backend's
+domain index where it has one) and the scheduler is woken; ``250`` when mail is waiting,
+``251`` when none is, ``459`` for other clients, ``458`` when the queue fails.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
-from aiosmtpd.smtp import SMTP, Envelope, Session
+from aiosmtpd.smtp import SMTP, Envelope, Session, syntax
 
+from queue_ref.operate.queue_actions import check_domain, flush
 from queue_ref.relay.delivery_log import DeliveryLog
 from queue_ref.relay.relay_config import RelayConfig
 from queue_ref.storage import (
@@ -107,6 +113,11 @@ class RelaySMTP(SMTP):
                 await super().push("421 4.7.0 Error: too many errors")
                 self.transport.close()
 
+    @syntax("ETRN domain")
+    async def smtp_ETRN(self, arg: str | None) -> None:
+        assert self.session is not None and self.envelope is not None
+        await self.push(await self.receiver.etrn(self.session, self.envelope, arg or ""))
+
     async def close_for_shutdown(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
             with contextlib.suppress(ConnectionError, RuntimeError):
@@ -130,7 +141,11 @@ class SmtpReceiver:
 
     def __init__(self, config: RelayConfig, store: Storage, executor: Executor,
                  log: DeliveryLog, on_queued: Callable[[list[QueuedMail]], None],
-                 on_commit_time: Callable[[float], None] | None = None) -> None:
+                 on_commit_time: Callable[[float], None] | None = None,
+                 on_etrn: Callable[[str, str], None] | None = None) -> None:
+        """``on_etrn(domain, outcome)`` is called after every ETRN that reached the queue
+        (outcome "started", "empty" or "failed"); the relay wakes its scheduler there."""
+        self.on_etrn = on_etrn
         self.config = config
         self.store = store
         self.executor = executor
@@ -195,7 +210,7 @@ class SmtpReceiver:
         session.host_name = hostname
         out = [r for r in responses if not r.endswith(" HELP") and not r.endswith("-HELP")]
         out = [r.replace("250 ", "250-", 1) for r in out]
-        out += ["250-PIPELINING", "250 ENHANCEDSTATUSCODES"]
+        out += ["250-PIPELINING", "250-ETRN", "250 ENHANCEDSTATUSCODES"]
         server.raw_pushes = len(out)
         return out
 
@@ -283,6 +298,41 @@ class SmtpReceiver:
                       nrcpt=len(rcpts), client=client, helo=helo[:255])
         self.on_queued(handles)
         return f"250 2.0.0 Ok: queued as {queue_id}"
+
+
+    async def etrn(self, session: Session, envelope: Envelope, arg: str) -> str:
+        """The reply to ``ETRN arg`` (RFC 1985)."""
+        if session.host_name is None:
+            return "503 5.5.1 Error: send HELO/EHLO first"
+        if envelope.mail_from is not None:
+            return "503 5.5.1 Error: MAIL transaction in progress"
+        node = arg.strip()
+        if not node:
+            return "501 5.5.4 Syntax: ETRN domain"
+        if node.startswith("#"):
+            return f"458 4.3.0 Unable to queue messages for node {node[:64]}: no such queue"
+        try:
+            domain = check_domain(node.removeprefix("@"))
+        except InvalidInputError:
+            return "501 5.5.4 Error: invalid parameter syntax"
+        if not self.client_trusted(session):
+            return f"459 4.7.1 <{domain}>: Node not allowed: client not permitted"
+        if self.shutting_down:
+            return "421 4.3.2 Service shutting down"
+        loop = asyncio.get_running_loop()
+        try:
+            res = await loop.run_in_executor(self.executor, flush, self.store, domain)
+        except Exception as e:
+            self.log.emit("error", what="etrn", reason=f"{type(e).__name__}: {e}")
+            if self.on_etrn is not None:
+                self.on_etrn(domain, "failed")
+            return f"458 4.3.0 Unable to queue messages for node {domain}"
+        waiting = len(res.changed) + len(res.skipped)
+        if self.on_etrn is not None:
+            self.on_etrn(domain, "started" if waiting else "empty")
+        if not waiting:
+            return f"251 2.0.0 OK, no messages waiting for node {domain}"
+        return f"250 2.0.0 Queuing for node {domain} started"
 
 
 def _clean(text: str) -> str:

@@ -1,0 +1,315 @@
+"""The operator commands: ``mailq``, ``qshape``, ``hold``, ``release``, ``delete``,
+``requeue``, ``flush`` and ``show``.
+
+    queue-ref mailq   (--queue DIR [--backend B] | --config RELAY.toml) [--json]
+    queue-ref qshape  --queue DIR [--by recipient|sender] [--held] [--top N] [--json]
+    queue-ref hold    --queue DIR (ID... | --domain D | --all) [--json]
+    queue-ref release --queue DIR (ID... | --domain D | --all) [--json]
+    queue-ref delete  --queue DIR (ID... | --domain D | --all) [--json]
+    queue-ref requeue --queue DIR (ID... | --domain D | --all) [--json]
+    queue-ref flush   --queue DIR [--domain D] [--json]
+    queue-ref show    --queue DIR ID [--body] [--json]
+
+They open the queue like any other process (a filesystem queue is shared with a running
+``queue-ref relay``; every change is one Storage transition, so nothing is claimed twice).
+A KV queue belongs to one process: while a relay works on it (``relay.pid``) the
+commands refuse, naming the relay, rather than open it beside the relay.  ``--backend``
+defaults to the one whose files are in DIR.  Exit status: 0 done, 1 the queue could not
+be opened or failed, 2 bad usage (unknown id, malformed domain, not a queue directory):
+one line on standard error, and nothing changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from queue_ref.opener import open_queue, read_relay_pid, wake_relay
+from queue_ref.operate import queue_actions as qa
+from queue_ref.relay.relay_config import ConfigError, load_config
+from queue_ref.storage import (
+    CorruptionError,
+    InvalidInputError,
+    QueueError,
+    Storage,
+)
+
+
+class Refused(QueueError):
+    """The queue cannot be opened by this process now (exit status 1)."""
+
+
+def open_for_operator(path: str, backend: str | None) -> tuple[Storage, str]:
+    """Open an existing queue for an operator command; never creates one.
+
+    InvalidInputError when ``path`` is not a queue directory (or the backend is unknown);
+    Refused when a relay holds a KV queue (single-process stores).
+    """
+    if not os.path.isdir(path):
+        raise InvalidInputError(f"{path} is not a directory")
+    found = queue_kind(path)
+    if backend is None:
+        if found is None:
+            raise InvalidInputError(f"{path} is not a queue (no filesystem queue's data/ and "
+                                    "queue/, no KV store's CURRENT and MANIFEST)")
+        kind = found
+    else:
+        kind = backend
+        family = "fs" if kind.startswith("fs") else "kv" if kind.startswith("kv") else ""
+        if family and (found is None or not found.startswith(family)):
+            raise InvalidInputError(f"{path} is not a {kind} queue")
+    if kind.startswith("kv"):
+        pid = read_relay_pid(path)
+        if pid is not None:
+            raise Refused(f"the relay (pid {pid}) works on this KV queue, and a KV queue is "
+                          "opened by one process only: stop the relay first, or use a "
+                          "filesystem queue, which operators share with a running relay")
+    return open_queue(path, kind), kind
+
+
+def queue_kind(path: str) -> str | None:
+    """Which backend's queue ``path`` holds ("fs", "kv-log", "kv-leveldb"), or None when
+    it holds none: the commands never create a queue where there was none."""
+    names = set(os.listdir(path))
+    if {"data", "queue"} <= names and all(os.path.isdir(os.path.join(path, n))
+                                          for n in ("data", "queue")):
+        return "fs"
+    if "CURRENT" in names and any(n.startswith("MANIFEST-") for n in names) and (
+            names & {"queue-ref.reserve", "queue-ref.closed", "queue-ref.lock"}):
+        return "kv-leveldb" if names & {"LOG", "queue-ref.lock"} else "kv-log"
+    return None
+
+
+def _fmt_time(ns: int) -> str:
+    if not ns:
+        return "-"
+    return datetime.datetime.fromtimestamp(ns / 1e9, datetime.UTC).strftime("%a %b %d %H:%M:%S")
+
+
+def _fmt_at(at: int) -> str:
+    try:
+        return datetime.datetime.fromtimestamp(at, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S")
+    except (OverflowError, OSError, ValueError):
+        return str(at)
+
+
+# ---- the commands ---------------------------------------------------------------------
+
+
+def _mailq(store: Storage, args: argparse.Namespace) -> int:
+    msgs = qa.group_messages(info for _, info in qa.listing(store))
+    nrcpt = sum(len(m.entries) for m in msgs)
+    size = sum(m.size for m in msgs)
+    if args.json:
+        for m in msgs:
+            print(json.dumps(m.to_json()))
+        print(json.dumps({"messages": len(msgs), "recipients": nrcpt, "bytes": size}))
+        return 0
+    if not msgs:
+        print("Mail queue is empty")
+        return 0
+    print(f"{'-Queue ID-':<42} {'--Size--':>8} {'----Arrival Time----':<20} "
+          "-Sender/Recipient-------")
+    for m in msgs:
+        mark = "!" if m.held else " "
+        print(f"{m.message_id + mark:<42} {m.size:>8} {_fmt_time(m.arrival_ns):<20} "
+              f"{m.mail_from or 'MAILER-DAEMON'}")
+        for e in m.entries:
+            how = "held" if e.state == "held" else (
+                f"attempts {e.schedule.attempts}, next {_fmt_at(e.schedule.at)}")
+            print(f"{'':<72} {e.rcpt}  ({e.entry_id}: {how})")
+        print()
+    print(f"-- {(size + 1023) // 1024} Kbytes in {len(msgs)} Request"
+          f"{'s' if len(msgs) != 1 else ''}, {nrcpt} recipient{'s' if nrcpt != 1 else ''}.")
+    return 0
+
+
+def _qshape(store: Storage, args: argparse.Namespace) -> int:
+    infos = [i for _, i in qa.listing(store) if not args.held or i.state == "held"]
+    rows = qa.qshape(infos, time.time_ns(), by=args.by, top=args.top)
+    if args.json:
+        print(json.dumps({"by": args.by, "held_only": args.held, "columns": list(qa.AGE_COLUMNS),
+                          "rows": [{"domain": d, "counts": c} for d, c in rows]}))
+        return 0
+    width = max([len(d) for d, _ in rows] + [6])
+    print(" " * (width + 1) + " ".join(f"{c:>5}" for c in qa.AGE_COLUMNS))
+    for d, counts in rows:
+        print(f"{d:>{width}} " + " ".join(f"{n:>5}" for n in counts))
+    return 0
+
+
+def _action(fn: Callable[..., qa.ActionResult]) -> Callable[[Storage, argparse.Namespace], int]:
+    def run(store: Storage, args: argparse.Namespace) -> int:
+        chosen = qa.select(qa.listing(store), ids=args.ids, domain=args.domain, every=args.all)
+        res = fn(store, chosen)
+        if res.changed and res.action in ("release", "requeue"):
+            # entries became due: a running relay looks at once (no wait for its scan)
+            wake_relay(os.path.abspath(args.queue))
+        _report(res, args)
+        return 0
+    return run
+
+
+def _report(res: qa.ActionResult, args: argparse.Namespace) -> None:
+    if args.json:
+        print(json.dumps(res.to_json()))
+        return
+    print(f"{res.action}: {len(res.changed)} entr{'y' if len(res.changed) == 1 else 'ies'}"
+          + (f", {len(res.vanished)} moved meanwhile" if res.vanished else "")
+          + (f", {len(res.skipped)} not applicable" if res.skipped else ""))
+
+
+def _flush(store: Storage, args: argparse.Namespace) -> int:
+    res = qa.flush(store, args.domain)
+    woke = wake_relay(args.queue) if res.changed else False
+    if args.json:
+        print(json.dumps({**res.to_json(), "domain": args.domain, "relay_woken": woke}))
+        return 0
+    _report(res, args)
+    if res.changed:
+        print("relay woken" if woke else "no relay is running on this queue")
+    return 0
+
+
+def _show(store: Storage, args: argparse.Namespace) -> int:
+    listed = qa.listing(store)
+    chosen = qa.select(listed, ids=[args.id])
+    msg_id = chosen[0][1].message_id
+    entries = [x for x in listed if x[1].message_id == msg_id]
+    h = entries[0][0]
+    reader = store.inspect_entry(h)  # type: ignore[arg-type]
+    if reader is None:
+        raise InvalidInputError(f"{args.id} moved while it was read; run show again")
+    with reader:
+        body = reader.read_all()
+    head, sep, rest = body.partition(b"\r\n\r\n")
+    if not sep:
+        head, sep, rest = body.partition(b"\n\n")
+    info = entries[0][1]
+    if args.json:
+        print(json.dumps({
+            "queue_id": msg_id, "sender": info.mail_from, "arrival_time":
+            info.arrival_ns // 10**9, "message_size": info.size, "params": info.params,
+            "recipients": [e.to_json() for _, e in entries],
+            "headers": head.decode("utf-8", "replace"),
+            **({"body": rest.decode("utf-8", "replace")} if args.body else {})}))
+        return 0
+    print("*** ENVELOPE RECORDS ***")
+    print(f"message_size: {info.size}")
+    print(f"message_arrival_time: {_fmt_time(info.arrival_ns)}")
+    print(f"sender: {info.mail_from}")
+    for k, v in sorted(info.params.items()):
+        print(f"named_attribute: {k}={v}")
+    for _, e in entries:
+        state = "held" if e.state == "held" else "queued"
+        print(f"recipient: {e.rcpt} ({e.entry_id}, {state}, attempts {e.schedule.attempts}, "
+              f"next attempt {_fmt_at(e.schedule.at)}, zone {e.zone})")
+    print("*** MESSAGE CONTENTS ***")
+    sys.stdout.write(head.decode("utf-8", "replace") + "\n")
+    if args.body:
+        print()
+        sys.stdout.write(rest.decode("utf-8", "replace"))
+    print("*** END OF MESSAGE ***")
+    return 0
+
+
+# ---- plumbing ---------------------------------------------------------------------------
+
+
+def _where(args: argparse.Namespace) -> tuple[str, str | None]:
+    """The queue directory and backend: ``--queue``/``--backend``, or the relay's
+    ``--config`` file (its ``queue`` and ``backend``; ``--backend`` still wins)."""
+    if (args.queue is None) == (args.config is None):
+        raise InvalidInputError("name the queue: --queue DIR or --config FILE (the relay's)")
+    if args.config is None:
+        return args.queue, args.backend
+    try:
+        cfg = load_config(args.config)
+    except (ConfigError, OSError) as e:
+        raise InvalidInputError(f"{args.config}: {e}") from e
+    if not cfg.queue:
+        raise InvalidInputError(f"{args.config} names no queue directory")
+    return cfg.queue, args.backend if args.backend is not None else cfg.backend
+
+
+def _run(name: str, fn: Callable[[Storage, argparse.Namespace], int],
+         args: argparse.Namespace) -> int:
+    try:
+        queue, backend = _where(args)
+        args.queue = os.path.abspath(queue)
+        store, _ = open_for_operator(args.queue, backend)
+    except InvalidInputError as e:
+        print(f"queue-ref {name}: {e}", file=sys.stderr)
+        return 2
+    except QueueError as e:
+        print(f"queue-ref {name}: {e}", file=sys.stderr)
+        return 1
+    try:
+        return fn(store, args)
+    except InvalidInputError as e:
+        print(f"queue-ref {name}: {e}", file=sys.stderr)
+        return 2
+    except CorruptionError as e:
+        print(f"queue-ref {name}: {e} (quarantined)", file=sys.stderr)
+        return 1
+    except QueueError as e:
+        print(f"queue-ref {name}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        store.close()
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--queue", metavar="DIR", help="the queue's directory")
+    p.add_argument("--config", metavar="FILE",
+                   help="the relay's TOML configuration: its queue and backend")
+    p.add_argument("--backend", default=None,
+                   help="fs, fs-fsync, kv-log, kv-leveldb or package.module:factory "
+                        "(default: the one whose files are in DIR)")
+    p.add_argument("--json", action="store_true", help="print JSON (last line one object)")
+
+
+def _selection(p: argparse.ArgumentParser) -> None:
+    p.add_argument("ids", nargs="*", metavar="ID", help="entry or message ids (see mailq)")
+    p.add_argument("--domain", default=None, help="every entry of this recipient domain")
+    p.add_argument("--all", action="store_true", help="every entry")
+
+
+_ACTIONS: dict[str, tuple[str, Callable[..., qa.ActionResult]]] = {
+    "hold": ("set entries aside: never delivered until released (postsuper -h)", qa.hold),
+    "release": ("put held entries back in the queue with their schedule (postsuper -H)",
+                qa.release),
+    "delete": ("remove queued or held entries without delivering them (postsuper -d)",
+               qa.delete),
+    "requeue": ("make queued entries due now (postsuper -r)", qa.requeue),
+}
+
+
+def register(subparsers: Any) -> None:
+    def add(name: str, help_text: str, fn: Callable[[Storage, argparse.Namespace], int]
+            ) -> argparse.ArgumentParser:
+        p: argparse.ArgumentParser = subparsers.add_parser(name, help=help_text,
+                                                           description=help_text)
+        _common(p)
+        p.set_defaults(func=lambda a, n=name, f=fn: _run(n, f, a))
+        return p
+
+    add("mailq", "list queued and held mail with envelopes (postqueue -p / -j)", _mailq)
+    p = add("qshape", "domains x age buckets of the queue (Postfix qshape)", _qshape)
+    p.add_argument("--by", choices=("recipient", "sender"), default="recipient")
+    p.add_argument("--held", action="store_true", help="held entries only")
+    p.add_argument("--top", type=int, default=0, help="at most N domains (0: all)")
+    for name, (text, fn) in _ACTIONS.items():
+        _selection(add(name, text, _action(fn)))
+    p = add("flush", "make deferred mail due now and wake the relay (postqueue -f / -s)",
+            _flush)
+    p.add_argument("--domain", default=None, help="only this recipient domain (ETRN)")
+    p = add("show", "envelope, recipients and headers of one message (postcat -q)", _show)
+    p.add_argument("id", metavar="ID", help="an entry or message id")
+    p.add_argument("--body", action="store_true", help="print the body too")

@@ -1,0 +1,300 @@
+"""The operator's library: list a queue with its envelopes, pick entries, and act on them.
+
+Every action goes through one Storage transition per entry (``hold``, ``release``,
+``drop``/``drop_held`` then ``cleanup``, ``reschedule``), so each is atomic and durable,
+and an entry that moved meanwhile (a relay claimed it, another operator held it) is
+reported as *vanished*, never acted on twice.  Selection checks every id first: an
+unknown id changes nothing.
+
+Ids: an entry id (one recipient) or a message id (all of its recipients), as ``mailq``
+prints them.  Domains: a recipient (or sender) domain, compared case-insensitively.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from queue_ref.storage import (
+    Capability,
+    Handle,
+    HeldMail,
+    InvalidInputError,
+    QueuedMail,
+    Schedule,
+    Storage,
+    UnsupportedError,
+)
+
+__all__ = [
+    "AGE_BUCKETS", "ActionResult", "EntryInfo", "MessageInfo", "check_domain", "delete",
+    "domain_of", "flush", "group_messages", "hold", "listing", "qshape", "release",
+    "requeue", "select",
+]
+
+#: Postfix qshape's age columns, in minutes: an entry younger than 5 minutes counts
+#: under "5", one between 5 and 10 under "10", ..., one of 1280 or more under "1280+".
+AGE_BUCKETS = (5, 10, 20, 40, 80, 160, 320, 640, 1280)
+AGE_COLUMNS = ("T", *(str(b) for b in AGE_BUCKETS), "1280+")
+
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_DOMAIN = re.compile(rf"(?:{_LABEL}\.)*{_LABEL}\.?")
+_LITERAL = re.compile(r"\[[0-9A-Fa-f:.]{2,}\]|\[IPv6:[0-9A-Fa-f:.]{2,}\]")
+
+
+def check_domain(value: str) -> str:
+    """A domain as an operator names it (``example.org``, ``[192.0.2.1]``), lower-cased;
+    InvalidInputError for anything else (an address, spaces, empty labels, control
+    characters)."""
+    if not isinstance(value, str) or len(value) > 253 or not (
+            _DOMAIN.fullmatch(value) or _LITERAL.fullmatch(value)):
+        raise InvalidInputError(f"malformed domain {value!r}: expected a name like "
+                                "example.org or an address literal like [192.0.2.1]")
+    return value.rstrip(".").lower()
+
+
+def domain_of(address: str) -> str:
+    """The domain of an address (lower-cased); "" for the null sender."""
+    return address.rpartition("@")[2].lower() if "@" in address else ""
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """One QUEUED or HELD entry as an operator sees it."""
+
+    entry_id: str
+    message_id: str
+    state: str  # "queued" | "held"
+    rcpt: str
+    rcpt_index: int
+    zone: str
+    mail_from: str
+    params: dict[str, str]
+    schedule: Schedule
+    size: int
+    arrival_ns: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"entry_id": self.entry_id, "recipient": self.rcpt, "state": self.state,
+                "index": self.rcpt_index, "zone": self.zone,
+                "next_attempt": self.schedule.at, "attempts": self.schedule.attempts}
+
+
+@dataclass
+class MessageInfo:
+    message_id: str
+    mail_from: str
+    size: int
+    arrival_ns: int
+    params: dict[str, str]
+    entries: list[EntryInfo] = field(default_factory=list)
+
+    @property
+    def held(self) -> bool:
+        return all(e.state == "held" for e in self.entries)
+
+    def to_json(self) -> dict[str, Any]:
+        """The shape of ``postqueue -j``: one object per message."""
+        return {"queue_name": "hold" if self.held else "deferred" if any(
+                    e.schedule.attempts for e in self.entries) else "active",
+                "queue_id": self.message_id, "arrival_time": self.arrival_ns // 10**9,
+                "message_size": self.size, "sender": self.mail_from,
+                "params": dict(self.params),
+                "recipients": [e.to_json() for e in self.entries]}
+
+
+def _handles(store: Storage) -> Iterator[Handle]:
+    yield from store.list_queue()
+    if Capability.HOLD in store.capabilities:
+        yield from store.list_held()
+
+
+def listing(store: Storage) -> list[tuple[Handle, EntryInfo]]:
+    """Every QUEUED and HELD entry with its envelope, oldest message first.  Entries a
+    sender holds INFLIGHT right now are not listed (no listing may take them from it)."""
+    out = []
+    for h in _handles(store):
+        state = "held" if isinstance(h, HeldMail) else "queued"
+        try:
+            reader = store.inspect_entry(h)  # type: ignore[arg-type]
+        except UnsupportedError:
+            out.append((h, EntryInfo(h.entry_id, h.message_id, state, "", -1, "", "", {},
+                                     h.schedule, 0, 0)))
+            continue
+        if reader is None:
+            continue  # claimed or moved since it was listed
+        with reader:
+            m = reader.meta
+        out.append((h, EntryInfo(m.entry_id, m.message_id, state, m.rcpt, m.rcpt_index,
+                                 m.zone, m.mail_from, dict(m.params), m.schedule, m.body_size,
+                                 m.arrival_ns)))
+    out.sort(key=lambda x: (x[1].arrival_ns, x[1].message_id, x[1].rcpt_index))
+    return out
+
+
+def group_messages(infos: Iterable[EntryInfo]) -> list[MessageInfo]:
+    by_id: dict[str, MessageInfo] = {}
+    for e in infos:
+        m = by_id.get(e.message_id)
+        if m is None:
+            m = by_id[e.message_id] = MessageInfo(e.message_id, e.mail_from, e.size,
+                                                  e.arrival_ns, e.params)
+        m.entries.append(e)
+    return list(by_id.values())
+
+
+def select(listed: Sequence[tuple[Handle, EntryInfo]], *, ids: Sequence[str] = (),
+           domain: str | None = None, every: bool = False) -> list[tuple[Handle, EntryInfo]]:
+    """The listed entries an operator named: by entry or message id, by recipient
+    domain, or all.  InvalidInputError (nothing chosen) for an id that names no listed
+    entry or a malformed domain."""
+    if sum((bool(ids), domain is not None, every)) != 1:
+        raise InvalidInputError("name the entries: queue ids, --domain D, or --all")
+    if every:
+        return list(listed)
+    if domain is not None:
+        d = check_domain(domain)
+        return [x for x in listed if domain_of(x[1].rcpt) == d]
+    known = {x[1].entry_id for x in listed} | {x[1].message_id for x in listed}
+    unknown = [i for i in ids if i not in known]
+    if unknown:
+        raise InvalidInputError(f"unknown queue id {unknown[0]!r}: no queued or held entry "
+                                "of this queue has it (see mailq)")
+    wanted = set(ids)
+    return [x for x in listed if x[1].entry_id in wanted or x[1].message_id in wanted]
+
+
+@dataclass
+class ActionResult:
+    """What an action did: entries changed, entries that moved meanwhile (vanished), and
+    entries it does not apply to (skipped: e.g. release of a queued entry)."""
+
+    action: str
+    changed: list[str] = field(default_factory=list)
+    vanished: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"action": self.action, "changed": len(self.changed),
+                "vanished": len(self.vanished), "skipped": len(self.skipped),
+                "entries": self.changed}
+
+
+def hold(store: Storage, chosen: Iterable[tuple[Handle, EntryInfo]]) -> ActionResult:
+    res = ActionResult("hold")
+    for h, _ in chosen:
+        if isinstance(h, QueuedMail):
+            (res.changed if store.hold(h) is not None else res.vanished).append(h.entry_id)
+        else:
+            res.skipped.append(h.entry_id)
+    return res
+
+
+def release(store: Storage, chosen: Iterable[tuple[Handle, EntryInfo]]) -> ActionResult:
+    res = ActionResult("release")
+    for h, _ in chosen:
+        if isinstance(h, HeldMail):
+            (res.changed if store.release(h) is not None else res.vanished).append(h.entry_id)
+        else:
+            res.skipped.append(h.entry_id)
+    return res
+
+
+def delete(store: Storage, chosen: Iterable[tuple[Handle, EntryInfo]]) -> ActionResult:
+    """Drop queued and held entries (never sent), then clean them up."""
+    res = ActionResult("delete")
+    for h, _ in chosen:
+        if isinstance(h, QueuedMail):
+            p = store.drop(h)
+        elif isinstance(h, HeldMail):
+            p = store.drop_held(h)
+        else:
+            res.skipped.append(h.entry_id)
+            continue
+        if p is None:
+            res.vanished.append(h.entry_id)
+            continue
+        store.cleanup(p)
+        res.changed.append(h.entry_id)
+    return res
+
+
+def requeue(store: Storage, chosen: Iterable[tuple[Handle, EntryInfo]],
+            now: int | None = None) -> ActionResult:
+    """Make queued entries due now (their attempt count kept); held ones are skipped
+    (release them first)."""
+    at = int(time.time()) if now is None else now
+    res = ActionResult("requeue")
+    for h, _ in chosen:
+        if not isinstance(h, QueuedMail):
+            res.skipped.append(h.entry_id)
+            continue
+        got = store.reschedule(h, Schedule(at, h.schedule.attempts))
+        (res.changed if got is not None else res.vanished).append(h.entry_id)
+    return res
+
+
+def flush(store: Storage, domain: str | None = None, now: int | None = None) -> ActionResult:
+    """Make deferred mail (every QUEUED entry due later than ``now``, or only those of
+    one recipient domain) due now.  One domain is listed through the backend's domain
+    index where it declares one (``Capability.DOMAIN_INDEX``: no scan of the queue, the
+    ETRN of seed 002), else by scanning the queue.  Held mail stays held."""
+    at = int(time.time()) if now is None else now
+    res = ActionResult("flush")
+    if domain is None:
+        source: Iterable[QueuedMail] = store.list_queue()
+    else:
+        d = check_domain(domain)
+        if Capability.DOMAIN_INDEX in store.capabilities:
+            source = store.list_domain(d)
+        else:
+            source = (h for h in store.list_queue() if _rcpt_domain(store, h) == d)
+    for h in list(source):
+        if h.schedule.at <= at:
+            res.skipped.append(h.entry_id)  # due already
+            continue
+        got = store.reschedule(h, Schedule(at, h.schedule.attempts))
+        (res.changed if got is not None else res.vanished).append(h.entry_id)
+    return res
+
+
+def _rcpt_domain(store: Storage, h: QueuedMail) -> str | None:
+    r = store.inspect_entry(h)
+    if r is None:
+        return None
+    with r:
+        return domain_of(r.meta.rcpt)
+
+
+def qshape(infos: Iterable[EntryInfo], now_ns: int, *, by: str = "recipient",
+           top: int = 0) -> list[tuple[str, list[int]]]:
+    """Domains x age buckets (``AGE_COLUMNS``), like Postfix's qshape: the first row is
+    TOTAL, then domains by count, descending.  ``by="recipient"`` counts entries by
+    recipient domain; ``by="sender"`` counts messages by sender domain."""
+    if by not in ("recipient", "sender"):
+        raise InvalidInputError(f"--by must be recipient or sender, not {by!r}")
+    rows: dict[str, list[int]] = {}
+    total = [0] * len(AGE_COLUMNS)
+    seen: set[str] = set()
+    for e in infos:
+        if by == "sender":
+            if e.message_id in seen:
+                continue
+            seen.add(e.message_id)
+            key = domain_of(e.mail_from) or "MAILER-DAEMON"
+        else:
+            key = domain_of(e.rcpt)
+        age_min = max(0, now_ns - e.arrival_ns) / 60e9
+        col = next((i + 1 for i, b in enumerate(AGE_BUCKETS) if age_min < b),
+                   len(AGE_COLUMNS) - 1)
+        row = rows.setdefault(key, [0] * len(AGE_COLUMNS))
+        for r in (row, total):
+            r[0] += 1
+            r[col] += 1
+    ordered = sorted(rows.items(), key=lambda kv: (-kv[1][0], kv[0]))
+    if top > 0:
+        ordered = ordered[:top]
+    return [("TOTAL", total), *ordered]

@@ -1,0 +1,223 @@
+"""The operator commands (mailq, qshape, hold, release, delete, requeue, flush, show)
+against real queues the tests fill, in text and JSON, and their answers to bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conformance.cli import main
+from queue_ref.opener import PID_FILE, open_queue
+from queue_ref.operate import queue_actions as qa
+from queue_ref.storage import Recipient, Schedule
+
+BACKENDS = ("fs", "kv-log")
+LATER = 10**10  # a schedule far in the future: deferred mail
+
+
+def fill(path: Path, backend: str) -> list[str]:
+    """Five messages of two recipients each (domains d0, d1, d2), deferred; their ids."""
+    ids = []
+    with open_queue(str(path), backend) as q:
+        for i in range(5):
+            with q.enqueue(f"s{i}@sender{i % 2}.example", {"ENVID": f"env{i}"}) as enq:
+                enq.write(b"From: s%d@sender.example\r\nSubject: message %d\r\n\r\nbody %d\r\n"
+                          % (i, i, i))
+                hs = enq.commit([Recipient(f"u{j}@d{(i + j) % 3}.example", Schedule(LATER, 2))
+                                 for j in range(2)])
+            ids.append(hs[0].message_id)
+    return ids
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, Any]:
+    code, out, err = run(capsys, *args, "--json")
+    assert code == 0, err
+    return code, json.loads(out.strip().splitlines()[-1])
+
+
+def state(path: Path, backend: str) -> dict[str, tuple[str, Schedule]]:
+    with open_queue(str(path), backend) as q:
+        return {i.entry_id: (i.state, i.schedule) for _, i in qa.listing(q)}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mailq_lists_every_message_in_text_and_json(
+        tmp_path: Path, backend: str, capsys: pytest.CaptureFixture[str]) -> None:
+    q = tmp_path / "q"
+    ids = fill(q, backend)
+    code, out, _ = run(capsys, "mailq", "--queue", str(q))
+    assert code == 0
+    assert out.startswith("-Queue ID-")
+    for mid in ids:
+        assert mid in out
+    assert "u0@d0.example" in out and "s0@sender0.example" in out and "attempts 2" in out
+    assert out.rstrip().endswith("in 5 Requests, 10 recipients.")
+    code, out, _ = run(capsys, "mailq", "--queue", str(q), "--json")
+    lines = [json.loads(x) for x in out.strip().splitlines()]
+    assert lines[-1] == {"messages": 5, "recipients": 10, "bytes": lines[-1]["bytes"]}
+    msgs = lines[:-1]
+    assert [m["queue_id"] for m in msgs] == ids
+    first = msgs[0]
+    assert first["sender"] == "s0@sender0.example" and first["params"] == {"ENVID": "env0"}
+    assert first["message_size"] == len(b"From: s0@sender.example\r\nSubject: message 0\r\n"
+                                        b"\r\nbody 0\r\n")
+    assert abs(first["arrival_time"] - time.time()) < 600
+    assert [r["recipient"] for r in first["recipients"]] == ["u0@d0.example", "u1@d1.example"]
+    assert {r["state"] for m in msgs for r in m["recipients"]} == {"queued"}
+    assert first["recipients"][0]["next_attempt"] == LATER
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hold_release_delete_requeue_by_id_domain_and_all(
+        tmp_path: Path, backend: str, capsys: pytest.CaptureFixture[str]) -> None:
+    q = tmp_path / "q"
+    ids = fill(q, backend)
+    entry = f"{ids[1]}.0"  # u0@d1.example
+    _, res = run_json(capsys, "hold", "--queue", str(q), entry)
+    assert res["changed"] == 1 and res["entries"] == [entry]
+    _, res = run_json(capsys, "hold", "--queue", str(q), "--domain", "D2.example")
+    assert res["changed"] == 3  # the entries of d2 (d0: 3, d1: 4, d2: 3)
+    st = state(q, backend)
+    held = sorted(k for k, (s, _) in st.items() if s == "held")
+    assert entry in held and len(held) == 4
+    assert all(sched == Schedule(LATER, 2) for _, sched in st.values())  # schedules kept
+    _, out, _ = run(capsys, "mailq", "--queue", str(q))
+    assert "held)" in out
+    # qshape of held entries only: d2 and the one d1 entry
+    _, shape = run_json(capsys, "qshape", "--queue", str(q), "--held")
+    rows = {r["domain"]: r["counts"] for r in shape["rows"]}
+    assert rows["TOTAL"][0] == 4 and rows["d2.example"][0] == 3 and rows["d1.example"][0] == 1
+    assert rows["TOTAL"][1] == 4  # all younger than 5 minutes
+    _, res = run_json(capsys, "release", "--queue", str(q), ids[1])  # a message id
+    assert res["changed"] == 2  # u0@d1 held by id, u1@d2 by domain
+    _, res = run_json(capsys, "requeue", "--queue", str(q), ids[0])
+    assert res["changed"] == 2
+    st = state(q, backend)
+    assert st[f"{ids[0]}.0"][1].at <= time.time() + 5 and st[f"{ids[0]}.0"][1].attempts == 2
+    _, res = run_json(capsys, "delete", "--queue", str(q), "--domain", "d2.example")
+    assert res["changed"] == 3  # queued and held entries alike
+    st = state(q, backend)
+    assert len(st) == 10 - 3
+    assert not any(e.endswith("d2.example") for e in st)
+    _, res = run_json(capsys, "delete", "--queue", str(q), "--all")
+    assert res["changed"] == 7
+    _code, out, _ = run(capsys, "mailq", "--queue", str(q))
+    assert out.strip() == "Mail queue is empty"
+    with open_queue(str(q), backend) as store:
+        assert store.footprint().objects == 0
+
+
+def test_flush_makes_one_domain_due(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    q = tmp_path / "q"
+    fill(q, "fs")
+    _, res = run_json(capsys, "flush", "--queue", str(q), "--domain", "d0.example")
+    assert res["changed"] == 3 and res["relay_woken"] is False  # no relay runs
+    st = state(q, "fs")
+    due = {k for k, (_, s) in st.items() if s.at < LATER}
+    assert len(due) == 3 and all(st[k][1].attempts == 2 for k in due)
+    _, res = run_json(capsys, "flush", "--queue", str(q))
+    assert res["changed"] == 7 and res["skipped"] == 3  # the first three are due already
+
+
+def test_show_prints_envelope_recipients_and_headers(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    q = tmp_path / "q"
+    ids = fill(q, "fs")
+    code, out, _ = run(capsys, "show", "--queue", str(q), ids[2])
+    assert code == 0
+    assert "sender: s2@sender0.example" in out and "named_attribute: ENVID=env2" in out
+    assert "recipient: u0@d2.example" in out and "recipient: u1@d0.example" in out
+    assert "Subject: message 2" in out and "body 2" not in out
+    _, shown = run_json(capsys, "show", "--queue", str(q), f"{ids[2]}.1", "--body")
+    assert shown["queue_id"] == ids[2] and shown["body"] == "body 2\r\n"
+    assert shown["headers"].startswith("From: s2@")
+
+
+def test_bad_input_one_line_exit_2_nothing_changed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    q = tmp_path / "q"
+    ids = fill(q, "fs")
+    other = tmp_path / "other"
+    other_ids = fill(other, "fs")
+    before = state(q, "fs")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [
+        (["hold", "--queue", str(q), ids[0], "nope"], "unknown queue id 'nope'"),
+        (["delete", "--queue", str(q), other_ids[0]], "unknown queue id"),  # another queue's
+        (["release", "--queue", str(q), "--domain", "bad domain"], "malformed domain"),
+        (["flush", "--queue", str(q), "--domain", "a@b.example"], "malformed domain"),
+        (["requeue", "--queue", str(q)], "name the entries"),
+        (["hold", "--queue", str(q), ids[0], "--all"], "name the entries"),
+        (["mailq", "--queue", str(empty)], "is not a queue"),
+        (["mailq", "--queue", str(tmp_path / "missing")], "is not a directory"),
+        (["mailq", "--queue", str(q), "--backend", "kv-log"], "is not a kv-log queue"),
+        (["show", "--queue", str(q), "zzz"], "unknown queue id"),
+    ]
+    for argv, message in cases:
+        code, out, err = run(capsys, *argv)
+        assert code == 2, (argv, err)
+        assert len(err.strip().splitlines()) == 1 and message in err, (argv, err)
+        assert out == ""
+    assert state(q, "fs") == before
+    assert sorted(os.listdir(empty)) == []  # never made a queue there
+    assert not (tmp_path / "missing").exists()
+
+
+def test_a_kv_queue_with_a_running_relay_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    q = tmp_path / "q"
+    fill(q, "kv-log")
+    (q / PID_FILE).write_text(str(os.getpid()))  # this process stands for the relay
+    try:
+        code, _out, err = run(capsys, "hold", "--queue", str(q), "--all")
+    finally:
+        (q / PID_FILE).unlink()
+    assert code == 1 and f"the relay (pid {os.getpid()}) works on this KV queue" in err
+    assert all(s == "queued" for s, _ in state(q, "kv-log").values())
+
+
+def test_qshape_buckets_by_age_and_sender() -> None:
+    now = 10**12 * 60  # ns
+    mk = lambda eid, mid, rcpt, sender, minutes: qa.EntryInfo(  # noqa: E731
+        eid, mid, "queued", rcpt, 0, "default", sender, {}, Schedule(0), 1,
+        now - int(minutes * 60e9))
+    infos = [mk("a.0", "a", "x@one.example", "s@s1.example", 1),
+             mk("a.1", "a", "y@two.example", "s@s1.example", 1),
+             mk("b.0", "b", "x@one.example", "", 7),
+             mk("c.0", "c", "x@one.example", "t@s2.example", 5000)]
+    rows = dict(qa.qshape(infos, now))
+    assert rows["TOTAL"] == [4, 2, 1, 0, 0, 0, 0, 0, 0, 0, 1]
+    assert rows["one.example"] == [3, 1, 1, 0, 0, 0, 0, 0, 0, 0, 1]
+    by_sender = dict(qa.qshape(infos, now, by="sender"))
+    assert by_sender["TOTAL"][0] == 3 and by_sender["MAILER-DAEMON"][2] == 1
+    assert list(qa.qshape(infos, now, top=1))[1][0] == "one.example"
+
+
+def test_the_relay_configuration_names_the_queue(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    q = tmp_path / "q"
+    ids = fill(q, "kv-log")
+    conf = tmp_path / "relay.toml"
+    conf.write_text(f'queue = "{q}"\nbackend = "kv-log"\n')
+    _, summary = run_json(capsys, "mailq", "--config", str(conf))
+    assert summary["messages"] == len(ids)
+    _, res = run_json(capsys, "hold", "--config", str(conf), ids[0])
+    assert res["changed"] == 2
+    conf.write_text("queue = 3\n")
+    for argv in (["mailq", "--config", str(conf)], ["mailq"],
+                 ["mailq", "--queue", str(q), "--config", str(conf)]):
+        code, _, err = run(capsys, *argv)
+        assert code == 2 and len(err.strip().splitlines()) == 1, (argv, err)
