@@ -61,7 +61,7 @@ def test_a_process_kill_trial_lands_on_the_same_call_every_time() -> None:
         state = process_kill_check._crash_child(backend, root, trial)
         before = process_kill_check._model_before(trial.workload, state.acked)
         pending = trial.workload[state.acked] if state.begun >= state.acked else None
-        copy = shutil.copytree(root, root + ".copy")
+        copy = shutil.copytree(root, root + ".copy", symlinks=True)  # a queue is links
         assert process_kill_check.judge_trial(backend, root, trial, state) == []
         rec = inspect(lambda copy=copy: backend.open(copy))
         seen.append((state.acked, state.begun,
@@ -108,8 +108,13 @@ def test_recover_at_any_step_must_leave_a_live_queue_alone() -> None:
     from conformance.lockstep import run_lockstep
     from tests.conformance_support import RecoverRequeuesLive
 
-    found = run_lockstep(Backend.from_factory(RecoverRequeuesLive), QUICK, 2)
-    assert [f.clause for f in found] == ["C10"] and "recover()" in found[0].detail
+    # A random walk finds it within a few seeds (the machine's rules, hold included,
+    # change which steps a seed draws); every finding must be this bug.
+    founds = [run_lockstep(Backend.from_factory(RecoverRequeuesLive), QUICK, seed)
+              for seed in range(2, 8)]
+    assert any(founds)
+    for found in filter(None, founds):
+        assert [f.clause for f in found] == ["C10"] and "recover()" in found[0].detail
     assert run_lockstep(Backend.from_factory("queue_ref.memory:MemoryStorage"), QUICK, 3) == []
 
 
