@@ -199,3 +199,34 @@ def test_concurrent_producers_share_rounds_and_lose_nothing(tmp_path: Any, mode:
         assert q.footprint() == Footprint(0, 0) and list(q.list_queue()) == []
     finally:
         q.close()
+
+
+def test_a_failed_round_fails_every_later_sync(tmp_path) -> None:
+    """fsyncgate: a change made before a failed sync may be gone although a later sync
+    succeeds, so after a failed round no caller is told its change is durable."""
+    import errno as _errno
+
+    from queue_ref.fsqueue.groupsync import GroupSync
+    from queue_ref.io import OsIO
+
+    class FailsOnce(OsIO):
+        calls = 0
+
+        def syncfs(self, path: str) -> None:
+            FailsOnce.calls += 1
+            if FailsOnce.calls == 1:
+                raise OSError(_errno.EIO, "injected")
+            super().syncfs(path)
+
+        def fsync_dir(self, path: str) -> None:
+            self.syncfs(path)
+
+    for mode in ("syncfs", "fsync"):
+        FailsOnce.calls = 0
+        g = GroupSync(FailsOnce(), mode, str(tmp_path))
+        with pytest.raises(OSError, match="injected"):
+            g.sync([str(tmp_path)])
+        for _ in range(2):  # the disk now answers, the group does not believe it
+            with pytest.raises(OSError, match="injected"):
+                g.sync([str(tmp_path)])
+        assert FailsOnce.calls == 1

@@ -388,7 +388,12 @@ def test_group_sync_failure_reaches_every_caller_of_that_round(tmp_path: str,
     first = threading.Thread(target=g.sync, args=([str(tmp_path)],))
     second_round(g, io, first, [threading.Thread(target=follower) for _ in range(5)])
     assert len(errors) == 5 and io.syncs == 2  # round 2 failed, for all five
-    g.sync([str(tmp_path)])  # a later change gets a new round of its own
+    # the failure is sticky: a later change is refused without a sync (a later success
+    # would prove nothing about what the kernel dropped), until the queue is reopened
+    with pytest.raises(OSError, match="injected"):
+        g.sync([str(tmp_path)])
+    assert io.syncs == 2
+    GroupSync(io, mode, str(tmp_path)).sync([str(tmp_path)])
     assert io.syncs == 3
 
 
@@ -464,8 +469,9 @@ def test_a_failed_round_fails_a_caller_with_a_step(tmp_path: str, fail_round: in
     with pytest.raises(OSError, match="injected"):
         g.sync(then=lambda: ran.append(1))
     assert ran == ([] if fail_round == 1 else [1])  # no step after a failed first round
-    g.sync()  # the group goes on
-    assert io.syncs == fail_round + 1
+    with pytest.raises(OSError, match="injected"):  # sticky: no later round, no later step
+        g.sync(then=lambda: ran.append(2))
+    assert io.syncs == fail_round and 2 not in ran
 
 
 def test_an_error_in_a_step_goes_to_its_caller_alone(tmp_path: str) -> None:

@@ -19,6 +19,7 @@ from conformance.checks import (
     bad_input_check,
     crash_exploration_check,
     damage_at_rest_check,
+    group_commit_check,
     hold_check,
     io_errors_check,
     limits_check,
@@ -81,6 +82,8 @@ def _run_one(spec: CheckSpec, model: str, backend: Backend, probe: Probe, profil
         return multi_process_check.run(backend, profile, s)
     if spec.id == "streaming":
         return streaming_check.run(backend, profile)
+    if spec.id == "group-commit":
+        return group_commit_check.run(backend, profile, s)
     if spec.id == "damage-at-rest":
         return damage_at_rest_check.run(backend, profile, s)
     if spec.id == "hold":

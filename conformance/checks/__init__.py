@@ -13,6 +13,7 @@ io_errors_check            io-errors
 multi_process_check        multi-process
 streaming_check            streaming
 damage_at_rest_check       damage-at-rest
+group_commit_check         group-commit
 =========================  ==============================================================
 
 The lockstep checks (lockstep, restart, listing) are ``conformance.lockstep``.  Each

@@ -174,3 +174,25 @@ def fs_forgets_holds(root: str, io: IO | None = None) -> Storage:
     from conformance.crashexplore.explored_backends import deterministic_fs
 
     return deterministic_fs(RecoveryForgetsHolds)(root, io if io is not None else OsIO())
+
+
+# ---- group commit ------------------------------------------------------------------------
+
+def fs_round_error_to_leader(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue whose group commit tells only the round's leader that the
+    shared sync failed: every other caller the round covered is acknowledged, and a power
+    cut loses its message.  Each caller alone sees the error (one caller, one round), so
+    only a check with several callers in one round catches it: group-commit, on C1."""
+    from queue_ref.fsqueue import FsQueue
+    from queue_ref.fsqueue.groupsync import GroupSync
+
+    class ErrorToLeader(GroupSync):
+        def _round(self, batch: list) -> None:  # type: ignore[type-arg]
+            super()._round(batch)
+            for w in batch[1:]:
+                w.error = None  # the bug: the others never hear of it
+
+    store = FsQueue(root, io if io is not None else OsIO())
+    group = ErrorToLeader(store.io, store._group.mode, store.layout.data)
+    store._group = group
+    return store

@@ -130,6 +130,11 @@ CHECKS: tuple[CheckSpec, ...] = (
               "listed as queued, keeps its schedule, stays held across reopening; "
               "(crashes inside them: lockstep crash rule and crash exploration)",
               Kind.LOCKSTEP, ("C14",), Level.OPTIONAL, (Capability.HOLD,)),
+    CheckSpec("group-commit", "threads enqueue at once so their commits share sync rounds; "
+              "one sync fails with EIO; after a power cut (weak) every acknowledged commit "
+              "is there whole: a failed round acknowledged no one it covered, and no round "
+              "acknowledged data that arrived after its sync began", Kind.FAULTS,
+              ("C1", "C9"), Level.OPTIONAL, (Capability.IO_SEAM,)),
 )
 
 BY_ID: dict[str, CheckSpec] = {c.id: c for c in CHECKS}

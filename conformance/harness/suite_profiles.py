@@ -38,6 +38,8 @@ class Profile:
     crash_targeted: bool = True
     #: damage at rest: every file in every way (else every file once, in a random way)
     damage_every_way: bool = False
+    #: group commit: trials of concurrent enqueuers with one sync failing (the first: none)
+    group_commit_trials: int = 6
 
     def hypothesis_settings(self) -> settings:
         phases = [Phase.explicit, Phase.reuse, Phase.generate]
@@ -68,6 +70,7 @@ THOROUGH = Profile(
     crash_random_length=20, fault_trials=80, many_recipients=10_000, many_full_drain=True,
     streaming_bytes=100 * 1024 * 1024, streaming_peak_limit=16 * 1024 * 1024,
     threads=8, thread_messages=40, processes=4, shrink=True, damage_every_way=True,
+    group_commit_trials=30,
 )
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (QUICK, THOROUGH)}

@@ -31,7 +31,12 @@ an OSError it raises goes to its caller alone (whose wait then ends with that ro
 After a failed round every caller it served gets the error (and no step of theirs runs);
 a later round that succeeds does not make up for it (the kernel may have dropped the
 dirty state with the error, "fsyncgate"), so nobody is told its change is durable on the
-strength of a retry.  A ``BaseException`` in the leader (a simulated crash) propagates in
+strength of a retry.  That holds for callers the failed round did not serve too: one
+whose change came before the failure but who arrived after the round began would be
+served by a later round, whose success proves nothing about a change the kernel may
+already have dropped.  So a failure is sticky: every later ``sync`` (and every round
+still to run) fails with it, until the queue is reopened (recovery then judges the disk).
+A ``BaseException`` in the leader (a simulated crash) propagates in
 the leader, and the callers it served, or whose step it was to run, get EIO.
 """
 
@@ -81,6 +86,8 @@ class GroupSync:
         self._leading = False
         self.rounds = 0
         self.requests = 0
+        #: the error of the first failed round: every later sync fails with it
+        self.failed: OSError | None = None
         #: how many rounds served n callers, by n (the round sizes, for metrics)
         self.round_sizes: collections.Counter[int] = collections.Counter()
 
@@ -102,6 +109,8 @@ class GroupSync:
         if then is not None and not self.covers_files:
             raise ValueError("a step between two rounds needs rounds that cover files "
                              "(syncfs mode)")
+        if self.failed is not None:
+            raise self.failed
         me = _Waiter(tuple(dict.fromkeys(paths)), then)
         with self._lock:
             self.requests += 1
@@ -178,11 +187,17 @@ class GroupSync:
         return me in done
 
     def _round(self, batch: list[_Waiter]) -> None:
-        """The syncs of one round; records each caller's error on it."""
+        """The syncs of one round; records each caller's error on it.  After a failed
+        round, every round fails with that error without syncing (see the module)."""
+        if self.failed is not None:
+            for w in batch:
+                w.error = self.failed
+            return
         if self.mode == "syncfs":
             try:
                 self.io.syncfs(self.anchor)
             except OSError as e:
+                self.failed = e
                 for w in batch:
                     w.error = e
             return
@@ -193,5 +208,6 @@ class GroupSync:
             except OSError as e:
                 failed[path] = e
         if failed:
+            self.failed = next(iter(failed.values()))
             for w in batch:
-                w.error = next((failed[p] for p in w.paths if p in failed), None)
+                w.error = next((failed[p] for p in w.paths if p in failed), self.failed)

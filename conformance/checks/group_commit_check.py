@@ -1,0 +1,190 @@
+"""Faults and power cuts inside shared group-commit rounds (``Capability.IO_SEAM``).
+
+Several threads enqueue at once through one ``faultinject.FaultyIO``, so that their
+commits share sync rounds (a backend that groups its syncs serves several callers with
+one).  In each trial one sync call (``fsync``, ``fdatasync``, ``fsync_dir`` or
+``syncfs``, the n-th made) fails with EIO, or none does.  Then every state a power cut
+at the end of the run can leave under the ``weak`` model (built from the trace) is
+recovered, and so is the disk as the process left it.  Each commit is judged by its
+outcome:
+
+* a commit that **returned** (acknowledged) must be in every recovered state with all
+  its recipients and its exact body: C1 (a round whose sync failed acknowledged a caller
+  it covered, or a caller whose data arrived after the round's sync began was
+  acknowledged by it);
+* a commit that **raised** ``StorageIOError`` may be there or not (its id is unknown to
+  the caller; atomicity of enqueue is the crash exploration's to judge);
+* any other exception breaks C9.
+
+Scenario ``group-commit:<seed>:<trial>``: the failing sync's number is drawn from
+(seed, trial); thread interleavings are not replayable, so a finding says what each
+thread saw.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import random
+import threading
+import time
+
+from conformance.crashexplore.disk_recovery import recover_image
+from conformance.crashexplore.explored_backends import BackendSpec
+from conformance.crashexplore.traced_runs import ScratchIO, scratch_dir
+from conformance.harness.backend_factory import Backend
+from conformance.harness.check_catalog import NO_CRASH
+from conformance.harness.check_results import CheckResult, Finding, finished
+from conformance.harness.suite_profiles import Profile
+from faultinject.errors import ModelError
+from faultinject.models import crash_states
+from faultinject.seam import FaultPlan, FaultyIO
+from queue_ref.storage import QueueError, Recipient, Schedule, Storage, StorageIOError
+
+THREADS = 4
+PER_THREAD = 3
+POWER_LOSS_MODEL = "weak"
+EXHAUSTIVE_LIMIT = 4
+RANDOM_STATES = 8
+SYNC_SECONDS = 0.003
+
+
+class _SyncFaultIO(FaultyIO):
+    """FaultyIO whose ``fail_sync``-th sync call (0-based, any kind) fails with EIO, and
+    whose syncs take SYNC_SECONDS."""
+
+    def __init__(self, root: str, fail_sync: int | None) -> None:
+        super().__init__(root, FaultPlan(), inner=ScratchIO())
+        self.fail_sync = fail_sync
+        self.syncs = 0
+
+    def _sync(self, name: str, *args: object) -> None:
+        # A sync takes a moment, as on a disk: callers that arrive meanwhile queue up for
+        # the next round, so rounds are shared (without it, scratch syncs are instant).
+        time.sleep(SYNC_SECONDS)
+        with self._mutex:  # re-entrant: the call below takes it again
+            if self.syncs == self.fail_sync:
+                self.plan = FaultPlan(fail_at=self.mutating_count, fail_errno=errno.EIO)
+            self.syncs += 1
+            getattr(super(), name)(*args)
+
+    def fsync(self, fd: int) -> None:
+        self._sync("fsync", fd)
+
+    def fdatasync(self, fd: int) -> None:
+        self._sync("fdatasync", fd)
+
+    def fsync_dir(self, path: str) -> None:
+        self._sync("fsync_dir", path)
+
+    def syncfs(self, path: str) -> None:
+        self._sync("syncfs", path)
+
+
+def _body(t: int, k: int) -> bytes:
+    return b"Subject: round %d.%d\r\n\r\n" % (t, k) + b"group commit body\r\n" * (3 + t + k)
+
+
+class _Commit:
+    def __init__(self, t: int, k: int) -> None:
+        self.t, self.k = t, k
+        self.rcpts = [Recipient(f"r{t}.{k}.{i}@example.net", Schedule(k)) for i in range(1 + k % 2)]
+        self.body = _body(t, k)
+        self.message_id: str | None = None
+        self.outcome = "not run"  # "acked", "failed", or "raised X"
+
+
+def _enqueuer(store: Storage, commits: list[_Commit], start: threading.Barrier) -> None:
+    start.wait()
+    for c in commits:
+        try:
+            with store.enqueue(f"s{c.t}@example.org") as enq:
+                enq.write(c.body)
+                handles = enq.commit(c.rcpts)
+            c.message_id = handles[0].message_id
+            c.outcome = "acked"
+        except StorageIOError:
+            c.outcome = "failed"
+        except QueueError as e:
+            c.outcome = f"raised {type(e).__name__}: {e}"
+        except Exception as e:
+            c.outcome = f"raised {type(e).__name__}: {e}"
+
+
+def _judge_state(commits: list[_Commit], entries: dict[str, list[tuple[str, str]]],
+                 where: str) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    for c in commits:
+        if c.outcome != "acked" or c.message_id is None:
+            continue
+        got = entries.get(c.message_id, [])
+        want = sorted((r.address, hashlib.sha256(c.body).hexdigest()) for r in c.rcpts)
+        if sorted(got) != want:
+            out.append(("C1", f"the commit of thread {c.t} (#{c.k}, message "
+                              f"{c.message_id}) was acknowledged but {len(got)} of its "
+                              f"{len(want)} entries are there intact {where}"))
+    return out
+
+
+def run_trial(backend: Backend, seed: int, number: int, fail_sync: int | None
+              ) -> list[Finding]:
+    scenario = f"group-commit:{seed}:{number}"
+    spec = BackendSpec(backend.name, backend.open, f"certified factory {backend.name}")
+    commits = [_Commit(t, k) for t in range(THREADS) for k in range(PER_THREAD)]
+    found: list[tuple[str, str]] = []
+    with scratch_dir("queue-ref-group-") as root:
+        io = _SyncFaultIO(root, fail_sync)
+        try:
+            store = backend.open(root, io)
+        except StorageIOError:
+            return []  # opening met the fault and said so: nothing acknowledged
+        start = threading.Barrier(THREADS)
+        threads = [threading.Thread(target=_enqueuer,
+                                    args=(store, [c for c in commits if c.t == t], start))
+                   for t in range(THREADS)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(120)
+        with contextlib.suppress(QueueError):
+            store.close()
+        for c in commits:
+            if c.outcome.startswith("raised"):
+                found.append(("C9", f"the commit of thread {c.t} (#{c.k}) {c.outcome}; "
+                                    "expected success or StorageIOError"))
+        steps = tuple([f"{THREADS} threads enqueue {PER_THREAD} messages each at once"
+                       + (f"; sync call #{fail_sync} fails with EIO" if fail_sync is not None
+                          else "; no fault")]
+                      + [f"thread {c.t} #{c.k}: {c.outcome}" for c in commits])
+        try:
+            states = crash_states(io.initial, io.events, POWER_LOSS_MODEL,
+                                  exhaustive_limit=EXHAUSTIVE_LIMIT,
+                                  random_states=RANDOM_STATES)
+        except ModelError as e:
+            found.append(("C9", f"the trace cannot be replayed for a power cut: {e}"))
+            states = []
+        for st in states:
+            rec = recover_image(spec, st.image)
+            entries: dict[str, list[tuple[str, str]]] = {}
+            for e in rec.entries:
+                entries.setdefault(e.message_id, []).append((e.rcpt, e.body_digest))
+            got = _judge_state(commits, entries,
+                               f"after a power cut ({POWER_LOSS_MODEL}, {st.description})")
+            if got:
+                found += got
+                break
+    return [Finding(c, d, scenario, NO_CRASH, steps) for c, d in found]
+
+
+def run(backend: Backend, profile: Profile, seed: int) -> CheckResult:
+    start = time.perf_counter()
+    findings: list[Finding] = []
+    trials = profile.group_commit_trials
+    for n in range(trials):
+        rng = random.Random(f"group-commit:{seed}:{n}")
+        fail_sync = None if n == 0 else rng.randrange(2 + THREADS * PER_THREAD)
+        findings += run_trial(backend, seed, n, fail_sync)
+    return finished("group-commit", NO_CRASH, findings, seconds=time.perf_counter() - start,
+                    seed=seed, stats={"trials": trials, "threads": THREADS,
+                                      "commits_per_trial": THREADS * PER_THREAD})
