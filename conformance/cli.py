@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "conformance.crashexplore.crash_command",
     "queue_ref.repair_cli",
     "queue_ref.relay.relay_command",
+    "conformance.campaign.campaign_command",
 )
 
 
