@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from conformance.campaign.campaign_plan import (
@@ -90,7 +91,8 @@ def register(subparsers: Any) -> None:
 
 
 def _fail(msg: str) -> int:
-    Console(stderr=True, highlight=False).print(f"[red]error:[/red] {msg}", soft_wrap=True)
+    Console(stderr=True, highlight=False).print(f"[red]error:[/red] {escape(msg)}",
+                                                soft_wrap=True)
     return 2
 
 

@@ -153,7 +153,7 @@ def summary(spark: Any, out: Path) -> dict[str, Any]:
     result["slowest_units"] = _rows(spark, f"""
         SELECT unit, round(sum(seconds), 3) AS seconds, sum({_STATES}) AS states,
                count(DISTINCT kind, crash_point, `when`) AS crash_points
-        FROM {VIEW} GROUP BY unit ORDER BY sum(seconds) DESC, unit LIMIT 15""")
+        FROM {VIEW} GROUP BY unit ORDER BY 2 DESC, unit LIMIT 15""")
     result["distinct_disks"] = _rows(spark, f"""
         SELECT backend, model, count(DISTINCT disk) AS disks
         FROM (SELECT backend, model, explode(disks) AS disk FROM {VIEW})
