@@ -1,5 +1,6 @@
 """A campaign on a real Spark standalone cluster on loopback: a master and two workers
-from the pyspark installation, on ephemeral ports, stopped at the end."""
+from the pyspark installation, on ephemeral ports, the campaign submitted with
+spark-submit and the project's packages as a zip (--py-files), all stopped at the end."""
 
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from conformance.campaign.spark_setup import package_zip
 from conformance.crashexplore.exploration import ExploreConfig, explore
 
 pyspark = pytest.importorskip("pyspark")
 SPARK_HOME = Path(pyspark.__file__).parent
-QUEUE_REF = Path(sys.executable).with_name("queue-ref")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _start(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
@@ -78,20 +80,25 @@ def cluster(tmp_path: Path) -> Iterator[str]:
 
 
 @pytest.mark.slow
-def test_a_campaign_runs_on_a_standalone_cluster(cluster: str, tmp_path: Path) -> None:
+def test_a_campaign_runs_on_a_standalone_cluster_through_spark_submit(
+        cluster: str, tmp_path: Path) -> None:
     out = tmp_path / "c"
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_HOME": str(SPARK_HOME)}
+    ship = package_zip(tmp_path / "queue_ref.zip")
     done = subprocess.run(
-        [str(QUEUE_REF), "campaign", "run", "--backend", "fs-broken-nofsync", "--model",
-         "weak", "--bound", "0", "--no-recovery", "--no-eio", "--per-partition", "2",
-         "--master", cluster, "--out", str(out), "--json"],
-        capture_output=True, text=True, timeout=300, env=env, check=False)
+        [str(SPARK_HOME / "bin" / "spark-submit"), "--master", cluster,
+         "--conf", "spark.driver.host=127.0.0.1", "--conf", "spark.driver.bindAddress=127.0.0.1",
+         "--conf", "spark.ui.enabled=false", "--py-files", str(ship),
+         str(ROOT / "conformance" / "campaign" / "submit_entry.py"),
+         "campaign", "run", "--backend", "fs-broken-nofsync", "--model", "weak",
+         "--bound", "0", "--no-recovery", "--no-eio", "--out", str(out), "--json"],
+        capture_output=True, text=True, timeout=300, env=env, check=False, cwd=tmp_path)
     assert done.returncode == 1, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     want = explore(ExploreConfig(backend="fs-broken-nofsync", bound=0, recovery=False,
                                  eio=False))
     for k in ("workloads", "crash_points", "states", "violating_states", "violations"):
         assert got[k] == want.to_json()[k], k
-    # both workers ran executors for this application
+    # both workers ran an executor of this application
     apps = list((tmp_path / "work").glob("app-*/*"))
     assert len({p.parent.parent for p in apps}) == 1 and len(apps) >= 2

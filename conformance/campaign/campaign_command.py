@@ -65,11 +65,12 @@ def register(subparsers: Any) -> None:
     r.add_argument("--no-eio", action="store_true", help="do not inject EIO into fsyncs")
     r.add_argument("--split", type=int, default=4,
                    help="shards per task that crashes inside several calls (default 4)")
-    r.add_argument("--per-partition", type=int, default=4,
-                   help="units per partition, one Spark job each (default 4)")
+    r.add_argument("--per-partition", type=int, default=2,
+                   help="units per partition, one Spark job each (default 2)")
     r.add_argument("--out", required=True, type=Path, help="the campaign directory")
-    r.add_argument("--master", default="local[*]",
-                   help="Spark master (default local[*]; spark://HOST:PORT for a cluster)")
+    r.add_argument("--master", default=None,
+                   help="Spark master (default local[*], or spark-submit's; "
+                        "spark://HOST:PORT for a cluster)")
     r.add_argument("--ui", action="store_true", help="start Spark's web UI")
     r.add_argument("--json", action="store_true", help="print one JSON object last")
     r.set_defaults(func=cmd_run)
@@ -78,14 +79,14 @@ def register(subparsers: Any) -> None:
     rep.add_argument("dir", type=Path, help="a campaign directory")
     rep.add_argument("--html", type=Path, default=None,
                      help="where to write the page (default DIR/report.html)")
-    rep.add_argument("--master", default="local[*]", help="Spark master (default local[*])")
+    rep.add_argument("--master", default=None, help="Spark master (default local[*])")
     rep.add_argument("--json", action="store_true", help="print one JSON object last")
     rep.set_defaults(func=cmd_report)
 
     d = sub.add_parser("diff", help="new and fixed violations, state counts per model")
     d.add_argument("a", type=Path, help="the campaign directory to compare against")
     d.add_argument("b", type=Path, help="the newer campaign directory")
-    d.add_argument("--master", default="local[*]", help="Spark master (default local[*])")
+    d.add_argument("--master", default=None, help="Spark master (default local[*])")
     d.add_argument("--json", action="store_true", help="print one JSON object last")
     d.set_defaults(func=cmd_diff)
 
@@ -108,7 +109,7 @@ def _config(args: argparse.Namespace) -> CampaignConfig:
         per_partition=args.per_partition, code_version=code_version())
 
 
-def _session(master: str) -> tuple[Any, bool]:
+def _session(master: str | None) -> tuple[Any, bool]:
     from conformance.campaign.spark_setup import spark_session
     return spark_session(master)
 
@@ -128,7 +129,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         spark, mine = _session(args.master)
     except Exception as e:  # no Java, a master that does not answer
-        return _fail(f"cannot start Spark on {args.master}: {str(e).splitlines()[0]}")
+        return _fail(f"cannot start Spark on {args.master or 'local[*]'}: "
+                     f"{str(e).splitlines()[0]}")
     err = Console(stderr=True, highlight=False)
     try:
         stats = run_campaign(spark, cfg, args.out, console=err)
@@ -184,7 +186,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     try:
         spark, mine = _session(args.master)
     except Exception as e:
-        return _fail(f"cannot start Spark on {args.master}: {str(e).splitlines()[0]}")
+        return _fail(f"cannot start Spark: {str(e).splitlines()[0]}")
     try:
         s = summary(spark, args.dir)
     except CampaignError as e:
@@ -221,7 +223,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     try:
         spark, mine = _session(args.master)
     except Exception as e:
-        return _fail(f"cannot start Spark on {args.master}: {str(e).splitlines()[0]}")
+        return _fail(f"cannot start Spark: {str(e).splitlines()[0]}")
     try:
         d = diff(spark, args.a, args.b)
     except CampaignError as e:

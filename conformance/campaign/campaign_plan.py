@@ -44,7 +44,7 @@ class CampaignConfig:
     recovery_sample: int = 3
     eio: bool = True
     split: int = 4  # shards per task that covers several calls
-    per_partition: int = 4  # units per partition (one Spark job each)
+    per_partition: int = 2  # units per partition (one Spark job each)
     code_version: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:

@@ -1,7 +1,7 @@
 """Running a campaign's partitions on Spark, one job each, and writing their Parquet files.
 
-Each partition that has no file yet is one Spark job of one task (a few threads of the
-driver keep every executor core busy); its rows come back to the driver, which writes
+Each partition that has no file yet is one Spark job of one task (as many driver threads
+as executor cores keep every core busy); its rows come back to the driver, which writes
 them to ``data/part-NNNNN.parquet`` under a dot name and renames the file when it is
 complete.  A campaign interrupted at any moment therefore resumes with exactly the
 partitions that have no file.  On a terminal a rich progress bar shows the partitions
@@ -80,14 +80,13 @@ def run_campaign(spark: Any, cfg: CampaignConfig, out: Path, *,
                  console: Console | None = None, jobs: int = 0,
                  on_partition: Callable[[int], None] | None = None) -> RunStats:
     """Run every partition of ``cfg`` that ``out`` has no file for.  ``jobs``: Spark jobs
-    at once (default: the default parallelism, plus one so that no core waits while the
-    driver writes a file)."""
+    at once (default: Spark's default parallelism, the executors' cores)."""
     sc = spark.sparkContext
     parts = partitions(cfg)
     done = finished(out)
     stats = RunStats(partitions=len(parts), skipped=len(done & set(range(len(parts)))))
     todo = [i for i in range(len(parts)) if i not in done]
-    width = jobs or sc.defaultParallelism + 1
+    width = jobs or sc.defaultParallelism
     t0 = time.perf_counter()
     lock = threading.Lock()
     code = cfg.code_version

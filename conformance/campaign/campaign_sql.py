@@ -101,10 +101,14 @@ def totals(spark: Any, out: Path) -> dict[str, Any]:
     load(spark, out)
     cfg = read_params(out)
     result = _totals(spark, VIEW, "true")
-    result["by_backend"] = {}
-    for (backend,) in spark.sql(f"SELECT DISTINCT backend FROM {VIEW} ORDER BY 1").collect():
+    backends = [r[0] for r in spark.sql(f"SELECT DISTINCT backend FROM {VIEW} ORDER BY 1")
+                .collect()]
+    per = {}
+    for backend in backends:
         safe = backend.replace("'", "''")
-        result["by_backend"][backend] = _totals(spark, VIEW, f"backend = '{safe}'")
+        per[backend] = (dict(result) if len(backends) == 1 else
+                        _totals(spark, VIEW, f"backend = '{safe}'"))
+    result["by_backend"] = per
     result.update(backends=list(cfg.backends), models=list(cfg.models), bound=cfg.bound,
                   after_life=cfg.after_life, random=cfg.random,
                   random_length=cfg.random_length, seed=cfg.seed,

@@ -55,14 +55,25 @@ def is_loopback(master: str) -> bool:
                                                             "spark://localhost"))
 
 
-def spark_session(master: str = "local[*]", *, ui: bool = False,
+def under_spark_submit() -> bool:
+    """Whether this process is a driver spark-submit started (it made the JVM)."""
+    return "PYSPARK_GATEWAY_PORT" in os.environ
+
+
+def spark_session(master: str | None = None, *, ui: bool = False,
                   app: str = "queue-ref campaign") -> tuple[Any, bool]:
-    """The active SparkSession, or a new one on ``master``: (session, made_here)."""
+    """The active SparkSession, or a new one on ``master`` (default: spark-submit's, else
+    local[*]): (session, made_here)."""
     from pyspark.sql import SparkSession
 
     active = SparkSession.getActiveSession()
     if active is not None:
         return active, False
+    if under_spark_submit() and master is None:
+        spark = SparkSession.builder.appName(app).getOrCreate()
+        spark.sparkContext.setLogLevel("ERROR")
+        return spark, True
+    master = master or "local[*]"
     if find_java() is None:
         raise RuntimeError("no java on PATH and JAVA_HOME unset: Spark needs Java 17 or later")
     os.environ.setdefault("SPARK_CONF_DIR", str(CONF_DIR))
@@ -86,14 +97,26 @@ def spark_session(master: str = "local[*]", *, ui: bool = False,
     return spark, True
 
 
-def ship_packages(sc: Any) -> Path:
-    """Zip the project's packages and add the zip to the executors' Python path."""
+def package_zip(out: Path) -> Path:
+    """The project's packages in one zip, for ``--py-files`` or ``addPyFile``."""
     root = Path(__file__).resolve().parents[2]
-    out = Path(tempfile.mkdtemp(prefix="queue-ref-ship-")) / "queue_ref_packages.zip"
     with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
         for pkg in PACKAGES:
             for f in sorted((root / pkg).rglob("*")):
                 if f.is_file() and "__pycache__" not in f.parts:
                     z.write(f, f.relative_to(root).as_posix())
+    return out
+
+
+def ship_packages(sc: Any) -> Path:
+    """Zip the project's packages and add the zip to the executors' Python path."""
+    out = package_zip(Path(tempfile.mkdtemp(prefix="queue-ref-ship-")) / "queue_ref.zip")
     sc.addPyFile(str(out))
     return out
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        print("usage: python -m conformance.campaign.spark_setup OUT.zip", file=sys.stderr)
+        sys.exit(2)
+    print(package_zip(Path(sys.argv[1])))
