@@ -102,3 +102,39 @@ def test_a_campaign_runs_on_a_standalone_cluster_through_spark_submit(
     # both workers ran an executor of this application
     apps = list((tmp_path / "work").glob("app-*/*"))
     assert len({p.parent.parent for p in apps}) == 1 and len(apps) >= 2
+
+
+@pytest.mark.slow
+def test_a_killed_campaign_resumes_where_it_stopped(tmp_path: Path) -> None:
+    out = tmp_path / "c"
+    argv = [str(Path(sys.executable).with_name("queue-ref")), "campaign", "run", "--backend",
+            "kv", "--model", "weak", "--bound", "1", "--no-recovery", "--per-partition", "1",
+            "--master", "local[2]", "--out", str(out), "--json"]
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=env, start_new_session=True)
+    try:
+        end = time.monotonic() + 120
+        while len(list((out / "data").glob("part-*.parquet"))) < 3:
+            assert proc.poll() is None and time.monotonic() < end, "no partition finished"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver, its JVM and Python workers
+        proc.wait(timeout=30)
+    kept = {p.name: p.stat().st_mtime_ns for p in (out / "data").glob("part-*.parquet")}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["partitions_resumed"] == len(kept) < got["partitions"]
+    assert got["partitions_run"] == got["partitions"] - len(kept)
+    for name, stamp in kept.items():  # finished partitions were not run again
+        assert (out / "data" / name).stat().st_mtime_ns == stamp
+    want = explore(ExploreConfig(backend="kv", bound=1, recovery=False)).to_json()
+    for k in ("workloads", "crash_points", "states", "violating_states", "by_model"):
+        if k == "by_model":
+            for m, st in want[k].items():
+                for key in ("crash_points", "states", "eio_states", "violations"):
+                    assert got[k][m][key] == st[key], (m, key)
+        else:
+            assert got[k] == want[k], k
