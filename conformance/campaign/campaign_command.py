@@ -109,9 +109,9 @@ def _config(args: argparse.Namespace) -> CampaignConfig:
         per_partition=args.per_partition, code_version=code_version())
 
 
-def _session(master: str | None) -> tuple[Any, bool]:
+def _session(master: str | None, ui: bool = False) -> tuple[Any, bool]:
     from conformance.campaign.spark_setup import spark_session
-    return spark_session(master)
+    return spark_session(master, ui=ui)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -127,7 +127,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from conformance.campaign.campaign_sql import totals
 
     try:
-        spark, mine = _session(args.master)
+        spark, mine = _session(args.master, args.ui)
     except Exception as e:  # no Java, a master that does not answer
         return _fail(f"cannot start Spark on {args.master or 'local[*]'}: "
                      f"{str(e).splitlines()[0]}")
