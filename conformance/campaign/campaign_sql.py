@@ -27,7 +27,7 @@ def load(spark: Any, out: Path, view: str = VIEW) -> Any:
     data = out / DATA_DIR
     if not any(data.glob("part-*.parquet")):
         raise CampaignError(f"{out} has no finished partition yet (run the campaign first)")
-    df = spark.read.parquet(str(data))
+    df = spark.read.parquet(str(data)).cache()  # every summary reads it again
     df.createOrReplaceTempView(view)
     return df
 
