@@ -8,6 +8,8 @@ campaign resumes with only the partitions that have no file; diff tells new from
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -36,6 +38,22 @@ def spark() -> Any:
     session, _ = spark_session("local[2]", app="queue-ref campaign tests")
     yield session
     session.stop()
+
+
+BROKEN = ["--backend", "fs-broken-nofsync", "--model", "weak", "--bound", "0", "--random", "1",
+          "--length", "4", "--no-recovery", "--no-eio"]
+
+
+@pytest.fixture(scope="module")
+def broken(spark: Any, tmp_path_factory: pytest.TempPathFactory
+           ) -> tuple[Path, int, dict[str, Any]]:
+    """A campaign over a broken variant (random workloads split into shards by crash
+    point): its directory, exit code and JSON line."""
+    out = tmp_path_factory.mktemp("broken") / "c"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = main(["campaign", "run", *BROKEN, "--split", "3", "--out", str(out), "--json"])
+    return out, code, json.loads(buf.getvalue().strip().splitlines()[-1])
 
 
 def _json_last(capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
@@ -79,13 +97,9 @@ def test_a_clean_backend_gives_the_explorers_totals(spark: Any, tmp_path: Path,
 
 
 def test_a_broken_variant_gives_the_explorers_scenarios_and_the_report_shows_them(
-        spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "broken"
-    # random workloads cover every call: they are split by crash point into shards
-    args = ["--backend", "fs-broken-nofsync", "--model", "weak", "--bound", "0",
-            "--random", "1", "--length", "4", "--no-recovery", "--no-eio"]
-    code = main(["campaign", "run", *args, "--split", "3", "--out", str(out), "--json"])
-    got = _json_last(capsys)
+        broken: tuple[Path, int, dict[str, Any]], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    out, code, got = broken
     assert code == 1
     want = _explore("fs-broken-nofsync", ("weak",), 0, random=1, random_length=4,
                     recovery=False, eio=False)
@@ -115,9 +129,7 @@ def test_a_broken_variant_gives_the_explorers_scenarios_and_the_report_shows_the
 
     # diff: the broken campaign against a clean one of the same parameters
     clean = tmp_path / "clean"
-    assert main(["campaign", "run", "--backend", "fs", "--model", "weak", "--bound", "0",
-                 "--random", "1", "--length", "4", "--no-recovery", "--no-eio", "--out",
-                 str(clean)]) == 0
+    assert main(["campaign", "run", "--backend", "fs", *BROKEN[2:], "--out", str(clean)]) == 0
     capsys.readouterr()
     assert main(["campaign", "diff", str(clean), str(out), "--json"]) == 1
     d = _json_last(capsys)
@@ -189,13 +201,10 @@ def test_without_the_extra_the_command_says_how_to_install_it(tmp_path: Path) ->
 
 
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian chromium not installed")
-def test_the_report_page_renders_in_a_headless_browser(spark: Any, tmp_path: Path,
-                                                       capsys: pytest.CaptureFixture[str]
-                                                       ) -> None:
-    out = tmp_path / "r"
-    assert main(["campaign", "run", "--backend", "fs-broken-nofsync", "--model", "weak",
-                 "--bound", "0", "--no-recovery", "--no-eio", "--out", str(out)]) == 1
-    assert main(["campaign", "report", str(out), "--html", str(tmp_path / "page.html")]) == 0
+def test_the_report_page_renders_in_a_headless_browser(
+        broken: tuple[Path, int, dict[str, Any]], tmp_path: Path) -> None:
+    assert main(["campaign", "report", str(broken[0]), "--html",
+                 str(tmp_path / "page.html")]) == 0
     shot = tmp_path / "page.png"
     done = subprocess.run(
         ["chromium", "--headless", "--no-sandbox", "--disable-gpu", f"--screenshot={shot}",
