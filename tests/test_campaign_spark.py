@@ -219,16 +219,20 @@ def test_the_report_page_renders_in_a_headless_browser(
         shutil.copy(shot, keep)
 
 
-def test_limits_reach_the_rows(spark: Any, tmp_path: Path,
-                               capsys: pytest.CaptureFixture[str]) -> None:
-    # an exhaustive limit of 1 pending operation: the points with more are sampled
+def test_limits_reach_the_rows_of_a_factory_backend(spark: Any, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]
+                                                    ) -> None:
+    # a backend named by package.module:factory; an exhaustive limit of 1 pending
+    # operation: the crash points with more are sampled, and each row says so
     out = tmp_path / "s"
-    main(["campaign", "run", "--backend", "fs", "--model", "weak", "--bound", "0",
+    factory = "conformance.examples.backends:kv_log"
+    main(["campaign", "run", "--backend", factory, "--model", "weak", "--bound", "0",
           "--no-recovery", "--no-eio", "--exhaustive-limit", "1", "--random-states", "2",
           "--out", str(out), "--json"])
     got = _json_last(capsys)
-    want = explore(ExploreConfig(backend="fs", bound=0, recovery=False, eio=False,
+    want = explore(ExploreConfig(backend=factory, bound=0, recovery=False, eio=False,
                                  limits=Limits(1, 2, 0))).to_json()
     _same_totals(got, want)
+    assert list(got["by_backend"]) == [factory]
     assert got["sampled_points"] > 0 and got["exhaustive_points"] > 0
     assert got["sampled_points"] + got["exhaustive_points"] == want["crash_points"]
