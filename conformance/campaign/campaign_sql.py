@@ -27,6 +27,9 @@ def load(spark: Any, out: Path, view: str = VIEW) -> Any:
     data = out / DATA_DIR
     if not any(data.glob("part-*.parquet")):
         raise CampaignError(f"{out} has no finished partition yet (run the campaign first)")
+    # small aggregates: a few shuffle partitions per core, not Spark's default 200
+    spark.conf.set("spark.sql.shuffle.partitions",
+                   str(max(4, 2 * spark.sparkContext.defaultParallelism)))
     df = spark.read.parquet(str(data)).cache()  # every summary reads it again
     df.createOrReplaceTempView(view)
     return df
