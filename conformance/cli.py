@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "queue_ref.repair_cli",
     "queue_ref.relay.relay_command",
     "queue_ref.operate.operate_commands",
+    "conformance.campaign.campaign_command",
 )
 
 

@@ -15,6 +15,12 @@ recovery.  States that pass are then crashed again inside their recovery (a samp
 them per crash point, see ``Task.recovery_sample``), and the last call's fsyncs are each
 failed with EIO once (C9).  Only failing states are kept as ``CaseOutcome``s; the others
 are counted.  Tasks and results are picklable (worker processes run them).
+
+A big task can be split by crash point: ``Task.shard = (i, n)`` explores only the crash
+points whose ordinal (inside calls, then at rest, then EIO, in that order) is ``i``
+modulo ``n``; the fault-free run and its restart check are recorded by shard 0 alone, so
+the shards of a task add up to the whole task.  With ``Task.log_points`` the result also
+keeps what each crash point found (``point_log.PointLog``), the rows of a campaign.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from conformance.crashexplore.disk_recovery import (
     recovery_crash_states,
 )
 from conformance.crashexplore.explored_backends import BackendSpec
+from conformance.crashexplore.point_log import PointLog
 from conformance.crashexplore.recovered_queue import Recovered, inspect
 from conformance.crashexplore.traced_runs import (
     OPEN,
@@ -55,7 +62,7 @@ from conformance.crashexplore.traced_runs import (
 from conformance.crashexplore.workloads import Workload
 from faultinject.disk import DiskImage
 from faultinject.errors import ModelError
-from faultinject.models import CrashState, crash_states
+from faultinject.models import CrashState, crash_states, is_exhaustive
 from faultinject.seam import FaultPlan
 from queue_ref.storage import StorageIOError
 from spec.crash import CLAUSES
@@ -82,6 +89,12 @@ class Task:
     recovery_sample: int = 3  # first-level states per crash point and model (0: all)
     eio: bool = True  # also fail each fsync of the last call with EIO (C9)
     at_rest: bool = True  # also crash at rest, after each call covered returned
+    shard: tuple[int, int] = (0, 1)  # (i, n): only the crash points numbered i modulo n
+    log_points: bool = False  # keep a PointLog per crash point (TaskResult.log)
+
+    def owns(self, ordinal: int) -> bool:
+        """Whether crash point number ``ordinal`` of the workload belongs to this shard."""
+        return ordinal % self.shard[1] == self.shard[0]
 
 
 def task_for(backend: str, workload: Workload, models: tuple[str, ...], *,
@@ -134,12 +147,46 @@ class TaskResult:
     #: model -> operation -> [crash points inside it, of which crashed and judged,
     #: instances of it crashed at every one of their points]
     coverage: dict[str, dict[str, list[int]]] = field(default_factory=dict)
+    #: one entry per crash point, when the task asked for it (``Task.log_points``)
+    log: list[PointLog] | None = None
 
-    def cover(self, model: str, op: str, points: int, crashed: int) -> None:
+    def cover(self, model: str, op: str, points: int, crashed: int, whole: bool = True
+              ) -> None:
+        """``whole``: the task saw every crash point of the operation (not a shard)."""
         row = self.coverage.setdefault(model, {}).setdefault(op, [0, 0, 0])
         row[0] += points
         row[1] += crashed
-        row[2] += int(crashed == points)  # an operation with no mutating call: vacuously
+        row[2] += int(whole and crashed == points)  # no mutating call: vacuously
+
+    def begin_point(self, kind: str, index: int, when: str, models: tuple[str, ...]) -> None:
+        """A new crash point starts (only noted when points are logged)."""
+        if self.log is None:
+            return
+        self.end_point()
+        entry = PointLog(kind, index, when, errors_from=len(self.errors))
+        for m in models:
+            entry.model(m)
+        self.log.append(entry)
+
+    def end_point(self) -> None:
+        if self.log and not self.log[-1].seconds:
+            self.log[-1].close(self.errors)
+
+    def judged(self, model: str, exhaustive: bool) -> None:
+        """The current crash point's states were built under ``model``."""
+        self.stats(model).points += 1
+        if self.log:
+            at = self.log[-1].model(model)
+            at.judged = True
+            at.exhaustive = exhaustive
+
+    def count(self, model: str, digest: str, kind: str = "crash") -> None:
+        """One more state judged without violation."""
+        self.stats(model).count(digest, kind)
+        if self.log:
+            at = self.log[-1].model(model)
+            at.count(kind)
+            at.images.add(digest)
 
     def stats(self, model: str) -> ModelStats:
         return self.per_model.setdefault(model, ModelStats())
@@ -160,31 +207,58 @@ class TaskResult:
             self.failures.append(outcome)
         if outcome.error:
             self.errors.append(f"{outcome.scenario}: {outcome.error}")
+        if self.log:
+            at = self.log[-1].model(model)
+            at.count(kind)
+            if outcome.image:
+                at.images.add(outcome.image)
+            if outcome.violations:
+                at.failures.append((outcome.scenario, outcome.clauses,
+                                    outcome.violations[0][1]))
 
 
 def explore_task(task: Task) -> TaskResult:
     """Explore every crash point of one workload (see ``Task``)."""
     t0 = time.perf_counter()
-    out = TaskResult(task.workload_id)
+    out = TaskResult(task.workload_id, log=[] if task.log_points else None)
     backend = resolve(task.backend)
     base = CaseInput(task.backend, task.workload_id, task.workload, seed=task.limits.seed)
     # 1. run the workload without faults; an orderly restart must show the model's state
+    out.begin_point("rest-check", -1, "", ())
     ref, found, err, _ = rest_check(backend, task.workload)
-    rest = replace(base, kind="rest")
-    out.record(NO_CRASH, CaseOutcome(rest, str(rest.scenario), found, ref.trace_hash,
-                                     error=err))
+    if task.shard[0] == 0:
+        rest = replace(base, kind="rest")
+        out.record(NO_CRASH, CaseOutcome(rest, str(rest.scenario), found, ref.trace_hash,
+                                         error=err))
+    if task.shard[0] != 0 and out.log:
+        out.log.pop()  # the other shards' fault-free runs repeat shard 0's
     if ref.divergence is not None or ref.error is not None:
+        out.end_point()
         out.seconds = time.perf_counter() - t0
         return out
+    _explore_points(task, backend, base, ref, out)
+    out.end_point()
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def _explore_points(task: Task, backend: BackendSpec, base: CaseInput, ref: Run,
+                    out: TaskResult) -> None:
+    """Steps 2 to 4 of ``explore_task``, for the crash points of the task's shard."""
     judge = _Judge(backend, task, base, out)
     # 2. crash before and after each mutating call, build every state each model allows,
     #    recover, judge, record (and count which operation each point was inside)
     per_op: dict[str, dict[str, list[int]]] = {
         model: {c.op.value: [0, 0] for c in task.workload[max(task.first_call, 0):]}
         for model in task.models}
+    ordinal = -1
     for m in _crash_points(ref, task.first_call):
         op = _op_at(ref, m)
         for when in ("before", "after"):
+            ordinal += 1
+            if not task.owns(ordinal):
+                continue
+            out.begin_point("crash", m, when, task.models)
             out.points += 1
             run = run_workload(backend, task.workload, FaultPlan(crash_at=m, crash_when=when))
             judged: set[str] = set()
@@ -201,7 +275,7 @@ def explore_task(task: Task) -> TaskResult:
                 row[1] += model in judged
     for model, ops in per_op.items():
         for op, (points, crashed) in ops.items():
-            out.cover(model, op, points, crashed)
+            out.cover(model, op, points, crashed, whole=task.shard[1] == 1)
     # 3. crash at rest after each call covered, and (in judge.point) again inside the
     #    recovery of a sample of the passing states
     if task.at_rest:
@@ -209,6 +283,10 @@ def explore_task(task: Task) -> TaskResult:
         # reached the seam, as each model keeps it (buffered data is lost even under
         # process-kill), and recovery must show exactly the state after those calls.
         for n in rest_points(ref, task.first_call):
+            ordinal += 1
+            if not task.owns(ordinal):
+                continue
+            out.begin_point("rest", n, AT_REST, task.models)
             out.points += 1
             out.rest_points += 1
             judge.point(ref, ref.rest_cut(n), ref.models[n], None, n, AT_REST,
@@ -218,9 +296,10 @@ def explore_task(task: Task) -> TaskResult:
         last = len(task.workload) - 1
         if task.first_call == OPEN or task.first_call <= last:
             for m in sync_points(ref, last):
-                _explore_eio(backend, task, base, m, out)
-    out.seconds = time.perf_counter() - t0
-    return out
+                ordinal += 1
+                if task.owns(ordinal):
+                    out.begin_point("eio", m, "after", task.models)
+                    _explore_eio(backend, task, base, m, out)
 
 
 # ---- the steps of the pipeline, in the order explore_task runs them ----------------
@@ -280,16 +359,17 @@ class _Judge:
         task, out, lim = self.task, self.out, self.task.limits
         judged: set[str] = set()
         for model in task.models:
-            stats = out.stats(model)
-            stats.points += 1
             try:
                 states = crash_states(run.initial, run.events[:cut], model,
                                       exhaustive_limit=lim.exhaustive_limit,
                                       random_states=lim.random_states, seed=lim.seed)
             except ModelError as e:
+                out.judged(model, True)
                 out.errors.append(f"{task.workload_id} {label} under {model}: "
                                   f"the trace cannot be replayed: {e}")
                 continue
+            out.judged(model, out.log is None or is_exhaustive(
+                run.initial, run.events[:cut], model, exhaustive_limit=lim.exhaustive_limit))
             judged.add(model)
             sampled = _sample(len(states), task.recovery_sample)
             for pos, st in enumerate(states):
@@ -302,7 +382,7 @@ class _Judge:
                     out.record(model, CaseOutcome(case, str(case.scenario), found,
                                                   run.trace_hash, digest, st.description))
                     continue
-                stats.count(digest)
+                out.count(model, digest)
                 if task.recovery and pos in sampled:
                     self._in_recovery(run, before, call, model, st, index, when)
         return judged
@@ -322,7 +402,7 @@ class _Judge:
         for second in self.recovery_cache[ck]:
             found2 = judge_recovered(second.recovered, run, before, call)
             if not found2:
-                out.stats(model).count(second.digest, "recovery")
+                out.count(model, second.digest, "recovery")
                 continue
             c2 = replace(self.base, kind="recovery", model=model, index=index, when=when,
                          state_key=st.key, recovery_index=second.index,
@@ -408,6 +488,8 @@ def _explore_eio(backend: BackendSpec, task: Task, base: CaseInput, m: int,
         run, call, problems, succeeded = eio_run(backend, task.workload, m)
     except ValueError as e:
         out.errors.append(f"{task.workload_id} EIO at #{m}: {e}")
+        if out.log:
+            out.log[-1].counted = False
         return
     cut = events_through(run, call) if succeeded else len(run.events)
     out.eio_points += 1
@@ -420,12 +502,16 @@ def _explore_eio(backend: BackendSpec, task: Task, base: CaseInput, m: int,
         except ModelError as e:
             out.errors.append(f"{task.workload_id} EIO at #{m} under {model}: {e}")
             continue
+        if out.log:  # not a crash point of the model's count: only whether it was sampled
+            out.log[-1].model(model).exhaustive = is_exhaustive(
+                run.initial, run.events[:cut], model,
+                exhaustive_limit=task.limits.exhaustive_limit)
         for st in states:
             digest = image_digest(st.image)
             found = problems + eio_judge(recover_image(backend, st.image), run, call,
                                          succeeded)
             if not found:
-                out.stats(model).count(digest, "eio")
+                out.count(model, digest, "eio")
                 continue
             case = replace(base, kind="eio", model=model, index=m, when="after",
                            state_key=st.key)
