@@ -1,7 +1,8 @@
 """queue-ref relay against Postfix, end to end, in one run.
 
     python benchmarks/relay.py [--rounds 3] [--messages 5000] [--scenario all|bulk|wide|large]
-                               [--backend fs] [--work DIR] [--only postfix|queue-ref]
+                               [--backend fs] [--processes N] [--work DIR]
+                               [--only postfix|queue-ref]
 
 Both relays run on this machine, on the same file system (``--work``), one at a time in
 interleaved rounds (Postfix first in odd rounds, queue-ref first in even ones), each
@@ -365,8 +366,9 @@ class Postfix(Relay):
 class QueueRef(Relay):
     name = "queue-ref"
 
-    def __init__(self, backend: str) -> None:
+    def __init__(self, backend: str, processes: int) -> None:
         self.backend = backend
+        self.processes = processes
 
     def start(self, work: Path, sink_port: int) -> int:
         self.dir = work / "queue-ref"
@@ -376,7 +378,8 @@ class QueueRef(Relay):
         exe = Path(sys.executable).with_name("queue-ref")
         cmd = [str(exe) if exe.exists() else "queue-ref", "relay",
                "--queue", str(self.dir / "queue"), "--backend", self.backend,
-               "--listen", f"127.0.0.1:{port}", "--relayhost", f"127.0.0.1:{sink_port}"]
+               "--listen", f"127.0.0.1:{port}", "--relayhost", f"127.0.0.1:{sink_port}",
+               "--processes", str(self.processes)]
         self._log = open(self.dir / "relay.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      cwd=self.dir)
@@ -517,6 +520,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--messages", type=int, default=5000)
     ap.add_argument("--scenario", choices=("all", "bulk", "wide", "large"), default="all")
     ap.add_argument("--backend", default="fs", help="queue-ref's backend (queue-ref relay)")
+    ap.add_argument("--processes", type=int, default=os.cpu_count() or 1,
+                    help="queue-ref relay processes (default: one per core, as Postfix "
+                         "runs a process per session)")
     ap.add_argument("--only", choices=("postfix", "queue-ref"), default=None,
                     help="run one relay only (no ratios)")
     ap.add_argument("--work", default=None, help="directory for both queues (default: a "
@@ -532,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.only != "queue-ref":
         relays.append(Postfix())
     if args.only != "postfix":
-        relays.append(QueueRef(args.backend))
+        relays.append(QueueRef(args.backend, args.processes))
     wanted = list(scenarios(args.messages)) if args.scenario == "all" else [args.scenario]
     runs: list[Run] = []
     try:
@@ -553,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(base, ignore_errors=True)
     out: dict[str, object] = {
         "rounds": args.rounds, "messages": args.messages, "backend": args.backend,
+        "processes": args.processes,
         "fsync": {r.name: r.fsync_note() for r in relays},
         "runs": [r.__dict__ for r in runs],
         "lost": sum(r.lost for r in runs),

@@ -17,6 +17,7 @@ def _config(args: argparse.Namespace) -> RelayConfig:
     overrides: dict[str, Any] = {
         "queue": args.queue, "backend": args.backend, "listen": args.listen,
         "relayhost": args.relayhost, "log_json": True if args.log_json else None,
+        "processes": args.processes,
     }
     return load_config(args.config, overrides)
 
@@ -46,6 +47,14 @@ def _cmd(args: argparse.Namespace) -> int:
         return 0
     from queue_ref.relay.relay_server import Relay, RelayStartError
 
+    if config.processes > 1:
+        from queue_ref.relay.relay_master import RelayMaster
+
+        try:
+            return RelayMaster(config).run()
+        except RelayStartError as e:
+            print(f"queue-ref relay: {e}", file=sys.stderr)
+            return 1
     relay = Relay(config)
     try:
         asyncio.run(relay.run())
@@ -71,6 +80,9 @@ def register(sub: Any) -> None:
     p.add_argument("--relayhost", metavar="HOST:PORT",
                    help="send all mail to this smarthost ([host]:port skips the MX lookup)")
     p.add_argument("--log-json", action="store_true", help="log JSON lines instead of text")
+    p.add_argument("--processes", type=int, metavar="N",
+                   help="relay processes sharing the queue and the port (SO_REUSEPORT); "
+                        "the backend must allow several processes (fs, fs-fsync)")
     p.add_argument("--check-config", action="store_true",
                    help="validate and print the effective configuration, then exit")
     p.add_argument("--json", action="store_true", help="with --check-config: one JSON object")

@@ -109,6 +109,7 @@ class RelayConfig:
     delay_warning_time: float = 0.0  # 0: no "delayed" DSN
     double_bounce_recipient: str = ""  # where undeliverable bounces go; "": dropped
     # -- the process --
+    processes: int = 1  # relay processes on the queue (receivers and schedulers; SO_REUSEPORT)
     queue_scan_interval: float = 300.0  # Postfix's queue_run_delay: a full listing
     shutdown_timeout: float = 10.0
     log_json: bool = False
@@ -143,11 +144,13 @@ class RelayConfig:
             raise ConfigError("smtpd_tls_cert_file and smtpd_tls_key_file go together")
         for name in ("message_size_limit", "smtpd_recipient_limit",
                      "default_destination_concurrency_limit", "max_deliveries",
-                     "smtp_mx_address_limit"):
+                     "smtp_mx_address_limit", "processes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1")
         if not 1 <= self.dns_port <= 65535 or not 1 <= self.smtp_port <= 65535:
             raise ConfigError("dns_port and smtp_port must be from 1 to 65535")
+        if self.processes > 256:
+            raise ConfigError(f"processes: at most 256 (got {self.processes})")
         if self.maximal_backoff_time < self.minimal_backoff_time:
             raise ConfigError("maximal_backoff_time is below minimal_backoff_time")
         if not 0 <= self.backoff_jitter < 1:

@@ -10,6 +10,12 @@ their commits are done; deliveries in progress get ``shutdown_timeout`` to finis
 rest are put back with ``send_cancel`` and their old schedule; the queue is closed; exit
 0).  SIGUSR1 (``queue-ref`` operator tools, ``opener.wake_relay``) and SIGHUP wake the
 scheduler.  The process id is in ``relay.pid`` in the queue directory while it runs.
+
+A worker (``worker=i``, one of the processes ``relay_master`` starts for ``processes = N``)
+is the same relay with three differences: the master owns ``relay.pid`` and the
+signals a terminal sends (a worker stops on SIGTERM alone), its listening socket is bound
+with SO_REUSEPORT next to its siblings', and its metrics port is the configured one plus
+``i`` (each worker serves its own figures).
 """
 
 from __future__ import annotations
@@ -45,8 +51,9 @@ class RelayStartError(RuntimeError):
 
 class Relay:
     def __init__(self, config: RelayConfig, *, log_stream: LogStream | None = None,
-                 ready_stream: IO[str] | None = None) -> None:
+                 ready_stream: IO[str] | None = None, worker: int | None = None) -> None:
         self.config = config
+        self.worker = worker
         self.queue_dir = os.path.abspath(config.queue)
         self.log = DeliveryLog(config.log_json, config.log_file, log_stream)
         self._ready_stream = ready_stream
@@ -89,7 +96,7 @@ class Relay:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._stop_requested = asyncio.Event()
-        other = read_relay_pid(self.queue_dir)
+        other = read_relay_pid(self.queue_dir) if self.worker is None else None
         if other is not None and other != os.getpid():
             raise RelayStartError(f"another relay (pid {other}) works on {self.queue_dir}")
         try:
@@ -106,7 +113,8 @@ class Relay:
 
     async def _start_parts(self, loop: asyncio.AbstractEventLoop) -> None:
         store = self.store
-        self._write_pid()
+        if self.worker is None:
+            self._write_pid()
         self.metrics = RelayMetrics(store, self._sizes)
         self.scheduler = DeliveryScheduler(store, self.config, Router(self.config), self.deliverer,
                                            self.log, self.executor, self.metrics)
@@ -114,13 +122,16 @@ class Relay:
                                      self.scheduler.add, self._committed, self._etrn)
         host, port = self.config.listen_address()
         try:
-            self._server = await loop.create_server(self.receiver.protocol, host, port)
+            self._server = await loop.create_server(self.receiver.protocol, host, port,
+                                                    reuse_port=self.worker is not None)
         except OSError as e:
             raise RelayStartError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
         sockname = self._server.sockets[0].getsockname()
         self.smtp_address = (sockname[0], sockname[1])
         if self.config.metrics_listen:
             mhost, mport, _ = parse_hostport(self.config.metrics_listen, "metrics_listen", 0)
+            if mport and self.worker:
+                mport += self.worker
             try:
                 self.metrics_port = self.metrics.serve(mhost, mport)
             except OSError as e:
@@ -130,7 +141,7 @@ class Relay:
             self._started_services.append(stop)
         self._scheduler_task = loop.create_task(self.scheduler.run())
         self.log.emit("relay", what="started", smtp=f"{host}:{self.smtp_address[1]}",
-                      queue=self.queue_dir, backend=self.config.backend)
+                      queue=self.queue_dir, backend=self.config.backend, worker=self.worker)
 
     def _etrn(self, domain: str, outcome: str) -> None:
         if self.metrics is not None:
@@ -218,6 +229,8 @@ class Relay:
         assert self._stop_requested is not None
         handlers = {signal.SIGTERM: self.request_stop, signal.SIGINT: self.request_stop,
                     signal.SIGUSR1: self.wake, signal.SIGHUP: self.wake}
+        if self.worker is not None:  # the master stops its workers with SIGTERM
+            del handlers[signal.SIGINT], handlers[signal.SIGHUP]
         for sig, fn in handlers.items():
             loop.add_signal_handler(sig, fn)
         try:

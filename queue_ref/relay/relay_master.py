@@ -1,0 +1,323 @@
+"""Several relay processes on one queue (``processes = N``): a small Postfix ``master``.
+
+Python runs one thread at a time, so one relay process uses one core.  With
+``processes = N`` the master starts N workers, each a whole relay (receiver and scheduler,
+``relay_server.Relay(worker=i)``) with its own open queue and its own listening socket on
+the same address: SO_REUSEPORT makes the kernel spread connections over them.  The
+queue's claims are exclusive across processes (C7), so two workers never deliver one entry;
+an entry a worker held when it died has a dead owner, and the next scan of any worker
+finds it (``find_inflight``) and delivers it.
+
+Before anything listens, the master opens the queue once: recovery runs there, and a
+backend that processes cannot share (no ``Capability.MULTI_PROCESS``: the KV queues) is
+refused with a clear message.  It binds the port first (port 0 picks one for all), writes
+``relay.pid`` and prints the one ready line once every worker listens.
+
+Signals to the master: SIGTERM and SIGINT stop every worker in order (each as one relay
+stops: 421, deliveries finish or are put back, the queue is closed) and the master exits
+0 when they all did; SIGUSR1 and SIGHUP are passed on as SIGUSR1 (look for due mail now).
+A worker that dies is logged and started again (after 1 s, doubling to 30 s while it keeps
+dying); a worker that cannot start at all stops the start (exit 1, its reason).  Workers
+die with the master (``PR_SET_PDEATHSIG``): a killed master leaves no relay behind.
+
+Limits (``max_deliveries``, ``default_destination_concurrency_limit``) apply per process.
+Worker i serves its metrics on the configured port plus i (port 0: each its own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import dataclasses
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+import time
+from multiprocessing.connection import Connection, wait
+from typing import IO, Any
+
+from queue_ref.opener import PID_FILE, open_queue, read_relay_pid
+from queue_ref.relay.delivery_log import DeliveryLog
+from queue_ref.relay.relay_config import RelayConfig
+from queue_ref.relay.relay_server import Relay, RelayStartError
+from queue_ref.storage import Capability
+
+__all__ = ["RelayMaster"]
+
+START_TIMEOUT = 120.0  # for every worker to open the queue and listen
+_PR_SET_PDEATHSIG = 1
+
+
+class _ReadyPipe:
+    """The worker's ready stream: the ready line goes to the master, not to stdout."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._buf = ""
+
+    def write(self, text: str) -> int:
+        self._buf += text
+        return len(text)
+
+    def flush(self) -> None:
+        if self._buf:
+            self._conn.send(("ready", self._buf.strip()))
+            self._buf = ""
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the master's SIGTERM is the only way workers stop
+    if os.getppid() == 1:  # the master died before the line above
+        os._exit(1)
+
+
+def _worker_main(config: RelayConfig, index: int, conn: Connection) -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C reaches the master
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    relay = Relay(config, worker=index, ready_stream=_ReadyPipe(conn))  # type: ignore[arg-type]
+    try:
+        asyncio.run(relay.run())
+    except RelayStartError as e:
+        conn.send(("error", str(e)))
+        sys.exit(1)
+    sys.exit(0)
+
+
+@dataclasses.dataclass
+class _Worker:
+    index: int
+    proc: Any = None  # multiprocessing.Process (spawn context)
+    conn: Connection | None = None
+    ready: str = ""
+    started: float = 0.0
+    restart_at: float = 0.0
+    backoff: float = 1.0
+
+
+class RelayMaster:
+    def __init__(self, config: RelayConfig, *, out: IO[str] | None = None) -> None:
+        self.config = config
+        self.queue_dir = os.path.abspath(config.queue)
+        self.out = out or sys.stdout
+        self.log = DeliveryLog(config.log_json, config.log_file)
+        self._ctx = mp.get_context("spawn")
+        self._workers = [_Worker(i) for i in range(config.processes)]
+        self._sock: socket.socket | None = None
+        self._stop = False
+        self._wake = False
+        self._wrote_pid = False
+        self.worker_config = config
+
+    # ---- start ----
+
+    def _check_queue(self) -> None:
+        other = read_relay_pid(self.queue_dir)
+        if other is not None and other != os.getpid():
+            raise RelayStartError(f"another relay (pid {other}) works on {self.queue_dir}")
+        try:
+            store = open_queue(self.queue_dir, self.config.backend)
+        except Exception as e:
+            raise RelayStartError(f"cannot open the queue {self.queue_dir} "
+                                  f"(backend {self.config.backend}): {e}") from e
+        try:
+            if Capability.MULTI_PROCESS not in store.capabilities:
+                raise RelayStartError(
+                    f"backend {self.config.backend} cannot be shared by several processes "
+                    f"(no multi-process capability): run it with processes = 1")
+        finally:
+            store.close()
+
+    def _reserve_port(self) -> None:
+        """Bind the address (SO_REUSEPORT) so that port 0 means one port for all workers
+        and a restarted worker finds its port free; the master never listens on it."""
+        host, port = self.config.listen_address()
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                       flags=socket.AI_PASSIVE)
+        except socket.gaierror as e:
+            raise RelayStartError(f"cannot listen on {host}:{port}: {e}") from e
+        family, _, _, _, addr = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind(addr)
+        except OSError as e:
+            sock.close()
+            raise RelayStartError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+        self._sock = sock
+        bound = sock.getsockname()
+        listen = f"[{bound[0]}]:{bound[1]}" if ":" in bound[0] else f"{bound[0]}:{bound[1]}"
+        self.worker_config = dataclasses.replace(self.config, listen=listen)
+
+    def _write_pid(self) -> None:
+        path = os.path.join(self.queue_dir, PID_FILE)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="ascii") as f:
+            f.write(f"{os.getpid()}\n")
+        os.replace(tmp, path)
+        self._wrote_pid = True
+
+    def _remove_pid(self) -> None:
+        if not self._wrote_pid:
+            return
+        path = os.path.join(self.queue_dir, PID_FILE)
+        try:
+            with open(path, encoding="ascii") as f:
+                if f.read().strip() == str(os.getpid()):
+                    os.unlink(path)
+        except OSError:
+            pass
+
+    def _spawn(self, w: _Worker) -> int:
+        parent, child = self._ctx.Pipe(duplex=False)
+        w.proc = self._ctx.Process(target=_worker_main, args=(self.worker_config, w.index, child),
+                                   name=f"queue-ref-relay-{w.index}", daemon=False)
+        w.proc.start()
+        child.close()
+        w.conn, w.ready, w.started = parent, "", time.monotonic()
+        return int(w.proc.pid)
+
+    def _poll_worker(self, w: _Worker) -> str | None:
+        """Read what the worker said; its start error if it gave one."""
+        while w.conn is not None and w.conn.poll():
+            try:
+                kind, text = w.conn.recv()
+            except (EOFError, OSError):
+                w.conn.close()
+                w.conn = None
+                break
+            if kind == "ready":
+                w.ready = text
+            else:
+                return str(text)
+        return None
+
+    def _start_all(self) -> None:
+        for w in self._workers:
+            self._spawn(w)
+        deadline = time.monotonic() + START_TIMEOUT
+        while not all(w.ready for w in self._workers):
+            if self._stop:
+                raise RelayStartError("stopped before every worker was ready")
+            for w in self._workers:
+                error = self._poll_worker(w)
+                if error is not None:
+                    raise RelayStartError(f"worker {w.index}: {error}")
+                if not w.ready and not w.proc.is_alive():
+                    raise RelayStartError(f"worker {w.index} exited ({w.proc.exitcode}) "
+                                          f"before it was ready")
+            if time.monotonic() > deadline:
+                raise RelayStartError(f"the workers were not ready within {START_TIMEOUT:.0f} s")
+            wait([w.conn for w in self._workers if w.conn is not None and not w.ready]
+                 + [w.proc.sentinel for w in self._workers if not w.ready], timeout=0.2)
+
+    def ready_line(self) -> str:
+        bound = self.worker_config.listen
+        metrics = [f.split("=", 1)[1] for w in self._workers for f in w.ready.split()
+                   if f.startswith("metrics=")]
+        line = (f"queue-ref relay ready: smtp={bound.replace('[', '').replace(']', '')} "
+                f"queue={self.queue_dir} backend={self.config.backend} pid={os.getpid()} "
+                f"processes={len(self._workers)}")
+        if metrics:
+            line += f" metrics={','.join(metrics)}"
+        return line
+
+    # ---- run ----
+
+    def _on_stop(self, signum: int, frame: object) -> None:
+        self._stop = True
+
+    def _on_wake(self, signum: int, frame: object) -> None:
+        self._wake = True
+
+    def run(self) -> int:
+        """Start the workers, say ready, supervise until SIGTERM or SIGINT; the exit code."""
+        old = {sig: signal.signal(sig, h) for sig, h in (
+            (signal.SIGTERM, self._on_stop), (signal.SIGINT, self._on_stop),
+            (signal.SIGUSR1, self._on_wake), (signal.SIGHUP, self._on_wake))}
+        try:
+            self._check_queue()
+            self._reserve_port()
+            self._write_pid()
+            try:
+                self._start_all()
+            except RelayStartError:
+                self._stop_all()
+                raise
+            self.log.emit("relay", what="started", processes=len(self._workers),
+                          smtp=self.worker_config.listen, queue=self.queue_dir,
+                          backend=self.config.backend)
+            self.out.write(self.ready_line() + "\n")
+            self.out.flush()
+            self._supervise()
+            return self._stop_all()
+        finally:
+            self._remove_pid()
+            if self._sock is not None:
+                self._sock.close()
+            for sig, h in old.items():
+                signal.signal(sig, h)
+            self.log.close()
+
+    def _supervise(self) -> None:
+        while not self._stop:
+            if self._wake:
+                self._wake = False
+                self._signal_all(signal.SIGUSR1)
+            now = time.monotonic()
+            for w in self._workers:
+                self._poll_worker(w)
+                if w.proc is not None and not w.proc.is_alive():
+                    code = w.proc.exitcode
+                    w.proc.join()
+                    if w.conn is not None:
+                        w.conn.close()
+                        w.conn = None
+                    if now - w.started > 60:  # it ran a while: not a crash loop
+                        w.backoff = 1.0
+                    w.proc, w.restart_at = None, now + w.backoff
+                    self.log.emit("relay", what="worker died", worker=w.index, exit=code,
+                                  restart_in=w.backoff)
+                    w.backoff = min(w.backoff * 2, 30.0)
+                if w.proc is None and now >= w.restart_at:
+                    pid = self._spawn(w)
+                    self.log.emit("relay", what="worker restarted", worker=w.index, pid=pid)
+            sentinels = [w.proc.sentinel for w in self._workers if w.proc is not None]
+            wait(sentinels, timeout=0.5)  # a signal handler runs in between
+
+    def _signal_all(self, sig: int) -> None:
+        for w in self._workers:
+            if w.proc is not None and w.proc.is_alive() and w.proc.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w.proc.pid, sig)
+
+    def _stop_all(self) -> int:
+        """SIGTERM every worker and wait; 0 when all stopped cleanly."""
+        self._signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + self.config.shutdown_timeout + 30
+        code = 0
+        for w in self._workers:
+            if w.proc is None:
+                continue
+            w.proc.join(max(0.0, deadline - time.monotonic()))
+            if w.proc.is_alive():
+                self.log.emit("error", what="stopping", reason=f"worker {w.index} did not stop "
+                              f"in time: killed (its entries are found by the next start)")
+                w.proc.kill()
+                w.proc.join()
+                code = 1
+            elif w.proc.exitcode != 0:
+                code = 1
+            if w.conn is not None:
+                w.conn.close()
+        self.log.emit("relay", what="stopped", processes=len(self._workers))
+        return code

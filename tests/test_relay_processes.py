@@ -1,0 +1,198 @@
+"""``queue-ref relay --processes N``: several relay processes on one queue and one port.
+
+Real processes, a real SMTP sink, real signals: the workers share the port (both take
+connections) and the queue (each message delivered once), a killed worker is started
+again and loses nothing, a killed master takes its workers with it, a backend that
+processes cannot share is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import smtplib
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from queue_ref.opener import PID_FILE, open_queue, read_relay_pid, wake_relay
+from queue_ref.storage import Recipient, Schedule
+from tests.relay_support import RelayProcess, Sink, relay_process
+
+_STARTED = re.compile(r"queue-ref/relay\[(\d+)\]: relay, what=started, .*worker=(\d+)")
+_SENT = re.compile(r"queue-ref/relay\[(\d+)\]: \S+: to=<[^>]+>.*status=sent")
+
+
+def _send(port: int, tokens: list[str], acked: set[str], lock: threading.Lock) -> None:
+    for token in tokens:
+        for _ in range(100):
+            try:
+                with smtplib.SMTP("127.0.0.1", port, timeout=10) as c:
+                    c.sendmail("a@example.org", [f"{token}@example.net"],
+                               f"Subject: {token}\r\n\r\nbody {token}\r\n".encode())
+                with lock:
+                    acked.add(token)
+                break
+            except (OSError, smtplib.SMTPException):
+                time.sleep(0.05)  # a worker being restarted: the client tries again
+
+
+def _subjects(sink: Sink) -> list[str]:
+    with sink.state.lock:
+        return [m.data.split(b"Subject: ")[1].split(b"\r\n")[0].decode()
+                for m in sink.state.messages]
+
+
+def _wait_delivered(sink: Sink, want: set[str], timeout: float = 60.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = _subjects(sink)
+        if want <= set(got):
+            return got
+        time.sleep(0.05)
+    return _subjects(sink)
+
+
+def _workers(rp: RelayProcess) -> dict[int, int]:
+    """worker index -> pid, from the started lines of the log (the latest per index)."""
+    found: dict[int, int] = {}
+    for line in list(rp.err_lines):
+        m = _STARTED.search(line)
+        if m:
+            found[int(m.group(2))] = int(m.group(1))
+    return found
+
+
+def _wait(cond: object, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():  # type: ignore[operator]
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_two_processes_share_the_port_and_the_queue(tmp_path):
+    queue = str(tmp_path / "q")
+    tokens = [f"m{i:03d}" for i in range(80)]
+    acked: set[str] = set()
+    lock = threading.Lock()
+    with Sink() as sink, relay_process(["--queue", queue, "--listen", "127.0.0.1:0",
+                                        "--processes", "2",
+                                        "--relayhost", f"[127.0.0.1]:{sink.port}"]) as (rp, port):
+        assert read_relay_pid(queue) == rp.pid  # the master owns the pid file
+        assert _wait(lambda: len(_workers(rp)) == 2)
+        pids = _workers(rp)
+        assert rp.pid not in pids.values() and len(set(pids.values())) == 2
+        threads = [threading.Thread(target=_send, args=(port, tokens[k::4], acked, lock))
+                   for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert acked == set(tokens)
+        got = _wait_delivered(sink, acked)
+        # every message once: the claims are exclusive across the processes
+        assert sorted(got) == sorted(tokens)
+        # mail another process queued: SIGUSR1 to the master reaches the workers
+        with open_queue(queue) as q, q.enqueue("a@example.org", {"arrival": "0"}) as enq:
+            enq.write(b"Subject: woken\r\n\r\nhi\r\n")
+            enq.commit([Recipient("w@example.net", Schedule(0))])
+        assert wake_relay(queue)
+        assert "woken" in _wait_delivered(sink, {"woken"}, timeout=20)
+        rp.send_signal(signal.SIGTERM)
+        assert rp.wait(60) == 0
+        err = rp.stderr()
+    senders = {int(m.group(1)) for m in _SENT.finditer(err)}
+    assert senders == set(pids.values()), (senders, pids)  # both workers took mail
+    assert not os.path.exists(os.path.join(queue, PID_FILE))
+    with open_queue(queue) as q:
+        assert list(q.list_queue()) == [] and list(q.find_inflight()) == []
+        assert q.footprint().objects == 0
+
+
+def test_a_killed_worker_is_started_again_and_nothing_acknowledged_is_lost(tmp_path):
+    queue = str(tmp_path / "q")
+    tokens = [f"k{i:03d}" for i in range(240)]
+    acked: set[str] = set()
+    lock = threading.Lock()
+    with Sink() as sink, relay_process(["--queue", queue, "--listen", "127.0.0.1:0",
+                                        "--processes", "2",
+                                        "--relayhost", f"[127.0.0.1]:{sink.port}"]) as (rp, port):
+        assert _wait(lambda: len(_workers(rp)) == 2)
+        victim = _workers(rp)[0]
+        threads = [threading.Thread(target=_send, args=(port, tokens[k::3], acked, lock))
+                   for k in range(3)]
+        for t in threads:
+            t.start()
+        assert _wait(lambda: len(acked) >= 60)
+        os.kill(victim, signal.SIGKILL)  # while mail flows through both workers
+        killed_at = len(acked)
+        assert _wait(lambda: _workers(rp).get(0) not in (None, victim))
+        for t in threads:
+            t.join(180)
+        assert killed_at < len(tokens) and acked == set(tokens)
+        got = _wait_delivered(sink, acked, timeout=90)
+        missing = acked - set(got)
+        assert not missing, f"{len(missing)} acknowledged, never delivered: {sorted(missing)[:5]}"
+        rp.send_signal(signal.SIGTERM)
+        assert rp.wait(60) == 0
+        err = rp.stderr()
+    assert "what=worker died, worker=0, exit=-9" in err
+    assert "what=worker restarted, worker=0" in err
+    with open_queue(queue) as q:
+        assert list(q.list_queue()) == [] and list(q.find_inflight()) == []
+
+
+def test_a_killed_master_takes_its_workers_with_it(tmp_path):
+    queue = str(tmp_path / "q")
+    with relay_process(["--queue", queue, "--listen", "127.0.0.1:0", "--processes", "2",
+                        "--relayhost", "[127.0.0.1]:9"]) as (rp, port):
+        assert _wait(lambda: len(_workers(rp)) == 2)
+        workers = list(_workers(rp).values())
+        rp.kill()
+        rp.wait(30)
+
+        def gone() -> bool:
+            for pid in workers:
+                try:
+                    os.kill(pid, 0)
+                    return False
+                except ProcessLookupError:
+                    pass
+            return True
+
+        assert _wait(gone, 30), "workers outlived their master"
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", port)) != 0  # nobody listens any more
+    # and a new relay starts on that queue
+    with relay_process(["--queue", queue, "--listen", "127.0.0.1:0", "--processes", "2",
+                        "--relayhost", "[127.0.0.1]:9"]) as (rp, _):
+        rp.send_signal(signal.SIGTERM)
+        assert rp.wait(60) == 0
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "conformance.cli", "relay", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_processes_a_backend_cannot_share_or_a_bad_count_are_refused(tmp_path):
+    r = _cli("--queue", str(tmp_path / "kv"), "--backend", "kv-log", "--listen", "127.0.0.1:0",
+             "--processes", "2")
+    assert r.returncode == 1
+    assert "backend kv-log cannot be shared by several processes" in r.stderr
+    assert not os.path.exists(tmp_path / "kv" / PID_FILE)
+    r = _cli("--queue", str(tmp_path / "q"), "--processes", "0", "--check-config")
+    assert r.returncode == 2
+    assert r.stderr.strip() == "queue-ref relay: processes: must be at least 1"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        r = _cli("--queue", str(tmp_path / "q"), "--processes", "2",
+                 "--listen", f"127.0.0.1:{busy.getsockname()[1]}")
+    assert r.returncode == 1 and "cannot listen on 127.0.0.1:" in r.stderr
+    assert not os.path.exists(tmp_path / "q" / PID_FILE)
