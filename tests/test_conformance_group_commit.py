@@ -1,5 +1,6 @@
 """The group-commit check: commits of several threads share sync rounds, one sync fails;
-the project's seam backends pass, a group commit that tells only its leader fails C1."""
+the project's seam backends pass; a group commit that tells only its leader, or that
+acknowledges a caller who arrived while its sync ran, fails C1."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def test_rounds_are_shared_and_faults_land_in_them() -> None:
             store = backend.open(root, io)
             start = threading.Barrier(group_commit_check.THREADS)
             ts = [threading.Thread(target=group_commit_check._enqueuer,
-                                   args=(store, [c for c in commits if c.t == t], start))
+                                   args=(store, io, [c for c in commits if c.t == t], start))
                   for t in range(group_commit_check.THREADS)]
             for t in ts:
                 t.start()
@@ -62,5 +63,23 @@ def test_a_round_that_tells_only_its_leader_passes_every_single_caller_check() -
     from conformance.checks import io_errors_check
     res = io_errors_check.run(
         Backend.from_factory("conformance.examples.broken_backends:fs_round_error_to_leader"),
+        QUICK, 46)
+    assert res.status is Status.PASS, [f.detail for f in res.findings]
+
+
+def test_a_caller_acknowledged_by_a_round_that_began_before_it_is_c1() -> None:
+    """Power cuts at the acknowledgements (not only at the end of the run) see it."""
+    res = group_commit_check.run(
+        Backend.from_factory("conformance.examples.broken_backends:fs_late_joiner_acked"),
+        QUICK, 1)
+    assert res.status is Status.FAIL, "the late joiner was not caught"
+    assert {f.clause for f in res.findings} == {"C1"}
+    assert any("at the acknowledgement given after I/O call" in f.detail for f in res.findings)
+
+
+def test_a_late_joiner_passes_every_single_caller_check() -> None:
+    from conformance.checks import io_errors_check
+    res = io_errors_check.run(
+        Backend.from_factory("conformance.examples.broken_backends:fs_late_joiner_acked"),
         QUICK, 46)
     assert res.status is Status.PASS, [f.detail for f in res.findings]

@@ -3,10 +3,12 @@
 Several threads enqueue at once through one ``faultinject.FaultyIO``, so that their
 commits share sync rounds (a backend that groups its syncs serves several callers with
 one).  In each trial one sync call (``fsync``, ``fdatasync``, ``fsync_dir`` or
-``syncfs``, the n-th made) fails with EIO, or none does.  Then every state a power cut
-at the end of the run can leave under the ``weak`` model (built from the trace) is
-recovered, and so is the disk as the process left it.  Each commit is judged by its
-outcome:
+``syncfs``, the n-th made) fails with EIO, or none does.  Then the power is cut, under
+the ``weak`` model (states built from the trace): at the end of the run, and at the
+moment each of some acknowledgements was given (``cut_points`` of them per trial, all in
+the thorough profile), while the other threads' commits were still on their way, so that
+a caller acknowledged by a round that did not cover it is seen.  Every state is
+recovered.  Each commit is judged by its outcome at that moment:
 
 * a commit that **returned** (acknowledged) must be in every recovered state with all
   its recipients and its exact body: C1 (a round whose sync failed acknowledged a caller
@@ -93,15 +95,18 @@ class _Commit:
         self.body = _body(t, k)
         self.message_id: str | None = None
         self.outcome = "not run"  # "acked", "failed", or "raised X"
+        self.acked_at = -1  # how many I/O calls had taken effect when the commit returned
 
 
-def _enqueuer(store: Storage, commits: list[_Commit], start: threading.Barrier) -> None:
+def _enqueuer(store: Storage, io: FaultyIO, commits: list[_Commit],
+              start: threading.Barrier) -> None:
     start.wait()
     for c in commits:
         try:
             with store.enqueue(f"s{c.t}@example.org") as enq:
                 enq.write(c.body)
                 handles = enq.commit(c.rcpts)
+            c.acked_at = len(io.events)  # calls are serialized: a prefix of the trace
             c.message_id = handles[0].message_id
             c.outcome = "acked"
         except StorageIOError:
@@ -113,10 +118,14 @@ def _enqueuer(store: Storage, commits: list[_Commit], start: threading.Barrier) 
 
 
 def _judge_state(commits: list[_Commit], entries: dict[str, list[tuple[str, str]]],
-                 where: str) -> list[tuple[str, str]]:
+                 where: str, cut: int | None = None) -> list[tuple[str, str]]:
+    """C1 findings of one recovered state; ``cut``: the power went at that many calls
+    (None: at the end), so only commits acknowledged by then must be there."""
     out: list[tuple[str, str]] = []
     for c in commits:
         if c.outcome != "acked" or c.message_id is None:
+            continue
+        if cut is not None and c.acked_at > cut:
             continue
         got = entries.get(c.message_id, [])
         want = sorted((r.address, hashlib.sha256(c.body).hexdigest()) for r in c.rcpts)
@@ -127,8 +136,19 @@ def _judge_state(commits: list[_Commit], entries: dict[str, list[tuple[str, str]
     return out
 
 
-def run_trial(backend: Backend, seed: int, number: int, fail_sync: int | None
-              ) -> list[Finding]:
+def _cuts(commits: list[_Commit], events: int, how_many: int | None,
+          rng: random.Random) -> list[int | None]:
+    """Where the power goes: the end of the run (None), then at acknowledgements given
+    before the end (``how_many`` of them, None: all)."""
+    points = sorted({c.acked_at for c in commits if c.outcome == "acked" and
+                     0 <= c.acked_at < events})
+    if how_many is not None and len(points) > how_many:
+        points = sorted(rng.sample(points, how_many))
+    return [None, *points]
+
+
+def run_trial(backend: Backend, seed: int, number: int, fail_sync: int | None,
+              cut_points: int | None = 2) -> list[Finding]:
     scenario = f"group-commit:{seed}:{number}"
     spec = BackendSpec(backend.name, backend.open, f"certified factory {backend.name}")
     commits = [_Commit(t, k) for t in range(THREADS) for k in range(PER_THREAD)]
@@ -141,7 +161,7 @@ def run_trial(backend: Backend, seed: int, number: int, fail_sync: int | None
             return []  # opening met the fault and said so: nothing acknowledged
         start = threading.Barrier(THREADS)
         threads = [threading.Thread(target=_enqueuer,
-                                    args=(store, [c for c in commits if c.t == t], start))
+                                    args=(store, io, [c for c in commits if c.t == t], start))
                    for t in range(THREADS)]
         for th in threads:
             th.start()
@@ -157,20 +177,29 @@ def run_trial(backend: Backend, seed: int, number: int, fail_sync: int | None
                        + (f"; sync call #{fail_sync} fails with EIO" if fail_sync is not None
                           else "; no fault")]
                       + [f"thread {c.t} #{c.k}: {c.outcome}" for c in commits])
-        try:
-            states = crash_states(io.initial, io.events, POWER_LOSS_MODEL,
-                                  exhaustive_limit=EXHAUSTIVE_LIMIT,
-                                  random_states=RANDOM_STATES)
-        except ModelError as e:
-            found.append(("C9", f"the trace cannot be replayed for a power cut: {e}"))
-            states = []
-        for st in states:
-            rec = recover_image(spec, st.image)
-            entries: dict[str, list[tuple[str, str]]] = {}
-            for e in rec.entries:
-                entries.setdefault(e.message_id, []).append((e.rcpt, e.body_digest))
-            got = _judge_state(commits, entries,
-                               f"after a power cut ({POWER_LOSS_MODEL}, {st.description})")
+        events = list(io.events)
+        rng = random.Random(f"{scenario}:cuts")
+        for cut in _cuts(commits, len(events), cut_points, rng):
+            prefix = events if cut is None else events[:cut]
+            when = ("at the end of the run" if cut is None else
+                    f"at the acknowledgement given after I/O call {cut} of {len(events)}")
+            try:
+                states = crash_states(io.initial, prefix, POWER_LOSS_MODEL,
+                                      exhaustive_limit=EXHAUSTIVE_LIMIT,
+                                      random_states=RANDOM_STATES)
+            except ModelError as e:
+                found.append(("C9", f"the trace cannot be replayed for a power cut {when}: {e}"))
+                break
+            got: list[tuple[str, str]] = []
+            for st in states:
+                rec = recover_image(spec, st.image)
+                entries: dict[str, list[tuple[str, str]]] = {}
+                for e in rec.entries:
+                    entries.setdefault(e.message_id, []).append((e.rcpt, e.body_digest))
+                got = _judge_state(commits, entries, f"after a power cut {when} "
+                                   f"({POWER_LOSS_MODEL}, {st.description})", cut)
+                if got:
+                    break
             if got:
                 found += got
                 break
@@ -184,7 +213,9 @@ def run(backend: Backend, profile: Profile, seed: int) -> CheckResult:
     for n in range(trials):
         rng = random.Random(f"group-commit:{seed}:{n}")
         fail_sync = None if n == 0 else rng.randrange(2 + THREADS * PER_THREAD)
-        findings += run_trial(backend, seed, n, fail_sync)
+        findings += run_trial(backend, seed, n, fail_sync, profile.group_commit_cuts)
     return finished("group-commit", NO_CRASH, findings, seconds=time.perf_counter() - start,
                     seed=seed, stats={"trials": trials, "threads": THREADS,
-                                      "commits_per_trial": THREADS * PER_THREAD})
+                                      "commits_per_trial": THREADS * PER_THREAD,
+                                      "cuts_per_trial": (-1 if profile.group_commit_cuts is None
+                                                         else profile.group_commit_cuts)})

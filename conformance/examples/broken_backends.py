@@ -196,3 +196,39 @@ def fs_round_error_to_leader(root: str, io: IO | None = None) -> Storage:
     group = ErrorToLeader(store.io, store._group.mode, store.layout.data)
     store._group = group
     return store
+
+
+def fs_late_joiner_acked(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue whose group commit lets a caller that arrives while a round's
+    sync is running ride on that round: it waits for the sync to end and is acknowledged
+    by it (and its step, the link that makes the message visible, runs after it with no
+    sync of its own), though its data was written after the sync began.  One caller never
+    finds a round running, so only power cuts at the acknowledgements of several callers
+    sharing rounds see the loss: group-commit, on C1."""
+    import time as time_mod
+    from collections.abc import Callable, Iterable
+
+    from queue_ref.fsqueue import FsQueue
+    from queue_ref.fsqueue.groupsync import GroupSync
+
+    class LateJoinerAcked(GroupSync):
+        def sync(self, paths: Iterable[str] = (), *,
+                 then: Callable[[], object] | None = None) -> None:
+            with self._lock:
+                running, seen = self._leading, self.rounds
+            if not running:
+                super().sync(paths, then=then)
+                return
+            while True:  # the bug: the running round "will do" for this caller too
+                with self._lock:
+                    if self.rounds > seen or not self._leading:
+                        break
+                time_mod.sleep(0.0002)
+            if self.failed is not None:
+                raise self.failed
+            if then is not None:
+                then()
+
+    store = FsQueue(root, io if io is not None else OsIO())
+    store._group = LateJoinerAcked(store.io, store._group.mode, store.layout.data)
+    return store

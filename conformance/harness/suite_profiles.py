@@ -40,6 +40,8 @@ class Profile:
     damage_every_way: bool = False
     #: group commit: trials of concurrent enqueuers with one sync failing (the first: none)
     group_commit_trials: int = 6
+    #: power cuts per group-commit trial at acknowledgements (None: at every one)
+    group_commit_cuts: int | None = 2
 
     def hypothesis_settings(self) -> settings:
         phases = [Phase.explicit, Phase.reuse, Phase.generate]
@@ -71,6 +73,7 @@ THOROUGH = Profile(
     streaming_bytes=100 * 1024 * 1024, streaming_peak_limit=16 * 1024 * 1024,
     threads=8, thread_messages=40, processes=4, shrink=True, damage_every_way=True,
     group_commit_trials=30,
+    group_commit_cuts=None,
 )
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (QUICK, THOROUGH)}
