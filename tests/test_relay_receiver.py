@@ -121,3 +121,33 @@ def test_config_file_flags_and_errors(tmp_path):
             load_config(str(f))
     with pytest.raises(ConfigError, match="no queue directory"):
         load_config(None)
+
+
+def test_a_session_finds_every_verb_hook_and_mechanism_aiosmtpd_would(tmp_path):
+    """Sessions name their verbs through a cached ``__dir__`` (aiosmtpd's own lookup
+    walks every attribute for each connection): the tables it builds are the same."""
+    import asyncio
+    import inspect
+
+    from aiosmtpd.smtp import SMTP
+
+    from queue_ref.relay.smtp_receiver import RelaySMTP
+
+    with RelayThread(relay_config(str(tmp_path / "q"))) as relay:
+        receiver = relay.relay.receiver
+        assert receiver is not None
+        loop = asyncio.new_event_loop()
+        try:
+            ours = RelaySMTP(receiver, loop=loop, hostname="h")
+            full = set(object.__dir__(ours))
+            assert {n for n in full if n.startswith("smtp_")} == {
+                f"smtp_{v}" for v in ours._smtp_methods}
+            assert set(ours._handle_hooks) == {
+                n[len("handle_"):] for n in object.__dir__(receiver) if n.startswith("handle_")}
+            plain = SMTP(receiver, loop=loop, hostname="h")
+            assert set(plain._auth_methods) == set(ours._auth_methods)
+            assert set(plain._smtp_methods) == set(ours._smtp_methods) - {"ETRN"}
+            assert set(plain._handle_hooks) == set(ours._handle_hooks) != set()
+            assert inspect.getmembers(ours)  # still answers, from the names that matter
+        finally:
+            loop.close()
