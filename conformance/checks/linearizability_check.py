@@ -96,10 +96,9 @@ def run_round(backend: Backend, hold: bool, seed: int, rnd: int, threads: int, o
         rng = random.Random(_plan_seed(seed, rnd, "setup"))
         for _ in range(2):
             setup.enqueue(2, [Schedule(rng.randrange(1, 1000)), Schedule(rng.randrange(1, 1000))])
-        for k, c in enumerate(children):
+        for k, c in enumerate(children):  # one at a time: opening is no race of this check
             plan = WorkerPlan(f"p{k}", _plan_seed(seed, rnd, f"p{k}"), ops, hold)
             c.tell(json.dumps({"root": root, "plan": plan.to_json()}))
-        for c in children:
             _collect(c, "ready", [])
         workers = [Worker(store, WorkerPlan(f"t{k}", _plan_seed(seed, rnd, f"t{k}"), ops, hold))
                    for k in range(threads)]

@@ -229,4 +229,6 @@ def fs_unclaimed_reschedule(root: str, io: IO | None = None) -> Storage:
                 self._write_schedule(e, schedule)  # ... then act: the entry may be claimed
             return self._issue(QueuedMail, h.entry_id, h.message_id, schedule)
 
-    return deterministic_fs(UnclaimedReschedule)(root, io if io is not None else OsIO())
+    if io is None:
+        return UnclaimedReschedule(root)
+    return deterministic_fs(UnclaimedReschedule)(root, io)

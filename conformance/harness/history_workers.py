@@ -218,6 +218,7 @@ class Worker:
     def run(self) -> list[Recorded]:
         self.listing("list_queue")
         for _ in range(self.plan.ops):
+            time.sleep(0)  # let the other threads in: a caller's steps interleave with theirs
             self.step()
         return self.history
 
