@@ -24,8 +24,8 @@ What the contract asks of concurrent callers beyond one model step per call (C7)
   state at some moment, unless another call on the entry ran meanwhile (a claim in
   progress may hide it).  ``find_pending_cleanup`` may leave out any entry (one a live
   owner cleans up).
-* A transition whose entry another caller is moving at the same time may return None
-  without changing anything (the filesystem queue's ``reschedule`` claims the entry while
+* A transition whose entry another caller is moving at the same time (a transition that
+  succeeded, or raised, overlaps it) may return None without changing anything (the filesystem queue's ``reschedule`` claims the entry while
   it writes the schedule, so a ``send_start`` at that moment finds nothing to claim).  It
   may never *succeed* where the model says it vanishes: two transitions out of one state
   of one entry never both succeed.
@@ -147,7 +147,7 @@ class _Item:
     rec: Recorded
     listed: bool = False
     listed_schedule: Sched | None = None
-    may_vanish: bool = False  # another call on the entry overlaps it
+    may_vanish: bool = False  # a transition of the entry that took effect overlaps it
 
 
 @dataclass
@@ -195,7 +195,8 @@ def _parts(history: Sequence[Recorded]) -> tuple[list[_Part], list[tuple[str, st
             for e, part in parts.items():
                 part.items.append(_Item(rec, e in seen, seen.get(e)))
     for part in parts.values():
-        moving = [it.rec for it in part.items if it.rec.call in TRANSITIONS]
+        moving = [it.rec for it in part.items
+                  if it.rec.call in TRANSITIONS and it.rec.outcome in ("moved", "error")]
         part.items = [
             _Item(it.rec, it.listed, it.listed_schedule,
                   any(o is not it.rec and o.overlaps(it.rec) for o in moving))

@@ -17,7 +17,6 @@ from __future__ import annotations
 import shutil
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -194,14 +193,11 @@ def races_for(hold: bool) -> list[Race]:
     return [r for r in RACES if hold or not r.hold]
 
 
-def run_all(backend: Backend, hold: bool, bound: int, max_k: int = 40,
-            deadline: float | None = None) -> list[RaceRun]:
+def run_all(backend: Backend, hold: bool, bound: int, max_k: int = 40) -> list[RaceRun]:
     """Every race at every mutating call of A's operation (at most ``max_k`` each)."""
     runs: list[RaceRun] = []
     for race in races_for(hold):
         for k in range(max_k):
-            if deadline is not None and time.monotonic() > deadline:
-                return runs
             try:
                 run = run_race(backend, race, k, bound)
             except NotApplicable:
