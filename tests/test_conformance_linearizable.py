@@ -11,11 +11,11 @@ from dataclasses import replace
 import pytest
 
 from conformance.checks import linearizability_check
+from conformance.concurrency.linearizability import Recorded, check_history
+from conformance.concurrency.paused_races import BY_NAME, run_race
 from conformance.crashexplore.traced_runs import ScratchIO, scratch_dir
 from conformance.harness.backend_factory import Backend
 from conformance.harness.check_results import Status
-from conformance.harness.linearizability import Recorded, check_history
-from conformance.harness.paused_races import BY_NAME, run_race
 from conformance.harness.suite_profiles import QUICK
 from faultinject.seam import FaultyIO
 from queue_ref.memory import MemoryStorage

@@ -3,15 +3,15 @@
 Rounds: a small queue (two messages of two recipients, and what the callers enqueue) is
 worked on at once by several threads sharing one Storage and, when the backend declares
 ``Capability.MULTI_PROCESS``, by child processes with Storages of their own.  Each caller
-does a few random operations (``conformance.harness.history_workers``) through the
+does a few random operations (``conformance.concurrency.history_workers``) through the
 handles it holds, so they collide on the same entries; then each gives back what it
 holds, and the queue is drained.  The whole recorded history must be linearizable
-against ``spec``'s model (``conformance.harness.linearizability``: an exhaustive
+against ``spec``'s model (``conformance.concurrency.linearizability``: an exhaustive
 Wing-Gong/Lowe search per entry, bounded; a search that hits its bound makes the check
 an ERROR, never a pass).  Nothing may be left once everything is cleaned up (C8), and a
 body read back must be the one committed (C6).
 
-Targeted races (backends with ``Capability.IO_SEAM``): ``conformance.harness.paused_races``
+Targeted races (backends with ``Capability.IO_SEAM``): ``conformance.concurrency.paused_races``
 stops one caller before each mutating call of its transition and runs a competing call.
 
 Scenario ids, replayed with ``queue-ref certify FACTORY --scenario ID``:
@@ -36,14 +36,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from conformance.concurrency.history_workers import Worker, WorkerPlan, drain, worker_process
+from conformance.concurrency.linearizability import Recorded, Verdict, check_history
+from conformance.concurrency.paused_races import BY_NAME, RaceRun, run_all, run_race
 from conformance.crashexplore.traced_runs import scratch_base
 from conformance.harness.backend_factory import Backend
 from conformance.harness.check_catalog import NO_CRASH
 from conformance.harness.check_results import CheckResult, Finding, Status, finished
 from conformance.harness.child_process import Child
-from conformance.harness.history_workers import Worker, WorkerPlan, drain, worker_process
-from conformance.harness.linearizability import Recorded, Verdict, check_history
-from conformance.harness.paused_races import BY_NAME, RaceRun, run_all, run_race
 from conformance.harness.suite_profiles import QUICK, Profile
 from conformance.harness.suite_profiles import get as get_profile
 from queue_ref.storage import Capability, Schedule

@@ -20,10 +20,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from conformance.concurrency.history_workers import Worker, WorkerPlan, drain
+from conformance.concurrency.linearizability import Recorded, Verdict, check_history
 from conformance.crashexplore.traced_runs import ScratchIO, scratch_base
 from conformance.harness.backend_factory import Backend
-from conformance.harness.history_workers import Worker, WorkerPlan, drain
-from conformance.harness.linearizability import Recorded, Verdict, check_history
 from faultinject.seam import FaultyIO
 from queue_ref.storage import Handle, HeldMail, InflightMail, PendingCleanupMail, QueuedMail, Schedule
 

@@ -6,7 +6,7 @@ entries it holds a handle for, which schedule.  It acts only through handles it 
 (from its listings, its enqueues and its transitions), stale ones included, so callers
 collide on the few entries of the queue.  Every call is recorded with its invocation and
 return times (``time.monotonic_ns``: one clock for every process on Linux) as a
-``Recorded`` of ``conformance.harness.linearizability``.
+``Recorded`` of ``conformance.concurrency.linearizability``.
 
 Besides the history a worker reports what no model step shows: a body read back through
 ``read_inflight`` that is not the one committed (C6).
@@ -24,9 +24,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from conformance.concurrency.linearizability import Recorded, Sched
 from conformance.harness.backend_factory import Backend
 from conformance.harness.child_process import Channel
-from conformance.harness.linearizability import Recorded, Sched
 from queue_ref.storage import (
     Handle,
     HeldMail,

@@ -21,14 +21,15 @@ What the contract asks of concurrent callers beyond one model step per call (C7)
 
 * A listing is not a snapshot: each entry it lists was in the listed state, with the
   listed schedule, at some moment during the call; an entry it leaves out was not in that
-  state at some moment, unless another call on the entry ran meanwhile (a claim in
-  progress may hide it).  ``find_pending_cleanup`` may leave out any entry (one a live
-  owner cleans up).
+  state at some moment, unless a transition of the entry that took effect ran meanwhile
+  (a claim in progress may hide it).  ``find_pending_cleanup`` may leave out any entry
+  (one a live owner cleans up).
 * A transition whose entry another caller is moving at the same time (a transition that
-  succeeded, or raised, overlaps it) may return None without changing anything (the filesystem queue's ``reschedule`` claims the entry while
-  it writes the schedule, so a ``send_start`` at that moment finds nothing to claim).  It
-  may never *succeed* where the model says it vanishes: two transitions out of one state
-  of one entry never both succeed.
+  succeeded, or raised, overlaps it) may return None without changing anything (the
+  filesystem queue's ``reschedule`` claims the entry while it writes the schedule, so a
+  ``send_start`` at that moment finds nothing to claim).  It may never *succeed* where
+  the model says it vanishes: two transitions out of one state of one entry never both
+  succeed.
 * A call that raised (no fault is injected, so that is a finding of its own, C9) may or
   may not have taken effect, at any moment after its invocation.
 """
@@ -111,7 +112,9 @@ class Recorded:
             what = f"{self.call} -> [{', '.join(self.entries)}]"
         else:
             arg = "" if self.schedule is None else f", at={self.schedule[0]}/{self.schedule[1]}"
-            got = {"moved": "handle", "vanished": "None"}.get(self.outcome, self.outcome)
+            answers = ({"moved": "True", "vanished": "False"} if self.call == "cleanup"
+                       else {"moved": "handle", "vanished": "None"})
+            got = answers.get(self.outcome, self.outcome)
             if self.got_schedule is not None:
                 got += f" at={self.got_schedule[0]}/{self.got_schedule[1]}"
             what = f"{self.call}({self.entry}{arg}) -> {got}"
