@@ -227,6 +227,17 @@ def test_a_check_then_act_reschedule_is_c7_and_replays() -> None:
         linearizability_check.replay(backend, "linearizable:race:nope:0")
 
 
+def test_the_command_replays_a_race_by_its_id(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from conformance.cli import main
+
+    code = main(["certify", UNCLAIMED, "--scenario",
+                 "linearizable:race:reschedule-vs-send_start:3", "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code != 0 and {f["clause"] for f in out["findings"]} == {"C7"}
+
+
 def test_the_check_fails_the_variant_on_c7_only() -> None:
     backend = Backend.from_factory(UNCLAIMED)
     res = linearizability_check.run(backend, replace(SMALL, linearizable_rounds=1), 3,

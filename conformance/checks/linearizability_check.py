@@ -179,8 +179,9 @@ def run(backend: Backend, profile: Profile, seed: int,
     findings: list[Finding] = []
     unknown: list[str] = []
     stats: dict[str, Any] = {"rounds": 0, "threads": profile.linearizable_threads,
-                             "processes": procs, "calls": 0, "search_steps": 0,
-                             "largest_search": 0, "races": 0, "race_calls_paused": 0}
+                             "processes": procs, "histories": 0, "calls": 0,
+                             "largest_history": 0, "search_steps": 0, "largest_search": 0,
+                             "races": 0, "race_runs": 0, "race_calls_paused": 0}
     with _workers(backend, procs) as children:
         for rnd in range(profile.linearizable_rounds):
             history, problems = run_round(backend, hold, seed, rnd,
@@ -188,7 +189,9 @@ def run(backend: Backend, profile: Profile, seed: int,
                                           profile.linearizable_ops, children)
             verdict = check_history(history, profile.linearizable_bound)
             stats["rounds"] += 1
+            stats["histories"] += 1
             stats["calls"] += len(history)
+            stats["largest_history"] = max(stats["largest_history"], len(history))
             stats["search_steps"] += verdict.steps
             stats["largest_search"] = max(stats["largest_search"], verdict.steps)
             if verdict.linearizable is None:
@@ -198,9 +201,13 @@ def run(backend: Backend, profile: Profile, seed: int,
     if Capability.IO_SEAM in capabilities:
         runs = run_all(backend, hold, profile.linearizable_bound)
         stats["races"] = len({r.race.name for r in runs})
+        stats["race_runs"] = len(runs)
         stats["race_calls_paused"] = sum(r.reached for r in runs)
         for r in runs:
+            stats["histories"] += 1
+            stats["calls"] += len(r.history)
             stats["search_steps"] += r.verdict.steps
+            stats["largest_search"] = max(stats["largest_search"], r.verdict.steps)
             if r.verdict.linearizable is None:
                 unknown.append(f"{r.scenario}: {r.verdict.detail}")
             findings += _judge_race(r)

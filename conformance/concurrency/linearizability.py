@@ -419,7 +419,7 @@ def check_history(history: Sequence[Recorded], bound: int = 200_000) -> Verdict:
     calls = len(history)
     if static:
         clause, entry, detail = min(static, key=lambda s: PRIORITY.index(s[0]))
-        lines = tuple(r.describe(t0) for r in history
+        lines = tuple(r.describe(t0) for r in sorted(history, key=lambda r: r.invoke_ns)
                       if r.entry == entry or entry in r.entries)
         return Verdict(False, clause, detail, entry, lines, 0, len(parts), calls)
     total = 0
@@ -432,8 +432,9 @@ def check_history(history: Sequence[Recorded], bound: int = 200_000) -> Verdict:
         if not ok:
             found = [_explain(part, it, ms) for it, ms in stuck] or [("API", "no call fits")]
             clause, detail = min(found, key=lambda f: PRIORITY.index(f[0]))
-            lines = tuple(it.rec.describe(t0) for it in part.items
-                          if it.rec.call not in LISTINGS or it.listed
-                          or it.rec.call == "list_queue")
+            shown = sorted((it.rec for it in part.items
+                            if it.rec.call not in LISTINGS or it.listed
+                            or it.rec.call == "list_queue"), key=lambda r: r.invoke_ns)
+            lines = tuple(r.describe(t0) for r in shown)
             return Verdict(False, clause, detail, part.entry, lines, total, len(parts), calls)
     return Verdict(True, steps=total, parts=len(parts), calls=calls)
