@@ -180,7 +180,8 @@ def run(backend: Backend, profile: Profile, seed: int,
     unknown: list[str] = []
     stats: dict[str, Any] = {"rounds": 0, "threads": profile.linearizable_threads,
                              "processes": procs, "histories": 0, "calls": 0,
-                             "largest_history": 0, "search_steps": 0, "largest_search": 0,
+                             "largest_history": 0, "contended_calls": 0,
+                             "search_steps": 0, "largest_search": 0,
                              "races": 0, "race_runs": 0, "race_calls_paused": 0}
     with _workers(backend, procs) as children:
         for rnd in range(profile.linearizable_rounds):
@@ -192,6 +193,7 @@ def run(backend: Backend, profile: Profile, seed: int,
             stats["histories"] += 1
             stats["calls"] += len(history)
             stats["largest_history"] = max(stats["largest_history"], len(history))
+            stats["contended_calls"] += verdict.contended
             stats["search_steps"] += verdict.steps
             stats["largest_search"] = max(stats["largest_search"], verdict.steps)
             if verdict.linearizable is None:
@@ -206,6 +208,7 @@ def run(backend: Backend, profile: Profile, seed: int,
         for r in runs:
             stats["histories"] += 1
             stats["calls"] += len(r.history)
+            stats["contended_calls"] += r.verdict.contended
             stats["search_steps"] += r.verdict.steps
             stats["largest_search"] = max(stats["largest_search"], r.verdict.steps)
             if r.verdict.linearizable is None:

@@ -139,6 +139,8 @@ class Verdict:
     steps: int = 0  # model steps taken, every part together
     parts: int = 0
     calls: int = 0
+    #: transitions that overlapped a transition of the same entry that took effect
+    contended: int = 0
 
 
 # ---- one entry's part of the history --------------------------------------------------------
@@ -437,4 +439,6 @@ def check_history(history: Sequence[Recorded], bound: int = 200_000) -> Verdict:
                             or it.rec.call == "list_queue"), key=lambda r: r.invoke_ns)
             lines = tuple(r.describe(t0) for r in shown)
             return Verdict(False, clause, detail, part.entry, lines, total, len(parts), calls)
-    return Verdict(True, steps=total, parts=len(parts), calls=calls)
+    contended = sum(it.may_vanish for p in parts for it in p.items
+                    if it.rec.call in TRANSITIONS)
+    return Verdict(True, steps=total, parts=len(parts), calls=calls, contended=contended)
