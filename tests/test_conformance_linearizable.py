@@ -9,6 +9,8 @@ import time
 from dataclasses import replace
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from conformance.checks import linearizability_check
 from conformance.concurrency.linearizability import Recorded, check_history
@@ -20,6 +22,8 @@ from conformance.harness.suite_profiles import QUICK
 from faultinject.seam import FaultyIO
 from queue_ref.memory import MemoryStorage
 from queue_ref.storage import Capability, QueuedMail, Schedule
+from spec.model import Model
+from spec.states import EntryState, Op, Outcome
 from tests.conformance_support import DoubleClaim
 
 ENQ = Recorded("setup", "enqueue", 0, 10, "moved", entries=("a", "b"),
@@ -140,6 +144,43 @@ def test_the_search_bound_gives_unknown_not_a_pass() -> None:
                schedules=((5, 0), (6, 0))) for k in range(6)]
     v = check_history([ENQ, *calls], bound=5)
     assert v.linearizable is None and "model steps" in v.detail
+
+
+_OPS = [op for op in Op if op is not Op.ENQUEUE]
+
+
+@given(st.lists(st.tuples(st.sampled_from([*_OPS, "list_queue", "list_held"]),
+                          st.integers(0, 1), st.integers(0, 150), st.integers(0, 150),
+                          st.integers(0, 9)), max_size=14))
+def test_every_history_of_a_sequential_run_is_linearizable(
+        steps: list[tuple[object, int, int, int, int]]) -> None:
+    """Calls answered by the model one after the other, each given an interval around its
+    moment (overlapping its neighbours'): the search must always find the order."""
+    rcpts = (("r0", Schedule(5)), ("r1", Schedule(6)))
+    model, _ = Model().enqueue("", b"", rcpts)
+    names = ("a", "b")
+    h = [ENQ]
+    for n, (what, e, before, after, at) in enumerate(steps):
+        t = 200 * (n + 1)
+        t0, t1 = max(11, t - before), t + after
+        if isinstance(what, str):
+            want = EntryState.QUEUED if what == "list_queue" else EntryState.HELD
+            listed = [k for k in model.keys_in(want)]
+            h.append(R("w", what, t0, t1, "listed", entries=tuple(names[k[1]] for k in listed),
+                       schedules=tuple((model.entries[k].schedule.at,
+                                        model.entries[k].schedule.attempts) for k in listed)))
+            continue
+        assert isinstance(what, Op)
+        sched = Schedule(at) if what in (Op.RESCHEDULE, Op.SEND_CANCEL) else None
+        model, outcome = model.apply(what, (0, e), sched)
+        got = model.entries.get((0, e))
+        moved = outcome is Outcome.MOVED
+        h.append(R("w", what.value, t0, t1, "moved" if moved else "vanished", names[e],
+                   schedule=None if sched is None else (sched.at, 0),
+                   got_schedule=(got.schedule.at, got.schedule.attempts)
+                   if moved and got is not None else None))
+    v = check_history(h)
+    assert v.linearizable is True, (v.clause, v.detail, v.lines)
 
 
 def test_histories_round_trip_through_json() -> None:
