@@ -201,7 +201,8 @@ def run(backend: Backend, profile: Profile, seed: int,
             findings += _judge_round(history, problems, verdict,
                                      f"{CHECK}:{profile.name}:{seed}:{rnd}")
     if Capability.IO_SEAM in capabilities:
-        runs = run_all(backend, hold, profile.linearizable_bound)
+        runs = run_all(backend, hold, profile.linearizable_bound,
+                       multi=Capability.MULTI_PROCESS in capabilities)
         stats["races"] = len({r.race.name for r in runs})
         stats["race_runs"] = len(runs)
         stats["race_calls_paused"] = sum(r.reached for r in runs)

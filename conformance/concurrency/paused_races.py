@@ -9,7 +9,10 @@ judged against the model by the linearizability search: whatever order the two c
 took effect in, their answers and the final state must be the model's for that order.
 
 Each race is named ``<a>-vs-<b>`` (``<a>-two-recipients`` when A and B act on the two
-recipients of one message); its scenario id is ``linearizable:race:<name>:<k>``.
+recipients of one message); its scenario id is ``linearizable:race:<name>:<k>``.  For a
+backend that declares ``Capability.MULTI_PROCESS`` each race is run a second time with B
+in a Storage of its own opened on the same directory (``<name>+other-storage``): another
+owner, sharing none of A's in-process locks, as a second process would.
 """
 
 from __future__ import annotations
@@ -25,7 +28,15 @@ from conformance.concurrency.linearizability import Recorded, Verdict, check_his
 from conformance.crashexplore.traced_runs import ScratchIO, scratch_base
 from conformance.harness.backend_factory import Backend
 from faultinject.seam import FaultyIO
-from queue_ref.storage import Handle, HeldMail, InflightMail, PendingCleanupMail, QueuedMail, Schedule
+from queue_ref.storage import (
+    Handle,
+    HeldMail,
+    InflightMail,
+    PendingCleanupMail,
+    QueuedMail,
+    Schedule,
+    Storage,
+)
 
 
 @dataclass(frozen=True)
@@ -35,6 +46,7 @@ class Race:
     a: str  # the operation stopped inside
     b: str  # the competing operation
     hold: bool = False  # needs Capability.HOLD
+    other: bool = False  # B has a Storage of its own, as another process (MULTI_PROCESS)
 
 
 RACES: tuple[Race, ...] = (
@@ -55,6 +67,12 @@ RACES: tuple[Race, ...] = (
     Race("send_start-vs-hold", "queued", "send_start", "hold", hold=True),
     Race("release-vs-drop_held", "held", "release", "drop_held", hold=True),
 )
+#: The same races with B in a Storage of its own on the same directory: another owner,
+#: none of A's in-process locks, as a second process would be (backends that declare
+#: Capability.MULTI_PROCESS).
+OTHER_STORAGE = "+other-storage"
+RACES = RACES + tuple(Race(r.name + OTHER_STORAGE, r.setup, r.a, r.b, r.hold, True)
+                      for r in RACES)
 BY_NAME = {r.name: r for r in RACES}
 
 #: How long B may wait for A (stopped) before A is let go anyway.
@@ -145,6 +163,7 @@ def run_race(backend: Backend, race: Race, k: int, bound: int) -> RaceRun:
     root = tempfile.mkdtemp(prefix="queue-ref-race-", dir=scratch_base())
     io = FaultyIO(root, inner=ScratchIO())
     store = backend.open(root, io)
+    store_b: Storage | None = None
     errors: list[BaseException] = []
     try:
         setup = Worker(store, WorkerPlan("setup", 0, 0, race.hold))
@@ -152,7 +171,9 @@ def run_race(backend: Backend, race: Race, k: int, bound: int) -> RaceRun:
         if len(mails) != 2:
             raise RuntimeError(f"race setup: the enqueue failed: {setup.history[-1].error}")
         a = Worker(store, WorkerPlan("A", 1, 0, race.hold))
-        b = Worker(store, WorkerPlan("B", 2, 0, race.hold))
+        if race.other:
+            store_b = backend.open(root)
+        b = Worker(store_b or store, WorkerPlan("B", 2, 0, race.hold))
         ea, eb = _prepare(race, a, b, [m.entry_id for m in mails])
         run_a, run_b = _act(a, race.a, ea), _act(b, race.b, eb)
         gate = io.pause_at(io.mutating_count + k)
@@ -175,6 +196,8 @@ def run_race(backend: Backend, race: Race, k: int, bound: int) -> RaceRun:
             raise errors[0]
         a.finish()
         b.finish()
+        if store_b is not None:
+            store_b.close()
         left = drain(store, race.hold)
         fp = store.footprint()
         problems = a.problems + b.problems
@@ -185,18 +208,21 @@ def run_race(backend: Backend, race: Race, k: int, bound: int) -> RaceRun:
         verdict = check_history(history, bound)
         return RaceRun(race, k, reached, gate.call, b_waited, verdict, problems, history)
     finally:
+        if store_b is not None:
+            store_b.close()
         store.close()
         shutil.rmtree(root, ignore_errors=True)
 
 
-def races_for(hold: bool) -> list[Race]:
-    return [r for r in RACES if hold or not r.hold]
+def races_for(hold: bool, multi: bool = False) -> list[Race]:
+    return [r for r in RACES if (hold or not r.hold) and (multi or not r.other)]
 
 
-def run_all(backend: Backend, hold: bool, bound: int, max_k: int = 40) -> list[RaceRun]:
+def run_all(backend: Backend, hold: bool, bound: int, max_k: int = 40,
+            multi: bool = False) -> list[RaceRun]:
     """Every race at every mutating call of A's operation (at most ``max_k`` each)."""
     runs: list[RaceRun] = []
-    for race in races_for(hold):
+    for race in races_for(hold, multi):
         for k in range(max_k):
             try:
                 run = run_race(backend, race, k, bound)
