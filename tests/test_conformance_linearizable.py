@@ -80,6 +80,22 @@ def test_a_wrong_schedule_on_the_returned_handle_is_c5() -> None:
     assert check_history(h).clause == "C5"
 
 
+def test_a_drop_cleaned_up_by_another_holder_before_it_returned_may_carry_any_schedule() -> None:
+    """The filesystem queue reads a dropped entry's schedule back after its move; another
+    holder (find_pending_cleanup) may have cleaned the entry up by then: the schedule on
+    that PendingCleanupMail is not the model's, and the entry is gone, so it is allowed.
+    Without the cleanup the same answer is C5."""
+    pre = [ENQ, R("t1", "reschedule", 11, 12, "moved", "a", schedule=(9, 1), got_schedule=(9, 1))]
+    drop = R("t2", "drop", 20, 60, "moved", "a", got_schedule=(5, 0))
+    raced = [*pre, drop,
+             R("t0", "find_pending_cleanup", 30, 32, "listed", entries=("a",),
+               schedules=((9, 1),)),
+             R("t0", "cleanup", 40, 45, "moved", "a")]
+    assert check_history(raced).linearizable is True
+    v = check_history([*pre, drop])
+    assert v.linearizable is False and v.clause == "C5"
+
+
 def test_none_with_no_competitor_is_an_api_finding() -> None:
     h = [ENQ, R("t0", "send_start", 20, 30, "vanished", "a")]
     v = check_history(h)
