@@ -21,7 +21,7 @@ from conformance.harness.check_results import Status
 from conformance.harness.suite_profiles import QUICK
 from faultinject.seam import FaultyIO
 from queue_ref.memory import MemoryStorage
-from queue_ref.storage import Capability, QueuedMail, Schedule
+from queue_ref.storage import Capability, QueuedMail, Recipient, Schedule
 from spec.model import Model
 from spec.states import EntryState, Op, Outcome
 from tests.conformance_support import DoubleClaim
@@ -319,6 +319,47 @@ class RacyReschedule(MemoryStorage):
         with self._lock:
             e.schedule = schedule
         return self._issue(QueuedMail, h.entry_id, e.message_id, schedule)
+
+
+def test_a_listing_never_gives_an_entry_cleaned_up_while_it_was_read(tmp_path: object) -> None:
+    """The filesystem queue's listing reads an entry's link, then its metadata: another
+    caller may claim, send and clean up the entry in between (its schedule record goes),
+    and the envelope's first schedule must then not be listed: found by this check
+    (seed 2008, round 5), fixed by reading the link again."""
+    from queue_ref.fsqueue import FsQueue
+    from queue_ref.fsqueue.layout import EntryName
+
+    root = str(tmp_path)
+    other = FsQueue(root)
+
+    class Interrupted(FsQueue):
+        armed = False  # armed once open (its recovery reads entries too)
+
+        def _load_entry(self, e: EntryName) -> object:
+            if self.armed:
+                self.armed = False
+                (h,) = [q for q in other.list_queue() if q.entry_id == e.entry_id]
+                f = other.send_start(h)
+                assert f is not None
+                p = other.send_done(f)
+                assert p is not None and other.cleanup(p)
+            return super()._load_entry(e)
+
+    with other.enqueue("a@example.org") as enq:
+        enq.write(b"x")
+        (q0, _) = enq.commit([Recipient("b@example.net", Schedule(5)),
+                              Recipient("c@example.net", Schedule(6))])
+    (q0,) = [q for q in other.list_queue() if q.entry_id == q0.entry_id]
+    assert other.reschedule(q0, Schedule(9, 1)) is not None
+    store = Interrupted(root)
+    store.armed = True
+    try:
+        listed = {h.entry_id: h.schedule for h in store.list_queue()}
+        assert not store.armed, "the listing read no entry"
+        assert q0.entry_id not in listed and list(listed.values()) == [Schedule(6)]
+    finally:
+        store.close()
+        other.close()
 
 
 def test_random_rounds_of_threads_find_a_racy_reschedule() -> None:
