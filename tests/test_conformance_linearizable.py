@@ -379,6 +379,20 @@ def test_memory_storage_passes_and_a_double_claim_fails() -> None:
     assert bad.status is Status.FAIL and "C7" in {f.clause for f in bad.findings}
 
 
+def test_a_round_replays_by_its_id() -> None:
+    """A round's id names its profile, seed and round: the same callers with the same
+    plans run again (a few times, the interleaving being the machine's)."""
+    memory = Backend.from_factory(MemoryStorage)
+    assert linearizability_check.replay(memory, "linearizable:quick:5:0") == []
+    double = linearizability_check.replay(Backend.from_factory(DoubleClaim),
+                                          "linearizable:quick:2:1")
+    assert double and "C7" in {f.clause for f in double}
+    assert all(f.scenario == "linearizable:quick:2:1" for f in double)
+    for bad in ("linearizable:5:0", "linearizable:nope:1:2", "linearizable:quick:x:0"):
+        with pytest.raises(ValueError):
+            linearizability_check.replay(memory, bad)
+
+
 def test_a_search_bound_too_small_is_an_error_never_a_pass() -> None:
     res = linearizability_check.run(Backend.from_factory(MemoryStorage),
                                     replace(SMALL, linearizable_bound=3), 2, frozenset())
