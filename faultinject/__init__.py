@@ -1,6 +1,8 @@
 """Fault injection for the I/O seam: record calls, crash at any of them, build post-crash disks.
 
 * ``FaultyIO`` (``seam``): the seam's twin; ``FaultPlan`` says where to crash or fail.
+* ``PauseGate`` (``pause``): ``FaultyIO.pause_at(N)`` stops the caller of mutating call N,
+  alive, until the gate is released (a competing caller runs meanwhile).
 * ``TraceEvent``, ``trace_hash`` (``trace``): the record of a run.
 * ``DiskImage``, ``snapshot``, ``materialize`` (``disk``): directory trees as values.
 * ``MODELS``, ``crash_states``, ``crash_state``, ``CrashState`` (``models``): the disks a
@@ -21,6 +23,7 @@ from faultinject.models import (
     is_exhaustive,
     pending_count,
 )
+from faultinject.pause import PauseGate
 from faultinject.seam import FaultPlan, FaultyIO
 from faultinject.trace import TraceEvent, trace_hash
 
@@ -32,6 +35,7 @@ __all__ = [
     "FaultPlan",
     "FaultyIO",
     "ModelError",
+    "PauseGate",
     "PersistenceModel",
     "TraceEvent",
     "crash_state",

@@ -21,6 +21,10 @@ nothing; the files the dead process had open are closed, which releases its floc
 Calls from several threads are serialized (one at a time, in trace order), so the trace is
 the order in which the calls took effect; a blocking ``lock_exclusive`` waits outside that
 order and is recorded when it got the lock.
+
+``pause_at(N)`` stops the caller of mutating call N *before* it, alive, until the gate it
+returns is released (``faultinject.pause.PauseGate``): the other callers' calls go on
+meanwhile, so a harness can run a competing operation inside the paused one.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from typing import TypeVar
 import queue_ref.io as qio
 from faultinject.disk import DiskImage, snapshot
 from faultinject.errors import Crash
+from faultinject.pause import PauseGate
 from faultinject.trace import TraceEvent, trace_hash
 from queue_ref.io import IO, MUTATING, OsIO
 
@@ -126,6 +131,7 @@ class FaultyIO(IO):
         self._mutex = threading.RLock()
         self._append: set[int] = set()
         self._pinned: list[str] = []
+        self._gate: PauseGate | None = None
 
     # ---- bookkeeping -----------------------------------------------------------------
 
@@ -170,6 +176,29 @@ class FaultyIO(IO):
         return Crash(first.call_index, first.when, name=first.name,
                      event_index=first.event_index, repeated=True)
 
+    def pause_at(self, at: int) -> PauseGate:
+        """Stop the caller of mutating call ``at`` before it until the gate is released
+        (replaces a gate armed earlier, which is released)."""
+        gate = PauseGate(at)
+        with self._mutex:
+            old, self._gate = self._gate, gate
+        if old is not None:
+            old.release()
+        return gate
+
+    def _pause_point(self, name: str) -> None:
+        """Stop here if the armed gate names this call (waits outside the lock)."""
+        gate = self._gate
+        if gate is None or name not in MUTATING:
+            return
+        with self._mutex:
+            hit = (self._gate is gate and not self.crashed
+                   and self.mutating_count == gate.at and gate.fire(name))
+            if hit:
+                self._gate = None
+        if hit:
+            gate.stop()
+
     def _call(
         self,
         name: str,
@@ -186,6 +215,7 @@ class FaultyIO(IO):
         ``inject(exc)`` performs the partial effect of an injected failure and returns
         ``(data, applied)``; ``on_error()`` works out the same after a real failure.
         """
+        self._pause_point(name)
         with self._mutex:
             return self._call_locked(name, args, run, data=data, record=record, inject=inject,
                                      on_error=on_error)

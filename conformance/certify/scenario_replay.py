@@ -7,6 +7,9 @@ Scenario ids start with the check that found them:
 * ``process-kill:<seed>:<trial>:<length>``, ``recovery-rerun:...``: the same workload,
   killed during the same call after the same delay;
 * ``io-errors:<seed>:<trial>``: the same workload, the same failing call;
+* ``linearizable:<profile>:<seed>:<round>``, ``linearizable:race:<race>:<call>``: that
+  round's callers with the same plans (run again until it fails, a few times: the
+  interleaving is the machine's), or that race with the caller stopped at the same call;
 * ``bad-input:<case>``, ``limits:<case>``, ``many-recipients:<n>``, ``threads:<seed>``,
   ``multi-process:<seed>``, ``streaming:<bytes>``: that check again;
 * anything else is handed to the crash explorer (``conformance.checks.crash_exploration_check``).
@@ -21,6 +24,7 @@ from conformance.checks import (
     bad_input_check,
     io_errors_check,
     limits_check,
+    linearizability_check,
     multi_process_check,
     process_kill_check,
     scale_checks,
@@ -48,6 +52,8 @@ def replay(backend: Backend, scenario: str) -> list[Finding]:
         return io_errors_check.replay(backend, scenario)
     if head == "bad-input":
         return [f for f in bad_input_check.run(backend).findings if f.scenario == scenario]
+    if head == "linearizable":
+        return linearizability_check.replay(backend, scenario)
     if head == "limits":
         return limits_check.replay(backend, scenario)
     if head == "many-recipients":

@@ -23,6 +23,7 @@ from conformance.checks import (
     hold_check,
     io_errors_check,
     limits_check,
+    linearizability_check,
     multi_process_check,
     process_kill_check,
     scale_checks,
@@ -88,6 +89,8 @@ def _run_one(spec: CheckSpec, model: str, backend: Backend, probe: Probe, profil
         return damage_at_rest_check.run(backend, profile, s)
     if spec.id == "hold":
         return hold_check.run(backend)
+    if spec.id == "linearizable":
+        return linearizability_check.run(backend, profile, s, probe.capabilities)
     if spec.id == "process-kill":
         return process_kill_check.run_check(backend, "process-kill", s, profile.kill_trials,
                                   profile.kill_ops)

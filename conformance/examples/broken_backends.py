@@ -232,3 +232,39 @@ def fs_late_joiner_acked(root: str, io: IO | None = None) -> Storage:
     store = FsQueue(root, io if io is not None else OsIO())
     store._group = LateJoinerAcked(store.io, store._group.mode, store.layout.data)
     return store
+
+
+# ---- concurrent callers on one entry -----------------------------------------------------
+
+def fs_unclaimed_reschedule(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue whose ``reschedule`` checks that the entry's link is in
+    ``queue/`` and then writes the new schedule record, without claiming the entry first
+    (Kannader's reschedule, seed 001).  Alone it is right, and crash-safe (the record is
+    written durably); but a ``send_start`` between the check and the write claims the
+    entry, and both calls succeed: two transitions out of one QUEUED state (the sender
+    delivers with the old schedule while the rescheduler is told it is queued with the new
+    one; the claimed entry's cleanup then misses the record).  Only a check that races the
+    two catches it: linearizable, on C7::
+
+        queue-ref certify conformance.examples.broken_backends:fs_unclaimed_reschedule \\
+            --only linearizable
+    """
+    from conformance.crashexplore.explored_backends import deterministic_fs
+    from queue_ref.fsqueue import FsQueue
+    from queue_ref.fsqueue.queue import _check_schedule
+    from queue_ref.storage import QueuedMail, Schedule
+
+    class UnclaimedReschedule(FsQueue):
+        def reschedule(self, mail: QueuedMail, schedule: Schedule) -> QueuedMail | None:
+            _check_schedule(schedule)
+            h = self._take(mail, QueuedMail)
+            e = self._entry(h)
+            with self._guard("reschedule", h):
+                if not self.io.exists(self._queued_link(h, e)):  # check ...
+                    return None
+                self._write_schedule(e, schedule)  # ... then act: the entry may be claimed
+            return self._issue(QueuedMail, h.entry_id, h.message_id, schedule)
+
+    if io is None:
+        return UnclaimedReschedule(root)
+    return deterministic_fs(UnclaimedReschedule)(root, io)

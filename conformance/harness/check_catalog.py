@@ -135,6 +135,11 @@ CHECKS: tuple[CheckSpec, ...] = (
               "is there whole: a failed round acknowledged no one it covered, and no round "
               "acknowledged data that arrived after its sync began", Kind.FAULTS,
               ("C1", "C9"), Level.OPTIONAL, (Capability.IO_SEAM,)),
+    CheckSpec("linearizable", "threads and processes do random operations on the few "
+              "entries of one queue; the recorded history must be linearizable against the "
+              "model (exhaustive Wing-Gong search); with the I/O seam, one caller is stopped "
+              "at each mutating call of its transition while another races it",
+              Kind.CONCURRENCY, ("C7", "C3", "C5", "C8", API)),
 )
 
 BY_ID: dict[str, CheckSpec] = {c.id: c for c in CHECKS}

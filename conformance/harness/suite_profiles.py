@@ -42,6 +42,14 @@ class Profile:
     group_commit_trials: int = 6
     #: power cuts per group-commit trial at acknowledgements (None: at every one)
     group_commit_cuts: int | None = 2
+    #: linearizable: rounds of callers at once; threads and processes (processes only
+    #: with Capability.MULTI_PROCESS) per round; operations per caller; the search bound
+    #: (model steps per entry; a search that hits it makes the check an ERROR)
+    linearizable_rounds: int = 20
+    linearizable_threads: int = 3
+    linearizable_processes: int = 2
+    linearizable_ops: int = 10
+    linearizable_bound: int = 200_000
 
     def hypothesis_settings(self) -> settings:
         phases = [Phase.explicit, Phase.reuse, Phase.generate]
@@ -72,8 +80,9 @@ THOROUGH = Profile(
     crash_random_length=20, fault_trials=80, many_recipients=10_000, many_full_drain=True,
     streaming_bytes=100 * 1024 * 1024, streaming_peak_limit=16 * 1024 * 1024,
     threads=8, thread_messages=40, processes=4, shrink=True, damage_every_way=True,
-    group_commit_trials=30,
-    group_commit_cuts=None,
+    group_commit_trials=30, group_commit_cuts=None,
+    linearizable_rounds=200, linearizable_threads=4,
+    linearizable_processes=3, linearizable_ops=12, linearizable_bound=2_000_000,
 )
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (QUICK, THOROUGH)}

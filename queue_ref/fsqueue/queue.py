@@ -295,15 +295,23 @@ class FsQueue(FsMetadata, Storage):
         """Metadata of the entry linked at ``link``; None if the link is not (or no longer)
         a committed link of ``e``.  Corrupt metadata is quarantined (None).
         ``check_link=False`` when the caller has just renamed the link there itself (its
-        text was checked when it was listed, created, or found by recovery)."""
+        text was checked when it was listed, created, or found by recovery).
+
+        With ``check_link`` the link is read again after the metadata: an entry claimed,
+        sent and cleaned up by another caller in between has lost its schedule record,
+        and the envelope's first schedule read then must not be listed as its schedule
+        (a listing gives each entry as it was at one moment of the call)."""
         if check_link and readlink_or_none(self.io, link) != e.target:
             return None
         try:
-            return self._load_entry(e)
+            got = self._load_entry(e)
         except Corrupt as c:
             if readlink_or_none(self.io, link) == e.target:  # not just cleaned up meanwhile
                 self._quarantine_corrupt(e, link, c)
             return None
+        if check_link and readlink_or_none(self.io, link) != e.target:
+            return None  # moved meanwhile: what was read may be of another state
+        return got
 
     def list_queue(self) -> Iterator[QueuedMail]:
         """Every QUEUED entry, oldest message first.  Dangling links (uncommitted enqueues)
