@@ -14,6 +14,7 @@ multi_process_check        multi-process
 streaming_check            streaming
 damage_at_rest_check       damage-at-rest
 group_commit_check         group-commit
+lifecycle_edges_check      lifecycle-edges
 =========================  ==============================================================
 
 The lockstep checks (lockstep, restart, listing) are ``conformance.lockstep``.  Each

@@ -135,6 +135,13 @@ CHECKS: tuple[CheckSpec, ...] = (
               "is there whole: a failed round acknowledged no one it covered, and no round "
               "acknowledged data that arrived after its sync began", Kind.FAULTS,
               ("C1", "C9"), Level.OPTIONAL, (Capability.IO_SEAM,)),
+    CheckSpec("lifecycle-edges", "a process is stopped inside each operation (at every "
+              "mutating call through the seam, else by SIGSTOP) while another opens the "
+              "queue, lists it, finds inflight entries and claims what it sees; then both "
+              "finish: linearizable against the model, no live owner's entry requeued or "
+              "adopted, nothing claimed twice, lost, quarantined or brought back",
+              Kind.CONCURRENCY, ("C4", "C7", "C2", "C1", "C3"), Level.OPTIONAL,
+              (Capability.MULTI_PROCESS,)),
 )
 
 BY_ID: dict[str, CheckSpec] = {c.id: c for c in CHECKS}

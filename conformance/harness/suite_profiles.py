@@ -40,6 +40,12 @@ class Profile:
     damage_every_way: bool = False
     #: group commit: trials of concurrent enqueuers with one sync failing (the first: none)
     group_commit_trials: int = 6
+    #: lifecycle edges: stop points tried per operation (None: every one), on both
+    #: targets (one- and two-recipient messages) or one chosen by the seed, and SIGSTOP
+    #: trials per operation for a backend without the I/O seam
+    edges_stops: int | None = 3
+    edges_all_targets: bool = False
+    edges_signal_trials: int = 3
 
     def hypothesis_settings(self) -> settings:
         phases = [Phase.explicit, Phase.reuse, Phase.generate]
@@ -70,7 +76,7 @@ THOROUGH = Profile(
     crash_random_length=20, fault_trials=80, many_recipients=10_000, many_full_drain=True,
     streaming_bytes=100 * 1024 * 1024, streaming_peak_limit=16 * 1024 * 1024,
     threads=8, thread_messages=40, processes=4, shrink=True, damage_every_way=True,
-    group_commit_trials=30,
+    group_commit_trials=30, edges_stops=None, edges_all_targets=True, edges_signal_trials=12,
 )
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (QUICK, THOROUGH)}
