@@ -83,12 +83,14 @@ ANSWER_TIMEOUT = 60.0
 # ---- the parent ----------------------------------------------------------------------
 
 def _poll(child: Child, timeout: float) -> dict[str, Any] | None:
-    """The child's next message, or None if none comes within ``timeout``."""
+    """The child's next message, or None if none comes within ``timeout``.  A child that
+    ended says so: ``{"exited": status}``."""
     if b"\n" not in child._buf:
         ready, _, _ = select.select([child._fd], [], [], timeout)
         if not ready:
             return None
-    return next(child.messages(ANSWER_TIMEOUT), None)
+    got = next(child.messages(ANSWER_TIMEOUT), None)
+    return got if got is not None else {"exited": child.wait()}
 
 
 class Hang(Exception):
@@ -101,6 +103,8 @@ def _answer(child: Child, what: str, timeout: float = ANSWER_TIMEOUT) -> dict[st
         raise Hang(f"the {what} did not answer within {timeout:.0f} s")
     if "crashed" in got:
         raise RuntimeError(f"the {what} failed: {got['crashed']}\n{got.get('trace', '')}")
+    if "exited" in got:
+        raise RuntimeError(f"the {what} exited (status {got['exited']}) without a word")
     return got
 
 
@@ -241,8 +245,8 @@ def _run_trial(bench: Bench, trial: Trial, root: str, out: TrialOutcome) -> None
         _release(bench, actor, trial)
         if seen is None:
             seen = _answer(observer, "observer")
-        if "crashed" in seen:
-            raise RuntimeError(f"the observer failed: {seen['crashed']}")
+        if "crashed" in seen or "exited" in seen:
+            raise RuntimeError(f"the observer failed: {seen}")
         if result is None:
             result = _answer(actor, "actor")
     assert result is not None
