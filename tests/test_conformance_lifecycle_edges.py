@@ -18,7 +18,7 @@ from conformance.harness.backend_factory import Backend
 from conformance.harness.check_results import Status
 from conformance.harness.stop_gate_io import StopGateIO
 from conformance.harness.suite_profiles import QUICK
-from queue_ref.io import OsIO
+from queue_ref.io import IO, OsIO
 from queue_ref.storage import Capability, Storage
 from spec.model import Model, Schedule
 from spec.states import EntryState, Op
@@ -34,6 +34,26 @@ def requeues_live_claims_without_seam(root: str) -> Storage:
     store = fs_requeues_live_claims(root)
     store.capabilities = store.capabilities - {Capability.IO_SEAM}  # type: ignore[misc]
     return store
+
+
+def adopts_live_claims(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue whose ``find_inflight`` takes every other owner for dead."""
+    from collections.abc import Iterator
+
+    from conformance.crashexplore.explored_backends import deterministic_fs
+    from queue_ref.fsqueue import FsQueue
+    from queue_ref.storage import InflightMail
+
+    class AdoptsLiveClaims(FsQueue):
+        def find_inflight(self) -> Iterator[InflightMail]:
+            alive = self._owners.alive
+            self._owners.alive = lambda owner: owner == self.owner  # type: ignore[method-assign]
+            try:
+                yield from super().find_inflight()
+            finally:
+                self._owners.alive = alive  # type: ignore[method-assign]
+
+    return deterministic_fs(AdoptsLiveClaims)(root, io) if io else AdoptsLiveClaims(root)
 
 
 @pytest.mark.parametrize("factory", ["conformance.examples.backends:fs",
@@ -58,6 +78,13 @@ def test_a_recovery_that_requeues_a_live_owners_claims_is_c4_and_c7() -> None:
     assert res.status is Status.FAIL and {"C4", "C7"} <= {f.clause for f in res.findings}
     again = lifecycle_edges_check.replay(backend, res.findings[0].scenario)
     assert res.findings[0].clause in {f.clause for f in again}
+
+
+def test_a_find_inflight_that_adopts_a_live_owners_claims_is_c7() -> None:
+    found = lifecycle_edges_check.replay(Backend.from_factory(adopts_live_claims),
+                                         "lifecycle-edges:reschedule:pair:0")
+    assert found and {f.clause for f in found} == {"C7"}, found
+    assert any(f.clause == "C7" and "find_inflight adopted (2, 1)" in f.detail for f in found)
 
 
 def test_sigstop_finds_the_same_bug_in_a_backend_without_the_seam() -> None:

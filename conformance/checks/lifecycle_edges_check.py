@@ -10,8 +10,9 @@ reopened and read back (``crashexplore.recovered_queue.inspect``).
 Where the actor stops:
 
 * through the I/O seam (``Capability.IO_SEAM``): at every *stop point* of the operation,
-  before its first mutating call and after each one (``harness.stop_gate_io``), found by
-  running it with stop points 0, 1, 2, ... until it finishes without reaching one;
+  before its first mutating call and after each one (``harness.stop_gate_io``): the
+  thorough profile runs stop points 0, 1, 2, ... until the operation finishes without
+  reaching one, the quick profile point 0 and a sample of the others (``edges_stops``);
 * any other backend: ``SIGSTOP`` after a random delay within the operation's measured
   duration (as process-kill kills it), ``SIGCONT`` after.
 
@@ -94,13 +95,17 @@ def _poll(child: Child, timeout: float) -> dict[str, Any] | None:
 
 
 class Hang(Exception):
-    """A child did not answer in time."""
+    """A child did not answer in time (``who``: the actor or the observer)."""
+
+    def __init__(self, who: str, message: str) -> None:
+        super().__init__(message)
+        self.who = who
 
 
 def _answer(child: Child, what: str, timeout: float = ANSWER_TIMEOUT) -> dict[str, Any]:
     got = _poll(child, timeout)
     if got is None:
-        raise Hang(f"the {what} did not answer within {timeout:.0f} s")
+        raise Hang(what, f"the {what} did not answer within {timeout:.0f} s")
     if "crashed" in got:
         raise RuntimeError(f"the {what} failed: {got['crashed']}\n{got.get('trace', '')}")
     if "exited" in got:
@@ -121,10 +126,9 @@ class TrialOutcome:
 class Bench:
     """The two children (started once, reused by every trial) and where trials run."""
 
-    def __init__(self, backend: Backend, seam: bool, seed: int) -> None:
+    def __init__(self, backend: Backend, seam: bool) -> None:
         self.backend = backend
         self.seam = seam
-        self.rng = random.Random(seed)
         self.base = tempfile.mkdtemp(prefix="queue-ref-edges-")
         self.actor: Child | None = None
         self.observer: Child | None = None
@@ -194,7 +198,9 @@ def run_trial(bench: Bench, trial: Trial) -> TrialOutcome:
     try:
         _run_trial(bench, trial, root, out)
     except Hang as e:
-        out.findings.append(("API" if trial.op != "open" else "C10", f"{e} ({_where(out)})"))
+        # an open (recovery) that never ends is C10; an operation that never returns, API
+        clause = "C10" if e.who == "observer" or trial.op == "open" else "API"
+        out.findings.append((clause, f"{e} ({_where(out)})"))
         bench.reset()
     except Exception:
         bench.reset()
@@ -363,7 +369,7 @@ def run(backend: Backend, profile: Profile, seed: int,
     stats: dict[str, Any] = {"trials": 0, "stopped": 0, "observer_waited": 0,
                              "mode": "stop points" if seam else "SIGSTOP"}
     targets = list(TARGETS) if profile.edges_all_targets else [rng.choice(TARGETS)]
-    with Bench(backend, seam, seed) as bench:
+    with Bench(backend, seam) as bench:
         for trial, out in _trials(bench, _ops(caps), targets, profile, rng):
             stats["trials"] += 1
             stats["stopped"] += out.stopped
@@ -391,7 +397,7 @@ def replay(backend: Backend, scenario: str) -> list[Finding]:
     if seam != (trial.stop is not None):
         raise ValueError(f"{scenario!r}: this backend is stopped "
                          f"{'at stop points' if seam else 'by SIGSTOP'}")
-    with Bench(backend, seam, 0) as bench:
+    with Bench(backend, seam) as bench:
         out = run_trial(bench, trial)
     return [Finding(c, d, trial.scenario, NO_CRASH, tuple(out.steps)) for c, d in out.findings]
 
