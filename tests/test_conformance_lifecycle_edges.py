@@ -56,6 +56,23 @@ def adopts_live_claims(root: str, io: IO | None = None) -> Storage:
     return deterministic_fs(AdoptsLiveClaims)(root, io) if io else AdoptsLiveClaims(root)
 
 
+def deletes_live_enqueues(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue whose recovery takes every other owner's message under
+    construction for a dead owner's and removes it."""
+    from conformance.crashexplore.broken_fs_variants import _OwnRecovery
+    from conformance.crashexplore.explored_backends import deterministic_fs
+    from queue_ref.fsqueue.recovery import Recovery
+
+    class _Deletes(Recovery):
+        def alive(self, owner: str) -> bool:
+            return owner == self.q.owner
+
+    class DeletesLiveEnqueues(_OwnRecovery):
+        recovery_class = _Deletes
+
+    return deterministic_fs(DeletesLiveEnqueues)(root, io) if io else DeletesLiveEnqueues(root)
+
+
 @pytest.mark.parametrize("factory", ["conformance.examples.backends:fs",
                                      "conformance.examples.backends:fs_fsync",
                                      "conformance.examples.sqlite_backend:factory"])
@@ -85,6 +102,13 @@ def test_a_find_inflight_that_adopts_a_live_owners_claims_is_c7() -> None:
                                          "lifecycle-edges:reschedule:pair:0")
     assert found and {f.clause for f in found} == {"C7"}, found
     assert any(f.clause == "C7" and "find_inflight adopted (2, 1)" in f.detail for f in found)
+
+
+def test_a_recovery_that_removes_a_live_owners_enqueue_is_caught() -> None:
+    """Its commit fails with no fault injected, or its message is gone afterwards."""
+    found = lifecycle_edges_check.replay(Backend.from_factory(deletes_live_enqueues),
+                                         "lifecycle-edges:enqueue:pair:2")
+    assert any(f.clause == "C2" and "enqueue failed" in f.detail for f in found), found
 
 
 def test_sigstop_finds_the_same_bug_in_a_backend_without_the_seam() -> None:

@@ -45,11 +45,12 @@ NEW_SENDER = "n@edges.example"
 NEW_BODY = {"single": b"Subject: new\r\n\r\nsmall\r\n",
              "pair": b"Subject: new\r\n\r\n" + b"x" * 150_000 + b"\r\n"}
 NEW_RCPTS = {"single": (("u0@x.example", 130),),
-              "pair": (("u0@x.example", 130), ("u1@y.example", 131))}
+             "pair": (("u0@x.example", 130), ("u1@y.example", 131))}
 
 
 def sched_list(s: Schedule) -> list[int]:
     return [s.at, s.attempts]
+
 
 # ---- the children --------------------------------------------------------------------
 
