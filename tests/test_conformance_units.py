@@ -233,7 +233,8 @@ def test_check_ids_are_stable() -> None:
     assert list(BY_ID) == ["lockstep", "restart", "listing", "bad-input", "many-recipients",
                            "limits", "threads", "process-kill", "recovery-rerun", "crash-exploration",
                            "io-errors", "multi-process", "streaming", "damage-at-rest", "hold",
-                           "group-commit", "linearizable"]
+                           "group-commit", "linearizable",
+                           "lifecycle-edges"]
 
 
 def _child_echo(ch: object, value: object) -> None:

@@ -12,6 +12,8 @@ Scenario ids start with the check that found them:
   interleaving is the machine's), or that race with the caller stopped at the same call;
 * ``bad-input:<case>``, ``limits:<case>``, ``many-recipients:<n>``, ``threads:<seed>``,
   ``multi-process:<seed>``, ``streaming:<bytes>``: that check again;
+* ``lifecycle-edges:<op>:<target>:<stop>``: that trial again (the same stop point, or
+  the same SIGSTOP delay);
 * anything else is handed to the crash explorer (``conformance.checks.crash_exploration_check``).
 """
 
@@ -23,6 +25,7 @@ from conformance import lockstep
 from conformance.checks import (
     bad_input_check,
     io_errors_check,
+    lifecycle_edges_check,
     limits_check,
     linearizability_check,
     multi_process_check,
@@ -63,6 +66,8 @@ def replay(backend: Backend, scenario: str) -> list[Finding]:
         return scale_checks.threads(backend, QUICK, int(rest)).findings
     if head == "multi-process":
         return multi_process_check.run(backend, QUICK, int(rest)).findings
+    if head == "lifecycle-edges":
+        return lifecycle_edges_check.replay(backend, scenario)
     if head == "streaming":
         return streaming_check.run(backend, replace(QUICK, streaming_bytes=int(rest))).findings
     from conformance.checks import crash_exploration_check

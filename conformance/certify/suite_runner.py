@@ -22,6 +22,7 @@ from conformance.checks import (
     group_commit_check,
     hold_check,
     io_errors_check,
+    lifecycle_edges_check,
     limits_check,
     linearizability_check,
     multi_process_check,
@@ -85,6 +86,8 @@ def _run_one(spec: CheckSpec, model: str, backend: Backend, probe: Probe, profil
         return streaming_check.run(backend, profile)
     if spec.id == "group-commit":
         return group_commit_check.run(backend, profile, s)
+    if spec.id == "lifecycle-edges":
+        return lifecycle_edges_check.run(backend, profile, s, probe.capabilities)
     if spec.id == "damage-at-rest":
         return damage_at_rest_check.run(backend, profile, s)
     if spec.id == "hold":

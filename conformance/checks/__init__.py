@@ -15,6 +15,7 @@ streaming_check            streaming
 damage_at_rest_check       damage-at-rest
 group_commit_check         group-commit
 linearizability_check      linearizable (the search: ``concurrency.linearizability``)
+lifecycle_edges_check      lifecycle-edges
 =========================  ==============================================================
 
 The lockstep checks (lockstep, restart, listing) are ``conformance.lockstep``.  Each

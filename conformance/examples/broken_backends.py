@@ -268,3 +268,40 @@ def fs_unclaimed_reschedule(root: str, io: IO | None = None) -> Storage:
     if io is None:
         return UnclaimedReschedule(root)
     return deterministic_fs(UnclaimedReschedule)(root, io)
+
+
+# ---- lifecycle edges -------------------------------------------------------------------
+
+def fs_requeues_live_claims(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue (``fsync`` mode) whose recovery at open puts every inflight
+    entry of another owner back in the queue without asking whether that owner is alive
+    (it does not try the owner's flock): a sender in the middle of a delivery, or of a
+    reschedule, has its entry taken and sent by the next process that opens the queue.
+    Only another process opening the queue while the first holds claims shows it: the
+    lifecycle-edges check fails it on C4 and C7::
+
+        queue-ref certify conformance.examples.broken_backends:fs_requeues_live_claims \\
+            --only lifecycle-edges
+    """
+    from conformance.crashexplore.broken_fs_variants import _OwnRecovery
+    from conformance.crashexplore.explored_backends import deterministic_fs
+    from queue_ref.fsqueue.recovery import Recovery
+
+    class _RequeueLive(Recovery):
+        def requeue(self) -> None:
+            for e, links in sorted(self.inflight.items()):
+                for owner, path in links:
+                    if owner == self.q.owner:
+                        continue  # the bug: a live owner's claim is requeued too
+                    if self.q._move_link(path, self.lay.queue_link(e)):
+                        self.requeued += 1
+                        self.queue[e] = self.lay.queue_link(e)
+            if self.requeued:
+                self.q._sync_move(self.lay.inflight, self.lay.queue)
+
+    class RequeuesLiveClaims(_OwnRecovery):
+        recovery_class = _RequeueLive
+
+    if io is None:  # a random owner token, as FsQueue draws: processes open it at once
+        return RequeuesLiveClaims(root)
+    return deterministic_fs(RequeuesLiveClaims)(root, io)

@@ -140,6 +140,13 @@ CHECKS: tuple[CheckSpec, ...] = (
               "model (exhaustive Wing-Gong search); with the I/O seam, one caller is stopped "
               "at each mutating call of its transition while another races it",
               Kind.CONCURRENCY, ("C7", "C3", "C5", "C8", API)),
+    CheckSpec("lifecycle-edges", "a process is stopped inside each operation (at every "
+              "mutating call through the seam, else by SIGSTOP) while another opens the "
+              "queue, lists it, finds inflight entries and claims what it sees; then both "
+              "finish: linearizable against the model, no live owner's entry requeued or "
+              "adopted, nothing claimed twice, lost, quarantined or brought back",
+              Kind.CONCURRENCY, ("C4", "C7", "C2", "C1", "C3"), Level.OPTIONAL,
+              (Capability.MULTI_PROCESS,)),
 )
 
 BY_ID: dict[str, CheckSpec] = {c.id: c for c in CHECKS}

@@ -50,6 +50,12 @@ class Profile:
     linearizable_processes: int = 2
     linearizable_ops: int = 10
     linearizable_bound: int = 200_000
+    #: lifecycle edges: stop points tried per operation (None: every one), on both
+    #: targets (one- and two-recipient messages) or one chosen by the seed, and SIGSTOP
+    #: trials per operation for a backend without the I/O seam
+    edges_stops: int | None = 3
+    edges_all_targets: bool = False
+    edges_signal_trials: int = 3
 
     def hypothesis_settings(self) -> settings:
         phases = [Phase.explicit, Phase.reuse, Phase.generate]
@@ -83,6 +89,7 @@ THOROUGH = Profile(
     group_commit_trials=30, group_commit_cuts=None,
     linearizable_rounds=200, linearizable_threads=4,
     linearizable_processes=3, linearizable_ops=12, linearizable_bound=2_000_000,
+    edges_stops=None, edges_all_targets=True, edges_signal_trials=12,
 )
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (QUICK, THOROUGH)}

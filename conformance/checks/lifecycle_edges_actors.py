@@ -1,0 +1,236 @@
+"""The two child processes of the lifecycle-edges check, and the queue they start from.
+
+The *actor* (``actor``) runs one operation of a trial on command and stands still inside
+it: at a stop point of its I/O seam (``harness.stop_gate_io``), where it waits for the
+parent's "release", or wherever SIGSTOP finds it once it has said "starting".  The
+*observer* (``observer``) opens the queue on command, calls ``find_inflight``, lists the
+queue and claims every entry it lists; on "finish" it sends what it claimed
+(``send_done``, and ``cleanup`` of every other one).  Both answer with one JSON line per
+step (``harness.child_process``) and are reused from trial to trial.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from conformance.harness.backend_factory import Backend
+from conformance.harness.child_process import Channel
+from conformance.harness.stop_gate_io import StopGateIO
+from queue_ref.io import OsIO
+from queue_ref.storage import QueueError, Recipient, Schedule, Storage
+from spec.model import EntryKey
+
+CHECK = "lifecycle-edges"
+OPS = ("open", "enqueue", "send_start", "send_done", "send_cancel", "reschedule", "drop",
+       "cleanup", "hold", "release")
+HOLD_OPS = ("hold", "release")
+TARGETS = ("single", "pair")
+# The queue every trial starts from: message 0 has two recipients, 1 one, 2 two.
+PREFIX: tuple[tuple[str, tuple[tuple[str, int], ...], bytes], ...] = (
+    ("a@edges.example", (("r0@x.example", 100), ("r1@y.example", 101)),
+     b"Subject: zero\r\n\r\nfirst\r\n"),
+    ("b@edges.example", (("s0@x.example", 110),), b"Subject: one\r\n\r\nsecond\r\n"),
+    ("c@edges.example", (("t0@z.example", 120), ("t1@z.example", 121)),
+     b"Subject: two\r\n\r\nthird\r\n"),
+)
+TARGET_KEY: dict[str, EntryKey] = {"single": (1, 0), "pair": (0, 0)}
+BYSTANDER: EntryKey = (2, 1)  # the actor holds it INFLIGHT throughout
+RESCHEDULE = Schedule(500, 1)
+CANCEL = Schedule(600, 2)
+# The enqueue under test: one recipient and a small body, or two and a body written
+# in several pieces before the commit.
+NEW_SENDER = "n@edges.example"
+NEW_BODY = {"single": b"Subject: new\r\n\r\nsmall\r\n",
+             "pair": b"Subject: new\r\n\r\n" + b"x" * 150_000 + b"\r\n"}
+NEW_RCPTS = {"single": (("u0@x.example", 130),),
+             "pair": (("u0@x.example", 130), ("u1@y.example", 131))}
+
+
+def sched_list(s: Schedule) -> list[int]:
+    return [s.at, s.attempts]
+
+
+# ---- the children --------------------------------------------------------------------
+
+def _recv(ch: Channel) -> dict[str, Any] | None:
+    """The parent's next command: a JSON object, or a word (None: the parent is gone)."""
+    line = ch.recv()
+    if not line:
+        return None
+    return json.loads(line) if line.startswith("{") else {"cmd": line}
+
+
+def actor(ch: Channel, backend: Backend, seam: bool) -> None:
+    """Runs trials on command; stops inside the operation under test."""
+    kept: list[object] = []  # what a killed owner leaves open: never closed
+    while True:
+        cmd = _recv(ch)
+        if cmd is None or cmd["cmd"] == "quit":
+            return
+        if cmd["cmd"] == "leave":
+            _leave(ch, backend, cmd, kept)
+        elif cmd["cmd"] == "run":
+            _act(ch, backend, seam, cmd)
+
+
+def _leave(ch: Channel, backend: Backend, cmd: dict[str, Any], kept: list[object]) -> None:
+    """An owner that goes away mid-work: an inflight entry, a pending cleanup and an
+    enqueue it never committed (closed without finishing, as a killed owner would)."""
+    store = backend.open(cmd["root"])
+    listed = {h.entry_id: h for h in store.list_queue()}
+    f = store.send_start(listed[cmd["inflight"]])
+    g = store.send_start(listed[cmd["pending"]])
+    p = store.send_done(g) if g is not None else None
+    enq = store.enqueue("gone@edges.example")
+    enq.write(b"Subject: never\r\n\r\n" + b"y" * 70_000)
+    kept.append(enq)
+    kept.append(store)
+    store.close()
+    ch.send({"left": [f is not None, p is not None]})
+
+
+def _act(ch: Channel, backend: Backend, seam: bool, cmd: dict[str, Any]) -> None:
+    op, stop = cmd["op"], cmd["stop"]
+
+    def on_stop(point: int, name: str, when: str) -> None:
+        ch.send({"stopped": point, "call": name, "when": when})
+        ch.recv()  # "release"
+
+    gate = StopGateIO(OsIO(), on_stop) if seam else None
+    store: Storage | None = None
+    try:
+        if op == "open":
+            if gate is not None:
+                gate.arm(stop)
+            else:
+                ch.send({"starting": True})
+            t0 = time.perf_counter()
+            store = backend.open(cmd["root"], gate) if gate is not None else \
+                backend.open(cmd["root"])
+            took = time.perf_counter() - t0
+            if gate is not None:
+                gate.disarm()
+            ch.send({"result": {"opened": True}, "seconds": took,
+                     "calls": gate.count if gate else 0})
+            if _recv(ch) is None:  # "claim": the observer has had its turn
+                return
+            found = [f.entry_id for f in store.find_inflight()]
+            claimed = {}
+            for h in store.list_queue():
+                f = store.send_start(h)
+                if f is not None:
+                    claimed[f.entry_id] = sched_list(f.schedule)
+            ch.send({"claimed": claimed, "adopted": found})
+        else:
+            store = backend.open(cmd["root"], gate) if gate is not None else \
+                backend.open(cmd["root"])
+            result, took = _operate(ch, store, gate, cmd)
+            ch.send({"result": result, "seconds": took, "calls": gate.count if gate else 0})
+    except Exception as e:
+        ch.send({"result": {"error": f"{type(e).__name__}: {e}",
+                            "typed": isinstance(e, QueueError)}, "seconds": 0.0, "calls": 0})
+    if _recv(ch) is not None and store is not None:  # "close"
+        store.close()
+    ch.send({"closed": True})
+
+
+def _operate(ch: Channel, store: Storage, gate: StopGateIO | None, cmd: dict[str, Any]
+             ) -> tuple[dict[str, Any], float]:
+    op, target = cmd["op"], cmd["target"]
+    listed = {h.entry_id: h for h in store.list_queue()}
+    if store.send_start(listed[cmd["bystander"]]) is None:
+        raise RuntimeError("the actor could not claim its bystander entry")
+    h: Any = listed.get(cmd["entry"])
+    if op in ("send_done", "send_cancel", "cleanup"):
+        h = store.send_start(h)
+    if op == "cleanup":
+        h = store.send_done(h)
+    if op == "release":
+        h = store.hold(h)
+    if op != "enqueue" and h is None:
+        raise RuntimeError(f"the actor could not bring its entry to {op}'s state")
+    if gate is not None:
+        gate.arm(cmd["stop"])
+    else:
+        ch.send({"starting": True})
+    t0 = time.perf_counter()
+    try:
+        if op == "enqueue":
+            rcpts = [Recipient(r, Schedule(at)) for r, at in NEW_RCPTS[target]]
+            with store.enqueue(NEW_SENDER) as enq:
+                body = NEW_BODY[target]
+                for i in range(0, len(body), 65536):
+                    enq.write(body[i:i + 65536])
+                got = enq.commit(rcpts)
+            out: dict[str, Any] = {"moved": True, "message": got[0].message_id,
+                                   "entries": [g.entry_id for g in got]}
+        else:
+            res: Any = {
+                "send_start": lambda: store.send_start(h),
+                "send_done": lambda: store.send_done(h),
+                "send_cancel": lambda: store.send_cancel(h, CANCEL),
+                "reschedule": lambda: store.reschedule(h, RESCHEDULE),
+                "drop": lambda: store.drop(h),
+                "cleanup": lambda: store.cleanup(h),
+                "hold": lambda: store.hold(h),
+                "release": lambda: store.release(h),
+            }[op]()
+            if res is None or res is False:
+                out = {"moved": False}
+            elif res is True:
+                out = {"moved": True}
+            else:
+                out = {"moved": True, "entry": res.entry_id, "schedule": sched_list(res.schedule)}
+    except Exception as e:
+        out = {"error": f"{type(e).__name__}: {e}", "typed": isinstance(e, QueueError)}
+    took = time.perf_counter() - t0
+    if gate is not None:
+        gate.disarm()
+    return out, took
+
+
+def observer(ch: Channel, backend: Backend) -> None:
+    """Opens the queue on command while the actor stands still, lists and claims."""
+    while True:
+        cmd = _recv(ch)
+        if cmd is None or cmd["cmd"] == "quit":
+            return
+        _observe(ch, backend, cmd["root"])
+
+
+def _observe(ch: Channel, backend: Backend, root: str) -> None:
+    store: Storage | None = None
+    claims: list[Any] = []
+    try:
+        store = backend.open(root)
+        adopted = list(store.find_inflight())
+        listed = list(store.list_queue())
+        claimed: dict[str, list[int]] = {}
+        for h in listed:
+            f = store.send_start(h)
+            if f is not None:
+                claimed[f.entry_id] = sched_list(f.schedule)
+                claims.append(f)
+        claims[:0] = adopted
+        ch.send({"observed": True, "listed": [h.entry_id for h in listed],
+                 "adopted": {f.entry_id: sched_list(f.schedule) for f in adopted},
+                 "claimed": claimed})
+    except Exception as e:
+        ch.send({"observed": False, "error": f"{type(e).__name__}: {e}"})
+    if _recv(ch) is None:  # "finish"
+        return
+    finished_: list[list[Any]] = []
+    try:
+        for i, f in enumerate(claims):
+            assert store is not None
+            p = store.send_done(f)
+            cleaned = store.cleanup(p) if p is not None and i % 2 == 0 else None
+            finished_.append([f.entry_id, p is not None, cleaned])
+        ch.send({"finished": finished_})
+    except Exception as e:
+        ch.send({"finished": finished_, "error": f"{type(e).__name__}: {e}"})
+    if _recv(ch) is not None and store is not None:  # "close"
+        store.close()
+    ch.send({"closed": True})
