@@ -45,7 +45,9 @@ def test_relay_on_each_backend_with_metrics(tmp_path, backend):
     if backend.startswith("fs"):
         rounds = m[("queue_ref_group_commit_rounds_total", ())]
         served = m[("queue_ref_group_commit_requests_total", ())]
-        assert 0 < rounds <= served
+        # a commit with a step after its first round (the link, in syncfs mode) is one
+        # request served by two rounds, so rounds may exceed requests, never twice them
+        assert 0 < rounds <= 2 * served
 
 
 def test_concurrent_sessions_share_group_commit_rounds(tmp_path):
@@ -70,6 +72,10 @@ def test_concurrent_sessions_share_group_commit_rounds(tmp_path):
             t.join(60)
         sink.wait_for(40)
         after = group_commit_counts(r.relay.store)
+        sizes = dict(r.relay.store._group.round_sizes)  # type: ignore[attr-defined]
     assert after is not None
     rounds, served = after[0] - before[0], after[1] - before[1]
-    assert served >= 40 and rounds < served, (rounds, served)  # some rounds served several
+    # a commit alone takes two rounds (its data, then its link), so rounds are fewer
+    # than twice the requests only because rounds were shared: some served several
+    assert served >= 40 and rounds < 2 * served, (rounds, served)
+    assert max(sizes) >= 2, sizes

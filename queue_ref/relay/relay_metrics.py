@@ -52,7 +52,8 @@ class _GroupCommitCollector(Collector):
         rounds.add_metric([], counts[0])
         served = CounterMetricFamily(
             "queue_ref_group_commit_requests",
-            "Callers the sync rounds served; requests/rounds is the mean round size")
+            "Callers the sync rounds served (a commit whose link follows its data round "
+            "is served by two rounds)")
         served.add_metric([], counts[1])
         yield rounds
         yield served
