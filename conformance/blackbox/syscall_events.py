@@ -146,7 +146,7 @@ class _Translator:
         site = f"strace:{c.line}:{c.time}" if c is not None else "strace"
         self.out.events.append(TraceEvent(
             index=len(self.out.events), name=name, args=args, data=data, result=result,
-            error=error, site=site, mutating=name in MUTATING, applied=ok))
+            error=error, site=site, mutating=name in MUTATING or name == "pwrite", applied=ok))
 
     def new_fid(self) -> str:
         self.next_fid += 1

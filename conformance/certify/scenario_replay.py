@@ -7,6 +7,8 @@ Scenario ids start with the check that found them:
 * ``process-kill:<seed>:<trial>:<length>``, ``recovery-rerun:...``: the same workload,
   killed during the same call after the same delay;
 * ``io-errors:<seed>:<trial>``: the same workload, the same failing call;
+* ``blackbox-power-loss:<seed>:<trial>:<length>:<model>:<point>:<key>``: the workload
+  traced again, the named crash state of its first ``point`` calls recovered;
 * ``bad-input:<case>``, ``limits:<case>``, ``many-recipients:<n>``, ``threads:<seed>``,
   ``multi-process:<seed>``, ``streaming:<bytes>``: that check again;
 * anything else is handed to the crash explorer (``conformance.checks.crash_exploration_check``).
@@ -19,6 +21,7 @@ from dataclasses import replace
 from conformance import lockstep
 from conformance.checks import (
     bad_input_check,
+    blackbox_power_loss_check,
     io_errors_check,
     limits_check,
     multi_process_check,
@@ -46,6 +49,8 @@ def replay(backend: Backend, scenario: str) -> list[Finding]:
         return process_kill_check.replay(backend, scenario)
     if head == "io-errors":
         return io_errors_check.replay(backend, scenario)
+    if head == "blackbox-power-loss":
+        return blackbox_power_loss_check.replay(backend, scenario)
     if head == "bad-input":
         return [f for f in bad_input_check.run(backend).findings if f.scenario == scenario]
     if head == "limits":

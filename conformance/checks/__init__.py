@@ -14,6 +14,7 @@ multi_process_check        multi-process
 streaming_check            streaming
 damage_at_rest_check       damage-at-rest
 group_commit_check         group-commit
+blackbox_power_loss_check  blackbox-power-loss (strace; backends without the I/O seam)
 =========================  ==============================================================
 
 The lockstep checks (lockstep, restart, listing) are ``conformance.lockstep``.  Each

@@ -196,3 +196,13 @@ def fs_round_error_to_leader(root: str, io: IO | None = None) -> Storage:
     group = ErrorToLeader(store.io, store._group.mode, store.layout.data)
     store._group = group
     return store
+
+
+def sqlite_sync_off(root: str) -> Storage:
+    """The SQLite example with ``PRAGMA synchronous=OFF``: ``COMMIT`` returns before
+    anything reached the disk, so a power cut loses acknowledged mail (C1).  A process
+    kill loses nothing (the kernel holds the writes): only the black-box power-loss check
+    (strace) sees it."""
+    from conformance.examples.sqlite_backend import SqliteStorage
+
+    return SqliteStorage(root, journal="wal", synchronous="OFF")

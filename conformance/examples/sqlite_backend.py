@@ -104,10 +104,13 @@ class SqliteStorage(Storage):
     capabilities = frozenset({Capability.ZONE_LISTING, Capability.DOMAIN_INDEX,
                               Capability.STREAMING_BODIES, Capability.MULTI_PROCESS})
 
-    def __init__(self, root: str, *, journal: str = "wal") -> None:
+    def __init__(self, root: str, *, journal: str = "wal", synchronous: str = "FULL") -> None:
         super().__init__()
         if journal not in ("wal", "delete"):
             raise ValueError(f"journal must be 'wal' or 'delete', not {journal!r}")
+        if synchronous not in ("OFF", "NORMAL", "FULL", "EXTRA"):
+            raise ValueError(f"synchronous must be OFF, NORMAL, FULL or EXTRA, not "
+                             f"{synchronous!r}")
         self.root = root
         self._lock = threading.RLock()
         os.makedirs(os.path.join(root, "owners"), exist_ok=True)
@@ -128,7 +131,7 @@ class SqliteStorage(Storage):
                                        isolation_level=None, check_same_thread=False,
                                        timeout=30.0)
             self._db.execute(f"PRAGMA journal_mode={journal}")
-            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute(f"PRAGMA synchronous={synchronous}")
             with self._tx() as db:
                 for stmt in SCHEMA.split(";"):
                     if stmt.strip():

@@ -40,6 +40,14 @@ class Profile:
     damage_every_way: bool = False
     #: group commit: trials of concurrent enqueuers with one sync failing (the first: none)
     group_commit_trials: int = 6
+    #: black-box power loss (strace): traced workloads, their length, crash points in
+    #: flight per workload besides the acknowledgements (0: all), crash states per point
+    blackbox_trials: int = 2
+    blackbox_length: int = 8
+    blackbox_points: int = 12
+    blackbox_exhaustive_limit: int = 3
+    blackbox_random_states: int = 4
+    blackbox_max_states: int = 16
 
     def hypothesis_settings(self) -> settings:
         phases = [Phase.explicit, Phase.reuse, Phase.generate]
@@ -70,7 +78,8 @@ THOROUGH = Profile(
     crash_random_length=20, fault_trials=80, many_recipients=10_000, many_full_drain=True,
     streaming_bytes=100 * 1024 * 1024, streaming_peak_limit=16 * 1024 * 1024,
     threads=8, thread_messages=40, processes=4, shrink=True, damage_every_way=True,
-    group_commit_trials=30,
+    group_commit_trials=30, blackbox_trials=4, blackbox_length=12, blackbox_points=0,
+    blackbox_exhaustive_limit=6, blackbox_random_states=16, blackbox_max_states=0,
 )
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (QUICK, THOROUGH)}
