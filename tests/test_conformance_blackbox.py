@@ -20,6 +20,7 @@ from conformance.blackbox.strace_trace import STRACE_OPTIONS, TraceFormatError, 
 from conformance.blackbox.syscall_events import UnmodelledCall, to_events
 from conformance.certify.suite_runner import certify, run_check
 from conformance.checks import blackbox_power_loss_check as bb
+from conformance.examples.sqlite_backend import SqliteStorage
 from conformance.harness.backend_factory import Backend
 from conformance.harness.check_catalog import BY_ID
 from conformance.harness.check_results import Status
@@ -187,25 +188,46 @@ def test_sqlite_full_passes_every_model() -> None:
 
 
 def test_sqlite_sync_off_loses_acknowledged_mail_under_weak_only() -> None:
-    backend = Backend.from_factory(SYNC_OFF)
-    weak = bb.run(backend, "weak", PROFILE, 3)
-    assert weak.status is Status.FAIL
+    """Through ``certify``: C1 fails under weak, process-kill holds, and the scenario id
+    of a finding replays the same loss (the workload traced again)."""
+    cert = certify(SYNC_OFF, only=["blackbox-power-loss"], models=["process-kill", "weak"],
+                   profile=PROFILE, seed=3)
+    m = cert.matrix()
+    assert m["C1"]["weak"].status is Status.FAIL
+    assert m["C1"]["process-kill"].status is Status.PASS
+    assert cert.certified_models() == ["process-kill"]
+    weak = next(r for r in cert.results if r.model == "weak")
     c1 = [f for f in weak.findings if f.clause == "C1"]
     assert c1 and all(f.model == "weak" for f in c1)
     assert "lost" in c1[0].detail and any("power cut after" in s for s in c1[0].steps)
-    assert bb.run(backend, "process-kill", PROFILE, 3).status is Status.PASS
-    # the scenario id replays the same state: traced again, the same loss
-    again = bb.replay(backend, c1[0].scenario)
+    again = bb.replay(Backend.from_factory(SYNC_OFF), c1[0].scenario)
     assert any(f.clause == "C1" for f in again)
 
 
-def test_the_check_is_wired_into_certify_and_skips_seam_backends() -> None:
+def test_the_check_leaves_seam_and_memory_backends_to_other_checks() -> None:
     spec = BY_ID["blackbox-power-loss"]
     seam = Backend.from_factory("conformance.examples.backends:fs")
     res = run_check(spec, "weak", seam, seam.probe(), QUICK, 1)
     assert res.status is Status.UNSUPPORTED and "crash exploration" in res.note
-    cert = certify(SYNC_OFF, only=["blackbox-power-loss"], profile=replace(QUICK, blackbox_trials=1),
-                   seed=3)
-    assert cert.matrix()["C1"]["weak"].status is Status.FAIL
-    assert cert.matrix()["C1"]["process-kill"].status is Status.PASS
-    assert "weak" not in cert.certified_models()
+    memory = Backend.from_factory("queue_ref.memory:MemoryStorage")
+    res = run_check(spec, "weak", memory, memory.probe(), QUICK, 1)
+    assert res.status is Status.UNSUPPORTED and "no directory" in res.note
+    with pytest.raises(ValueError, match="not a blackbox-power-loss scenario"):
+        bb.replay(seam, "process-kill:1:2:3")
+
+
+def rollback_full(root: str) -> SqliteStorage:
+    """The rollback-journal example with ``synchronous=FULL`` (it was shipped so)."""
+    return SqliteStorage(root, journal="delete", synchronous="FULL")
+
+
+def test_rollback_journal_needs_extra_to_survive_power_loss() -> None:
+    """With FULL, SQLite commits a rollback-mode transaction by unlinking its journal
+    without syncing the directory: a power cut brings the journal back and undoes an
+    acknowledged operation.  The example uses EXTRA, which syncs it, and passes."""
+    full = bb.run(Backend.from_factory(rollback_full), "weak", PROFILE, 1)
+    assert full.status is Status.FAIL
+    assert any("unlink(queue.sqlite3-journal)" in " ".join(f.steps) for f in full.findings)
+    extra = bb.run(Backend.from_factory("conformance.examples.sqlite_backend:factory_rollback"),
+                   "weak", PROFILE, 1)
+    assert extra.status is Status.PASS, [f.detail for f in extra.findings]

@@ -43,7 +43,7 @@ from conformance.crashexplore.traced_runs import scratch_dir
 from conformance.crashexplore.workloads import Workload, random_workload
 from conformance.harness.backend_factory import Backend
 from conformance.harness.check_catalog import NO_CRASH
-from conformance.harness.check_results import CheckResult, Finding, finished
+from conformance.harness.check_results import CheckResult, Finding, Status, finished
 from conformance.harness.suite_profiles import Profile
 from faultinject.disk import DiskImage, materialize
 from faultinject.errors import ModelError
@@ -218,6 +218,9 @@ def run_trial(backend: Backend, model: str, seed: int, trial: int, bounds: Bound
 
 def run(backend: Backend, model: str, profile: Profile, seed: int) -> CheckResult:
     """The check under one crash model (a recording serves every model of one run)."""
+    if not backend.takes_root:
+        return CheckResult(CHECK, model, Status.UNSUPPORTED,
+                           note="the factory takes no directory: nothing on disk to trace")
     start = time.perf_counter()
     bounds = Bounds.of(profile)
     tally = _Tally()
