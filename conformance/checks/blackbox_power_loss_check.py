@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from conformance.blackbox.traced_workload import Recording, model_before, record
 from conformance.crashexplore.recovered_queue import Recovered, inspect, to_views
-from conformance.crashexplore.traced_runs import scratch_dir
+from conformance.crashexplore.traced_runs import image_digest, scratch_dir
 from conformance.crashexplore.workloads import Workload, random_workload
 from conformance.harness.backend_factory import Backend
 from conformance.harness.check_catalog import NO_CRASH
@@ -135,14 +135,16 @@ def _pick(states: list[CrashState], max_states: int, rng: random.Random) -> list
     return [states[n] for n in sorted(keep)]
 
 
-def _recover(backend: Backend, image: DiskImage, cache: dict[DiskImage, Recovered]
-             ) -> Recovered:
-    got = cache.get(image)
+def _recover(backend: Backend, image: DiskImage, cache: dict[str, Recovered]) -> Recovered:
+    """What the backend recovers from ``image`` (cached by the image's digest: the images
+    themselves hold whole databases and would fill memory)."""
+    key = image_digest(image)
+    got = cache.get(key)
     if got is None:
         with scratch_dir("queue-ref-blackbox-state-") as d:
             materialize(image, d)
             got = inspect(lambda: backend.open(d))
-        cache[image] = got
+        cache[key] = got
     return got
 
 
@@ -159,7 +161,7 @@ def _steps(rec: Recording, acked: int, in_flight: bool, point: int,
 
 
 def judge_state(backend: Backend, rec: Recording, point: int, state: CrashState,
-                scenario: str, cache: dict[DiskImage, Recovered]) -> list[Finding]:
+                scenario: str, cache: dict[str, Recovered]) -> list[Finding]:
     """Findings of the disk ``state`` left by a crash after the first ``point`` events."""
     st = rec.status_at(point)
     pending = st.in_flight(rec.workload)
@@ -197,7 +199,7 @@ def run_trial(backend: Backend, model: str, seed: int, trial: int, bounds: Bound
     if found:
         return found
     rng = random.Random(f"{base}:{model}")
-    cache: dict[DiskImage, Recovered] = {}
+    cache: dict[str, Recovered] = {}
     initial = DiskImage()
     failing = 0
     for point in crash_points(rec, bounds.points, rng):
