@@ -231,3 +231,17 @@ def test_rollback_journal_needs_extra_to_survive_power_loss() -> None:
     extra = bb.run(Backend.from_factory("conformance.examples.sqlite_backend:factory_rollback"),
                    "weak", PROFILE, 1)
     assert extra.status is Status.PASS, [f.detail for f in extra.findings]
+
+
+def test_parser_reads_every_result_form() -> None:
+    calls = list(parse_lines([
+        "10:00:00.000001 fsync(3</x>) = 0",  # one process: no pid column
+        "7 10:00:00.000002 openat(AT_FDCWD</x>, \"\\x61\", O_RDONLY) = 4</x/a>(deleted)",
+        "7 10:00:00.000003 poll_like(0) = 0 (Timeout)",
+        "7 10:00:00.000004 fdatasync(5</x/b>) = -1 EIO (Input/output error)",
+        "7 10:00:00.000005 write(6</x/c>, \"\\x61\", 1) = ?",
+    ]))
+    assert [(c.pid, c.name, c.result, c.errno) for c in calls] == [
+        (0, "fsync", 0, None), (7, "openat", 4, None), (7, "poll_like", 0, None),
+        (7, "fdatasync", -1, "EIO"), (7, "write", None, None)]
+    assert calls[1].result_path == "/x/a" and not calls[4].ok

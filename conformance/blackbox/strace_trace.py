@@ -125,12 +125,13 @@ class Syscall:
                                f"flag set: {a!r}")
 
 
-_HEAD = re.compile(r"^(?:\[pid\s+)?(\d+)\]?\s+(\d\d:\d\d:\d\d\.\d+)\s+(.*)$")
+_HEAD = re.compile(r"^(?:(?:\[pid\s+)?(\d+)\]?\s+)?(\d\d:\d\d:\d\d\.\d+)\s+(.*)$")
 _CALL = re.compile(r"^([a-z_0-9]+)\((.*)$", re.S)
 _RESUMED = re.compile(r"^<\.\.\. ([a-z_0-9]+) resumed>(.*)$", re.S)
 _UNFINISHED = " <unfinished ...>"
 _RESULT = re.compile(
-    r"^(.*)\)\s+=\s+(\?|-?\d+|0x[0-9a-f]+)(?:<([^>]*)>)?(?:\s+([A-Z][A-Z0-9_]+)\b.*)?$", re.S)
+    r"^(.*)\)\s+=\s+(\?|0x[0-9a-f]+|-?\d+)(?:<([^>]*)>)?(?:\(deleted\))?(.*)$", re.S)
+_ERRNO = re.compile(r"^\s+([A-Z][A-Z0-9_]+)\b")
 _ESCAPE = re.compile(rb"\\(x[0-9a-fA-F]{2}|[0-7]{1,3}|.)", re.S)
 _SIMPLE = {b"n": b"\n", b"t": b"\t", b"r": b"\r", b"v": b"\v", b"f": b"\f", b"\\": b"\\",
            b'"': b'"', b"'": b"'", b"a": b"\a", b"b": b"\b"}
@@ -276,7 +277,9 @@ def _parse_call(pid: int, time: str, body: str, line: int) -> Syscall | None:
     r = _RESULT.match(rest)
     if r is None:
         raise TraceFormatError(f"line {line}: no result in {body[:80]!r}")
-    arg_text, result, result_path, errno = r.groups()
+    arg_text, result, result_path, tail = r.groups()
+    e = _ERRNO.match(tail)
+    errno = e.group(1) if e is not None else None
     reader = _Reader(arg_text + ")", line)
     args = reader.args(")")
     value: int | None = None if result == "?" else int(result, 0)
@@ -297,7 +300,7 @@ def parse_lines(lines: Iterable[str]) -> Iterator[Syscall]:
         m = _HEAD.match(text)
         if m is None:
             raise TraceFormatError(f"line {n}: cannot read {text[:80]!r}")
-        pid, time, body = int(m.group(1)), m.group(2), m.group(3)
+        pid, time, body = int(m.group(1) or 0), m.group(2), m.group(3)
         if body.startswith(("---", "+++")) or body.startswith("strace:"):
             continue
         resumed = _RESUMED.match(body)
