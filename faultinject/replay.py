@@ -204,6 +204,8 @@ class _Replayer:
                 self.fds[str(event.result)] = _Fd(ino, 0, False)
         elif name == "write":
             self.write(event)
+        elif name == "pwrite":
+            self.pwrite(event)
         elif name == "read":
             if isinstance(event.result, bytes):
                 self.fd(args[0]).pos += len(event.result)
@@ -247,6 +249,17 @@ class _Replayer:
             new_region = offset + len(data) > self.lw(fd.ino)
             self.emit(Write(event.index, fd.ino, offset, data, new_region))
         fd.pos = offset + len(data)
+
+    def pwrite(self, event: TraceEvent) -> None:
+        """A write at the offset in ``args[1]``; the file position does not move."""
+        fd = self.fd(event.args[0])
+        offset = event.args[1]
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+            raise self.fail(f"a pwrite needs an offset >= 0, not {offset!r}")
+        data = event.data or b""
+        if data:
+            new_region = offset + len(data) > self.lw(fd.ino)
+            self.emit(Write(event.index, fd.ino, offset, data, new_region))
 
     def sync(self, event: TraceEvent) -> None:
         ok = event.applied and event.error is None

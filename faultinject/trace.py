@@ -16,6 +16,7 @@ open_create         (path, exclusive, append)    file id
 open_read           (path,)                      file id
 lock_exclusive      (path, blocking)             file id or None
 write               (fid,)  data in ``.data``    bytes written
+pwrite              (fid, offset)  ``.data``     bytes written (the position stays)
 read / pread        (fid, n) / (fid, n, offset)  bytes
 fsize               (fid,)                       int
 ftruncate           (fid, length)                None
@@ -31,7 +32,9 @@ readlink            (path,)                      str
 link_max            (path,)                      int
 ==================  ===========================  =====================================
 
-``rename_noreplace`` is recorded as the ``link`` and ``unlink`` it is made of.
+``rename_noreplace`` is recorded as the ``link`` and ``unlink`` it is made of.  The seam
+itself never records ``pwrite``; traces read from outside the process do
+(strace).
 """
 
 from __future__ import annotations

@@ -74,21 +74,26 @@ def test_expected_failures_lower_the_result(capsys: pytest.CaptureFixture[str],
     assert "(expected)" in (tmp_path / "r" / "report.md").read_text()
 
 
-def test_sqlite_example_is_certified_under_process_kill(capsys: pytest.CaptureFixture[str],
-                                                        tmp_path: Path) -> None:
+def test_sqlite_example_is_certified_under_every_model(capsys: pytest.CaptureFixture[str],
+                                                       tmp_path: Path) -> None:
+    """Process kill by killing a child; power loss (weak, ext4-ordered) by the
+    black-box check, which rebuilds crash states from the child's system calls."""
     code, cert, out = certify(capsys, "conformance.examples.sqlite_backend:factory",
                               "--seed", "11", "--out", str(tmp_path))
     assert code == 0, out
     assert cert["status"] == "certified"
-    assert cert["certified_models"] == ["process-kill"]
-    assert cert["unsupported_models"] == ["weak", "ext4-ordered"]
+    assert cert["certified_models"] == ["process-kill", "weak", "ext4-ordered"]
+    assert cert["unsupported_models"] == []
     checks = {(r["check"], r["model"]): r for r in cert["checks"]}
     for name in ("lockstep", "restart", "listing", "bad-input", "many-recipients", "threads",
                  "multi-process", "streaming"):
         assert checks[(name, "no-crash")]["status"] == "pass", name
     assert checks[("process-kill", "process-kill")]["stats"]["killed_inside_a_call"] > 0
     assert checks[("streaming", "no-crash")]["stats"]["read_peak"] < 16 * 2**20
-    assert "CERTIFIED under process-kill" in out
+    for model in ("process-kill", "weak", "ext4-ordered"):
+        assert checks[("blackbox-power-loss", model)]["status"] == "pass", model
+    assert checks[("blackbox-power-loss", "weak")]["stats"]["states"] > 0
+    assert "CERTIFIED under process-kill, weak, ext4-ordered" in out
 
 
 def test_sqlite_rollback_journal_survives_kills(capsys: pytest.CaptureFixture[str],

@@ -50,7 +50,7 @@ def test_every_clause_has_a_core_check() -> None:
 
 def test_optional_checks_name_their_capability() -> None:
     for c in CHECKS:
-        assert (c.level.value == "optional") == bool(c.requires), c.id
+        assert (c.level.value == "optional") == bool(c.requires or c.excludes), c.id
 
 
 def test_load_factory_forms() -> None:
@@ -234,7 +234,7 @@ def test_check_ids_are_stable() -> None:
                            "limits", "threads", "process-kill", "recovery-rerun", "crash-exploration",
                            "io-errors", "multi-process", "streaming", "damage-at-rest", "hold",
                            "group-commit", "linearizable",
-                           "lifecycle-edges"]
+                           "lifecycle-edges", "blackbox-power-loss"]
 
 
 def _child_echo(ch: object, value: object) -> None:

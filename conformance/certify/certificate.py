@@ -244,7 +244,8 @@ class Certificate:
             "checks": [r.to_json() for r in self.results],
             "check_specs": [
                 {"id": c.id, "title": c.title, "kind": c.kind.value, "level": c.level.value,
-                 "requires": [r.value for r in c.requires], "clauses": list(c.clauses)}
+                 "requires": [r.value for r in c.requires],
+                 "excludes": [r.value for r in c.excludes], "clauses": list(c.clauses)}
                 for c in CHECKS],
             "expected_failures": [e.to_json() for e in self.expectations],
             "stale_expectations": [e.to_json() for e in self.stale_expectations()],

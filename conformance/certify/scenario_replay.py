@@ -10,6 +10,8 @@ Scenario ids start with the check that found them:
 * ``linearizable:<profile>:<seed>:<round>``, ``linearizable:race:<race>:<call>``: that
   round's callers with the same plans (run again until it fails, a few times: the
   interleaving is the machine's), or that race with the caller stopped at the same call;
+* ``blackbox-power-loss:<seed>:<trial>:<length>:<model>:<point>:<key>``: the workload
+  traced again, the named crash state of its first ``point`` calls recovered;
 * ``bad-input:<case>``, ``limits:<case>``, ``many-recipients:<n>``, ``threads:<seed>``,
   ``multi-process:<seed>``, ``streaming:<bytes>``: that check again;
 * ``lifecycle-edges:<op>:<target>:<stop>``: that trial again (the same stop point, or
@@ -24,6 +26,7 @@ from dataclasses import replace
 from conformance import lockstep
 from conformance.checks import (
     bad_input_check,
+    blackbox_power_loss_check,
     io_errors_check,
     lifecycle_edges_check,
     limits_check,
@@ -53,6 +56,8 @@ def replay(backend: Backend, scenario: str) -> list[Finding]:
         return process_kill_check.replay(backend, scenario)
     if head == "io-errors":
         return io_errors_check.replay(backend, scenario)
+    if head == "blackbox-power-loss":
+        return blackbox_power_loss_check.replay(backend, scenario)
     if head == "bad-input":
         return [f for f in bad_input_check.run(backend).findings if f.scenario == scenario]
     if head == "linearizable":

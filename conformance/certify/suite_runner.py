@@ -17,6 +17,7 @@ from conformance import lockstep
 from conformance.certify.certificate import Certificate, Expectation, environment
 from conformance.checks import (
     bad_input_check,
+    blackbox_power_loss_check,
     crash_exploration_check,
     damage_at_rest_check,
     group_commit_check,
@@ -56,7 +57,7 @@ def check_seed(seed: int, check: str) -> int:
 def _columns(spec: CheckSpec, models: Sequence[str]) -> list[str]:
     if not spec.crash:
         return [NO_CRASH]
-    if spec.seam_only:
+    if spec.seam_only or spec.every_model:
         return list(models)
     return [PROCESS_KILL] if PROCESS_KILL in models else []
 
@@ -102,12 +103,19 @@ def _run_one(spec: CheckSpec, model: str, backend: Backend, probe: Probe, profil
                                   profile.kill_ops)
     if spec.id == "io-errors":
         return io_errors_check.run(backend, profile, s)
+    if spec.id == "blackbox-power-loss":
+        return blackbox_power_loss_check.run(backend, model, profile, s)
     raise ValueError(f"no runner for check {spec.id!r}")
 
 
 def _unsupported(spec: CheckSpec, model: str, probe: Probe) -> CheckResult | None:
     if spec.supported(probe.capabilities):
         return None
+    covered = [c.value for c in spec.excludes if c in probe.capabilities]
+    if covered:
+        return CheckResult(spec.id, model, Status.UNSUPPORTED,
+                           note=f"the backend declares {', '.join(covered)}: the crash "
+                                "exploration explores its crashes call by call")
     need = ", ".join(c.value for c in spec.requires if c not in probe.capabilities)
     return CheckResult(spec.id, model, Status.UNSUPPORTED,
                        note=f"the backend does not declare {need}")

@@ -16,6 +16,7 @@ damage_at_rest_check       damage-at-rest
 group_commit_check         group-commit
 linearizability_check      linearizable (the search: ``concurrency.linearizability``)
 lifecycle_edges_check      lifecycle-edges
+blackbox_power_loss_check  blackbox-power-loss (strace; backends without the I/O seam)
 =========================  ==============================================================
 
 The lockstep checks (lockstep, restart, listing) are ``conformance.lockstep``.  Each

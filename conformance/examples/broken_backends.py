@@ -305,3 +305,13 @@ def fs_requeues_live_claims(root: str, io: IO | None = None) -> Storage:
     if io is None:  # a random owner token, as FsQueue draws: processes open it at once
         return RequeuesLiveClaims(root)
     return deterministic_fs(RequeuesLiveClaims)(root, io)
+
+
+def sqlite_sync_off(root: str) -> Storage:
+    """The SQLite example with ``PRAGMA synchronous=OFF``: ``COMMIT`` returns before
+    anything reached the disk, so a power cut loses acknowledged mail (C1).  A process
+    kill loses nothing (the kernel holds the writes): only the black-box power-loss check
+    (strace) sees it."""
+    from conformance.examples.sqlite_backend import SqliteStorage
+
+    return SqliteStorage(root, journal="wal", synchronous="OFF")

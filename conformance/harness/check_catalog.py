@@ -59,6 +59,7 @@ class Kind(enum.Enum):
     FAULTS = "I/O faults"
     STREAMING = "streaming"
     DAMAGE = "damage at rest"
+    BLACKBOX_POWER_LOSS = "black-box power loss"
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,13 @@ class CheckSpec:
     requires: tuple[Capability, ...] = ()
     crash: bool = False  # runs once per crash model
     seam_only: bool = False  # the crash models it covers need the I/O seam
+    #: runs under every crash model (power loss included) without the I/O seam
+    every_model: bool = False
+    #: capabilities that make the check pointless (another check covers the backend)
+    excludes: tuple[Capability, ...] = ()
 
     def supported(self, caps: frozenset[Capability]) -> bool:
-        return all(c in caps for c in self.requires)
+        return all(c in caps for c in self.requires) and not any(c in caps for c in self.excludes)
 
 
 CHECKS: tuple[CheckSpec, ...] = (
@@ -147,6 +152,12 @@ CHECKS: tuple[CheckSpec, ...] = (
               "adopted, nothing claimed twice, lost, quarantined or brought back",
               Kind.CONCURRENCY, ("C4", "C7", "C2", "C1", "C3"), Level.OPTIONAL,
               (Capability.MULTI_PROCESS,)),
+    CheckSpec("blackbox-power-loss", "a backend outside the I/O seam runs a workload in a "
+              "child traced by strace; the disks a power cut may leave at each "
+              "acknowledgement and inside operations are rebuilt from its system calls "
+              "under each crash model and judged by the pending-op oracle",
+              Kind.BLACKBOX_POWER_LOSS, ("C1", "C2", "C3", "C4", "C5", "C6", "C8"),
+              Level.OPTIONAL, crash=True, every_model=True, excludes=(Capability.IO_SEAM,)),
 )
 
 BY_ID: dict[str, CheckSpec] = {c.id: c for c in CHECKS}

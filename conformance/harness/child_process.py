@@ -31,7 +31,7 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 
@@ -76,7 +76,10 @@ def _run(target: Callable[..., None], args: tuple[Any, ...], ch: Channel) -> int
 class Child:
     """A child process running ``target(channel, *args)``."""
 
-    def __init__(self, target: Callable[..., None], *args: Any) -> None:
+    def __init__(self, target: Callable[..., None], *args: Any,
+                 wrapper: Sequence[str] = ()) -> None:
+        """``wrapper``: a command the fresh interpreter is started under (``strace ...``);
+        it must exec its last arguments with the descriptors it was given."""
         self.status: int | None = None
         self._buf = b""
         self._proc: subprocess.Popen[bytes] | None = None
@@ -85,16 +88,19 @@ class Child:
         except (pickle.PicklingError, AttributeError, TypeError):
             payload = None
         if payload is not None:
-            self._spawn(payload)
+            self._spawn(payload, wrapper)
+        elif wrapper:
+            raise ValueError("a child started under a wrapper command needs a target and "
+                             "arguments that pickle (a module-level factory)")
         else:
             self._fork(target, args)
 
-    def _spawn(self, payload: bytes) -> None:
+    def _spawn(self, payload: bytes, wrapper: Sequence[str] = ()) -> None:
         r, w = os.pipe()
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "conformance.harness.child_process", str(w)], stdin=subprocess.PIPE,
-                pass_fds=(w,), close_fds=True)
+                [*wrapper, sys.executable, "-m", "conformance.harness.child_process", str(w)],
+                stdin=subprocess.PIPE, pass_fds=(w,), close_fds=True)
         finally:
             os.close(w)
         assert self._proc.stdin is not None

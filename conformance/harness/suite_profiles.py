@@ -56,6 +56,14 @@ class Profile:
     edges_stops: int | None = 3
     edges_all_targets: bool = False
     edges_signal_trials: int = 3
+    #: black-box power loss (strace): traced workloads, their length, crash points in
+    #: flight per workload besides the acknowledgements (0: all), crash states per point
+    blackbox_trials: int = 2
+    blackbox_length: int = 8
+    blackbox_points: int = 12
+    blackbox_exhaustive_limit: int = 3
+    blackbox_random_states: int = 4
+    blackbox_max_states: int = 16
 
     def hypothesis_settings(self) -> settings:
         phases = [Phase.explicit, Phase.reuse, Phase.generate]
@@ -90,6 +98,8 @@ THOROUGH = Profile(
     linearizable_rounds=200, linearizable_threads=4,
     linearizable_processes=3, linearizable_ops=12, linearizable_bound=2_000_000,
     edges_stops=None, edges_all_targets=True, edges_signal_trials=12,
+    blackbox_trials=4, blackbox_length=12, blackbox_points=0,
+    blackbox_exhaustive_limit=6, blackbox_random_states=16, blackbox_max_states=0,
 )
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (QUICK, THOROUGH)}
