@@ -17,6 +17,7 @@ No backend names a file ``relay.pid``, so it lives beside their files untouched.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import signal
@@ -26,7 +27,7 @@ from queue_ref.storage import InvalidInputError, Storage
 
 __all__ = [
     "BACKENDS", "PID_FILE", "import_object", "load_backend", "open_queue", "read_relay_pid",
-    "wake_relay",
+    "remove_relay_pid", "wake_relay", "write_relay_pid",
 ]
 
 PID_FILE = "relay.pid"
@@ -125,6 +126,25 @@ def read_relay_pid(path: str) -> int | None:
     except PermissionError:
         return pid
     return pid
+
+
+def write_relay_pid(path: str) -> None:
+    """Say that this process is the relay working on the queue at ``path``."""
+    pid_path = os.path.join(path, PID_FILE)
+    tmp = f"{pid_path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="ascii") as f:
+        f.write(f"{os.getpid()}\n")
+    os.replace(tmp, pid_path)
+
+
+def remove_relay_pid(path: str) -> None:
+    """Remove the relay's pid file at ``path`` if it names this process (best effort)."""
+    pid_path = os.path.join(path, PID_FILE)
+    with contextlib.suppress(OSError):
+        with open(pid_path, encoding="ascii") as f:
+            mine = f.read().strip() == str(os.getpid())
+        if mine:
+            os.unlink(pid_path)
 
 
 def wake_relay(path: str) -> bool:

@@ -39,7 +39,7 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import IO, Any
 
-from queue_ref.opener import PID_FILE, open_queue, read_relay_pid
+from queue_ref.opener import open_queue, read_relay_pid, remove_relay_pid, write_relay_pid
 from queue_ref.relay.delivery_log import DeliveryLog
 from queue_ref.relay.relay_config import RelayConfig
 from queue_ref.relay.relay_server import Relay, RelayStartError
@@ -159,23 +159,13 @@ class RelayMaster:
         self.worker_config = dataclasses.replace(self.config, listen=listen)
 
     def _write_pid(self) -> None:
-        path = os.path.join(self.queue_dir, PID_FILE)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="ascii") as f:
-            f.write(f"{os.getpid()}\n")
-        os.replace(tmp, path)
+        write_relay_pid(self.queue_dir)
         self._wrote_pid = True
 
     def _remove_pid(self) -> None:
-        if not self._wrote_pid:
-            return
-        path = os.path.join(self.queue_dir, PID_FILE)
-        try:
-            with open(path, encoding="ascii") as f:
-                if f.read().strip() == str(os.getpid()):
-                    os.unlink(path)
-        except OSError:
-            pass
+        if self._wrote_pid:
+            remove_relay_pid(self.queue_dir)
+            self._wrote_pid = False
 
     def _spawn(self, w: _Worker) -> int:
         parent, child = self._ctx.Pipe(duplex=False)

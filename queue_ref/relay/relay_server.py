@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO
 
-from queue_ref.opener import PID_FILE, open_queue, read_relay_pid
+from queue_ref.opener import open_queue, read_relay_pid, remove_relay_pid, write_relay_pid
 from queue_ref.relay.delivery_log import DeliveryLog, LogStream
 from queue_ref.relay.delivery_scheduler import DeliveryScheduler
 from queue_ref.relay.mx_routing import Router
@@ -158,25 +158,13 @@ class Relay:
         return self.scheduler.sizes() if self.scheduler is not None else {}
 
     def _write_pid(self) -> None:
-        path = os.path.join(self.queue_dir, PID_FILE)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="ascii") as f:
-            f.write(f"{os.getpid()}\n")
-        os.replace(tmp, path)
+        write_relay_pid(self.queue_dir)
         self._wrote_pid = True
 
     def _remove_pid(self) -> None:
-        if not self._wrote_pid:
-            return
-        path = os.path.join(self.queue_dir, PID_FILE)
-        try:
-            with open(path, encoding="ascii") as f:
-                mine = f.read().strip() == str(os.getpid())
-            if mine:
-                os.unlink(path)
-        except OSError:
-            pass
-        self._wrote_pid = False
+        if self._wrote_pid:
+            remove_relay_pid(self.queue_dir)
+            self._wrote_pid = False
 
     def ready_line(self) -> str:
         assert self.smtp_address is not None
