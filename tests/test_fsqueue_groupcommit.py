@@ -87,14 +87,16 @@ def test_syncfs_mode_lifecycle_is_three_shared_syncs_and_twelve_calls(tmp_path: 
     q = FsQueue(str(tmp_path / "q"), io, sync="syncfs")
     try:
         lifecycle(q)  # a new message file, kept as a spare by its cleanup
-        assert io.calls["open_create"] == 1 and io.calls["unlink"] == 2  # index + cleanup/ link
+        assert io.calls["open_create"] == 2  # the message file and the domain's index anchor
+        assert io.calls["unlink"] == 2  # index + cleanup/ link
         assert q.spare_files == 1
         io.calls.clear()
         lifecycle(q)  # written into the spare: the same calls every time from now on
         assert io.calls == collections.Counter({
             "syncfs": 3,
             "open_create": 1, "write": 1, "close": 1,  # the spare, rewritten
-            "symlink": 2,  # the queue/ link and the domain index link
+            "symlink": 1,  # the queue/ link
+            "link": 1,  # the domain index link: a name of the domain's anchor
             "rename": 4,  # commit, send_start, send_done, cleanup (data/ to a spare name)
             "open_read": 1,  # send_start: the entry has no schedule record
             "unlink": 2})  # the domain index link and the cleanup/ link
@@ -111,7 +113,7 @@ def test_spares_off_makes_each_message_a_new_file(tmp_path: Any) -> None:
         io.calls.clear()
         lifecycle(q)
         assert io.calls == collections.Counter(
-            {"syncfs": 3, "open_create": 1, "write": 1, "close": 1, "symlink": 2,
+            {"syncfs": 3, "open_create": 1, "write": 1, "close": 1, "symlink": 1, "link": 1,
              "rename": 3, "open_read": 1, "unlink": 3})
         assert q.spare_files == 0
     finally:

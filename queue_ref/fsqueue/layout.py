@@ -15,7 +15,7 @@ Layout under the queue's root (seed 001, with ``tmp/``, ``quarantine/`` and ``ow
     inflight/<msgid>.<i>@<owner> the same symlink, claimed by <owner>  (INFLIGHT)
     cleanup/<msgid>.<i>          the same symlink                      (PENDING_CLEANUP)
     held/<msgid>.<i>             the same symlink, set aside            (HELD)
-    domains/<h>/<msgid>.<i>      the domain index: a symlink to the entry id, for every
+    domains/<h>/<msgid>.<i>      the domain index: a hard link to domains/<h>/anchor, for every
                                  entry whose recipient's domain hashes to <h> (the first
                                  32 hex digits of the SHA-256 of the lower-cased domain:
                                  never a name built from an address).  A hint, never
@@ -62,6 +62,7 @@ DATA_RE = re.compile(  # every name we create under data/
     rf"(?P<msgid>{_MSGID})(?:\.(?P<index>{_INDEX})"
     rf"(?:\.(?P<sched>sched)|\.(?P<owner>{_OWNER})\.tmp)?)?\Z")
 DOMAIN_DIR_RE = re.compile(r"[0-9a-f]{32}\Z")
+DOMAIN_ANCHOR = "anchor"  # see Layout.domain_anchor; "anchor.<owner>" while one is replaced
 OWNER_LOCK_RE = re.compile(rf"(?P<owner>{_OWNER})\.lock\Z")
 
 SCHED = "sched"
@@ -191,6 +192,12 @@ class Layout:
 
     def domain_link(self, domain: str, e: EntryName) -> str:
         return f"{self.domain_dir(domain)}/{e.msgid}.{e.index}"
+
+    def domain_anchor(self, domain: str) -> str:
+        """``domains/<h>/anchor``: the empty file every index link of the domain is a hard
+        link to (a hard link to an existing inode costs a tenth of a new symlink's inode
+        on ext4 once earlier ones were freed).  Its name is no entry name."""
+        return f"{self.domain_dir(domain)}/{DOMAIN_ANCHOR}"
 
     # -- owners and quarantine --
 

@@ -59,6 +59,7 @@ from queue_ref.fsqueue.diskutil import (
 )
 from queue_ref.fsqueue.layout import (
     DATA_RE,
+    DOMAIN_ANCHOR,
     DOMAIN_DIR_RE,
     MSGID_RE,
     OWNER_RE,
@@ -438,7 +439,8 @@ class Recovery:
             self.q._add_to_index(e, address)
 
     def prune_index(self) -> None:
-        """Exclusive only: remove index links of entries no link names, and links of
+        """Exclusive only: remove index links of entries no link names (an anchor being
+        replaced when its process died too), and links of
         verified entries under another domain's directory (unsynced: a link a power cut
         brings back is removed again by the next recovery)."""
         refs = self._referenced()
@@ -449,6 +451,8 @@ class Recovery:
                 continue
             for n in listdir_or_empty(self.io, path):
                 link = join(path, n)
+                if n == DOMAIN_ANCHOR:
+                    continue
                 if n not in refs or self.index_paths.get(n, link) != link:
                     if_exists(self.io.unlink, link)
 

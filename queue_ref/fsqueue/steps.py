@@ -48,6 +48,7 @@ allocates or frees the message file's inode or blocks once the queue has spare f
 
 from __future__ import annotations
 
+import errno
 import hashlib
 from collections.abc import Callable
 from contextlib import suppress
@@ -262,19 +263,41 @@ class FsSteps:
             tx.indexed.append(self._add_to_index(EntryName(tx.msgid, i), r.address))
 
     def _add_to_index(self, e: EntryName, address: str) -> str:
-        """Create the index link of ``e`` (and its domain's directory); existing is fine."""
+        """Create the index link of ``e``, a hard link to its domain's anchor (and the
+        domain's directory and anchor when missing); existing is fine.  An anchor with
+        as many names as the file system allows (EMLINK) is replaced by a fresh one: the
+        links already made keep the old inode, and readers only look at names."""
         domain = domain_of(address)
         path = self.layout.domain_link(domain, e)
-        try:
-            self.io.symlink(e.entry_id, path)
-        except FileExistsError:
-            pass
-        except FileNotFoundError:
-            with suppress(FileExistsError):
-                self.io.mkdir(self.layout.domain_dir(domain))
-            with suppress(FileExistsError):
-                self.io.symlink(e.entry_id, path)
+        anchor = self.layout.domain_anchor(domain)
+        for _ in range(3):
+            try:
+                self.io.link(anchor, path)
+                return path
+            except FileExistsError:
+                return path
+            except FileNotFoundError:
+                self._new_anchor(domain, anchor, replace=False)
+            except OSError as err:
+                if err.errno != errno.EMLINK:
+                    raise
+                self._new_anchor(domain, anchor, replace=True)
+        self.io.link(anchor, path)  # a third miss in a row: let its error say why
         return path
+
+    def _new_anchor(self, domain: str, anchor: str, *, replace: bool) -> None:
+        """Make ``anchor`` (empty, unsynced: the index is rebuilt by recovery).  Replacing
+        goes through ``anchor.<owner>`` and a rename, so no caller ever sees it missing."""
+        with suppress(FileExistsError):
+            self.io.mkdir(self.layout.domain_dir(domain))
+        if not replace:
+            with suppress(FileExistsError):
+                self.io.close(self.io.open_create(anchor))
+            return
+        fresh = f"{anchor}.{self.owner}"
+        if_exists(self.io.unlink, fresh)
+        self.io.close(self.io.open_create(fresh))
+        self.io.rename(fresh, anchor)
 
     def _entry_address(self, e: EntryName) -> str | None:
         """The recipient of ``e`` if its envelope can be had (FsMetadata reads it)."""
