@@ -69,6 +69,7 @@ __all__ = [
     "QueuedMail",
     "Recipient",
     "RecoveryReport",
+    "ReopenRequiredError",
     "Schedule",
     "ScheduleError",
     "Storage",
@@ -103,6 +104,15 @@ class StorageIOError(QueueError):
 
 class NoSpaceError(StorageIOError):
     """The disk is full (ENOSPC or EDQUOT)."""
+
+
+class ReopenRequiredError(StorageIOError):
+    """A sync of the store failed, now or earlier: the kernel may have dropped what it
+    covered while its page cache still shows it ("fsyncgate"), so the store refuses every
+    state change until it is closed and opened again (recovery then decides from the disk
+    what survived).  Retrying on this Storage cannot succeed; what was acknowledged before
+    the failed sync is not affected.  ``handle`` is live for the old state, as for any
+    ``StorageIOError``, until the Storage is closed."""
 
 
 class CorruptionError(QueueError):

@@ -20,6 +20,7 @@ from queue_ref.storage import (
     InflightMail,
     NoSpaceError,
     QueuedMail,
+    ReopenRequiredError,
     Schedule,
     StorageIOError,
 )
@@ -188,15 +189,15 @@ def test_failed_shared_sync_poisons_until_reopened(root: str, mode: str) -> None
     assert i is not None
     fault = ("fsync_dir", "/inflight") if mode == "fsync" else ("syncfs", "/data")
     io.faults[fault] = OSError(errno.EIO, "injected")
-    with pytest.raises(StorageIOError) as ei:
+    with pytest.raises(ReopenRequiredError) as ei:  # a StorageIOError that says: reopen
         q.send_done(i)
     assert ei.value.handle is i and q.poisoned
     io.faults.clear()
-    with pytest.raises(StorageIOError, match="reopen"):
+    with pytest.raises(ReopenRequiredError, match="reopen"):
         q.send_done(i)  # not retried on the strength of a later fsync
-    with pytest.raises(StorageIOError):
+    with pytest.raises(ReopenRequiredError):
         q.send_start(h[1])
-    with pytest.raises(StorageIOError), q.enqueue("a@b") as enq:
+    with pytest.raises(ReopenRequiredError), q.enqueue("a@b") as enq:
         enq.commit(rcpts(1))
     q.close()
     q = FsQueue(root)  # recovery: the send_done happened (cleanup wins) or it did not

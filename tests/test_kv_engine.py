@@ -36,7 +36,7 @@ from queue_ref.kv.engine_errors import DatabaseCorruptError, DatabaseLockedError
 from queue_ref.kv.leveldb import LevelDBEngine
 from queue_ref.kv.logengine import LogEngine
 from queue_ref.kv.logengine.format import encode_batch
-from queue_ref.storage import ClosedError
+from queue_ref.storage import ClosedError, Recipient, Schedule
 
 Engine = LogEngine | LevelDBEngine
 Opener = Callable[[str], Engine]
@@ -1193,3 +1193,32 @@ def test_killed_writer_loses_no_acknowledged_batch(opener: Opener, tmp_path: Pat
         assert present == want  # every batch whole, the newest one included
     finally:
         kv.close()
+
+
+def test_the_kv_queue_says_reopen_after_its_engine_failed_a_sync(tmp_path: Path) -> None:
+    """Through the Storage interface the sticky failure is a ReopenRequiredError (a
+    StorageIOError), on the failing commit and on every state change after it, so a
+    caller such as the relay knows that retrying on this Storage is pointless."""
+    from queue_ref.kv.queue import KvQueue
+    from queue_ref.storage import ReopenRequiredError, StorageIOError
+
+    path = str(tmp_path / "q")
+    io = FailingIO("fdatasync", fail_at=10 ** 9)
+    q = KvQueue.open_log(path, io)
+    with q.enqueue("a@example.org") as enq:
+        enq.write(b"kept\r\n")
+        (kept,) = enq.commit([Recipient("b@example.net", Schedule(0))])
+    io.fail_at = io.seen + 1  # the next sync fails
+    with pytest.raises(ReopenRequiredError) as ei, q.enqueue("a@example.org") as enq:
+        enq.write(b"lost\r\n")
+        enq.commit([Recipient("c@example.net", Schedule(0))])
+    assert isinstance(ei.value, StorageIOError)
+    with pytest.raises(ReopenRequiredError) as ei:
+        q.send_start(kept)
+    assert ei.value.handle is not None and ei.value.handle.entry_id == kept.entry_id
+    q.close()
+    q = KvQueue.open_log(path)
+    try:
+        assert kept.entry_id in [h.entry_id for h in q.list_queue()]  # acknowledged: kept
+    finally:
+        q.close()

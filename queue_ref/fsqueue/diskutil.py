@@ -13,14 +13,17 @@ from collections.abc import Callable
 from os.path import join
 
 from queue_ref.io import IO
-from queue_ref.storage import Handle, NoSpaceError, StorageIOError
+from queue_ref.storage import Handle, NoSpaceError, ReopenRequiredError, StorageIOError
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
-def storage_error(what: str, e: OSError, handle: Handle | None = None) -> StorageIOError:
-    """The StorageIOError (NoSpaceError for ENOSPC/EDQUOT) to raise for ``e``."""
-    cls = NoSpaceError if e.errno in _NO_SPACE else StorageIOError
+def storage_error(what: str, e: OSError, handle: Handle | None = None, *,
+                  reopen: bool = False) -> StorageIOError:
+    """The StorageIOError to raise for ``e``: ReopenRequiredError once a sync failed
+    (``reopen``), NoSpaceError for ENOSPC/EDQUOT."""
+    cls = (ReopenRequiredError if reopen
+           else NoSpaceError if e.errno in _NO_SPACE else StorageIOError)
     return cls(f"{what} failed: {e}", handle)
 
 

@@ -87,6 +87,7 @@ from queue_ref.storage import (
     QueuedMail,
     Recipient,
     RecoveryReport,
+    ReopenRequiredError,
     Schedule,
     Storage,
     StorageIOError,
@@ -273,7 +274,8 @@ class FsQueue(FsMetadata, Storage):
         """Shared lock, poison check (for state changes), and OSError -> StorageIOError
         carrying the handle back, re-armed."""
         if writes and self._poisoned is not None:
-            raise StorageIOError(self._poisoned, self._give_back(handle) if handle else None)
+            raise ReopenRequiredError(self._poisoned,
+                                      self._give_back(handle) if handle else None)
         return _Guard(self, what, handle)
 
     def _entry(self, h: Handle) -> EntryName:
@@ -787,7 +789,8 @@ class _Guard:
         self.q._rw.shared().__exit__(et, ev, tb)
         if isinstance(ev, OSError):
             h = self.handle
-            raise storage_error(self.what, ev, self.q._give_back(h) if h else None) from ev
+            raise storage_error(self.what, ev, self.q._give_back(h) if h else None,
+                                reopen=self.q._poisoned is not None) from ev
 
 
 def _check_schedule(schedule: object) -> None:

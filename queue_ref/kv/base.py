@@ -74,6 +74,12 @@ class KV(abc.ABC):
         b.delete(key)
         self.write(b, sync=sync)
 
+    @property
+    def failed(self) -> BaseException | None:
+        """The failed sync after which the engine refuses writes until reopened, if any
+        (engines that never refuse keep None)."""
+        return None
+
     @abc.abstractmethod
     def disk_usage(self) -> int:
         """Bytes the engine's files take on disk (for the drain-to-zero check)."""

@@ -41,7 +41,13 @@ from queue_ref.kv import keys, records
 from queue_ref.kv.base import KV, WriteBatch
 from queue_ref.kv.claims import Claims
 from queue_ref.kv.records import BadRecord, EntryRec, MetaRec, Stored
-from queue_ref.storage import CorruptionError, Handle, NoSpaceError, StorageIOError
+from queue_ref.storage import (
+    CorruptionError,
+    Handle,
+    NoSpaceError,
+    ReopenRequiredError,
+    StorageIOError,
+)
 
 CHUNK = 64 * 1024
 BATCH_BYTES = 1 << 20  # body bytes per unsynced batch while a body streams in
@@ -50,8 +56,12 @@ META_CACHE = 32  # decoded metadata records kept (a 10,000-recipient one is larg
 MOVE_BATCH = 16  # chunks moved per batch when a body goes to quarantine
 
 
-def io_error(what: str, e: OSError, handle: Handle | None) -> StorageIOError:
-    cls = NoSpaceError if e.errno in (errno.ENOSPC, errno.EDQUOT) else StorageIOError
+def io_error(what: str, e: OSError, handle: Handle | None, *,
+             reopen: bool = False) -> StorageIOError:
+    """The StorageIOError to raise for ``e``: ReopenRequiredError once the engine refuses
+    writes after a failed sync (``reopen``), NoSpaceError for ENOSPC/EDQUOT."""
+    cls = (ReopenRequiredError if reopen
+           else NoSpaceError if e.errno in (errno.ENOSPC, errno.EDQUOT) else StorageIOError)
     return cls(f"{what}: {e}", handle)
 
 

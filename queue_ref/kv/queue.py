@@ -694,4 +694,5 @@ class _IoGuard:
         if isinstance(ev, OSError):
             if self._handle is not None:
                 self._queue._give_back(self._handle)
-            raise io_error(self._what, ev, self._handle) from ev
+            raise io_error(self._what, ev, self._handle,
+                           reopen=self._queue.kv.failed is not None) from ev

@@ -76,7 +76,8 @@ class KvEnqueuer(Enqueuer):
             except OSError as e:
                 if e.errno in _NO_SPACE:
                     self._queue._out_of_space()
-                raise io_error("enqueue: reserving message ids", e, None) from e
+                raise io_error("enqueue: reserving message ids", e, None,
+                               reopen=self._core.kv.failed is not None) from e
         return self._mid
 
     def _emit(self, data: bytes) -> None:
@@ -92,7 +93,8 @@ class KvEnqueuer(Enqueuer):
             except OSError as e:
                 if e.errno in _NO_SPACE:
                     self._queue._out_of_space()
-                raise io_error("enqueue: writing body chunks", e, None) from e
+                raise io_error("enqueue: writing body chunks", e, None,
+                               reopen=self._core.kv.failed is not None) from e
             self._written = self._seq
             self._batch = WriteBatch()
             self._batch_bytes = 0
@@ -150,7 +152,8 @@ class KvEnqueuer(Enqueuer):
             # The batch may or may not be on disk: its chunks stay for recovery to judge.
             if e.errno in _NO_SPACE:
                 self._queue._out_of_space()
-            raise io_error("enqueue: commit", e, None) from e
+            raise io_error("enqueue: commit", e, None,
+                               reopen=self._core.kv.failed is not None) from e
         finally:
             with self._core.mu:
                 self._core.enqueuing.discard(mid)

@@ -48,6 +48,7 @@ from queue_ref.storage import (
     QueuedMail,
     QueueError,
     Recipient,
+    ReopenRequiredError,
     Schedule,
     Storage,
     StorageIOError,
@@ -95,6 +96,8 @@ class DeliveryScheduler:
         self.metrics = metrics
         self.clock = clock
         self.retry = RetryPolicy(config)
+        #: Called (from any thread) with the ReopenRequiredError a queue call raised.
+        self.on_queue_failed: Callable[[BaseException], None] | None = None
         self._heap: list[tuple[int, int, str, QueuedMail]] = []
         self._latest: dict[str, QueuedMail] = {}  # entry id -> the handle to use
         self._claimed: set[str] = set()  # entry ids our jobs hold inflight
@@ -166,6 +169,7 @@ class DeliveryScheduler:
             listed = await loop.run_in_executor(self.executor, self._list)
         except QueueError as e:
             self.log.emit("error", what="list_queue", reason=f"{type(e).__name__}: {e}")
+            self._queue_error(e)
             return
         finally:
             self._scanning = False
@@ -188,6 +192,7 @@ class DeliveryScheduler:
                     found.append(queued)
         except QueueError as e:
             self.log.emit("error", what="find_inflight", reason=str(e))
+            self._queue_error(e)
         return found
 
     def _dispatch(self) -> None:
@@ -266,6 +271,7 @@ class DeliveryScheduler:
             except QueueError as e:
                 self.log.emit("error", h.message_id, what="send_start", entry_id=h.entry_id,
                               reason=f"{type(e).__name__}: {e}")
+                self._queue_error(e)
                 continue
             if mail is None:
                 continue  # another worker took it, or an operator changed it
@@ -282,6 +288,7 @@ class DeliveryScheduler:
             except QueueError as e:
                 self.log.emit("error", mail.message_id, what="read", entry_id=mail.entry_id,
                               reason=f"{type(e).__name__}: {e}")
+                self._queue_error(e)
                 self._retrying("send_cancel", self.store.send_cancel, mail,
                                Schedule(int(self.clock()) + 60, mail.schedule.attempts))
                 continue
@@ -414,6 +421,7 @@ class DeliveryScheduler:
         except QueueError as e:
             self.log.emit("error", job.message_id, what=f"enqueue {kind}",
                           reason=f"{type(e).__name__}: {e}")
+            self._queue_error(e)
             return None
 
     def _delay_warning(self, job: _Job, deferred: list[tuple[_Entry, RcptResult]], now: float,
@@ -442,6 +450,11 @@ class DeliveryScheduler:
                           to=job.mail_from, nrcpt=len(late))
         return handles or []
 
+    def _queue_error(self, e: BaseException) -> None:
+        """Tell ``on_queue_failed`` (from any thread) that the queue must be reopened."""
+        if isinstance(e, ReopenRequiredError) and self.on_queue_failed is not None:
+            self.on_queue_failed(e)
+
     def _retrying(self, what: str, call: Callable[..., object], *args: object) -> object:
         """Run a transition, trying again after an I/O error (StorageIOError leaves the
         entry in its old state).  Gives up after a few tries: the entry then stays
@@ -450,6 +463,10 @@ class DeliveryScheduler:
             try:
                 return call(*args)
             except StorageIOError as e:
+                if isinstance(e, ReopenRequiredError):  # no retry can succeed on this queue
+                    self.log.emit("error", what=what, reason=f"{type(e).__name__}: {e}")
+                    self._queue_error(e)
+                    return e
                 if wait is None:
                     self.log.emit("error", what=what, reason=f"gave up: {e}")
                     return e

@@ -41,10 +41,10 @@ def group_commit_counts(store: Storage) -> tuple[int, int] | None:
 
 class _GroupCommitCollector(Collector):
     def __init__(self, store: Storage) -> None:
-        self._store = store
+        self.store = store
 
     def collect(self) -> Iterator[Metric]:
-        counts = group_commit_counts(self._store)
+        counts = group_commit_counts(self.store)
         if counts is None:
             return
         rounds = CounterMetricFamily(
@@ -57,7 +57,7 @@ class _GroupCommitCollector(Collector):
         served.add_metric([], counts[1])
         yield rounds
         yield served
-        sizes = getattr(getattr(self._store, "_group", None), "round_sizes", None)
+        sizes = getattr(getattr(self.store, "_group", None), "round_sizes", None)
         if isinstance(sizes, Mapping):
             snapshot = sorted(sizes.items())
             buckets = []
@@ -101,9 +101,14 @@ class RelayMetrics:
                             "was waiting; empty: none was; failed: the queue failed)",
                             ["outcome"], registry=r)
         r.register(_QueueSizeCollector(queue_sizes))
-        r.register(_GroupCommitCollector(store))
+        self._group_commit = _GroupCommitCollector(store)
+        r.register(self._group_commit)
         self._server: Any = None
         self._thread: threading.Thread | None = None
+
+    def follow(self, store: Storage) -> None:
+        """Report the group commit of ``store`` from now on (the queue was reopened)."""
+        self._group_commit.store = store
 
     def serve(self, host: str, port: int) -> int:
         """Serve on ``host:port`` (0: any free port); the port bound."""

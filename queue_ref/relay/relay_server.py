@@ -71,6 +71,10 @@ class Relay:
         self._scheduler_task: asyncio.Task[None] | None = None
         self._stop_requested: asyncio.Event | None = None
         self._wrote_pid = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reopening: asyncio.Task[None] | None = None
+        self._stopping = False
+        self.reopens = 0  # times the queue was closed and opened again after a failed sync
 
     @property
     def store(self) -> Storage:
@@ -113,13 +117,14 @@ class Relay:
 
     async def _start_parts(self, loop: asyncio.AbstractEventLoop) -> None:
         store = self.store
+        self._loop = loop
         if self.worker is None:
             self._write_pid()
         self.metrics = RelayMetrics(store, self._sizes)
-        self.scheduler = DeliveryScheduler(store, self.config, Router(self.config), self.deliverer,
-                                           self.log, self.executor, self.metrics)
+        self.scheduler = self._new_scheduler(store)
         self.receiver = SmtpReceiver(self.config, store, self.executor, self.log,
                                      self.scheduler.add, self._committed, self._etrn)
+        self.receiver.on_queue_failed = self._queue_failed
         host, port = self.config.listen_address()
         try:
             self._server = await loop.create_server(self.receiver.protocol, host, port,
@@ -142,6 +147,75 @@ class Relay:
         self._scheduler_task = loop.create_task(self.scheduler.run())
         self.log.emit("relay", what="started", smtp=f"{host}:{self.smtp_address[1]}",
                       queue=self.queue_dir, backend=self.config.backend, worker=self.worker)
+
+    def _new_scheduler(self, store: Storage) -> DeliveryScheduler:
+        scheduler = DeliveryScheduler(store, self.config, Router(self.config), self.deliverer,
+                                      self.log, self.executor, self.metrics)
+        scheduler.on_queue_failed = self._queue_failed
+        return scheduler
+
+    # ---- reopening the queue after a failed sync ----
+
+    def _queue_failed(self, e: BaseException) -> None:
+        """A queue call raised ReopenRequiredError (from any thread): reopen, once."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._start_reopen, str(e))
+
+    def _start_reopen(self, reason: str) -> None:
+        if self._reopening is None and not self._stopping and self._store is not None:
+            self._reopening = asyncio.get_running_loop().create_task(self._reopen(reason))
+
+    async def _reopen(self, reason: str) -> None:
+        """Postgres's answer to fsyncgate, without the process restart: stop delivering,
+        close the queue, open it again (recovery reads what the disk really holds and puts
+        back what this relay had claimed), deliver again.  The listener stays; commits
+        meanwhile fail on the closed queue and are answered 451.  Opening is retried with
+        a growing pause while it fails."""
+        loop = asyncio.get_running_loop()
+        self.log.emit("relay", what="reopening the queue", reason=reason)
+        try:
+            assert self.scheduler is not None and self.receiver is not None
+            await self.scheduler.stop(self.config.shutdown_timeout)
+            if self._scheduler_task is not None:
+                self._scheduler_task.cancel()
+                await asyncio.gather(self._scheduler_task, return_exceptions=True)
+                self._scheduler_task = None
+            old, self._store = self._store, None
+            if old is not None:
+                try:
+                    await loop.run_in_executor(self.executor, old.close)
+                except Exception as e:
+                    self.log.emit("error", what="closing the failed queue", reason=str(e))
+            pause = 1.0
+            while True:
+                try:
+                    store = await loop.run_in_executor(
+                        self.executor, open_queue, self.queue_dir, self.config.backend)
+                    break
+                except Exception as e:
+                    self.log.emit("error", what="reopening the queue",
+                                  reason=f"{type(e).__name__}: {e}", retry_in=pause)
+                    until = loop.time() + pause
+                    while loop.time() < until:
+                        if self._stopping:
+                            return
+                        await asyncio.sleep(0.1)
+                    pause = min(pause * 2, 30.0)
+            if self._stopping:
+                await loop.run_in_executor(self.executor, store.close)
+                return
+            self._store = store
+            self.scheduler = self._new_scheduler(store)
+            self.receiver.store = store
+            self.receiver.on_queued = self.scheduler.add
+            if self.metrics is not None:
+                self.metrics.follow(store)
+            self._scheduler_task = loop.create_task(self.scheduler.run())
+            self.reopens += 1
+            self.log.emit("relay", what="reopened the queue", reopens=self.reopens)
+        finally:
+            self._reopening = None
 
     def _etrn(self, domain: str, outcome: str) -> None:
         if self.metrics is not None:
@@ -178,6 +252,9 @@ class Relay:
 
     async def stop(self) -> None:
         loop = asyncio.get_running_loop()
+        self._stopping = True
+        if self._reopening is not None:
+            await asyncio.gather(self._reopening, return_exceptions=True)
         if self._server is not None:
             self._server.close()
         for stop in reversed(self._started_services):

@@ -40,6 +40,7 @@ from queue_ref.storage import (
     NoSpaceError,
     QueuedMail,
     Recipient,
+    ReopenRequiredError,
     Schedule,
     Storage,
 )
@@ -176,6 +177,8 @@ class SmtpReceiver:
         self.log = log
         self.on_queued = on_queued
         self.on_commit_time = on_commit_time
+        #: Called with the ReopenRequiredError a commit raised (the relay reopens).
+        self.on_queue_failed: Callable[[BaseException], None] | None = None
         self.sessions: set[RelaySMTP] = set()
         self.shutting_down = False
         self.commits = 0  # commits in progress
@@ -312,6 +315,8 @@ class SmtpReceiver:
             return "554 5.3.4 Error: the queue refuses this message"
         except Exception as e:  # any queue failure: nothing was queued, the client retries
             self.log.emit("error", what="commit", reason=f"{type(e).__name__}: {e}")
+            if isinstance(e, ReopenRequiredError) and self.on_queue_failed is not None:
+                self.on_queue_failed(e)
             return "451 4.3.0 Error: queue file write error"
         finally:
             self.commits -= 1

@@ -428,6 +428,10 @@ class LogEngine(KV):
         if self._closed:
             raise ClosedError(f"LogEngine {self.path} is closed")
 
+    @property
+    def failed(self) -> BaseException | None:
+        return self._failed
+
     def _check_writable(self) -> None:
         self._check_open()
         if self._failed is not None:
