@@ -28,7 +28,9 @@ def test_demo_delivers_recovers_reuses_and_leaves_nothing(tmp_path: Path,
     assert any(line.startswith("cleanup/") for line in steps["4"])
     assert any("/spare.0 (" in line for line in steps["10"])
     index = [line for line in steps["12"] if line.startswith("domains/")]
-    assert all(line.endswith("/") for line in index)  # the domain index holds no link
+    # the domain index holds no link: its directories and each domain's empty anchor
+    assert all(line.endswith("/") or line.endswith("/anchor (0 B)") for line in index), index
+    assert any(line.endswith("/anchor (0 B)") for line in index)
     assert [line for line in steps["12"] if line not in index] == [
                            "cleanup/", "data/", "held/", "inflight/", "owners/gate.lock (0 B)",
                            "quarantine/", "queue/", "tmp/"]  # no message, link or spare
