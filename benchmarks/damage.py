@@ -43,7 +43,7 @@ from queue_ref import (
 from queue_ref.fsqueue import FsQueue
 from queue_ref.fsqueue.rebuild import rebuild
 from queue_ref.kv import salvage
-from queue_ref.kv.queue import KvQueue
+from queue_ref.kv.kv_queue import KvQueue
 from queue_ref.storage import Handle
 
 OPENERS: dict[str, Callable[[str], Storage]] = {

@@ -66,11 +66,11 @@ def open_backend(name: str, root: str) -> Storage:
 
         return FsQueue(root, sync=FS_MODES[name])
     if name == "kv-log":
-        from queue_ref.kv.queue import KvQueue
+        from queue_ref.kv.kv_queue import KvQueue
 
         return KvQueue.open_log(root)
     if name == "kv-leveldb":
-        from queue_ref.kv.queue import KvQueue
+        from queue_ref.kv.kv_queue import KvQueue
 
         return KvQueue.open_leveldb(root)
     raise SystemExit(f"unknown backend {name!r}")

@@ -12,7 +12,7 @@ This package imports only ``queue_ref.io`` of the project.
 """
 
 from faultinject.disk import DiskImage, materialize, snapshot
-from faultinject.errors import Crash, ModelError
+from faultinject.fault_errors import Crash, ModelError
 from faultinject.models import (
     MODELS,
     CrashState,

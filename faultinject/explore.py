@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterator, Sequence
 
 from faultinject.disk import DiskImage
-from faultinject.errors import ModelError
+from faultinject.fault_errors import ModelError
 from faultinject.inodes import FsState
 from faultinject.ops import Create, DataOp, EntryOp, SyncOp
 from faultinject.persistence import Choice, Opt, PersistenceModel, Unit

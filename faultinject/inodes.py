@@ -20,7 +20,7 @@ import hashlib
 import posixpath
 
 from faultinject.disk import DiskImage
-from faultinject.errors import ModelError
+from faultinject.fault_errors import ModelError
 from faultinject.ops import Create, DataOp, EntryOp, Link, Remove, Rename, Truncate, Write
 
 ROOT = 0

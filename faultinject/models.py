@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from faultinject.disk import DiskImage
-from faultinject.errors import ModelError
 from faultinject.explore import Builder, candidates, decode, describe, encode
+from faultinject.fault_errors import ModelError
 from faultinject.persistence import MODELS, Choice, PersistenceModel, Unit
 from faultinject.replay import Replayed, replay
 from faultinject.trace import TraceEvent

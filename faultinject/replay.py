@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from faultinject.disk import DiskImage
-from faultinject.errors import ModelError
+from faultinject.fault_errors import ModelError
 from faultinject.inodes import ROOT, FsState
 from faultinject.ops import (
     Create,

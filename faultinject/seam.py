@@ -42,7 +42,7 @@ from typing import TypeVar
 
 import queue_ref.io as qio
 from faultinject.disk import DiskImage, snapshot
-from faultinject.errors import Crash
+from faultinject.fault_errors import Crash
 from faultinject.pause import PauseGate
 from faultinject.trace import TraceEvent, trace_hash
 from queue_ref.io import IO, MUTATING, OsIO

@@ -46,13 +46,13 @@ def _fs_fsync(path: str) -> Storage:
 
 
 def _kv_log(path: str) -> Storage:
-    from queue_ref.kv.queue import KvQueue
+    from queue_ref.kv.kv_queue import KvQueue
 
     return KvQueue.open_log(path)
 
 
 def _kv_leveldb(path: str) -> Storage:
-    from queue_ref.kv.queue import KvQueue
+    from queue_ref.kv.kv_queue import KvQueue
 
     return KvQueue.open_leveldb(path)
 

@@ -44,7 +44,7 @@ from types import TracebackType
 from typing import TypeVar
 
 from spec import Schedule
-from spec.errors import InvalidInputError, MisuseError, QueueError, ScheduleError
+from spec.contract_errors import InvalidInputError, MisuseError, QueueError, ScheduleError
 
 __all__ = [
     "MAX_ADDRESS",
@@ -87,7 +87,7 @@ MAX_SCHEDULE = 2**63 - 1
 
 # ---- errors, split by cause -----------------------------------------------------------
 # QueueError, MisuseError, InvalidInputError and ScheduleError (a caller's mistakes) are
-# the contract's own (spec/errors.py): Schedule(-1) raises one.
+# the contract's own (spec/contract_errors.py): Schedule(-1) raises one.
 
 
 class StorageIOError(QueueError):

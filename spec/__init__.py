@@ -3,8 +3,8 @@
 This package imports nothing else of the project and performs no I/O.
 """
 
+from spec.contract_errors import InvalidInputError, MisuseError, QueueError, ScheduleError
 from spec.crash import CLAUSES, Violation, allowed_views, judge
-from spec.errors import InvalidInputError, MisuseError, QueueError, ScheduleError
 from spec.model import Call, Entry, EntryKey, EntryView, Message, Model, Schedule, run
 from spec.states import TABLE, EntryState, Op, Outcome, Transition, after_restart, step
 

@@ -16,7 +16,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from spec.errors import ScheduleError
+from spec.contract_errors import ScheduleError
 from spec.states import LIVE_STATES, TABLE, EntryState, Op, Outcome, after_restart, step
 
 EntryKey = tuple[int, int]

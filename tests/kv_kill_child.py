@@ -36,7 +36,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from queue_ref.kv.queue import KvQueue
+from queue_ref.kv.kv_queue import KvQueue
 from queue_ref.storage import (
     Handle,
     InflightMail,

@@ -9,7 +9,7 @@ import os
 
 from queue_ref.fsqueue import FsQueue
 from queue_ref.io import OsIO
-from queue_ref.kv.queue import KvQueue
+from queue_ref.kv.kv_queue import KvQueue
 
 
 class FailNextSyncIO(OsIO):

@@ -13,7 +13,7 @@ from conformance.checks.damage_at_rest_check import _plan
 from conformance.harness.backend_factory import Backend
 from conformance.harness.check_results import Status
 from conformance.harness.suite_profiles import QUICK, THOROUGH
-from queue_ref.kv.queue import KvQueue
+from queue_ref.kv.kv_queue import KvQueue
 from queue_ref.storage import Recipient, Schedule, StorageIOError
 
 BROKEN = "conformance.examples.broken_backends"

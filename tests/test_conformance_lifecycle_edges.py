@@ -61,7 +61,7 @@ def deletes_live_enqueues(root: str, io: IO | None = None) -> Storage:
     construction for a dead owner's and removes it."""
     from conformance.crashexplore.broken_fs_variants import _OwnRecovery
     from conformance.crashexplore.explored_backends import deterministic_fs
-    from queue_ref.fsqueue.recovery import Recovery
+    from queue_ref.fsqueue.fs_recovery import Recovery
 
     class _Deletes(Recovery):
         def alive(self, owner: str) -> bool:

@@ -11,8 +11,8 @@ import pytest
 
 from queue_ref import Recipient, Schedule, StorageIOError
 from queue_ref.kv import salvage
-from queue_ref.kv.queue import KvQueue
-from queue_ref.kv.recovery import recover
+from queue_ref.kv.kv_queue import KvQueue
+from queue_ref.kv.kv_recovery import recover
 
 Opener = Callable[[str], KvQueue]
 OPENERS: dict[str, Opener] = {"log": KvQueue.open_log, "leveldb": KvQueue.open_leveldb}

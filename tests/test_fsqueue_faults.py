@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from queue_ref.fsqueue import FsQueue
-from queue_ref.fsqueue.records import trailer
+from queue_ref.fsqueue.fs_records import trailer
 from queue_ref.fsqueue.steps import BODY_BUFFER
 from queue_ref.io import OsIO
 from queue_ref.storage import (

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from queue_ref.fsqueue import FsQueue
-from queue_ref.fsqueue.queue import default_sync_mode
+from queue_ref.fsqueue.fs_queue import default_sync_mode
 from queue_ref.io import OsIO, syncfs_reports_errors
 from queue_ref.storage import Footprint, InvalidInputError, Recipient, Schedule
 from tests.test_fsqueue_support import put

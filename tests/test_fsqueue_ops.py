@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from queue_ref.fsqueue import FsQueue
+from queue_ref.fsqueue.fs_records import Envelope, decode_schedule
 from queue_ref.fsqueue.owners import OwnerInUseError
-from queue_ref.fsqueue.records import Envelope, decode_schedule
 from queue_ref.fsqueue.steps import BODY_BUFFER
 from queue_ref.storage import (
     Capability,

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from queue_ref.fsqueue import FsQueue
-from queue_ref.fsqueue.records import Envelope
+from queue_ref.fsqueue.fs_records import Envelope
 from queue_ref.fsqueue.spares import SPARE_MAX_BODY
 from queue_ref.io import OsIO
 from queue_ref.storage import Footprint, InvalidInputError, QueuedMail, StorageIOError

@@ -17,10 +17,7 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from queue_ref.fsqueue import FsQueue
-from queue_ref.fsqueue.groupsync import GroupSync
-from queue_ref.fsqueue.layout import EntryName, MessageIds, new_owner, owner_of_msgid
-from queue_ref.fsqueue.metadata import EnvelopeCache
-from queue_ref.fsqueue.records import (
+from queue_ref.fsqueue.fs_records import (
     TRAILER_LEN,
     Envelope,
     RecordError,
@@ -31,6 +28,9 @@ from queue_ref.fsqueue.records import (
     parse_trailer,
     trailer,
 )
+from queue_ref.fsqueue.groupsync import GroupSync
+from queue_ref.fsqueue.layout import EntryName, MessageIds, new_owner, owner_of_msgid
+from queue_ref.fsqueue.metadata import EnvelopeCache
 from queue_ref.io import MUTATING, OsIO
 from queue_ref.storage import QueuedMail, Recipient, Schedule
 

@@ -14,7 +14,7 @@ import pytest
 
 from queue_ref import NoSpaceError, Recipient, Schedule, Storage
 from queue_ref.fsqueue import FsQueue
-from queue_ref.kv.queue import KvQueue
+from queue_ref.kv.kv_queue import KvQueue
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from queue_ref.fsqueue import FsQueue
-from queue_ref.kv.queue import KvQueue
+from queue_ref.kv.kv_queue import KvQueue
 from queue_ref.memory import MemoryStorage
 from queue_ref.storage import (
     Capability,

@@ -11,8 +11,8 @@ import pytest
 import queue_ref
 from queue_ref import InvalidInputError, Recipient, Schedule
 from queue_ref.fsqueue import FsQueue
+from queue_ref.kv.kv_queue import KvQueue
 from queue_ref.kv.logengine import LogEngine
-from queue_ref.kv.queue import KvQueue
 from queue_ref.memory import MemoryStorage
 
 

@@ -1199,7 +1199,7 @@ def test_the_kv_queue_says_reopen_after_its_engine_failed_a_sync(tmp_path: Path)
     """Through the Storage interface the sticky failure is a ReopenRequiredError (a
     StorageIOError), on the failing commit and on every state change after it, so a
     caller such as the relay knows that retrying on this Storage is pointless."""
-    from queue_ref.kv.queue import KvQueue
+    from queue_ref.kv.kv_queue import KvQueue
     from queue_ref.storage import ReopenRequiredError, StorageIOError
 
     path = str(tmp_path / "q")

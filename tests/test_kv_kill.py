@@ -43,8 +43,8 @@ from typing import Any
 import pytest
 
 from queue_ref.kv import keys
-from queue_ref.kv.queue import KvQueue
-from queue_ref.kv.records import MetaRec
+from queue_ref.kv.kv_queue import KvQueue
+from queue_ref.kv.kv_records import MetaRec
 from queue_ref.storage import RecoveryReport, Schedule
 from tests.conftest import thorough
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from queue_ref.kv import core, records
+from queue_ref.kv import core, kv_records
 from queue_ref.kv.base import WriteBatch
-from queue_ref.kv.queue import KvQueue
+from queue_ref.kv.kv_queue import KvQueue
 from queue_ref.memory import MemoryStorage
 from queue_ref.storage import (
     Capability,
@@ -168,8 +168,8 @@ def test_key_layout_after_each_operation(env: Env) -> None:
     live = b"live " + m
     assert raw_keys(q) == {b"seq", live, z0, z1, d0, d1} | msg
     assert q.kv.get(b"message " + m + b" 00000002") == b"x" * 10
-    assert records.decode_live(q.kv.get(live) or b"", int(h0.message_id)) == 2
-    meta = records.MetaRec.decode(q.kv.get(b"message " + m + b" *") or b"", int(h0.message_id))
+    assert kv_records.decode_live(q.kv.get(live) or b"", int(h0.message_id)) == 2
+    meta = kv_records.MetaRec.decode(q.kv.get(b"message " + m + b" *") or b"", int(h0.message_id))
     assert meta.rcpts == (("u@Ex.COM", "default"), ("v@ex.com", "z 1"))
     assert meta.sha256 == hashlib.sha256(body).hexdigest() and meta.chunks == 2
 
@@ -177,7 +177,7 @@ def test_key_layout_after_each_operation(env: Env) -> None:
     assert i0 is not None
     inflight = b"inflight " + m + b" 000000"
     assert raw_keys(q) == {b"seq", live, inflight, z1, d1} | msg
-    rec = records.EntryRec.decode(q.kv.get(inflight) or b"", int(h0.message_id), 0, "inflight")
+    rec = kv_records.EntryRec.decode(q.kv.get(inflight) or b"", int(h0.message_id), 0, "inflight")
     assert (rec.address, rec.zone, rec.schedule, rec.owner) == (
         "u@Ex.COM", "default", Schedule(3), f"pid {os.getpid()}")
 
@@ -187,7 +187,7 @@ def test_key_layout_after_each_operation(env: Env) -> None:
     assert raw_keys(q) == {b"seq", live, c0, z1, d1} | msg
     assert q.cleanup(p0)
     assert raw_keys(q) == {b"seq", live, z1, d1} | msg
-    assert records.decode_live(q.kv.get(live) or b"", int(h0.message_id)) == 1
+    assert kv_records.decode_live(q.kv.get(live) or b"", int(h0.message_id)) == 1
 
     r1 = q.reschedule(h1, Schedule(50, 2))
     assert r1 is not None and raw_keys(q) == {b"seq", live, z1, d1} | msg
@@ -201,21 +201,21 @@ def test_key_layout_after_each_operation(env: Env) -> None:
 @pytest.mark.parametrize("text", ["a@x", "", "é \"q\"\n\\ z", "\udcff", "ü" * 300])
 def test_records_formatted_directly_equal_the_generic_encoding(text: str) -> None:
     S = Schedule
-    entry = records.EntryRec(12, 3, "inflight", text, text + "z", S(10**18, 7), text)
-    assert entry.encode() == records.seal({
+    entry = kv_records.EntryRec(12, 3, "inflight", text, text + "z", S(10**18, 7), text)
+    assert entry.encode() == kv_records.seal({
         "k": "entry", "e": "12.3", "state": "inflight", "addr": text, "zone": text + "z",
         "at": 10**18, "n": 7, "owner": text})
-    assert records.EntryRec.decode(entry.encode(), 12, 3, "inflight") == entry
-    assert records.domain_value(12, 3, text) == records.seal(
+    assert kv_records.EntryRec.decode(entry.encode(), 12, 3, "inflight") == entry
+    assert kv_records.domain_value(12, 3, text) == kv_records.seal(
         {"k": "domain", "e": "12.3", "zone": text})
-    assert records.live_value(12, 4) == records.seal({"k": "live", "id": 12, "n": 4})
-    assert records.created_value(12, 99) == records.seal({"k": "created", "id": 12, "at": 99})
+    assert kv_records.live_value(12, 4) == kv_records.seal({"k": "live", "id": 12, "n": 4})
+    assert kv_records.created_value(12, 99) == kv_records.seal({"k": "created", "id": 12, "at": 99})
     for params in ({}, {text: text, "a": "1"}):
-        meta = records.MetaRec(12, text, params, 5, "0" * 64, 1, 99, ((text, "d"), ("b", text)))
-        assert meta.encode() == records.seal({
+        meta = kv_records.MetaRec(12, text, params, 5, "0" * 64, 1, 99, ((text, "d"), ("b", text)))
+        assert meta.encode() == kv_records.seal({
             "k": "meta", "id": 12, "from": text, "params": params, "size": 5,
             "sha256": "0" * 64, "chunks": 1, "created": 99, "rcpts": [[text, "d"], ["b", text]]})
-        assert records.MetaRec.decode(meta.encode(), 12) == meta
+        assert kv_records.MetaRec.decode(meta.encode(), 12) == meta
 
 
 def test_sync_policy_of_each_batch(dict_env: Env) -> None:
@@ -312,7 +312,7 @@ def test_ids_are_monotonic_and_unique_across_reopen(env: Env,
             p = q.drop(h)
             assert p is not None and q.cleanup(p)
         assert raw_keys(q) == {b"seq"}
-        mark = records.decode_seq(q.kv.get(b"seq") or b"")
+        mark = kv_records.decode_seq(q.kv.get(b"seq") or b"")
         assert mark > seen[-1], round_
         q = env.reopen(q)
     assert seen == sorted(set(seen))
@@ -452,7 +452,7 @@ def test_corrupt_entry_record_is_quarantined_when_listed(env: Env) -> None:
     corrupt(q, zkey)
     assert [h.entry_id for h in q.list_queue()] == [h1.entry_id]
     assert [k for k, _ in q.quarantined()] == [b"quarantine " + zkey]
-    assert records.decode_live(q.kv.get(b"live " + m) or b"", int(h0.message_id)) == 1
+    assert kv_records.decode_live(q.kv.get(b"live " + m) or b"", int(h0.message_id)) == 1
     assert q.send_start(h0) is None  # its entry is gone
     assert [h.entry_id for h in q.list_domain("x")] == [h1.entry_id]  # stale key skipped
     i = q.send_start(h1)
@@ -534,10 +534,10 @@ def test_corrupt_live_count_is_recounted(env: Env) -> None:
     q = env.open()
     hs = put(q, b"body", [rcpt("a@x"), rcpt("b@x"), rcpt("c@x")])
     live = b"live " + mid(int(hs[0].message_id))
-    corrupt(q, live, records.live_value(int(hs[0].message_id), 1)[:-3] + b"xx}")
+    corrupt(q, live, kv_records.live_value(int(hs[0].message_id), 1)[:-3] + b"xx}")
     p = q.drop(hs[0])
     assert p is not None and q.cleanup(p)  # recounts 3, keeps the body
-    assert records.decode_live(q.kv.get(live) or b"", int(hs[0].message_id)) == 2
+    assert kv_records.decode_live(q.kv.get(live) or b"", int(hs[0].message_id)) == 2
     i = q.send_start(hs[1])
     assert i is not None and read_body(q, i) == b"body"
 
@@ -725,7 +725,7 @@ def test_reopen_recovers_every_state(env: Env) -> None:
     queued = {h.entry_id: h.schedule for h in q.list_queue()}
     assert queued == {hs[0].entry_id: Schedule(1), hs[2].entry_id: Schedule(3)}
     m = mid(int(hs[0].message_id))
-    assert records.decode_live(q.kv.get(b"live " + m) or b"", int(hs[0].message_id)) == 2
+    assert kv_records.decode_live(q.kv.get(b"live " + m) or b"", int(hs[0].message_id)) == 2
     assert not any(mid(int(lone.message_id)) in k for k in raw_keys(q))
     assert not any(k.startswith((b"inflight", b"cleanup")) for k in raw_keys(q))
     before = sorted(q.kv.iterate(b"a", b"s"))  # everything but seq
@@ -821,9 +821,9 @@ def test_reordered_batches_are_repaired(dict_env: Env) -> None:
     m = mid(int(a.message_id))
     ghost = WriteBatch()  # the zone key of a send_start that "was lost" came back
     ghost.put(b"delivery-zone default " + m + b" 000000",
-              records.EntryRec(int(a.message_id), 0, "queued", "a@x", "default",
+              kv_records.EntryRec(int(a.message_id), 0, "queued", "a@x", "default",
                                Schedule(0)).encode())
-    ghost.put(b"live " + m, records.live_value(int(a.message_id), 7))
+    ghost.put(b"live " + m, kv_records.live_value(int(a.message_id), 7))
     q.kv.write(ghost)
     q = dict_env.reopen(q)
     assert [h.entry_id for h in q.list_queue()] == [b.entry_id]

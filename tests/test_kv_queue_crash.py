@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from faultinject import Crash, FaultPlan, FaultyIO, crash_states, materialize
-from queue_ref.kv import keys, records
-from queue_ref.kv.queue import KvQueue
+from queue_ref.kv import keys, kv_records
+from queue_ref.kv.kv_queue import KvQueue
 from queue_ref.storage import InflightMail, QueuedMail, Recipient, Schedule
 from spec import Call, EntryState, EntryView, Model, Op, judge, run
 
@@ -100,8 +100,8 @@ def _views(q: KvQueue) -> set[EntryView]:
                 _, mid, idx = keys.parse_indexed(k)
             else:
                 mid, idx = keys.parse_entry(k)
-            rec = records.EntryRec.decode(v, mid, idx, state.value.split("_")[0])
-            meta = records.MetaRec.decode(q.kv.get(keys.meta(mid)) or b"", mid)
+            rec = kv_records.EntryRec.decode(v, mid, idx, state.value.split("_")[0])
+            meta = kv_records.MetaRec.decode(q.kv.get(keys.meta(mid)) or b"", mid)
             body = b"".join(q.kv.get(keys.chunk(mid, s)) or b"!"
                             for s in range(1, meta.chunks + 1))
             assert hashlib.sha256(body).hexdigest() == meta.sha256

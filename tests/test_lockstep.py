@@ -29,7 +29,7 @@ from conformance.harness.backend_factory import Backend, Factory
 from conformance.lockstep import ClauseViolation, lockstep_machine
 from queue_ref.fsqueue import FsQueue
 from queue_ref.io import IO
-from queue_ref.kv.queue import KvQueue
+from queue_ref.kv.kv_queue import KvQueue
 from queue_ref.memory import MemoryStorage
 from queue_ref.storage import Storage
 

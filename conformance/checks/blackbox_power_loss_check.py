@@ -46,7 +46,7 @@ from conformance.harness.check_catalog import NO_CRASH
 from conformance.harness.check_results import CheckResult, Finding, Status, finished
 from conformance.harness.suite_profiles import Profile
 from faultinject.disk import DiskImage, materialize
-from faultinject.errors import ModelError
+from faultinject.fault_errors import ModelError
 from faultinject.models import CrashState, crash_state, crash_states
 from spec.crash import judge
 

@@ -39,7 +39,7 @@ from conformance.harness.backend_factory import Backend
 from conformance.harness.check_catalog import NO_CRASH
 from conformance.harness.check_results import CheckResult, Finding, finished
 from conformance.harness.suite_profiles import Profile
-from faultinject.errors import ModelError
+from faultinject.fault_errors import ModelError
 from faultinject.models import crash_states
 from faultinject.seam import FaultPlan, FaultyIO
 from queue_ref.storage import QueueError, Recipient, Schedule, Storage, StorageIOError

@@ -44,7 +44,7 @@ register(BackendSpec("fs-fsync", open_fs_mode("fsync"),
                      "the filesystem queue, files fsynced by their writers, directory fsyncs "
                      "shared", "queue_ref.fsqueue"))
 register(BackendSpec("kv", open_kv, "the KV queue over the Python log engine",
-                     "queue_ref.kv.queue"))
+                     "queue_ref.kv.kv_queue"))
 for _v in VARIANTS:
     register(BackendSpec(_v.name, deterministic_fs(_v.cls),
                          f"BROKEN ({_v.clause or 'absorbed'}): "

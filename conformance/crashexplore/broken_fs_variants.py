@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from conformance.crashexplore.workloads import LIFE, Workload, enqueue_call
 from queue_ref.fsqueue import FsQueue
 from queue_ref.fsqueue.diskutil import if_exists, listdir_or_empty, readlink_or_none
+from queue_ref.fsqueue.fs_records import Envelope, encode_schedule, trailer
+from queue_ref.fsqueue.fs_recovery import Recovery
 from queue_ref.fsqueue.layout import EntryName
-from queue_ref.fsqueue.records import Envelope, encode_schedule, trailer
-from queue_ref.fsqueue.recovery import Recovery
 from queue_ref.fsqueue.steps import MessageTx
 from queue_ref.io import IO
 from queue_ref.storage import (

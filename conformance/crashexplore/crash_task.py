@@ -61,7 +61,7 @@ from conformance.crashexplore.traced_runs import (
 )
 from conformance.crashexplore.workloads import Workload
 from faultinject.disk import DiskImage
-from faultinject.errors import ModelError
+from faultinject.fault_errors import ModelError
 from faultinject.models import CrashState, crash_states, is_exhaustive
 from faultinject.seam import FaultPlan
 from queue_ref.storage import StorageIOError

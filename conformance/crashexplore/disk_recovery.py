@@ -18,7 +18,7 @@ from conformance.crashexplore.explored_backends import BackendSpec
 from conformance.crashexplore.recovered_queue import Recovered, inspect
 from conformance.crashexplore.traced_runs import Limits, ScratchIO, scratch_dir
 from faultinject.disk import DiskImage, materialize
-from faultinject.errors import Crash
+from faultinject.fault_errors import Crash
 from faultinject.models import CrashState, crash_states
 from faultinject.seam import FaultPlan, FaultyIO
 from faultinject.trace import TraceEvent, trace_hash

@@ -113,7 +113,7 @@ KV_CLOCK_NS = 1_700_000_000_000_000_000
 
 def open_kv(root: str, io: IO) -> Storage:
     """The KV queue over the Python log engine, its clock fixed."""
-    from queue_ref.kv.queue import KvQueue as queue_cls
+    from queue_ref.kv.kv_queue import KvQueue as queue_cls
     store = queue_cls.open_log(root, io, clock=lambda: KV_CLOCK_NS)
     if not isinstance(store, Storage):
         raise TypeError("KvQueue.open_log did not make a Storage")

@@ -21,7 +21,7 @@ from conformance.crashexplore.explored_backends import BackendSpec
 from conformance.crashexplore.recovered_queue import Recovered
 from conformance.crashexplore.traced_runs import Run, events_through, image_digest, run_workload
 from conformance.crashexplore.workloads import Workload
-from faultinject.errors import ModelError
+from faultinject.fault_errors import ModelError
 from faultinject.models import CrashState, crash_state
 from faultinject.seam import FaultPlan
 from faultinject.trace import TraceEvent

@@ -29,7 +29,7 @@ from conformance.crashexplore.explored_backends import BackendSpec
 from conformance.crashexplore.workload_driver import Divergence, Driver, spare_plan
 from conformance.crashexplore.workloads import Workload
 from faultinject.disk import DiskImage
-from faultinject.errors import Crash
+from faultinject.fault_errors import Crash
 from faultinject.seam import FaultPlan, FaultyIO
 from faultinject.trace import SYNC_CALLS, TraceEvent
 from queue_ref.io import OsIO

@@ -42,13 +42,13 @@ def fs_fsync(root: str, io: IO | None = None) -> Storage:
 
 def kv_log(root: str, io: IO | None = None) -> Storage:
     """The KV queue over the Python log engine (every byte through the seam)."""
-    from queue_ref.kv.queue import KvQueue
+    from queue_ref.kv.kv_queue import KvQueue
 
     return KvQueue.open_log(root, io)
 
 
 def kv_leveldb(root: str) -> Storage:
     """The KV queue over real LevelDB (plyvel); no seam, so crash-tested by killing."""
-    from queue_ref.kv.queue import KvQueue
+    from queue_ref.kv.kv_queue import KvQueue
 
     return KvQueue.open_leveldb(root)

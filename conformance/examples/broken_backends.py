@@ -66,7 +66,7 @@ def kv_unchecked_schedule(root: str, io: IO | None = None) -> Storage:
     """The KV queue (log engine) accepting any ``Schedule`` instance as it comes: a forged
     one with a NaN or negative time is stored or fails deep inside (a bare ValueError).
     The limits check fails it on C9."""
-    from queue_ref.kv.queue import KvQueue
+    from queue_ref.kv.kv_queue import KvQueue
     from queue_ref.storage import InvalidInputError, Schedule
 
     class UncheckedSchedule(KvQueue):
@@ -151,7 +151,7 @@ def kv_resurrecting(root: str, io: IO | None = None) -> Storage:
     damage-at-rest check fails it on C3."""
     from collections.abc import Mapping
 
-    from queue_ref.kv.queue import KvQueue
+    from queue_ref.kv.kv_queue import KvQueue
 
     class Resurrecting(KvQueue):
         def _finish_resurrected(self, back: Mapping[str, str]) -> None:
@@ -251,7 +251,7 @@ def fs_unclaimed_reschedule(root: str, io: IO | None = None) -> Storage:
     """
     from conformance.crashexplore.explored_backends import deterministic_fs
     from queue_ref.fsqueue import FsQueue
-    from queue_ref.fsqueue.queue import _check_schedule
+    from queue_ref.fsqueue.fs_queue import _check_schedule
     from queue_ref.storage import QueuedMail, Schedule
 
     class UnclaimedReschedule(FsQueue):
@@ -285,7 +285,7 @@ def fs_requeues_live_claims(root: str, io: IO | None = None) -> Storage:
     """
     from conformance.crashexplore.broken_fs_variants import _OwnRecovery
     from conformance.crashexplore.explored_backends import deterministic_fs
-    from queue_ref.fsqueue.recovery import Recovery
+    from queue_ref.fsqueue.fs_recovery import Recovery
 
     class _RequeueLive(Recovery):
         def requeue(self) -> None:

@@ -1,7 +1,7 @@
 """FsQueue: the crash-safe filesystem queue (seed 001's layout with a full fsync discipline).
 
 The on-disk protocol is in ``steps.py`` (one overridable method per step), metadata and
-quarantine in ``metadata.py``, recovery in ``recovery.py``.  This module maps the Storage
+quarantine in ``metadata.py``, recovery in ``fs_recovery.py``.  This module maps the Storage
 interface onto them.
 
 What holds after failures, beyond ``queue_ref.storage``:
@@ -50,6 +50,8 @@ from queue_ref.fsqueue.diskutil import (
     tree_usage,
 )
 from queue_ref.fsqueue.enqueue import FsEnqueuer
+from queue_ref.fsqueue.fs_records import Envelope
+from queue_ref.fsqueue.fs_recovery import Recovery
 from queue_ref.fsqueue.groupsync import SYNC_MODES, GroupSync
 from queue_ref.fsqueue.layout import (
     OWNER_LEN,
@@ -64,8 +66,6 @@ from queue_ref.fsqueue.layout import (
 from queue_ref.fsqueue.metadata import Corrupt, EnvelopeCache, FsMetadata
 from queue_ref.fsqueue.owners import Owners
 from queue_ref.fsqueue.reader import FsMailReader
-from queue_ref.fsqueue.records import Envelope
-from queue_ref.fsqueue.recovery import Recovery
 from queue_ref.fsqueue.rwlock import SharedExclusive
 from queue_ref.fsqueue.spares import DEFAULT_SPARES, SPARE_MAX_BODY, SPARE_RE, Spares
 from queue_ref.fsqueue.steps import MessageTx

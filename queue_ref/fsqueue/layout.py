@@ -23,7 +23,7 @@ Layout under the queue's root (seed 001, with ``tmp/``, ``quarantine/`` and ``ow
     tmp/<owner>/<msgid>          a message file being written by <owner>
     quarantine/                  corrupt entries, their notes, and junk found in our directories
     owners/<owner>.lock          flock-held while <owner> (one open FsQueue) is alive
-    owners/gate.lock             serialises opening and recovery (see recovery.py)
+    owners/gate.lock             serialises opening and recovery (see fs_recovery.py)
 
 Ids are never built from addresses.  A message id is ``<time_ns:016x><counter:06x><owner>``:
 time-ordered, and unique across processes because ``owner`` is a fresh token per open queue

@@ -14,7 +14,7 @@ Quarantine layout:
 
 Each quarantine writes its note durably first, then moves things with renames whose
 directories are fsynced, so a crash leaves either the old place or quarantine/ for each
-piece; recovery finishes a half-done quarantine (see recovery.py).
+piece; recovery finishes a half-done quarantine (see fs_recovery.py).
 """
 
 from __future__ import annotations
@@ -30,15 +30,15 @@ from collections import OrderedDict
 from os.path import basename, join
 
 from queue_ref.fsqueue.diskutil import if_exists, lstat_or_none, write_whole
-from queue_ref.fsqueue.layout import DATA_RE, EntryName
-from queue_ref.fsqueue.owners import Owners
-from queue_ref.fsqueue.records import (
+from queue_ref.fsqueue.fs_records import (
     TRAILER_LEN,
     Envelope,
     RecordError,
     decode_schedule,
     parse_trailer,
 )
+from queue_ref.fsqueue.layout import DATA_RE, EntryName
+from queue_ref.fsqueue.owners import Owners
 from queue_ref.fsqueue.steps import FsSteps
 from queue_ref.io import read_file
 from queue_ref.storage import Schedule

@@ -11,7 +11,7 @@ is dead.  A dead owner stays dead (tokens are never reused), so deaths are cache
 recovery.  A recovery that holds the gate and finds every other owner dead therefore runs
 alone: no other process has the queue open, and none can open it until the gate is
 released.  Only such an *exclusive* recovery does the destructive parts (orphan removal,
-see recovery.py).
+see fs_recovery.py).
 """
 
 from __future__ import annotations

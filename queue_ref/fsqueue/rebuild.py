@@ -26,10 +26,10 @@ import os
 from dataclasses import dataclass, field, replace
 
 from queue_ref.fsqueue.diskutil import if_exists, listdir_or_empty
+from queue_ref.fsqueue.fs_queue import FsQueue
+from queue_ref.fsqueue.fs_records import TRAILER_LEN
 from queue_ref.fsqueue.layout import MSGID_RE, EntryName
 from queue_ref.fsqueue.metadata import Corrupt
-from queue_ref.fsqueue.queue import FsQueue
-from queue_ref.fsqueue.records import TRAILER_LEN
 from queue_ref.storage import InvalidInputError, RecoveryReport, StorageIOError
 
 UNLINKED = ".unlinked"

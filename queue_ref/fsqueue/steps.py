@@ -56,9 +56,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from queue_ref.fsqueue.diskutil import if_exists, listdir_or_empty, lstat_or_none, write_whole
+from queue_ref.fsqueue.fs_records import Envelope, encode_schedule, trailer
 from queue_ref.fsqueue.groupsync import GroupSync
 from queue_ref.fsqueue.layout import EntryName, Layout, domain_of
-from queue_ref.fsqueue.records import Envelope, encode_schedule, trailer
 from queue_ref.fsqueue.spares import Spares
 from queue_ref.io import IO
 from queue_ref.storage import Schedule

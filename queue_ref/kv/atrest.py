@@ -9,7 +9,7 @@ engine's files that has no whole-file check of its own (logs, manifest, ``CURREN
 tables only by size, their blocks are checked), and every entry the queue held (QUEUED
 or INFLIGHT, with its schedule; PENDING_CLEANUP ones by id).  The files are synced
 first, the record is written by temp, fsync, rename, directory fsync, and it is a
-sealed record (``records.seal``: it carries its own checksum).
+sealed record (``kv_records.seal``: it carries its own checksum).
 
 The next open, before the engine touches anything, compares the files: each that
 changed is copied to ``quarantine/`` (the engine may rewrite it) and reported; then it
@@ -31,9 +31,9 @@ import zlib
 from dataclasses import dataclass, field
 
 from queue_ref.io import IO, read_file, write_file_durable
-from queue_ref.kv import keys, records
+from queue_ref.kv import keys, kv_records
 from queue_ref.kv.base import KV
-from queue_ref.kv.records import BadRecord, EntryRec
+from queue_ref.kv.kv_records import BadRecord, EntryRec
 
 NAME = "queue-ref.closed"
 OPENED = f"{NAME}.opened"  # the record, once an open has checked the files against it
@@ -57,11 +57,11 @@ class AtRest:
 def entries_of(kv: KV) -> AtRest:
     """The entries the store holds now (files left empty)."""
     out = AtRest()
-    for prefix, state in ((keys.ZONE, records.QUEUED), (keys.INFLIGHT, records.INFLIGHT),
-                          (keys.HELD, records.HELD)):
+    for prefix, state in ((keys.ZONE, kv_records.QUEUED), (keys.INFLIGHT, kv_records.INFLIGHT),
+                          (keys.HELD, kv_records.HELD)):
         for k, v in kv.iterate(prefix, keys.end_of(prefix)):
             try:
-                mid, idx = (keys.parse_indexed(k)[1:] if state == records.QUEUED
+                mid, idx = (keys.parse_indexed(k)[1:] if state == kv_records.QUEUED
                             else keys.parse_entry(k))
                 rec = EntryRec.decode(v, mid, idx, state)
             except (keys.BadKey, BadRecord):
@@ -120,7 +120,7 @@ def write(io: IO, path: str, rest: AtRest) -> None:
            "live": {str(m): {str(i): list(s) for i, s in sorted(e.items())}
                     for m, e in sorted(rest.live.items())},
            "retired": {str(m): sorted(e) for m, e in sorted(rest.retired.items())}}
-    write_file_durable(io, os.path.join(path, NAME), records.seal(obj))
+    write_file_durable(io, os.path.join(path, NAME), kv_records.seal(obj))
 
 
 def read(io: IO, path: str, name: str = NAME) -> AtRest | str | None:
@@ -130,7 +130,7 @@ def read(io: IO, path: str, name: str = NAME) -> AtRest | str | None:
     if not io.exists(p):
         return None
     try:
-        obj = records.unseal(read_file(io, p, 1 << 30), "closed")
+        obj = kv_records.unseal(read_file(io, p, 1 << 30), "closed")
         out = AtRest()
         for n, (s, c) in obj["files"].items():
             out.files[str(n)] = (int(s), None if c is None else int(c))

@@ -37,10 +37,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from queue_ref.kv import claims as cl
-from queue_ref.kv import keys, records
+from queue_ref.kv import keys, kv_records
 from queue_ref.kv.base import KV, WriteBatch
 from queue_ref.kv.claims import Claims
-from queue_ref.kv.records import BadRecord, EntryRec, MetaRec, Stored
+from queue_ref.kv.kv_records import BadRecord, EntryRec, MetaRec, Stored
 from queue_ref.storage import (
     CorruptionError,
     Handle,
@@ -99,7 +99,7 @@ class Core:
         raw = self.kv.get(keys.SEQ)
         if raw is not None:
             try:
-                return records.decode_seq(raw)
+                return kv_records.decode_seq(raw)
             except BadRecord:
                 pass
         return self.max_id_on_disk() + 1
@@ -121,7 +121,7 @@ class Core:
             if self.next_id >= self.id_limit:
                 limit = self.next_id + ID_BLOCK
                 b = WriteBatch()
-                b.put(keys.SEQ, records.seq_value(limit))
+                b.put(keys.SEQ, kv_records.seq_value(limit))
                 self.kv.write(b, sync=True)
                 self.id_limit = limit
             mid = self.next_id
@@ -135,7 +135,7 @@ class Core:
             self.next_id = max(self.next_id, at_least)
             self.id_limit = max(self.id_limit, self.next_id)
             b = WriteBatch()
-            b.put(keys.SEQ, records.seq_value(self.id_limit))
+            b.put(keys.SEQ, kv_records.seq_value(self.id_limit))
             self.kv.write(b, sync=True)
 
     # ---- checked reads ------------------------------------------------------------
@@ -241,11 +241,11 @@ class Core:
         """
         raw = self.kv.get(keys.live(mid))
         try:
-            n = records.decode_live(raw, mid) if raw is not None else self.count_entries(mid)
+            n = kv_records.decode_live(raw, mid) if raw is not None else self.count_entries(mid)
         except BadRecord:
             n = self.count_entries(mid)
         if n > 1:
-            b.put(keys.live(mid), records.live_value(mid, n - 1))
+            b.put(keys.live(mid), kv_records.live_value(mid, n - 1))
         else:
             b.delete(keys.live(mid))
             self.delete_message(b, mid)
@@ -305,7 +305,7 @@ class Core:
             meta = None
         self.forget_meta(mid)
         b = WriteBatch()
-        b.put(keys.quarantine_mark(mid), records.seal(
+        b.put(keys.quarantine_mark(mid), kv_records.seal(
             {"k": "quarantine", "id": mid, "reason": reason, "at": self.clock()}))
         moved = [keys.created(mid), keys.meta(mid), keys.live(mid), *self.zone_keys(mid, meta)]
         for fam in (keys.INFLIGHT, keys.CLEANUP, keys.HELD):

@@ -1,6 +1,6 @@
 """The KV mail queue: the Storage interface over seed 000's key layout.
 
-The layout is in ``queue_ref.kv.keys``, the records in ``queue_ref.kv.records``, what is
+The layout is in ``queue_ref.kv.keys``, the records in ``queue_ref.kv.kv_records``, what is
 synced and why in ``queue_ref.kv.core``.  Each state change is one atomic write batch:
 
 =============  ===============================================================  ======
@@ -32,13 +32,13 @@ from types import TracebackType
 from typing import TypeVar
 
 from queue_ref.io import IO, OsIO
-from queue_ref.kv import atrest, keys, lostids, records
+from queue_ref.kv import atrest, keys, kv_records, lostids
 from queue_ref.kv import claims as cl
 from queue_ref.kv.base import KV, WriteBatch
 from queue_ref.kv.claims import Held
 from queue_ref.kv.core import Core, io_error
 from queue_ref.kv.engine_errors import DatabaseCorruptError
-from queue_ref.kv.records import BadRecord, EntryRec, Stored
+from queue_ref.kv.kv_records import BadRecord, EntryRec, Stored
 from queue_ref.kv.reserve import NAME as RESERVE_NAME
 from queue_ref.kv.reserve import Reserve, default_size, free_bytes
 from queue_ref.kv.streams import KvEnqueuer, KvReader
@@ -239,7 +239,7 @@ class KvQueue(Storage):
     def _queued(self, start: bytes, stop: bytes) -> Iterator[QueuedMail]:
         with self._io("listing the queue"):
             for key, raw in self._kv.iterate(start, stop):
-                ref = self._listed(key, raw, records.QUEUED)
+                ref = self._listed(key, raw, kv_records.QUEUED)
                 if ref is not None:
                     rec = ref.rec
                     yield self._issue(QueuedMail, keys.entry_id(rec.mid, rec.idx),
@@ -248,7 +248,7 @@ class KvQueue(Storage):
     def _listed(self, key: bytes, raw: bytes, state: str) -> Stored | None:
         """Decode a listed record; quarantine it (None) if it fails."""
         try:
-            if state == records.QUEUED:
+            if state == kv_records.QUEUED:
                 zone, mid, idx = keys.parse_indexed(key)
             else:
                 mid, idx = keys.parse_entry(key)
@@ -289,14 +289,14 @@ class KvQueue(Storage):
             for key, raw in self._kv.iterate(p, keys.end_of(p)):
                 try:
                     _, mid, idx = keys.parse_indexed(key)
-                    zone = records.decode_domain(raw, mid, idx)
+                    zone = kv_records.decode_domain(raw, mid, idx)
                 except (keys.BadKey, BadRecord):
                     continue  # derived data: recovery rebuilds it
                 zkey = keys.zone(zone, mid, idx)
                 zraw = self._kv.get(zkey)
                 if zraw is None:
                     continue  # no longer queued
-                ref = self._listed(zkey, zraw, records.QUEUED)
+                ref = self._listed(zkey, zraw, kv_records.QUEUED)
                 if ref is not None and keys.domain_of(ref.rec.address) == domain:
                     yield self._issue(QueuedMail, keys.entry_id(mid, idx), str(mid),
                                       ref.rec.schedule, ref)
@@ -308,7 +308,7 @@ class KvQueue(Storage):
     def _adopt(self) -> Iterator[InflightMail]:
         with self._io("listing inflight entries"):
             for key, raw in self._kv.iterate(keys.INFLIGHT, keys.end_of(keys.INFLIGHT)):
-                ref = self._listed(key, raw, records.INFLIGHT)
+                ref = self._listed(key, raw, kv_records.INFLIGHT)
                 if ref is None:
                     continue
                 rec = ref.rec
@@ -330,7 +330,7 @@ class KvQueue(Storage):
     def _held(self) -> Iterator[HeldMail]:
         with self._io("listing held entries"):
             for key, raw in self._kv.iterate(keys.HELD, keys.end_of(keys.HELD)):
-                ref = self._listed(key, raw, records.HELD)
+                ref = self._listed(key, raw, kv_records.HELD)
                 if ref is not None:
                     rec = ref.rec
                     yield self._issue(HeldMail, keys.entry_id(rec.mid, rec.idx),
@@ -339,7 +339,7 @@ class KvQueue(Storage):
     def _pending_cleanup(self) -> Iterator[PendingCleanupMail]:
         with self._io("listing pending cleanups"):
             for key, raw in self._kv.iterate(keys.CLEANUP, keys.end_of(keys.CLEANUP)):
-                ref = self._listed(key, raw, records.CLEANUP)
+                ref = self._listed(key, raw, kv_records.CLEANUP)
                 if ref is not None:
                     rec = ref.rec
                     yield self._issue(PendingCleanupMail, keys.entry_id(rec.mid, rec.idx),
@@ -380,7 +380,7 @@ class KvQueue(Storage):
         h = self._peek(mail, InflightMail)
         mid, idx, ref = self._locate(h)
         with self._entry_op(h, "read_inflight", mid, idx):
-            rec = self._core.entry(keys.inflight(mid, idx), mid, idx, records.INFLIGHT, ref)
+            rec = self._core.entry(keys.inflight(mid, idx), mid, idx, kv_records.INFLIGHT, ref)
             if rec is None:
                 raise ClosedError(f"entry {h.entry_id} is no longer inflight")
             try:
@@ -406,7 +406,7 @@ class KvQueue(Storage):
         mid, idx, ref = self._locate(h)
         with self._entry_op(h, "inspect_entry", mid, idx):
             key = keys.held(mid, idx) if held else keys.zone(ref.rec.zone, mid, idx)
-            rec = self._core.entry(key, mid, idx, records.HELD if held else records.QUEUED,
+            rec = self._core.entry(key, mid, idx, kv_records.HELD if held else kv_records.QUEUED,
                                    ref)
             if rec is None:
                 return None
@@ -430,10 +430,10 @@ class KvQueue(Storage):
         mid, idx, ref = self._locate(h)
         with self._entry_op(h, "reschedule", mid, idx):
             zkey = keys.zone(ref.rec.zone, mid, idx)
-            rec = self._core.entry(zkey, mid, idx, records.QUEUED, ref)
+            rec = self._core.entry(zkey, mid, idx, kv_records.QUEUED, ref)
             if rec is None:
                 return None
-            new = Stored.of(rec.moved(records.QUEUED, schedule=sched))
+            new = Stored.of(rec.moved(kv_records.QUEUED, schedule=sched))
             b = WriteBatch()
             b.put(zkey, new.raw)
             self._core.write(b, sync=True)
@@ -444,10 +444,10 @@ class KvQueue(Storage):
         mid, idx, ref = self._locate(h)
         with self._entry_op(h, "send_start", mid, idx):
             zkey = keys.zone(ref.rec.zone, mid, idx)
-            rec = self._core.entry(zkey, mid, idx, records.QUEUED, ref)
+            rec = self._core.entry(zkey, mid, idx, kv_records.QUEUED, ref)
             if rec is None:
                 return None
-            new = Stored.of(rec.moved(records.INFLIGHT, owner=self._core.owner))
+            new = Stored.of(rec.moved(kv_records.INFLIGHT, owner=self._core.owner))
             b = WriteBatch()
             b.delete(zkey)
             b.delete(keys.domain(keys.domain_of(rec.address), mid, idx))
@@ -462,10 +462,10 @@ class KvQueue(Storage):
         mid, idx, ref = self._locate(h)
         with self._entry_op(h, "send_done", mid, idx):
             ikey = keys.inflight(mid, idx)
-            rec = self._core.entry(ikey, mid, idx, records.INFLIGHT, ref)
+            rec = self._core.entry(ikey, mid, idx, kv_records.INFLIGHT, ref)
             if rec is None:
                 return None
-            new = Stored.of(rec.moved(records.CLEANUP))
+            new = Stored.of(rec.moved(kv_records.CLEANUP))
             b = WriteBatch()
             b.delete(ikey)
             b.put(keys.cleanup(mid, idx), new.raw)
@@ -481,15 +481,15 @@ class KvQueue(Storage):
         mid, idx, ref = self._locate(h)
         with self._entry_op(h, "send_cancel", mid, idx):
             ikey = keys.inflight(mid, idx)
-            rec = self._core.entry(ikey, mid, idx, records.INFLIGHT, ref)
+            rec = self._core.entry(ikey, mid, idx, kv_records.INFLIGHT, ref)
             if rec is None:
                 return None
-            new = Stored.of(rec.moved(records.QUEUED, schedule=sched))
+            new = Stored.of(rec.moved(kv_records.QUEUED, schedule=sched))
             b = WriteBatch()
             b.delete(ikey)
             b.put(keys.zone(rec.zone, mid, idx), new.raw)
             b.put(keys.domain(keys.domain_of(rec.address), mid, idx),
-                  records.domain_value(mid, idx, rec.zone))
+                  kv_records.domain_value(mid, idx, rec.zone))
             self._core.write(b, sync=True)
             with self._core.mu:
                 self._core.inflight.discard((mid, idx))
@@ -500,10 +500,10 @@ class KvQueue(Storage):
         mid, idx, ref = self._locate(h)
         with self._entry_op(h, "drop", mid, idx):
             zkey = keys.zone(ref.rec.zone, mid, idx)
-            rec = self._core.entry(zkey, mid, idx, records.QUEUED, ref)
+            rec = self._core.entry(zkey, mid, idx, kv_records.QUEUED, ref)
             if rec is None:
                 return None
-            new = Stored.of(rec.moved(records.CLEANUP))
+            new = Stored.of(rec.moved(kv_records.CLEANUP))
             b = WriteBatch()
             b.delete(zkey)
             b.delete(keys.domain(keys.domain_of(rec.address), mid, idx))
@@ -519,10 +519,10 @@ class KvQueue(Storage):
         mid, idx, ref = self._locate(h)
         with self._entry_op(h, "hold", mid, idx):
             zkey = keys.zone(ref.rec.zone, mid, idx)
-            rec = self._core.entry(zkey, mid, idx, records.QUEUED, ref)
+            rec = self._core.entry(zkey, mid, idx, kv_records.QUEUED, ref)
             if rec is None:
                 return None
-            new = Stored.of(rec.moved(records.HELD))
+            new = Stored.of(rec.moved(kv_records.HELD))
             b = WriteBatch()
             b.delete(zkey)
             b.delete(keys.domain(keys.domain_of(rec.address), mid, idx))
@@ -537,15 +537,15 @@ class KvQueue(Storage):
         mid, idx, ref = self._locate(h)
         with self._entry_op(h, "release", mid, idx):
             hkey = keys.held(mid, idx)
-            rec = self._core.entry(hkey, mid, idx, records.HELD, ref)
+            rec = self._core.entry(hkey, mid, idx, kv_records.HELD, ref)
             if rec is None:
                 return None
-            new = Stored.of(rec.moved(records.QUEUED))
+            new = Stored.of(rec.moved(kv_records.QUEUED))
             b = WriteBatch()
             b.delete(hkey)
             b.put(keys.zone(rec.zone, mid, idx), new.raw)
             b.put(keys.domain(keys.domain_of(rec.address), mid, idx),
-                  records.domain_value(mid, idx, rec.zone))
+                  kv_records.domain_value(mid, idx, rec.zone))
             self._core.write(b, sync=True)
         return self._issue(QueuedMail, h.entry_id, h.message_id, rec.schedule, new)
 
@@ -554,10 +554,10 @@ class KvQueue(Storage):
         mid, idx, ref = self._locate(h)
         with self._entry_op(h, "drop_held", mid, idx):
             hkey = keys.held(mid, idx)
-            rec = self._core.entry(hkey, mid, idx, records.HELD, ref)
+            rec = self._core.entry(hkey, mid, idx, kv_records.HELD, ref)
             if rec is None:
                 return None
-            new = Stored.of(rec.moved(records.CLEANUP))
+            new = Stored.of(rec.moved(kv_records.CLEANUP))
             b = WriteBatch()
             b.delete(hkey)
             b.put(keys.cleanup(mid, idx), new.raw)
@@ -603,7 +603,7 @@ class KvQueue(Storage):
         self.last_recovery = replace(report, problems=report.problems + notes)
 
     def recover(self) -> RecoveryReport:
-        from queue_ref.kv.recovery import recover
+        from queue_ref.kv.kv_recovery import recover
         self._check_open()
         with self._io("recovery"), self._core.claims.hold(excl=[cl.EVERYTHING]):
             return recover(self._core)

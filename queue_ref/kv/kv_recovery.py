@@ -27,10 +27,10 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from queue_ref.kv import keys, records
+from queue_ref.kv import keys, kv_records
 from queue_ref.kv.base import WriteBatch
 from queue_ref.kv.core import Core
-from queue_ref.kv.records import BadRecord, EntryRec, MetaRec
+from queue_ref.kv.kv_records import BadRecord, EntryRec, MetaRec
 from queue_ref.storage import RecoveryReport
 
 FLUSH_OPS = 1024  # operations per unsynced batch of bulk deletes
@@ -129,7 +129,7 @@ class _Run:
         if keys.CREATED not in recs or keys.META not in recs:
             return "only one of its # and * records is stored"
         try:
-            records.check_created(recs[keys.CREATED], mid)
+            kv_records.check_created(recs[keys.CREATED], mid)
             MetaRec.decode(recs[keys.META], mid)
         except BadRecord as e:
             return str(e)
@@ -184,16 +184,16 @@ class _Run:
             self.orphan(k, "entry of no committed message")
             return
         try:
-            rec = EntryRec.decode(v, mid, idx, records.INFLIGHT)
+            rec = EntryRec.decode(v, mid, idx, kv_records.INFLIGHT)
         except BadRecord as e:
             self.quarantine(k, v, mid, idx, str(e))
             return
         b = WriteBatch()
         b.delete(k)
         b.put(keys.zone(rec.zone, mid, idx),
-              replace(rec, state=records.QUEUED, owner="").encode())
+              replace(rec, state=kv_records.QUEUED, owner="").encode())
         b.put(keys.domain(keys.domain_of(rec.address), mid, idx),
-              records.domain_value(mid, idx, rec.zone))
+              kv_records.domain_value(mid, idx, rec.zone))
         self.write(b)
         self.requeued += 1
 
@@ -211,7 +211,7 @@ class _Run:
             self.orphan(k, "entry of no committed message")
             return
         try:
-            EntryRec.decode(v, mid, idx, records.HELD)
+            EntryRec.decode(v, mid, idx, kv_records.HELD)
         except BadRecord as e:
             self.quarantine(k, v, mid, idx, str(e))
             return
@@ -245,7 +245,7 @@ class _Run:
                 self.orphan(k, "entry is also held")
                 continue
             try:
-                rec = EntryRec.decode(v, mid, idx, records.QUEUED)
+                rec = EntryRec.decode(v, mid, idx, kv_records.QUEUED)
                 if rec.zone != zone:
                     raise BadRecord(f"record of zone {rec.zone!r} under zone {zone!r}")
             except BadRecord as e:
@@ -253,7 +253,7 @@ class _Run:
                 continue
             self.counts[mid] += 1
             dkey = keys.domain(keys.domain_of(rec.address), mid, idx)
-            want = records.domain_value(mid, idx, zone)
+            want = kv_records.domain_value(mid, idx, zone)
             if kv.get(dkey) != want:
                 b = WriteBatch()
                 b.put(dkey, want)
@@ -265,9 +265,9 @@ class _Run:
         for k, v in kv.iterate(keys.DOMAIN, keys.end_of(keys.DOMAIN)):
             try:
                 dom, mid, idx = keys.parse_indexed(k)
-                zone = records.decode_domain(v, mid, idx)
+                zone = kv_records.decode_domain(v, mid, idx)
                 rec = EntryRec.decode(kv.get(keys.zone(zone, mid, idx)) or b"", mid, idx,
-                                      records.QUEUED)
+                                      kv_records.QUEUED)
                 if keys.domain_of(rec.address) != dom:
                     raise BadRecord("domain of another address")
             except (keys.BadKey, BadRecord):
@@ -290,7 +290,7 @@ class _Run:
                 continue
             stored.add(mid)
             try:
-                n = records.decode_live(v, mid)
+                n = kv_records.decode_live(v, mid)
             except BadRecord:
                 n = -1
             self.fix_count(mid, n)
@@ -312,7 +312,7 @@ class _Run:
             self.problems.append(f"live count of message {mid}: {stored} -> {want}")
         b = WriteBatch()
         if want:
-            b.put(keys.live(mid), records.live_value(mid, want))
+            b.put(keys.live(mid), kv_records.live_value(mid, want))
         else:
             b.delete(keys.live(mid))
             self.core.delete_message(b, mid)

@@ -3,7 +3,7 @@
 Three sources, merged into the ``RecoveryReport`` of an open:
 
 * recovery itself: messages and entries whose records failed their checksums were
-  quarantined (``recovery.py`` names them);
+  quarantined (``kv_recovery.py`` names them);
 * the engine's damage (``LogEngine.damage``): bytes of the log that hold no intact
   record.  Their CRC failed, so nothing in them is trusted, but the keys are plain ASCII
   and a flipped bit leaves most of them readable: every message id they name is read

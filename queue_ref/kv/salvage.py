@@ -313,7 +313,7 @@ def salvage_log_files(io: IO, path: str, actions: list[str]) -> list[Damage]:
 
 def _finish(open_queue: object, path: str, damage: list[Damage],
             rest_problems: list[str], kept: list[str], actions: list[str]) -> Repaired:
-    from queue_ref.kv.queue import KvQueue
+    from queue_ref.kv.kv_queue import KvQueue
 
     assert callable(open_queue)
     q = open_queue()
@@ -344,7 +344,7 @@ def repair_log(path: str, io: IO | None = None) -> Repaired:
         damage = salvage_log_files(io, path, actions)
     finally:
         io.unlock(lock)
-    from queue_ref.kv.queue import KvQueue
+    from queue_ref.kv.kv_queue import KvQueue
 
     return _finish(lambda: KvQueue.open_log(path, io), path, damage, problems, kept, actions)
 
@@ -355,8 +355,8 @@ def repair_leveldb(path: str) -> Repaired:
 
     import plyvel  # type: ignore[import-untyped]
 
+    from queue_ref.kv.kv_queue import KvQueue
     from queue_ref.kv.leveldb import LOCK_NAME, OPTIONS, os_error
-    from queue_ref.kv.queue import KvQueue
 
     io = OsIO()
     if not os.path.isdir(path):

@@ -8,10 +8,10 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from queue_ref.kv import claims as cl
-from queue_ref.kv import keys, records
+from queue_ref.kv import keys, kv_records
 from queue_ref.kv.base import WriteBatch
 from queue_ref.kv.core import BATCH_BYTES, CHUNK, Core, io_error
-from queue_ref.kv.records import EntryRec, MetaRec, Stored
+from queue_ref.kv.kv_records import EntryRec, MetaRec, Stored
 from queue_ref.storage import (
     ClosedError,
     CorruptionError,
@@ -132,17 +132,17 @@ class KvEnqueuer(Enqueuer):
         meta = MetaRec(mid, self._mail_from, self._params, self._size, self._hash.hexdigest(),
                        self._seq, self._core.clock(), tuple((r.address, r.zone) for r in checked))
         b = self._batch
-        b.put(keys.created(mid), records.created_value(mid, meta.created))
+        b.put(keys.created(mid), kv_records.created_value(mid, meta.created))
         meta_raw = meta.encode()
         b.put(keys.meta(mid), meta_raw)
-        b.put(keys.live(mid), records.live_value(mid, len(checked)))
+        b.put(keys.live(mid), kv_records.live_value(mid, len(checked)))
         stored = []
         for i, r in enumerate(checked):
-            ref = Stored.of(EntryRec(mid, i, records.QUEUED, r.address, r.zone, r.schedule))
+            ref = Stored.of(EntryRec(mid, i, kv_records.QUEUED, r.address, r.zone, r.schedule))
             stored.append(ref)
             b.put(keys.zone(r.zone, mid, i), ref.raw)
             b.put(keys.domain(keys.domain_of(r.address), mid, i),
-                  records.domain_value(mid, i, r.zone))
+                  kv_records.domain_value(mid, i, r.zone))
         self._done = True
         self._batch = WriteBatch()
         try:

@@ -1,6 +1,6 @@
 """ZoneMTA's LevelDB era: seed 000's key layout, every write ``sync: false``.
 
-This is the project's own KV queue (``queue_ref.kv.queue.KvQueue``, the same key layout
+This is the project's own KV queue (``queue_ref.kv.kv_queue.KvQueue``, the same key layout
 as ZoneMTA's wiki describes) over the Python log engine, with one change: the engine
 ignores ``sync=True`` and appends every batch to its log without an fsync, as ZoneMTA
 passed ``{sync: false}`` to every LevelDB write.
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from queue_ref.io import IO
 from queue_ref.kv.base import WriteBatch
+from queue_ref.kv.kv_queue import KvQueue
 from queue_ref.kv.logengine import LogEngine
-from queue_ref.kv.queue import KvQueue
 
 
 class UnsyncedLogEngine(LogEngine):
