@@ -497,38 +497,37 @@ class KvQueue(Storage):
 
     def drop(self, mail: QueuedMail) -> PendingCleanupMail | None:
         h = self._take(mail, QueuedMail)
-        mid, idx, ref = self._locate(h)
-        with self._entry_op(h, "drop", mid, idx):
-            zkey = keys.zone(ref.rec.zone, mid, idx)
-            rec = self._core.entry(zkey, mid, idx, kv_records.QUEUED, ref)
-            if rec is None:
-                return None
-            new = Stored.of(rec.moved(kv_records.CLEANUP))
-            b = WriteBatch()
-            b.delete(zkey)
-            b.delete(keys.domain(keys.domain_of(rec.address), mid, idx))
-            b.put(keys.cleanup(mid, idx), new.raw)
-            self._core.write(b, sync=True)
-        return self._issue(PendingCleanupMail, h.entry_id, h.message_id, rec.schedule, new)
+        got = self._move_queued(h, "drop", kv_records.CLEANUP, keys.cleanup)
+        return None if got is None else self._issue(PendingCleanupMail, h.entry_id,
+                                                    h.message_id, got[0], got[1])
 
     def hold(self, mail: QueuedMail) -> HeldMail | None:
         """Move the entry's record from its delivery-zone key (and its domain-index key)
         to ``held <id> <idx>`` in one synced batch: no listing of the queue shows it, so
         nothing claims it, and its schedule is kept (C14)."""
         h = self._take(mail, QueuedMail)
+        got = self._move_queued(h, "hold", kv_records.HELD, keys.held)
+        return None if got is None else self._issue(HeldMail, h.entry_id, h.message_id,
+                                                    got[0], got[1])
+
+    def _move_queued(self, h: QueuedMail, what: str, state: str,
+                     key: Callable[[int, int], bytes]) -> tuple[Schedule, Stored] | None:
+        """Move a QUEUED entry's record from its delivery-zone and domain-index keys to
+        ``key(mid, idx)`` in state ``state``, in one synced batch; None if it is no longer
+        QUEUED."""
         mid, idx, ref = self._locate(h)
-        with self._entry_op(h, "hold", mid, idx):
+        with self._entry_op(h, what, mid, idx):
             zkey = keys.zone(ref.rec.zone, mid, idx)
             rec = self._core.entry(zkey, mid, idx, kv_records.QUEUED, ref)
             if rec is None:
                 return None
-            new = Stored.of(rec.moved(kv_records.HELD))
+            new = Stored.of(rec.moved(state))
             b = WriteBatch()
             b.delete(zkey)
             b.delete(keys.domain(keys.domain_of(rec.address), mid, idx))
-            b.put(keys.held(mid, idx), new.raw)
+            b.put(key(mid, idx), new.raw)
             self._core.write(b, sync=True)
-        return self._issue(HeldMail, h.entry_id, h.message_id, rec.schedule, new)
+        return rec.schedule, new
 
     def release(self, mail: HeldMail) -> QueuedMail | None:
         """Put a held entry back under its delivery-zone and domain keys (one synced
