@@ -13,6 +13,7 @@ from conformance.checks import io_errors_check, process_kill_check
 from conformance.crashexplore.explored_backends import BackendSpec
 from conformance.crashexplore.recovered_queue import inspect, to_views
 from conformance.crashexplore.traced_runs import run_workload
+from conformance.crashexplore.workload_driver import model_before
 from conformance.crashexplore.workloads import enqueue_call
 from conformance.harness.backend_factory import Backend
 from conformance.harness.suite_profiles import QUICK
@@ -59,7 +60,7 @@ def test_a_process_kill_trial_lands_on_the_same_call_every_time() -> None:
     for _ in range(2):
         root = tempfile.mkdtemp(prefix="queue-ref-test-kill-")
         state = process_kill_check._crash_child(backend, root, trial)
-        before = process_kill_check._model_before(trial.workload, state.acked)
+        before = model_before(trial.workload, state.acked)
         pending = trial.workload[state.acked] if state.begun >= state.acked else None
         copy = shutil.copytree(root, root + ".copy", symlinks=True)  # a queue is links
         assert process_kill_check.judge_trial(backend, root, trial, state) == []

@@ -27,12 +27,12 @@ from typing import Any
 
 from conformance.blackbox.strace_trace import STRACE_OPTIONS, parse_file
 from conformance.blackbox.syscall_events import to_events
-from conformance.crashexplore.workload_driver import Divergence, Driver, spare_plan
+from conformance.crashexplore.workload_driver import drive_and_report
 from conformance.crashexplore.workloads import Workload
 from conformance.harness.backend_factory import Backend
 from conformance.harness.child_process import Channel, Child
 from faultinject.trace import TraceEvent
-from spec.model import Call, Model, run
+from spec.model import Call
 
 _PR_SET_PDEATHSIG = 1
 _SIGKILL = 9
@@ -98,14 +98,6 @@ class Recording:
         return begin, ack
 
 
-def model_before(workload: Workload, n: int) -> Model:
-    """The model's state after the first ``n`` calls."""
-    model = Model()
-    for call in workload[:n]:
-        model, _ = run(model, call)
-    return model
-
-
 def _die_with_parent() -> None:
     """SIGKILL this process when its parent (strace) goes away."""
     with contextlib.suppress(OSError, AttributeError):
@@ -115,31 +107,7 @@ def _die_with_parent() -> None:
 def _traced_child(ch: Channel, backend: Backend, root: str, workload: Workload) -> None:
     """In the traced child: open, run every call, report begin and acknowledgement."""
     _die_with_parent()
-    store = backend.open(root)
-    driver = Driver(store)
-    plan = spare_plan(workload)
-    model = Model()
-    known_m: set[str] = set()
-    known_e: set[str] = set()
-    for i, call in enumerate(workload):
-        ch.send({"b": i})
-        try:
-            model = driver.step(i, model, call)
-        except Divergence as d:
-            ch.send({"divergence": d.clause, "detail": str(d), "i": i})
-            return
-        new_m = {k: v for k, v in driver.message_ids.items() if k not in known_m}
-        new_e = {k: list(v) for k, v in driver.entry_keys.items() if k not in known_e}
-        known_m.update(new_m)
-        known_e.update(new_e)
-        ch.send({"a": i, "m": new_m, "e": new_e})
-        if i in plan:
-            try:
-                driver.take_spares(plan[i])
-            except Divergence as d:
-                ch.send({"divergence": d.clause, "detail": str(d), "i": i})
-                return
-    ch.send({"done": len(workload)})
+    drive_and_report(ch.send, backend.open(root), workload)
 
 
 def strace_command(output: str) -> list[str]:

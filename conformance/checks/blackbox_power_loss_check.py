@@ -37,9 +37,10 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from conformance.blackbox.traced_workload import Recording, model_before, record
+from conformance.blackbox.traced_workload import Recording, record
 from conformance.crashexplore.recovered_queue import Recovered, inspect, to_views
 from conformance.crashexplore.traced_runs import image_digest, scratch_dir
+from conformance.crashexplore.workload_driver import model_before
 from conformance.crashexplore.workloads import Workload, random_workload
 from conformance.harness.backend_factory import Backend
 from conformance.harness.check_catalog import NO_CRASH

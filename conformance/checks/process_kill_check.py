@@ -40,14 +40,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conformance.crashexplore.recovered_queue import inspect, to_views
-from conformance.crashexplore.workload_driver import Divergence, Driver, spare_plan
+from conformance.crashexplore.workload_driver import drive_and_report, model_before
 from conformance.crashexplore.workloads import Workload, random_workload
 from conformance.harness.backend_factory import Backend
 from conformance.harness.check_catalog import NO_CRASH, PROCESS_KILL
 from conformance.harness.check_results import CheckResult, Finding, finished
 from conformance.harness.child_process import Channel, Child, ChildTimeout
 from spec.crash import judge
-from spec.model import Call, Model, run
+from spec.model import Call
 
 
 @dataclass(frozen=True)
@@ -114,35 +114,17 @@ def _run_workload(ch: Channel, backend: Backend, root: str, workload: Workload,
                   kill_during: int, kill_event: int) -> None:
     """In the child: run the workload, reporting each call's start and acknowledgement;
     die at Python call ``kill_event`` of call ``kill_during``, or at its end."""
-    store = backend.open(root)
-    driver = Driver(store)
-    plan = spare_plan(workload)
-    model = Model()
-    known_m: set[str] = set()
-    known_e: set[str] = set()
-    for i, call in enumerate(workload):
-        ch.send({"b": i})
+    def before(i: int) -> None:
         if i == kill_during and kill_event > 0:
             _die_at(kill_event)
-        try:
-            model = driver.step(i, model, call)
-        except Divergence as d:
-            ch.send({"divergence": d.clause, "detail": str(d), "i": i})
-            return
+
+    def returned(i: int) -> None:
         if i == kill_during:
             _die()  # the call returned; it dies before anyone learns of it
-        new_m = {k: v for k, v in driver.message_ids.items() if k not in known_m}
-        new_e = {k: list(v) for k, v in driver.entry_keys.items() if k not in known_e}
-        known_m.update(new_m)
-        known_e.update(new_e)
-        ch.send({"a": i, "m": new_m, "e": new_e})
-        if i in plan:
-            try:
-                driver.take_spares(plan[i])
-            except Divergence as d:
-                ch.send({"divergence": d.clause, "detail": str(d), "i": i})
-                return
-    ch.send({"done": len(workload)})
+
+    if not drive_and_report(ch.send, backend.open(root), workload, before=before,
+                            returned=returned):
+        return
     while True:  # wait to be killed: a clean close is not what is tested here
         time.sleep(1)
 
@@ -205,13 +187,6 @@ def _steps(trial: Trial, state: _Run) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _model_before(workload: Workload, n: int) -> Model:
-    model = Model()
-    for call in workload[:n]:
-        model, _ = run(model, call)
-    return model
-
-
 def judge_trial(backend: Backend, root: str, trial: Trial, state: _Run) -> list[Finding]:
     """Findings of the queue left in ``root`` after the run described by ``state``."""
     steps = _steps(trial, state)
@@ -221,7 +196,7 @@ def judge_trial(backend: Backend, root: str, trial: Trial, state: _Run) -> list[
     if state.child_error is not None:
         return [Finding("C9", f"the child failed with no crash injected: "
                               f"{state.child_error}", trial.scenario, NO_CRASH, steps)]
-    before = _model_before(trial.workload, state.acked)
+    before = model_before(trial.workload, state.acked)
     pending: Call | None = None
     if state.begun >= state.acked and state.acked < len(trial.workload):
         pending = trial.workload[state.acked]

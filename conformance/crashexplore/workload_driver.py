@@ -13,8 +13,9 @@ breaks.  Everything else (``Crash``, ``StorageIOError``) passes through to the c
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from conformance.crashexplore.workloads import Workload
 from queue_ref.storage import (
@@ -188,3 +189,51 @@ def drive(storage: Storage, workload: Workload, *, driver: Driver | None = None,
         if i in plan:
             d.take_spares(plan[i])
     return d, model
+
+
+def drive_and_report(send: Callable[[dict[str, Any]], None], store: Storage,
+                     workload: Workload, *, before: Callable[[int], None] | None = None,
+                     returned: Callable[[int], None] | None = None) -> bool:
+    """Run ``workload`` on ``store`` in a child process, telling the parent through
+    ``send`` when each call begins (``{"b": i}``) and was acknowledged (``{"a": i}`` with
+    the message and entry ids it made known), a divergence from the model
+    (``{"divergence": clause, ...}``), and the end (``{"done": n}``).  ``before(i)`` runs
+    as call ``i`` begins, ``returned(i)`` once it returned and before it is reported (a
+    process-kill trial dies there).  False if a divergence stopped the run."""
+    driver = Driver(store)
+    plan = spare_plan(workload)
+    model = Model()
+    known_m: set[str] = set()
+    known_e: set[str] = set()
+    for i, call in enumerate(workload):
+        send({"b": i})
+        if before is not None:
+            before(i)
+        try:
+            model = driver.step(i, model, call)
+        except Divergence as d:
+            send({"divergence": d.clause, "detail": str(d), "i": i})
+            return False
+        if returned is not None:
+            returned(i)
+        new_m = {k: v for k, v in driver.message_ids.items() if k not in known_m}
+        new_e = {k: list(v) for k, v in driver.entry_keys.items() if k not in known_e}
+        known_m.update(new_m)
+        known_e.update(new_e)
+        send({"a": i, "m": new_m, "e": new_e})
+        if i in plan:
+            try:
+                driver.take_spares(plan[i])
+            except Divergence as d:
+                send({"divergence": d.clause, "detail": str(d), "i": i})
+                return False
+    send({"done": len(workload)})
+    return True
+
+
+def model_before(workload: Workload, n: int) -> Model:
+    """The model's state after the first ``n`` calls of ``workload``."""
+    model = Model()
+    for call in workload[:n]:
+        model, _ = run(model, call)
+    return model
