@@ -138,3 +138,32 @@ def test_every_odd_io_error_trial_fails_a_sync() -> None:
         trial = io_errors_check.make_trial(7, n, calls)
         assert calls.syncs and 0 <= trial.fail_at < calls.total
         assert (trial.fail_at in calls.syncs) if n % 2 else True
+
+
+IDS_REPEAT = "conformance.examples.broken_backends:fs_ids_repeat_on_a_stalled_clock"
+
+
+def test_a_call_that_fails_with_no_fault_injected_is_a_finding_not_a_note() -> None:
+    """Message ids made of the clock alone repeat when the clock stalls or steps back: the
+    seam opener's clock does both (``jumpy_clock``), the repeated id's commit fails with
+    EEXIST although the disk is fine, and crash exploration reports it on C9 (it once
+    filed such runs under "cases that could not be built" and certified the backend)."""
+    from dataclasses import replace
+
+    from conformance.checks import crash_exploration_check
+    from conformance.crashexplore.explored_backends import jumpy_clock
+
+    clock = jumpy_clock()
+    readings = [clock() for _ in range(12)]
+    assert any(b < a for a, b in zip(readings, readings[1:]))  # it steps back
+    assert len(set(readings)) < len(readings)  # and stalls
+    narrow = replace(QUICK, crash_bound=2, crash_random=0)
+    results = crash_exploration_check.run_all(Backend.from_factory(IDS_REPEAT),
+                                              ["process-kill"], narrow, 3, 2)
+    findings = [f for r in results for f in r.findings]
+    assert findings and {f.clause for f in findings} == {"C9"}
+    assert "no fault was injected" in findings[0].detail
+    assert "File exists" in findings[0].detail
+    real = crash_exploration_check.run_all(Backend.from_factory(FS), ["process-kill"],
+                                           narrow, 3, 2)
+    assert [f for r in real for f in r.findings] == []

@@ -68,17 +68,32 @@ def _owners_on_disk(root: str) -> list[int]:
     return [int(t, 16) for t in found]
 
 
+def jumpy_clock() -> Callable[[], int]:
+    """A deterministic clock (nanoseconds) that stalls and steps back, as a wall clock
+    under NTP does: 1, 0, 1, 2, 2, 1, 3, 3, 3, 3, 4, 4, ...  (each value read about three times,
+    every fourth reading one step behind).  A backend whose ids rest on the clock alone
+    repeats them under it."""
+    readings = itertools.count(3)
+
+    def clock() -> int:
+        i = next(readings)
+        return i // 3 - (1 if i % 4 == 0 else 0)
+
+    return clock
+
+
 def deterministic_fs(cls: Any) -> Opener:
     """An opener of the FsQueue class ``cls`` whose owner token and message ids depend only
     on the directory's contents, so that reruns of a workload make identical calls.
 
-    ``cls`` takes FsQueue's ``owner`` and ``clock`` keyword arguments; message ids are
-    ``<n:016x><n:06x><owner>`` for the n-th message of this opening.
+    ``cls`` takes FsQueue's ``owner`` and ``clock`` keyword arguments.  The clock is
+    ``jumpy_clock()``: it stalls and steps back as a wall clock does, so every check that
+    opens the queue this way also shows that ids stay unique when time misbehaves.
     """
 
     def open_fs(root: str, io: IO) -> Storage:
         owner = f"{max(_owners_on_disk(root), default=0) + 1:016x}"
-        store = cls(root, io, owner=owner, clock=itertools.count(1).__next__)
+        store = cls(root, io, owner=owner, clock=jumpy_clock())
         if not isinstance(store, Storage):
             raise TypeError(f"{cls!r} did not make a Storage")
         return store

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+from typing import Any
 
 from queue_ref.io import IO, OsIO
 from queue_ref.storage import Storage
@@ -160,6 +161,40 @@ def kv_resurrecting(root: str, io: IO | None = None) -> Storage:
     store = Resurrecting.open_log(root, io)
     assert isinstance(store, Resurrecting)
     return store
+
+
+# ---- message ids --------------------------------------------------------------------------
+
+def fs_ids_repeat_on_a_stalled_clock(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue whose message ids are the clock's time and nothing else (no
+    counter): unique only while the clock moves on.  A wall clock stalls and steps back
+    (NTP), and a repeated id renames the new message over a live one's file, which is then
+    delivered with another body, to another recipient (C6, C12).  The checks that open the
+    queue through the seam run it on a clock that stalls and steps back
+    (``explored_backends.jumpy_clock``)::
+
+        queue-ref certify conformance.examples.broken_backends:fs_ids_repeat_on_a_stalled_clock
+    """
+    from queue_ref.fsqueue import FsQueue
+    from queue_ref.fsqueue.layout import MessageIds
+
+    class ClockOnlyIds(MessageIds):
+        def next(self) -> str:
+            with self._lock:
+                now = max(self.clock(), self._last)
+                self._last = now
+                return f"{now % (1 << 64):016x}{0:06x}{self.owner}"  # the bug: no counter
+
+    class IdsRepeat(FsQueue):
+        def __init__(self, root: str, io: IO | None = None, **kw: Any) -> None:
+            super().__init__(root, io, **kw)
+            self.ids = ClockOnlyIds(self.owner, self.ids.clock)
+
+    if io is None:
+        return IdsRepeat(root)
+    from conformance.crashexplore.explored_backends import deterministic_fs
+
+    return deterministic_fs(IdsRepeat)(root, io)
 
 
 # ---- hold ---------------------------------------------------------------------------------
