@@ -342,6 +342,39 @@ def fs_requeues_live_claims(root: str, io: IO | None = None) -> Storage:
     return deterministic_fs(RequeuesLiveClaims)(root, io)
 
 
+def fs_orphans_live_claims(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue (``fsync`` mode) whose recovery, looking for orphan message
+    files, counts the names in queue/, held/ and cleanup/ but forgets inflight/: a
+    ``recover()`` run while this process holds claims on every entry of a message takes
+    that message's file for an orphan and moves it to quarantine, under the sender that is
+    reading it (C4, C9).  At open nothing is inflight (a dead owner's claims are requeued
+    first), so only a live recovery with claims held shows it: the restart check's edge
+    sequence fails it on every seed::
+
+        queue-ref certify conformance.examples.broken_backends:fs_orphans_live_claims \\
+            --only restart
+    """
+    from conformance.crashexplore.broken_fs_variants import _OwnRecovery
+    from conformance.crashexplore.explored_backends import deterministic_fs
+    from queue_ref.fsqueue.diskutil import listdir_or_empty
+    from queue_ref.fsqueue.fs_recovery import Recovery
+    from queue_ref.fsqueue.layout import EntryName
+
+    class _ForgetsInflight(Recovery):
+        def _referenced(self) -> set[str]:
+            refs: set[str] = set()
+            for d in (self.lay.queue, self.lay.held, self.lay.cleanup):  # the bug: no inflight/
+                refs.update(n for n in listdir_or_empty(self.io, d) if EntryName.parse(n))
+            return refs
+
+    class OrphansLiveClaims(_OwnRecovery):
+        recovery_class = _ForgetsInflight
+
+    if io is None:
+        return OrphansLiveClaims(root)
+    return deterministic_fs(OrphansLiveClaims)(root, io)
+
+
 def sqlite_sync_off(root: str) -> Storage:
     """The SQLite example with ``PRAGMA synchronous=OFF``: ``COMMIT`` returns before
     anything reached the disk, so a power cut loses acknowledged mail (C1).  A process

@@ -26,7 +26,7 @@ certify``), or ``hypothesis.stateful.run_state_machine_as_test(lockstep_machine(
 
 Modules: ``machine_state`` (state, helpers, the listing invariant), ``operation_rules``
 (enqueue, transitions, reads, drain), ``handle_rules`` (listings, misuse),
-``restart_rules``, ``crash_rules``.
+``restart_rules`` (with the edge sequence of a live recovery under held claims), ``crash_rules``.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from conformance.crashexplore.crash_judge import judge_recovered
 from conformance.crashexplore.recovered_queue import Recovered, inspect, to_views
 from conformance.crashexplore.traced_runs import Run, ScratchIO, scratch_dir
 from conformance.lockstep.machine_state import ClauseViolation, describe_model
-from conformance.lockstep.operation_rules import CRASHABLE, Operations
+from conformance.lockstep.operation_rules import CRASHABLE
 from conformance.lockstep.restart_rules import RestartRules
 from faultinject import MODELS, CrashState, crash_states, materialize
 from faultinject.seam import FaultyIO
@@ -53,7 +53,7 @@ EXHAUSTIVE_LIMIT = 6
 RANDOM_STATES = 4
 
 
-class CrashRules(Operations, RestartRules):
+class CrashRules(RestartRules):
     @precondition(lambda self: self.io is not None)
     @rule(data=st.data())
     def crash(self, data: st.DataObject) -> None:
