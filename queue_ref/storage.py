@@ -53,6 +53,7 @@ __all__ = [
     "Capability",
     "ClosedError",
     "CorruptionError",
+    "DamagedStoreError",
     "Enqueuer",
     "EntryMeta",
     "Footprint",
@@ -104,6 +105,15 @@ class StorageIOError(QueueError):
 
 class NoSpaceError(StorageIOError):
     """The disk is full (ENOSPC or EDQUOT)."""
+
+
+class DamagedStoreError(StorageIOError):
+    """The store's own files are damaged (a checksum failed, a file it needs is missing
+    or cut short) so that it cannot tell what it holds.  Retrying cannot help: opening
+    refuses, leaves every file as it was, and the message names the repair (for the
+    project's KV queue, ``queue-ref repair``, which salvages every intact message).  A
+    damaged *message* is not this: it is quarantined and named (``CorruptionError``,
+    ``RecoveryReport.lost``) while the rest of the queue is served."""
 
 
 class ReopenRequiredError(StorageIOError):

@@ -14,9 +14,10 @@ from conformance.harness.backend_factory import Backend
 from conformance.harness.check_results import Status
 from conformance.harness.suite_profiles import QUICK, THOROUGH
 from queue_ref.kv.kv_queue import KvQueue
-from queue_ref.storage import Recipient, Schedule, StorageIOError
+from queue_ref.storage import DamagedStoreError, Recipient, Schedule
 
 BROKEN = "conformance.examples.broken_backends"
+KV = "conformance.examples.backends:kv_log"
 
 
 @pytest.mark.parametrize("factory", [
@@ -46,6 +47,21 @@ def test_a_kv_queue_that_forgets_its_clean_close_is_c3() -> None:
     assert res.status is Status.FAIL
     assert {f.clause for f in res.findings} == {"C3"}
     assert all("truncation of" in f.detail and ".log" in f.detail for f in res.findings)
+
+
+@pytest.mark.parametrize("seed", [1, 7])
+def test_a_store_that_calls_its_damage_a_disk_failure_is_c9(seed: int) -> None:
+    """Refusing to open over a damaged engine is right; saying the disk failed (retry
+    later) instead of that the store is damaged (repair it) is not.  The project's KV
+    queue says DamagedStoreError and passes the same seeds."""
+    res = damage_at_rest_check.run(Backend.from_factory(f"{BROKEN}:kv_damage_as_disk_error"),
+                                   QUICK, seed)
+    assert res.status is Status.FAIL
+    assert {f.clause for f in res.findings} == {"C9"}
+    assert all("not DamagedStoreError" in f.detail and "StorageIOError" in f.detail
+               for f in res.findings)
+    real = damage_at_rest_check.run(Backend.from_factory(KV), QUICK, seed)
+    assert real.status is Status.PASS and real.stats["refused"] > 0
 
 
 def test_memory_backend_is_unsupported_not_passed() -> None:
@@ -104,6 +120,6 @@ def test_a_removed_sqlite_database_is_refused_not_started_empty(tmp_path) -> Non
         e.commit([Recipient("b@example.net", Schedule(0))])
     q.close()
     os.unlink(os.path.join(root, "queue.sqlite3"))
-    with pytest.raises(StorageIOError, match="refusing to start an empty one"):
+    with pytest.raises(DamagedStoreError, match="refusing to start an empty one"):
         factory(root)
     assert not os.path.exists(os.path.join(root, "queue.sqlite3"))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from queue_ref import Recipient, Schedule, StorageIOError
+from queue_ref import DamagedStoreError, Recipient, Schedule, StorageIOError
 from queue_ref.kv import salvage
 from queue_ref.kv.kv_queue import KvQueue
 from queue_ref.kv.kv_recovery import recover
@@ -126,7 +126,7 @@ def test_leveldb_refuses_a_damaged_log_and_repair_salvages_the_rest(tmp_path: Pa
     at = data.find(b"message %020d *" % int(ids[2]))
     data[at + 40] ^= 0x01
     log.write_bytes(bytes(data))
-    with pytest.raises(StorageIOError, match=f"queue-ref repair --queue {path} --backend kv-leveldb"):
+    with pytest.raises(DamagedStoreError, match=f"queue-ref repair --queue {path} --backend kv-leveldb"):
         KvQueue.open_leveldb(path)
     done = salvage.repair_leveldb(path)
     assert ids[2] in done.report.lost
@@ -147,7 +147,7 @@ def test_missing_current_refuses_and_repair_keeps_everything(tmp_path: Path, eng
     ids = fill(path, opener)
     os.unlink(os.path.join(path, "CURRENT"))
     before = sorted(n for n in os.listdir(path) if not n.startswith("queue-ref."))
-    with pytest.raises(StorageIOError, match=r"CURRENT: missing.*queue-ref repair"):
+    with pytest.raises(DamagedStoreError, match=r"CURRENT: missing.*queue-ref repair"):
         opener(path)
     # Nothing created over the old files (the record of the clean close is marked read).
     assert sorted(n for n in os.listdir(path) if not n.startswith("queue-ref.")) == before
@@ -167,7 +167,7 @@ def test_damaged_table_refuses_then_repair_names_the_lost_messages(tmp_path: Pat
     data = bytearray(table.read_bytes())
     data[10] ^= 0x20
     table.write_bytes(bytes(data))
-    with pytest.raises(StorageIOError, match=r"checksum mismatch.*queue-ref repair"):
+    with pytest.raises(DamagedStoreError, match=r"checksum mismatch.*queue-ref repair"):
         KvQueue.open_log(path)
     done = salvage.repair_log(path)
     assert done.report.lost == tuple(ids[:3])  # the table's one block held them
@@ -222,7 +222,7 @@ def test_a_killed_repair_run_again_gives_the_same_queue(tmp_path: Path, kill_at:
     salvage.repair_log(ref)
     with pytest.raises(Killed):
         salvage.repair_log(path, KillAtRename(kill_at))
-    with pytest.raises(StorageIOError, match="queue-ref repair"):  # never a fresh store
+    with pytest.raises(DamagedStoreError, match="queue-ref repair"):  # never a fresh store
         KvQueue.open_log(path)
     again = salvage.repair_log(path)
     assert again.report.lost == ()

@@ -7,8 +7,11 @@ left, so a backend with its own I/O is damaged through its directory as a whole)
 flip, a truncation or a removal, opens the copy and delivers everything it lists.  C6
 requires, for every trial:
 
-* opening either works or refuses with a typed ``QueueError`` (a store that cannot tell
-  what it lost must not start as if nothing happened); any other exception fails C9;
+* opening either works or refuses with ``DamagedStoreError`` (a store that cannot tell
+  what it lost must not start as if nothing happened, and must say that its files are
+  damaged); any other exception fails C9, a ``StorageIOError`` or another
+  ``QueueError`` included: it tells the operator the disk failed, or nothing useful,
+  when the disk is fine and the store tripped over damage it did not recognise;
 * no body is delivered with other bytes, and no entry with another recipient (C6);
 * every acknowledged message not delivered is named: in the recovery report of the open
   (``Storage.last_recovery``: ``lost``, or counted in ``lost_unknown``), or by a typed
@@ -34,7 +37,14 @@ from conformance.harness.backend_factory import Backend
 from conformance.harness.check_catalog import NO_CRASH
 from conformance.harness.check_results import CheckResult, Finding, Status, finished
 from conformance.harness.suite_profiles import Profile
-from queue_ref.storage import QueueError, Recipient, RecoveryReport, Schedule, Storage
+from queue_ref.storage import (
+    DamagedStoreError,
+    QueueError,
+    Recipient,
+    RecoveryReport,
+    Schedule,
+    Storage,
+)
 
 KINDS = ("bit flip", "truncation", "removal")
 MESSAGES = 8
@@ -150,11 +160,12 @@ def _trial(backend: Backend, template: str, rel: str, kind: str, rng: random.Ran
 
         try:
             store: Storage = backend.open(root)
-        except QueueError:
+        except DamagedStoreError:
             stats["refused"] += 1
             return
         except Exception as e:
-            finding("C9", f"opening raised {type(e).__name__} ({e}), not a QueueError")
+            finding("C9", f"opening raised {type(e).__name__} ({e}), not DamagedStoreError "
+                          "(the store's files are damaged, not the disk)")
             return
         try:
             report = getattr(store, "last_recovery", None) or RecoveryReport()

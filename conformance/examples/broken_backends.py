@@ -163,6 +163,26 @@ def kv_resurrecting(root: str, io: IO | None = None) -> Storage:
     return store
 
 
+def kv_damage_as_disk_error(root: str, io: IO | None = None) -> Storage:
+    """The KV queue (log engine) that refuses to open over a damaged ``CURRENT``,
+    manifest or log, as it must, but says so with a plain ``StorageIOError`` (the disk
+    failed: retry later) instead of ``DamagedStoreError`` (the store's files are damaged:
+    repair it), as the project's KV queue once did.  An operator, or a relay that
+    retries its open, waits for a disk that is fine.  The damage-at-rest check fails it
+    on C9::
+
+        queue-ref certify conformance.examples.broken_backends:kv_damage_as_disk_error \\
+            --only damage-at-rest
+    """
+    from queue_ref.kv.kv_queue import KvQueue
+    from queue_ref.storage import DamagedStoreError, StorageIOError
+
+    try:
+        return KvQueue.open_log(root, io)
+    except DamagedStoreError as e:
+        raise StorageIOError(str(e)) from e  # the bug: the cause is lost
+
+
 # ---- message ids --------------------------------------------------------------------------
 
 def fs_ids_repeat_on_a_stalled_clock(root: str, io: IO | None = None) -> Storage:

@@ -45,6 +45,7 @@ from queue_ref.storage import (
     Capability,
     ClosedError,
     CorruptionError,
+    DamagedStoreError,
     Enqueuer,
     EntryMeta,
     Footprint,
@@ -103,6 +104,9 @@ CREATE INDEX IF NOT EXISTS entries_by_msg ON entries (msg_id);
 #: Written once the database exists: a directory with it and no database lost its queue.
 MARKER = "queue.created"
 
+#: SQLite result codes that say the database file itself is damaged.
+DAMAGED = (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
+
 
 class SqliteStorage(Storage):
     capabilities = frozenset({Capability.ZONE_LISTING, Capability.DOMAIN_INDEX,
@@ -130,7 +134,7 @@ class SqliteStorage(Storage):
         marker = os.path.join(root, MARKER)
         if os.path.exists(marker) and not os.path.exists(db_path):
             os.close(self._owner_fd)
-            raise StorageIOError(
+            raise DamagedStoreError(
                 f"the queue database {db_path} is missing but {marker} says this directory "
                 "held a queue: refusing to start an empty one over acknowledged mail")
         try:
@@ -143,8 +147,12 @@ class SqliteStorage(Storage):
                 for stmt in SCHEMA.split(";"):
                     if stmt.strip():
                         db.execute(stmt)
-        except sqlite3.Error as e:
+        except sqlite3.DatabaseError as e:
             os.close(self._owner_fd)
+            if getattr(e, "sqlite_errorcode", 0) & 0xFF in DAMAGED:
+                raise DamagedStoreError(f"the queue database {db_path} is damaged ({e}): "
+                                        "refusing to open it; restore it from a backup or "
+                                        "salvage it with sqlite3's .recover") from e
             raise StorageIOError(f"cannot open the queue database: {e}") from e
         if not os.path.exists(marker):  # the database is durable (FULL or EXTRA) first
             fd = os.open(marker, os.O_WRONLY | os.O_CREAT, 0o644)

@@ -40,9 +40,11 @@ from queue_ref.kv import claims as cl
 from queue_ref.kv import keys, kv_records
 from queue_ref.kv.base import KV, WriteBatch
 from queue_ref.kv.claims import Claims
+from queue_ref.kv.engine_errors import DatabaseCorruptError
 from queue_ref.kv.kv_records import BadRecord, EntryRec, MetaRec, Stored
 from queue_ref.storage import (
     CorruptionError,
+    DamagedStoreError,
     Handle,
     NoSpaceError,
     ReopenRequiredError,
@@ -59,8 +61,10 @@ MOVE_BATCH = 16  # chunks moved per batch when a body goes to quarantine
 def io_error(what: str, e: OSError, handle: Handle | None, *,
              reopen: bool = False) -> StorageIOError:
     """The StorageIOError to raise for ``e``: ReopenRequiredError once the engine refuses
-    writes after a failed sync (``reopen``), NoSpaceError for ENOSPC/EDQUOT."""
+    writes after a failed sync (``reopen``), DamagedStoreError when the engine found its
+    own files damaged, NoSpaceError for ENOSPC/EDQUOT."""
     cls = (ReopenRequiredError if reopen
+           else DamagedStoreError if isinstance(e, DatabaseCorruptError)
            else NoSpaceError if e.errno in (errno.ENOSPC, errno.EDQUOT) else StorageIOError)
     return cls(f"{what}: {e}", handle)
 
