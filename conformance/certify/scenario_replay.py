@@ -27,6 +27,7 @@ from conformance import lockstep
 from conformance.checks import (
     bad_input_check,
     blackbox_power_loss_check,
+    damage_at_rest_check,
     io_errors_check,
     lifecycle_edges_check,
     limits_check,
@@ -73,6 +74,8 @@ def replay(backend: Backend, scenario: str) -> list[Finding]:
         return multi_process_check.run(backend, QUICK, int(rest)).findings
     if head == "lifecycle-edges":
         return lifecycle_edges_check.replay(backend, scenario)
+    if head == "damage-at-rest":
+        return damage_at_rest_check.replay(backend, scenario)
     if head == "streaming":
         return streaming_check.run(backend, replace(QUICK, streaming_bytes=int(rest))).findings
     from conformance.checks import crash_exploration_check

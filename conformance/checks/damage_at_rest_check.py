@@ -4,7 +4,8 @@ The check fills a queue (messages of one and two recipients, some already delive
 cleaned up), closes it, and keeps that directory as a template.  Each trial copies the
 template, damages one file of the copy (every regular file and symbolic link the backend
 left, so a backend with its own I/O is damaged through its directory as a whole) by a bit
-flip, a truncation or a removal, opens the copy and delivers everything it lists.  C6
+flip (anywhere, or aimed at the framing near its end), a truncation (to any length, or of
+its last writes only) or a removal, opens the copy and delivers everything it lists.  C6
 requires, for every trial:
 
 * opening either works or refuses with ``DamagedStoreError`` (a store that cannot tell
@@ -20,7 +21,8 @@ requires, for every trial:
 * no message that was delivered and cleaned up before the damage comes back (C3).
 
 Every file is damaged at least once (in a way drawn at random), then in the other ways:
-all of them in the thorough profile, up to 48 trials in all in the quick one.
+all of them in the thorough profile, up to 160 trials in all in the quick one.  A
+framing flip aims at the end of a file, where a record's length or offset often is.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ from queue_ref.storage import (
     Storage,
 )
 
-KINDS = ("bit flip", "truncation", "removal")
+KINDS = ("bit flip", "framing flip", "truncation", "tail cut", "removal")
+FRAMING = 32  # a framing flip hits one of the last FRAMING bytes of a file
 MESSAGES = 8
 CLEANED = 2  # messages delivered and cleaned up before the damage
 
@@ -86,6 +89,34 @@ def _fill(backend: Backend, root: str) -> tuple[dict[str, bytes], dict[str, str]
     return want, rcpt_of, cleaned
 
 
+def copy_tree(src: str, dst: str) -> None:
+    """Copy ``src`` to ``dst`` as it is: symbolic links as links, and the names of one
+    file as names of one file (hard links), so damage to one name is damage to all of
+    them, as on the disk (``shutil.copytree`` would make each name a file of its own)."""
+    seen: dict[tuple[int, int], str] = {}
+    os.mkdir(dst)
+    for d, dirs, names in os.walk(src):
+        rel = os.path.relpath(d, src)
+        for n in dirs:
+            s = os.path.join(d, n)
+            if os.path.islink(s):
+                os.symlink(os.readlink(s), os.path.join(dst, rel, n))
+            else:
+                os.mkdir(os.path.join(dst, rel, n))
+        for n in names:
+            s, t = os.path.join(d, n), os.path.join(dst, rel, n)
+            st = os.lstat(s)
+            if os.path.islink(s):
+                os.symlink(os.readlink(s), t)
+            elif (st.st_dev, st.st_ino) in seen:
+                os.link(seen[(st.st_dev, st.st_ino)], t)
+            else:
+                shutil.copy2(s, t)
+                if st.st_nlink > 1:
+                    seen[(st.st_dev, st.st_ino)] = t
+        dirs[:] = [n for n in dirs if not os.path.islink(os.path.join(d, n))]
+
+
 def _files(root: str) -> list[str]:
     out = []
     for d, _dirs, names in os.walk(root):
@@ -121,15 +152,26 @@ def damage(path: Path, kind: str, rng: random.Random) -> str:
         i = rng.randrange(len(data))
         data[i] ^= 1 << rng.randrange(8)
         what = f"flipped bit of byte {i} of {path.name} ({len(data)} bytes)"
-    else:
-        keep = rng.randrange(len(data))
+    elif kind == "framing flip":
+        # Framing (a record's length or offset) often sits at the end of a file, and as
+        # decimal digits in a text format: aim at a digit there when there is one, and
+        # flip one of the low four bits (a digit stays a digit, a length grows or shrinks).
+        tail = range(max(0, len(data) - FRAMING), len(data))
+        digits = [j for j in tail if 0x30 <= data[j] <= 0x39]
+        i = rng.choice(digits or list(tail))
+        data[i] ^= 1 << rng.randrange(4)
+        what = (f"flipped a low bit of byte {i} of {path.name} ({len(data)} bytes), in its "
+                f"last {FRAMING}")
+    else:  # a truncation keeps any length; a tail cut loses at most the last quarter
+        keep = (rng.randrange(len(data)) if kind == "truncation"
+                else len(data) - 1 - rng.randrange(max(1, len(data) // 4)))
         del data[keep:]
         what = f"cut {path.name} to {keep} of its bytes"
     path.write_bytes(bytes(data))
     return what
 
 
-QUICK_TRIALS = 48
+QUICK_TRIALS = 160
 
 
 def _plan(files: list[str], thorough: bool, rng: random.Random) -> list[tuple[str, str]]:
@@ -144,12 +186,11 @@ def _plan(files: list[str], thorough: bool, rng: random.Random) -> list[tuple[st
 
 def _trial(backend: Backend, template: str, rel: str, kind: str, rng: random.Random,
            want: dict[str, bytes], rcpt_of: dict[str, str], cleaned: set[str],
-           fail: list[Finding], stats: dict[str, int]) -> None:
+           fail: list[Finding], stats: dict[str, int], scenario: str) -> None:
     work = tempfile.mkdtemp(prefix="queue-ref-atrest-")
     root = os.path.join(work, "q")
-    scenario = f"damage-at-rest:{rel}:{kind}"
     try:
-        shutil.copytree(template, root, symlinks=True)
+        copy_tree(template, root)
         what = damage(Path(root, rel), kind, rng)
         steps = (f"fill a queue of {MESSAGES} messages, deliver {CLEANED}, close",
                  f"{kind}: {what}", "open the queue and deliver what it lists")
@@ -224,15 +265,18 @@ def _trial(backend: Backend, template: str, rel: str, kind: str, rng: random.Ran
         shutil.rmtree(work, ignore_errors=True)
 
 
-def run(backend: Backend, profile: Profile, seed: int) -> CheckResult:
-    start = time.perf_counter()
-    if not backend.takes_root:
-        return CheckResult("damage-at-rest", NO_CRASH, Status.UNSUPPORTED,
-                           note="the backend keeps nothing at rest (its factory takes no root)")
-    rng = random.Random(seed)
-    findings: list[Finding] = []
-    stats = {"files": 0, "trials": 0, "refused": 0, "refused_later": 0, "detected": 0,
-             "delivered": 0, "named_lost": 0}
+def scenario_id(seed: int, trial: int, kind: str, rel: str) -> str:
+    """``damage-at-rest:seed=S:trial=N:<kind>:<file>``: the N-th trial of the plan drawn
+    from S (the file is named for a person; the plan's order finds it again in a new fill,
+    whose file names differ only in ids)."""
+    return f"damage-at-rest:seed={seed}:trial={trial}:{kind}:{rel}"
+
+
+def _trials(backend: Backend, seed: int, every_way: bool, only: int | None,
+            findings: list[Finding], stats: dict[str, int]) -> None:
+    """Fill a template, then run the plan drawn from ``seed`` (trial ``only`` alone when
+    given).  Each trial draws its damage from its own generator, so it is the same trial
+    whether run in the plan or alone."""
     base = tempfile.mkdtemp(prefix="queue-ref-atrest-template-")
     try:
         template = os.path.join(base, "q")
@@ -240,10 +284,40 @@ def run(backend: Backend, profile: Profile, seed: int) -> CheckResult:
         want, rcpt_of, cleaned = _fill(backend, template)
         files = _files(template)
         stats["files"] = len(files)
-        for rel, kind in _plan(files, profile.damage_every_way, rng):
+        plan = _plan(files, every_way or only is not None, random.Random(seed))
+        for n, (rel, kind) in enumerate(plan):
+            if only is not None and n != only:
+                continue
             stats["trials"] += 1
-            _trial(backend, template, rel, kind, rng, want, rcpt_of, cleaned, findings, stats)
+            _trial(backend, template, rel, kind, random.Random(f"{seed}:{n}"), want, rcpt_of,
+                   cleaned, findings, stats, scenario_id(seed, n, kind, rel))
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _stats() -> dict[str, int]:
+    return {"files": 0, "trials": 0, "refused": 0, "refused_later": 0, "detected": 0,
+            "delivered": 0, "named_lost": 0}
+
+
+def run(backend: Backend, profile: Profile, seed: int) -> CheckResult:
+    start = time.perf_counter()
+    if not backend.takes_root:
+        return CheckResult("damage-at-rest", NO_CRASH, Status.UNSUPPORTED,
+                           note="the backend keeps nothing at rest (its factory takes no root)")
+    findings: list[Finding] = []
+    stats = _stats()
+    _trials(backend, seed, profile.damage_every_way, None, findings, stats)
     return finished("damage-at-rest", NO_CRASH, findings, seconds=time.perf_counter() - start,
                     seed=seed, stats=stats)
+
+
+def replay(backend: Backend, scenario: str) -> list[Finding]:
+    """The findings of one trial, by its scenario id (``scenario_id``)."""
+    parts = scenario.split(":", 4)
+    if (len(parts) < 4 or parts[0] != "damage-at-rest" or not parts[1].startswith("seed=")
+            or not parts[2].startswith("trial=")):
+        raise ValueError(f"{scenario!r}: expected damage-at-rest:seed=S:trial=N:<kind>:<file>")
+    findings: list[Finding] = []
+    _trials(backend, int(parts[1][5:]), True, int(parts[2][6:]), findings, _stats())
+    return findings

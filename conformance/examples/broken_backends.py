@@ -183,6 +183,46 @@ def kv_damage_as_disk_error(root: str, io: IO | None = None) -> Storage:
         raise StorageIOError(str(e)) from e  # the bug: the cause is lost
 
 
+def fs_envelope_length_unbounded(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue (``fsync`` mode) that bounds the envelope length its trailer
+    gives by the largest envelope, but not by the file's size: a damaged digit in the
+    trailer makes it read at a negative offset (EINVAL), and opening the whole queue fails
+    with a ``StorageIOError`` (the disk failed) over one damaged message, instead of
+    quarantining that message and serving the rest.  The damage-at-rest check, by a
+    framing flip (a low bit of a digit in the last bytes of a file), fails it on C9::
+
+        queue-ref certify conformance.examples.broken_backends:fs_envelope_length_unbounded \\
+            --only damage-at-rest
+    """
+    from conformance.crashexplore.broken_fs_variants import _Fsync
+    from conformance.crashexplore.explored_backends import deterministic_fs
+    from queue_ref.fsqueue.fs_records import TRAILER_LEN, Envelope, RecordError, parse_trailer
+    from queue_ref.fsqueue.metadata import MAX_ENVELOPE, Corrupt
+
+    class LengthUnbounded(_Fsync):
+        def _read_envelope(self, path: str, msgid: str) -> Envelope:
+            fd = self.io.open_read(path)
+            try:
+                size = self.io.fsize(fd)
+                if size < TRAILER_LEN:
+                    raise Corrupt(f"message {msgid} is shorter than its trailer", True)
+                n = parse_trailer(self.io.pread(fd, TRAILER_LEN, size - TRAILER_LEN))
+                if n > MAX_ENVELOPE:  # the bug: not bounded by the file's size
+                    raise Corrupt(f"envelope of {msgid} is too large", True)
+                env = Envelope.decode(self.io.pread(fd, n, size - TRAILER_LEN - n), msgid)
+            except RecordError as e:
+                raise Corrupt(f"envelope of {msgid}: {e}", True) from e
+            finally:
+                self.io.close(fd)
+            if env.body_size != size - TRAILER_LEN - n:
+                raise Corrupt(f"message {msgid}: body size differs from its envelope", True)
+            return env
+
+    if io is None:
+        return LengthUnbounded(root)
+    return deterministic_fs(LengthUnbounded)(root, io)
+
+
 # ---- message ids --------------------------------------------------------------------------
 
 def fs_ids_repeat_on_a_stalled_clock(root: str, io: IO | None = None) -> Storage:

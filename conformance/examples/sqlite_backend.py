@@ -19,6 +19,14 @@ SQLite does not fsync the directory after it, so a power cut may bring the journ
 and roll the acknowledged transaction back (the black-box power-loss check finds it
 under ``weak``: C5, C3).
 
+Damage at rest: SQLite keeps no checksum of the values in its rows, so each row of
+``messages`` and ``entries`` carries one (``crc``, SQL function ``qr_crc``), kept by
+triggers on every insert and update.  Opening checks the database (``PRAGMA
+integrity_check``: a damaged index is rebuilt, other damage refuses the open with
+``DamagedStoreError``) and every row: a damaged entry, the entries of a damaged message
+and entries whose message row is gone are quarantined and named in ``last_recovery``
+(C6).  Bodies carry their sha256, checked as they are read.
+
 Owners: every open Storage holds an flock on ``root/owners/<token>.lock``.  An owner
 whose lock can be taken (or whose file is gone) is dead; opening the queue requeues
 its inflight entries, finishes its cleanups and deletes its uncommitted messages, so
@@ -39,6 +47,7 @@ import os
 import sqlite3
 import threading
 import uuid
+import zlib
 from collections.abc import Iterator, Mapping, Sequence
 
 from queue_ref.storage import (
@@ -74,7 +83,8 @@ CREATE TABLE IF NOT EXISTS messages (
     owner TEXT,
     chunks INTEGER NOT NULL DEFAULT 0,
     body_size INTEGER NOT NULL DEFAULT 0,
-    body_sha256 TEXT
+    body_sha256 TEXT,
+    crc INTEGER
 );
 CREATE TABLE IF NOT EXISTS chunks (
     msg_id INTEGER NOT NULL,
@@ -92,7 +102,8 @@ CREATE TABLE IF NOT EXISTS entries (
     state TEXT NOT NULL,
     at INTEGER NOT NULL,
     attempts INTEGER NOT NULL,
-    owner TEXT
+    owner TEXT,
+    crc INTEGER
 );
 CREATE INDEX IF NOT EXISTS entries_by_state ON entries (state, msg_id, idx);
 CREATE INDEX IF NOT EXISTS entries_by_zone ON entries (zone, state, msg_id, idx);
@@ -101,11 +112,57 @@ CREATE INDEX IF NOT EXISTS entries_by_msg ON entries (msg_id);
 """
 
 
+#: The columns each row's checksum covers (text as its stored bytes: a damaged one need not
+#: decode), and the triggers that keep it, so every statement that writes a row keeps it.
+ROW_CRC = {
+    "messages": "NEW.id, CAST(NEW.mail_from AS BLOB), CAST(NEW.params AS BLOB), "
+                "CAST(NEW.owner AS BLOB), NEW.chunks, NEW.body_size, "
+                "CAST(NEW.body_sha256 AS BLOB)",
+    "entries": "NEW.id, NEW.msg_id, NEW.idx, CAST(NEW.rcpt AS BLOB), CAST(NEW.zone AS BLOB), "
+               "CAST(NEW.domain AS BLOB), CAST(NEW.state AS BLOB), NEW.at, NEW.attempts, "
+               "CAST(NEW.owner AS BLOB)",
+}
+ROW_COLUMNS = {
+    "messages": "mail_from, params, owner, chunks, body_size, body_sha256",
+    "entries": "msg_id, idx, rcpt, zone, domain, state, at, attempts, owner",
+}
+
+
+def _triggers() -> list[str]:
+    out = []
+    for table, cols in ROW_CRC.items():
+        out.append(f"CREATE TRIGGER IF NOT EXISTS {table}_crc_new AFTER INSERT ON {table} "
+                   f"BEGIN UPDATE {table} SET crc = qr_crc({cols}) WHERE id = NEW.id; END")
+        out.append(f"CREATE TRIGGER IF NOT EXISTS {table}_crc_set AFTER UPDATE OF "
+                   f"{ROW_COLUMNS[table]} ON {table} "
+                   f"BEGIN UPDATE {table} SET crc = qr_crc({cols}) WHERE id = NEW.id; END")
+    return out
+
+
+def _crc(*values: object) -> int:
+    """The checksum of a row's values (SQL function ``qr_crc``)."""
+    return zlib.crc32(repr(values).encode())
+
+
+def _old(cols: str) -> str:
+    """``ROW_CRC``'s column list for a plain SELECT (no ``NEW.``)."""
+    return cols.replace("NEW.", "")
+
+
 #: Written once the database exists: a directory with it and no database lost its queue.
 MARKER = "queue.created"
 
 #: SQLite result codes that say the database file itself is damaged.
 DAMAGED = (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
+
+
+def _storage_error(e: sqlite3.Error | UnicodeDecodeError) -> StorageIOError:
+    """A failed statement as the contract's error: DamagedStoreError when what SQLite read
+    is damaged (a page that fails its checks, a text column that is not UTF-8 any more),
+    else StorageIOError."""
+    if isinstance(e, UnicodeDecodeError) or getattr(e, "sqlite_errorcode", 0) & 0xFF in DAMAGED:
+        return DamagedStoreError(f"sqlite: the database is damaged: {e}")
+    return StorageIOError(f"sqlite: {e}")
 
 
 class SqliteStorage(Storage):
@@ -141,15 +198,19 @@ class SqliteStorage(Storage):
             self._db = sqlite3.connect(db_path,
                                        isolation_level=None, check_same_thread=False,
                                        timeout=30.0)
+            self._db.create_function("qr_crc", -1, _crc, deterministic=True)
             self._db.execute(f"PRAGMA journal_mode={journal}")
             self._db.execute(f"PRAGMA synchronous={synchronous}")
             with self._tx() as db:
-                for stmt in SCHEMA.split(";"):
+                for stmt in [*SCHEMA.split(";"), *_triggers()]:
                     if stmt.strip():
                         db.execute(stmt)
-        except sqlite3.DatabaseError as e:
+        except (sqlite3.DatabaseError, UnicodeDecodeError, DamagedStoreError) as e:
             os.close(self._owner_fd)
-            if getattr(e, "sqlite_errorcode", 0) & 0xFF in DAMAGED:
+            if isinstance(e, DamagedStoreError):
+                raise
+            if (isinstance(e, UnicodeDecodeError)
+                    or getattr(e, "sqlite_errorcode", 0) & 0xFF in DAMAGED):
                 raise DamagedStoreError(f"the queue database {db_path} is damaged ({e}): "
                                         "refusing to open it; restore it from a backup or "
                                         "salvage it with sqlite3's .recover") from e
@@ -161,7 +222,18 @@ class SqliteStorage(Storage):
             dfd = os.open(root, os.O_RDONLY)
             os.fsync(dfd)
             os.close(dfd)
-        self.recover()
+        try:
+            damage = self._verify_rows()
+            report = self.recover()
+            self.last_recovery = RecoveryReport(
+                report.requeued, report.cleaned, report.uncommitted_removed,
+                quarantined=len(damage.lost) + damage.lost_unknown, problems=damage.problems,
+                lost=damage.lost, lost_unknown=damage.lost_unknown)
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error):
+                self._db.close()
+            os.close(self._owner_fd)
+            raise
 
     # ---- plumbing --------------------------------------------------------------------
 
@@ -184,8 +256,8 @@ class SqliteStorage(Storage):
             except BaseException as e:
                 with contextlib.suppress(sqlite3.Error):
                     db.execute("ROLLBACK")
-                if isinstance(e, sqlite3.Error):
-                    raise StorageIOError(f"sqlite: {e}") from e
+                if isinstance(e, sqlite3.Error | UnicodeDecodeError):
+                    raise _storage_error(e) from e
                 raise
 
     def _query(self, sql: str, args: Sequence[object] = ()) -> list[tuple[object, ...]]:
@@ -193,8 +265,8 @@ class SqliteStorage(Storage):
             self._check_open()
             try:
                 return list(self._db.execute(sql, args))
-            except sqlite3.Error as e:
-                raise StorageIOError(f"sqlite: {e}") from e
+            except (sqlite3.Error, UnicodeDecodeError) as e:
+                raise _storage_error(e) from e
 
     def _dead(self, token: str) -> bool:
         if token == self.owner:
@@ -336,6 +408,55 @@ class SqliteStorage(Storage):
         return bool(rows)
 
     # ---- lifecycle -------------------------------------------------------------------
+
+    def _verify_rows(self) -> RecoveryReport:
+        """At open: the database's structure (``PRAGMA integrity_check``: a damaged index is
+        rebuilt, anything else refuses the open with DamagedStoreError), then every row
+        against its checksum.  A damaged entry, every entry of a damaged message, and an
+        entry whose message row is gone are quarantined (never listed, never delivered)
+        and their messages named in ``lost``; an entry too damaged to name its message is
+        counted in ``lost_unknown`` (C6)."""
+        problems = [str(r[0]) for r in self._query("PRAGMA integrity_check")]
+        if problems != ["ok"]:
+            if not all("index" in p for p in problems):
+                raise DamagedStoreError(
+                    f"the queue database in {self.root} is damaged ({problems[0]}; "
+                    f"{len(problems)} problems in all): refusing to open it; restore it from "
+                    "a backup or salvage it with sqlite3's .recover")
+            with self._tx() as db:
+                db.execute("REINDEX")
+        lost: set[str] = set()
+        unknown = 0
+        notes: list[str] = []
+        with self._tx() as db:
+            bad_msgs = [r[0] for r in db.execute(
+                f"SELECT id FROM messages WHERE crc IS NOT qr_crc({_old(ROW_CRC['messages'])})")]
+            bad_entries = [(r[0], r[1]) for r in db.execute(
+                f"SELECT id, msg_id FROM entries WHERE state != 'quarantined' AND "
+                f"crc IS NOT qr_crc({_old(ROW_CRC['entries'])})")]
+            orphans = [(r[0], r[1]) for r in db.execute(
+                "SELECT id, msg_id FROM entries WHERE state != 'quarantined' AND msg_id NOT IN "
+                "(SELECT id FROM messages)")]
+            for mid in bad_msgs:
+                if not isinstance(mid, int):
+                    unknown += 1
+                    continue
+                db.execute("UPDATE entries SET state='quarantined' WHERE msg_id=? AND "
+                           "state != 'quarantined'", (mid,))
+                lost.add(str(mid))
+                notes.append(f"message {mid}: its row fails its checksum; its entries are "
+                             "quarantined")
+            for eid, mid in [*bad_entries, *orphans]:
+                db.execute("UPDATE entries SET state='quarantined' WHERE id=?", (eid,))
+                if isinstance(mid, int):
+                    lost.add(str(mid))
+                    notes.append(f"entry {eid} of message {mid}: damaged, or its message row "
+                                 "is gone; quarantined")
+                else:
+                    unknown += 1
+                    notes.append(f"entry {eid}: damaged beyond naming its message; quarantined")
+        return RecoveryReport(problems=tuple(notes), lost=tuple(sorted(lost)),
+                              lost_unknown=unknown)
 
     def recover(self) -> RecoveryReport:
         owners = {str(o) for (o,) in self._query(
