@@ -81,6 +81,11 @@ UNREACHED: dict[str, list[str]] = {
 }
 
 
+#: A check of a mutant still running after this long is a hang (a killed mutant): the
+#: certifier says so itself (``--check-timeout``), long before cosmic-ray's timeout.
+CHECK_TIMEOUT = 300.0
+
+
 def kill_script(backend: str, src: Path, seed: int) -> Path:
     """The test command: certify each factory of ``backend``, stopping at the first failure.
     The mutated file is found by comparing the sources with a pristine copy, taken here
@@ -96,7 +101,8 @@ def kill_script(backend: str, src: Path, seed: int) -> Path:
              "| sed -n 's/^Files .* and \\(.*\\) differ$/\\1/p')"]
     for factory in FACTORIES[backend]:
         run = (f'"{sys.executable}" -m conformance.cli certify {factory} --profile quick '
-               f'--fail-fast --jobs 1 --seed {seed} --out "{src}/out/cert" >/dev/null')
+               f'--fail-fast --jobs 1 --seed {seed} --check-timeout {CHECK_TIMEOUT:g} '
+               f'--out "{src}/out/cert" >/dev/null')
         skip = UNREACHED.get(factory)
         if skip:
             lines.append(f'case "$changed" in {"|".join(skip)}) ;; *) {run} ;; esac')

@@ -71,3 +71,25 @@ class RecoverRequeuesLive(MemoryStorage):
                     e.state = "queued"
                     n += 1
         return RecoveryReport(requeued=n)
+
+
+class _Stuck:
+    """Never set: a wait on it is a deadlock (a lock its holder never releases)."""
+
+    event = __import__("threading").Event()
+
+
+class HangsInSendDone(MemoryStorage):
+    """``send_done`` waits for something that never comes: the certifier must give a
+    verdict (a hang, with where it was stuck) instead of running forever."""
+
+    def send_done(self, mail):  # type: ignore[no-untyped-def]
+        _Stuck.event.wait()
+        return super().send_done(mail)
+
+
+class HangsOnClose(MemoryStorage):
+    """``close`` never returns: even the first opening of a queue (the probe) hangs."""
+
+    def close(self) -> None:
+        _Stuck.event.wait()

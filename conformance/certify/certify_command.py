@@ -2,7 +2,7 @@
 
     queue-ref certify package.module:factory [--model process-kill,weak,ext4-ordered]
         [--profile quick|thorough] [--seed N] [--out DIR] [--expected-failures FILE]
-        [--only CHECK,...] [--jobs N] [--json]
+        [--only CHECK,...] [--jobs N] [--check-timeout SECONDS] [--json]
     queue-ref certify package.module:factory --scenario ID [--json]
 
 Writes ``certificate.json``, ``report.md`` and ``report.html`` into ``--out`` (default
@@ -22,11 +22,15 @@ import sys
 import time
 
 from conformance.certify import certificate_report
-from conformance.certify.certificate import load_expectations
+from conformance.certify.certificate import Certificate, load_expectations
 from conformance.certify.suite_runner import DEFAULT_MODELS, certify, known_models
 from conformance.harness.backend_factory import Backend, FactoryError
 from conformance.harness.check_catalog import BY_ID
 from conformance.harness.check_results import CheckResult, Finding
+
+#: Default deadline of one check with the quick profile (its checks take seconds to
+#: minutes; the slowest, crash exploration, about 3 minutes on 2 cores).
+QUICK_CHECK_TIMEOUT = 900.0
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -53,6 +57,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="replay one scenario id from a report instead of certifying")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="worker processes for crash exploration (default: %(default)s)")
+    p.add_argument("--check-timeout", type=float, default=None, metavar="SECONDS",
+                   help="a check (or the first opening of a queue) still running after "
+                        "this long is a hang: reported as an ERROR with where it was "
+                        "stuck, the report written, exit 1 (default: 900 with the quick "
+                        "profile, none with the thorough one; 0: none)")
     p.add_argument("--fail-fast", action="store_true",
                    help="stop after the first check that fails (the rest are not run)")
     p.add_argument("--json", action="store_true",
@@ -116,16 +125,28 @@ def main(args: argparse.Namespace) -> int:
     print(f"certifying {args.factory}: profile {args.profile}, models {', '.join(models)}, "
           f"seed {seed}", flush=True)
     t = time.perf_counter()
+    out = args.out or f"out/certify/{_slug(args.factory)}"
+    timeout = (args.check_timeout if args.check_timeout is not None
+               else QUICK_CHECK_TIMEOUT if args.profile == "quick" else 0)
+
+    def hung(cert: Certificate) -> None:
+        _verdict(cert, certificate_report.write(cert, out), t, json_out=args.json)
+
     try:
         cert = certify(args.factory, models=models, profile=args.profile, seed=seed,
                        expectations=expectations, only=only, jobs=max(1, args.jobs),
-                       fail_fast=args.fail_fast,
-                       progress=lambda r: print(_line(r), flush=True))
+                       fail_fast=args.fail_fast, check_timeout=timeout or None,
+                       on_hang=hung, progress=lambda r: print(_line(r), flush=True))
     except (FactoryError, ValueError) as e:
         print(f"queue-ref certify: {e}", file=sys.stderr)
         return 2
-    out = args.out or f"out/certify/{_slug(args.factory)}"
     paths = certificate_report.write(cert, out)
+    return _verdict(cert, paths, t, json_out=args.json)
+
+
+def _verdict(cert: Certificate, paths: dict[str, str], t: float, *,
+             json_out: bool = False) -> int:
+    """Print the verdict and where the report is; the exit code."""
     status = cert.status()
     held = cert.certified_models()
     if status == "certified":
@@ -138,6 +159,6 @@ def main(args: argparse.Namespace) -> int:
         print(f"  - {r}")
     print(f"report: {paths['report.html']}  (also {paths['report.md']}, "
           f"{paths['certificate.json']})")
-    if args.json:
+    if json_out:
         print(json.dumps(cert.to_json(), separators=(",", ":")))
     return cert.exit_code()

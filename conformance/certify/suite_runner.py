@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from conformance import lockstep
 from conformance.certify.certificate import Certificate, Expectation, environment
+from conformance.certify.hang_watchdog import Watchdog
 from conformance.checks import (
     bad_input_check,
     blackbox_power_loss_check,
@@ -163,8 +164,15 @@ def certify(factory: Factory | str | Backend, *, models: Iterable[str] = DEFAULT
             profile: str | Profile = "quick", seed: int = 0,
             expectations: Sequence[Expectation] = (), only: Iterable[str] | None = None,
             progress: Progress | None = None, name: str | None = None,
-            jobs: int = 1, fail_fast: bool = False) -> Certificate:
+            jobs: int = 1, fail_fast: bool = False, check_timeout: float | None = None,
+            on_hang: Callable[[Certificate], None] | None = None) -> Certificate:
     """Run the suite on ``factory`` and return its certificate.
+
+    With ``check_timeout`` every check (and the first opening of a queue, the probe) must
+    finish within that many seconds: one that does not is a hang, reported as an ERROR
+    naming the check and where it was stuck; ``on_hang`` gets the certificate so far
+    (write it out there), and the process then ends with exit code 1
+    (``conformance.certify.hang_watchdog``).
 
     With ``fail_fast`` the run stops after the first check that fails or errs (the rest
     are not run, so the certificate cannot say "certified"): a quick verdict for mutation
@@ -184,24 +192,48 @@ def certify(factory: Factory | str | Backend, *, models: Iterable[str] = DEFAULT
                          f"known: {', '.join(BY_ID)}")
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     t0 = time.perf_counter()
-    probe = backend.probe()
     results: list[CheckResult] = []
+    probe: Probe | None = None
+    current: list[tuple[str, list[str]]] = [("probe", [NO_CRASH])]
+
+    def certificate(done: list[CheckResult]) -> Certificate:
+        return Certificate(
+            backend=backend.name,
+            storage_class=probe.storage_class if probe is not None else "(not opened)",
+            capabilities=sorted(c.value for c in probe.capabilities) if probe else [],
+            profile=prof.name, models=models, seed=seed, results=done,
+            expectations=list(expectations), seconds=time.perf_counter() - t0,
+            started=started, environment=environment())
+
+    def hung(name: str, seconds: float, where: str, stack: str) -> None:
+        check, cols = current[0]
+        note = (f"did not finish within {seconds:g} s, stuck in {where}: a hang (a deadlock "
+                f"or an endless loop) in the backend or in the check; its stack:\n{stack}")
+        stuck = [CheckResult(check, col, Status.ERROR, note=note, seconds=seconds)
+                 for col in cols]
+        for res in stuck:
+            if progress is not None:
+                progress(res)
+        if on_hang is not None:
+            on_hang(certificate([*results, *stuck]))
+
+    watchdog = Watchdog(check_timeout, hung)
+    with watchdog.step("probe"):
+        probe = backend.probe()
     for spec in CHECKS:
         if wanted is not None and spec.id not in wanted:
             continue
         cols = _columns(spec, models)
-        if spec.id == "crash-exploration":
-            got = run_exploration(spec, cols, backend, probe, prof, seed, jobs)
-        else:
-            got = [run_check(spec, col, backend, probe, prof, seed, jobs) for col in cols]
+        current[0] = (spec.id, cols)
+        with watchdog.step(spec.id):
+            if spec.id == "crash-exploration":
+                got = run_exploration(spec, cols, backend, probe, prof, seed, jobs)
+            else:
+                got = [run_check(spec, col, backend, probe, prof, seed, jobs) for col in cols]
         for res in got:
             results.append(res)
             if progress is not None:
                 progress(res)
         if fail_fast and any(r.status in (Status.FAIL, Status.ERROR) for r in got):
             break
-    return Certificate(
-        backend=backend.name, storage_class=probe.storage_class,
-        capabilities=sorted(c.value for c in probe.capabilities), profile=prof.name,
-        models=models, seed=seed, results=results, expectations=list(expectations),
-        seconds=time.perf_counter() - t0, started=started, environment=environment())
+    return certificate(results)
