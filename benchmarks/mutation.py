@@ -50,7 +50,9 @@ EXCLUDED: dict[str, list[str]] = {
 }
 #: Certified factories, in the order they are tried (the first failure kills the mutant).
 FACTORIES: dict[str, list[str]] = {
-    "fs": ["conformance.examples.backends:fs"],
+    # both sync modes: fsync is the default where syncfs(2) cannot report errors, and
+    # its code (a commit's own fsyncs, no pipelined rounds) is not run by the other
+    "fs": ["conformance.examples.backends:fs", "conformance.examples.backends:fs_fsync"],
     "kv": ["conformance.examples.backends:kv_log", "conformance.examples.backends:kv_leveldb"],
 }
 

@@ -24,6 +24,7 @@ from spec.model import Call
 from spec.states import Op
 
 FS = "conformance.examples.backends:fs"
+BROKEN = "conformance.examples.broken_backends"
 FIRST = "0"  # MemoryStorage numbers messages from 0
 
 
@@ -190,3 +191,46 @@ def test_a_live_recovery_under_held_claims_is_checked_on_every_seed(seed: int) -
     assert any("edge: claims held across a live recover()" in line for line in found[0].steps)
     assert run_lockstep(Backend.from_factory(FS), QUICK, seed, check="restart",
                         restarts=True) == []
+
+
+@pytest.mark.parametrize("seed", [1, 25])
+def test_every_read_back_takes_the_next_piece_size(seed: int) -> None:
+    """A reader answering ``read()`` with nothing: lockstep's read-back takes every piece
+    size in turn (``read()`` first), so any seed finds it; the real queue passes."""
+    from conformance.lockstep import run_lockstep
+
+    found = run_lockstep(Backend.from_factory(f"{BROKEN}:fs_read_all_returns_nothing"),
+                         QUICK, seed)
+    assert [f.clause for f in found] == ["C6"]
+    assert "read in pieces of -1" in found[0].detail
+    assert run_lockstep(Backend.from_factory(FS), QUICK, seed) == []
+
+
+def test_a_declared_recipient_limit_is_committed_in_full() -> None:
+    """A limit declared one above what a commit can take is found by committing exactly
+    the declared number; the real queue commits its own limit."""
+    from conformance.checks import limits_check
+
+    res = limits_check.run(Backend.from_factory(f"{BROKEN}:fs_recipient_limit_off_by_one"))
+    (f,) = res.findings
+    assert f.clause == "C9" and "within the declared limit" in f.detail
+    assert f.scenario == f"limits:recipients-{int(f.scenario.split('-')[1])}"
+    real = limits_check.run(Backend.from_factory(FS))
+    assert real.findings == []
+    limit = real.stats["max_recipients"]
+    assert f"recipients-{limit}_seconds" in real.stats  # committed in full, and listed
+
+
+def test_damage_is_judged_per_entry_and_the_domain_index_after_it() -> None:
+    """One recipient of a two-recipient message dropped without a word, and a domain
+    index recovery does not mend: damage at rest sees both (C6 per entry, C13)."""
+    from conformance.checks import damage_at_rest_check
+
+    silent = damage_at_rest_check.run(Backend.from_factory(f"{BROKEN}:fs_entry_lost_silently"),
+                                      QUICK, 3)
+    assert {f.clause for f in silent.findings} == {"C6"}
+    assert all("acknowledged entries of messages delivered" in f.detail
+               for f in silent.findings)
+    index = damage_at_rest_check.run(Backend.from_factory(f"{BROKEN}:fs_index_not_rebuilt"),
+                                     QUICK, 3)
+    assert {f.clause for f in index.findings} == {"C13"}

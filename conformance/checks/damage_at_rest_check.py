@@ -18,7 +18,9 @@ requires, for every trial:
   (``Storage.last_recovery``: ``lost``, or counted in ``lost_unknown``), or by a typed
   error (``CorruptionError``) when its body is read (C6);
 * the undamaged rest is still served: every message not named is delivered (C6);
-* no message that was delivered and cleaned up before the damage comes back (C3).
+* no message that was delivered and cleaned up before the damage comes back (C3);
+* with ``Capability.DOMAIN_INDEX``, ``list_domain`` gives what ``list_queue`` gives (every
+  recipient is in one domain): recovery mends the index it keeps (C13).
 
 Every file is damaged at least once (in a way drawn at random), then in the other ways:
 all of them in the thorough profile, up to 160 trials in all in the quick one.  A
@@ -40,6 +42,7 @@ from conformance.harness.check_catalog import NO_CRASH
 from conformance.harness.check_results import CheckResult, Finding, Status, finished
 from conformance.harness.suite_profiles import Profile
 from queue_ref.storage import (
+    Capability,
     DamagedStoreError,
     QueueError,
     Recipient,
@@ -48,6 +51,7 @@ from queue_ref.storage import (
     Storage,
 )
 
+DOMAIN = "example.net"  # every recipient's: list_domain must give what list_queue gives
 KINDS = ("bit flip", "framing flip", "truncation", "tail cut", "removal")
 FRAMING = 32  # a framing flip hits one of the last FRAMING bytes of a file
 MESSAGES = 8
@@ -58,21 +62,24 @@ def _body(i: int) -> bytes:
     return b"Subject: at rest %d\r\n\r\n" % i + (b"line %03d of the body\r\n" % i) * (20 + 13 * i)
 
 
-def _fill(backend: Backend, root: str) -> tuple[dict[str, bytes], dict[str, str], set[str]]:
+def _fill(backend: Backend, root: str
+          ) -> tuple[dict[str, bytes], dict[str, str], set[str], dict[str, str]]:
     """The template queue: (message id -> body of messages still queued, entry id ->
     recipient, ids of messages delivered and cleaned up)."""
     store = backend.open(root)
     want: dict[str, bytes] = {}
     rcpt_of: dict[str, str] = {}
+    message_of: dict[str, str] = {}
     try:
         for i in range(MESSAGES):
-            rcpts = [Recipient(f"r{i}.{k}@example.net", Schedule(i)) for k in range(1 + i % 2)]
+            rcpts = [Recipient(f"r{i}.{k}@{DOMAIN}", Schedule(i)) for k in range(1 + i % 2)]
             with store.enqueue(f"s{i}@example.org") as enq:
                 enq.write(_body(i))
                 handles = enq.commit(rcpts)
             want[handles[0].message_id] = _body(i)
             for h, r in zip(handles, rcpts, strict=True):
                 rcpt_of[h.entry_id] = r.address
+                message_of[h.entry_id] = h.message_id
         cleaned: set[str] = set()
         for h in list(store.list_queue()):
             if len(cleaned) == CLEANED and h.message_id not in cleaned:
@@ -86,7 +93,7 @@ def _fill(backend: Backend, root: str) -> tuple[dict[str, bytes], dict[str, str]
             want.pop(m, None)
     finally:
         store.close()
-    return want, rcpt_of, cleaned
+    return want, rcpt_of, cleaned, message_of
 
 
 def copy_tree(src: str, dst: str) -> None:
@@ -186,6 +193,7 @@ def _plan(files: list[str], thorough: bool, rng: random.Random) -> list[tuple[st
 
 def _trial(backend: Backend, template: str, rel: str, kind: str, rng: random.Random,
            want: dict[str, bytes], rcpt_of: dict[str, str], cleaned: set[str],
+           message_of: dict[str, str],
            fail: list[Finding], stats: dict[str, int], scenario: str) -> None:
     work = tempfile.mkdtemp(prefix="queue-ref-atrest-")
     root = os.path.join(work, "q")
@@ -211,10 +219,20 @@ def _trial(backend: Backend, template: str, rel: str, kind: str, rng: random.Ran
         try:
             report = getattr(store, "last_recovery", None) or RecoveryReport()
             delivered: dict[str, bytes] = {}
+            delivered_entries: set[str] = set()
+            msg_of = {e: m for e, m in message_of.items() if m in want}
             named = set(report.lost)
             seen: set[str] = set()
             altered: set[str] = set()
-            for h in list(store.list_queue()):
+            listed = list(store.list_queue())
+            if Capability.DOMAIN_INDEX in store.capabilities:
+                by_index = {h.entry_id for h in store.list_domain(DOMAIN)}
+                queued = {h.entry_id for h in listed}
+                if by_index != queued:
+                    finding("C13", f"list_domain({DOMAIN!r}) gives {len(by_index)} entries, "
+                                   f"list_queue {len(queued)} (every recipient is in that "
+                                   "domain): recovery did not mend the domain index")
+            for h in listed:
                 if h.entry_id in seen:
                     finding("C6", f"entry {h.entry_id} was listed twice")
                 seen.add(h.entry_id)
@@ -242,6 +260,7 @@ def _trial(backend: Backend, template: str, rel: str, kind: str, rng: random.Ran
                                   f"not {rcpt_of[h.entry_id]!r}")
                 else:
                     delivered[h.message_id] = body
+                    delivered_entries.add(h.entry_id)
                 done = store.send_done(f)
                 if done is not None:
                     store.cleanup(done)
@@ -249,6 +268,12 @@ def _trial(backend: Backend, template: str, rel: str, kind: str, rng: random.Ran
             if silent and not report.lost_unknown:
                 finding("C6", f"{len(silent)} acknowledged messages were neither delivered "
                               f"nor named lost (first: {silent[0]})")
+            missing = sorted(e for e, m in msg_of.items() if m in delivered
+                             and e not in delivered_entries and m not in named | altered)
+            if missing and not report.lost_unknown:
+                finding("C6", f"{len(missing)} acknowledged entries of messages delivered to "
+                              "their other recipients were neither delivered nor named lost "
+                              f"(first: {missing[0]}, to {rcpt_of[missing[0]]!r})")
             stats["delivered"] += len(delivered)
             stats["named_lost"] += len(named & set(want))
             if report.damage_found or named:
@@ -281,7 +306,7 @@ def _trials(backend: Backend, seed: int, every_way: bool, only: int | None,
     try:
         template = os.path.join(base, "q")
         os.mkdir(template)
-        want, rcpt_of, cleaned = _fill(backend, template)
+        want, rcpt_of, cleaned, message_of = _fill(backend, template)
         files = _files(template)
         stats["files"] = len(files)
         plan = _plan(files, every_way or only is not None, random.Random(seed))
@@ -290,7 +315,7 @@ def _trials(backend: Backend, seed: int, every_way: bool, only: int | None,
                 continue
             stats["trials"] += 1
             _trial(backend, template, rel, kind, random.Random(f"{seed}:{n}"), want, rcpt_of,
-                   cleaned, findings, stats, scenario_id(seed, n, kind, rel))
+                   cleaned, message_of, findings, stats, scenario_id(seed, n, kind, rel))
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

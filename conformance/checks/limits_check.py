@@ -2,8 +2,8 @@
 
 In a child process (a hang is a finding too, not a stuck suite), on a fresh queue:
 
-* ``recipients-<N>`` for N = 10,000 and 100,000, and one more than the declared
-  ``max_recipients``: within the limit, ``commit`` returns N distinct handles and the queue
+* ``recipients-<N>`` for N = 10,000 and 100,000, exactly the declared ``max_recipients``
+  (up to ``AT_LIMIT_MAX``) and one more: within the limit, ``commit`` returns N distinct handles and the queue
   lists N entries (10,000 within a limit is the many-recipients check's); beyond it,
   ``commit`` raises ``InvalidInputError`` whose message says why (it names the
   recipients), nothing is stored (the listing and the footprint after ``abort`` are what
@@ -230,11 +230,18 @@ def _schedules(store: Storage, problems: Problems) -> None:
             return
 
 
+#: The largest declared recipient limit committed in full (a limit of millions is
+#: tested beyond only).
+AT_LIMIT_MAX = 200_000
+
 def cases(limit_recipients: int | None) -> list[str]:
     out = [f"recipients-{n}" for n in RECIPIENT_COUNTS
            if n != COVERED_ELSEWHERE or (limit_recipients is not None and n > limit_recipients)]
     if limit_recipients is not None and limit_recipients + 1 not in RECIPIENT_COUNTS:
         out.append(f"recipients-{limit_recipients + 1}")
+    if (limit_recipients is not None and limit_recipients not in RECIPIENT_COUNTS
+            and limit_recipients <= AT_LIMIT_MAX):
+        out.append(f"recipients-{limit_recipients}")
     return [*out, "address-at-limit", "body-beyond-limit", "schedule"]
 
 

@@ -223,6 +223,113 @@ def fs_envelope_length_unbounded(root: str, io: IO | None = None) -> Storage:
     return deterministic_fs(LengthUnbounded)(root, io)
 
 
+def fs_recipient_limit_off_by_one(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue declaring one recipient more than a commit can take (every
+    recipient is a name of the message file, and the file system allows only so many):
+    a commit of exactly the declared ``max_recipients`` is refused with
+    ``InvalidInputError``.  Only a commit at the limit shows it: the limits check fails it
+    on C9::
+
+        queue-ref certify conformance.examples.broken_backends:fs_recipient_limit_off_by_one \\
+            --only limits
+    """
+    from dataclasses import replace as _replace
+
+    from conformance.crashexplore.broken_fs_variants import _Fsync
+    from conformance.crashexplore.explored_backends import deterministic_fs
+    from queue_ref.storage import Limits
+
+    class OffByOne(_Fsync):
+        @property
+        def limits(self) -> Limits:
+            lim = super().limits
+            assert lim.max_recipients is not None
+            return _replace(lim, max_recipients=lim.max_recipients + 1)
+
+    if io is None:
+        return OffByOne(root)
+    return deterministic_fs(OffByOne)(root, io)
+
+
+def fs_read_all_returns_nothing(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue whose reader answers ``read()`` (all that remains, the
+    default) with ``b""`` as if the body were over: a sender that reads that way sends an
+    empty message, and no error says so.  Readers in fixed pieces (``read_all``, 64 KiB)
+    are right.  The lockstep checks read every entry back in turn with every piece size
+    (-1 among them) and fail it on C6::
+
+        queue-ref certify conformance.examples.broken_backends:fs_read_all_returns_nothing \\
+            --only lockstep
+    """
+    from conformance.crashexplore.broken_fs_variants import _Fsync
+    from conformance.crashexplore.explored_backends import deterministic_fs
+    from queue_ref.fsqueue.reader import FsMailReader
+    from queue_ref.storage import InflightMail, MailReader
+
+    class EmptyReadAll(FsMailReader):
+        def read(self, n: int = -1) -> bytes:
+            return b"" if n < 0 else super().read(n)  # the bug: -1 read as "nothing"
+
+    class ReadAllEmpty(_Fsync):
+        def read_inflight(self, mail: InflightMail) -> MailReader:
+            r = super().read_inflight(mail)
+            assert isinstance(r, FsMailReader)
+            r.__class__ = EmptyReadAll
+            return r
+
+    if io is None:
+        return ReadAllEmpty(root)
+    return deterministic_fs(ReadAllEmpty)(root, io)
+
+
+def fs_entry_lost_silently(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue whose recovery, finding the hard link of an entry that no
+    link in queue/, inflight/ or cleanup/ names any more (damage removed it), removes the
+    hard link without naming the message in ``RecoveryReport.lost``: one recipient of a
+    message to several is dropped without a word while the others are delivered.  Damage
+    at rest, judged per entry, fails it on C6::
+
+        queue-ref certify conformance.examples.broken_backends:fs_entry_lost_silently \\
+            --only damage-at-rest
+    """
+    from conformance.crashexplore.broken_fs_variants import _OwnRecovery
+    from conformance.crashexplore.explored_backends import deterministic_fs
+    from queue_ref.fsqueue.fs_recovery import Recovery
+
+    class _Silent(Recovery):
+        def remove_orphans(self) -> None:
+            before = set(self.lost)
+            super().remove_orphans()
+            live = {e.msgid for e in (*self.queue, *self.held, *self.inflight)}
+            # the bug: an entry lost from a message whose other entries live goes unnamed
+            self.lost -= {m for m in self.lost - before if m in live}
+
+    class EntryLostSilently(_OwnRecovery):
+        recovery_class = _Silent
+
+    if io is None:
+        return EntryLostSilently(root)
+    return deterministic_fs(EntryLostSilently)(root, io)
+
+
+def fs_index_not_rebuilt(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue (``fsync`` mode) whose recovery does not put back a domain
+    index link that is missing (it never syncs the index, counting on recovery to mend
+    it): after a power cut, or damage that removed one, ``list_domain`` (ETRN, ``flush
+    --domain``) misses a queued entry.  Crash exploration fails it (as
+    ``fs-broken-index-not-rebuilt``, on C10), and damage at rest on C13::
+
+        queue-ref certify conformance.examples.broken_backends:fs_index_not_rebuilt \\
+            --only damage-at-rest
+    """
+    from conformance.crashexplore.broken_fs_variants import IndexNotRebuilt
+    from conformance.crashexplore.explored_backends import deterministic_fs
+
+    if io is None:
+        return IndexNotRebuilt(root)
+    return deterministic_fs(IndexNotRebuilt)(root, io)
+
+
 # ---- message ids --------------------------------------------------------------------------
 
 def fs_ids_repeat_on_a_stalled_clock(root: str, io: IO | None = None) -> Storage:

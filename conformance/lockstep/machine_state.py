@@ -347,13 +347,20 @@ class MachineBase(RuleBasedStateMachine):
 
     # ---- reading back ------------------------------------------------------------------
 
-    def _check_read(self, h: InflightMail, key: EntryKey, what: str) -> None:
-        """``read_inflight`` gives the committed metadata and body of ``key``."""
+    def _check_read(self, h: InflightMail, key: EntryKey, what: str,
+                    piece: int | None = None) -> None:
+        """``read_inflight`` gives the committed metadata and body of ``key``, read with
+        ``read_all`` or, given ``piece``, in reads of that many bytes (-1: ``read()``)."""
         msg = self.model.messages[key[0]]
 
         def go() -> tuple[Any, bytes]:
             with self.store.read_inflight(h) as r:
-                return r.meta, r.read_all()
+                if piece is None:
+                    return r.meta, r.read_all()
+                parts = []
+                while b := r.read(piece):
+                    parts.append(b)
+                return r.meta, b"".join(parts)
 
         meta, body = self._call(f"read_inflight of {what}", go)
         want = {"entry_id": h.entry_id, "message_id": h.message_id,
@@ -373,7 +380,9 @@ class MachineBase(RuleBasedStateMachine):
         """Each step reads back one listed entry (the one read longest ago): claimed by a
         second worker through its listed handle, read (its message exists, metadata and
         body as committed), and put back with its schedule.  The model does not change;
-        every handle held on it stays valid (the entry is QUEUED again)."""
+        every handle held on it stays valid (the entry is QUEUED again).  The reads take
+        each piece size in turn (``READ_CHUNKS``: ``read()``, 1, 7, ... bytes), so every
+        way of reading is met within a few steps, whatever the seed."""
         if not listed:
             return
         by_key = {self._key(h): h for h in listed}
@@ -384,7 +393,10 @@ class MachineBase(RuleBasedStateMachine):
         if not isinstance(f, InflightMail):
             raise ClauseViolation("API", f"send_start of the listed queued entry {key} "
                                          f"returned {f!r}")
-        self._check_read(f, key, "the listed entry")
+        piece = READ_CHUNKS[self.steps % len(READ_CHUNKS)]
+        if piece > 0:  # at most 256 reads of a body
+            piece = max(piece, len(self.model.messages[key[0]].body) // 256)
+        self._check_read(f, key, f"the listed entry (read in pieces of {piece})", piece)
         sched = self.model.entries[key].schedule
         back = self._call("send_cancel of a listed entry",
                           lambda: self.store.send_cancel(f, sched))
