@@ -245,3 +245,17 @@ def test_parser_reads_every_result_form() -> None:
         (0, "fsync", 0, None), (7, "openat", 4, None), (7, "poll_like", 0, None),
         (7, "fdatasync", -1, "EIO"), (7, "write", None, None)]
     assert calls[1].result_path == "/x/a" and not calls[4].ok
+
+
+def test_the_kv_queue_on_leveldb_syncs_the_names_leveldb_leaves_unsynced() -> None:
+    """LevelDB fdatasyncs its log but never syncs its directory after installing CURRENT
+    or creating a log: under weak, a power cut could take the names and acknowledged mail
+    with them.  The engine syncs the directory when the names changed; without that the
+    check fails it (C1 under weak), with it the same seed passes."""
+    broken = certify("conformance.examples.broken_backends:kv_leveldb_names_unsynced",
+                     only=["blackbox-power-loss"], models=["weak"], profile=PROFILE, seed=25)
+    assert "C1" in {f.clause for r in broken.results for f in r.findings}
+    real = certify("conformance.examples.backends:kv_leveldb", only=["blackbox-power-loss"],
+                   models=["weak"], profile=PROFILE, seed=25)
+    assert real.certified_models() == ["weak"], [f.detail for r in real.results
+                                                 for f in r.findings]

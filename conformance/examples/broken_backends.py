@@ -330,6 +330,33 @@ def fs_index_not_rebuilt(root: str, io: IO | None = None) -> Storage:
     return deterministic_fs(IndexNotRebuilt)(root, io)
 
 
+def kv_leveldb_names_unsynced(root: str) -> Storage:
+    """The KV queue on LevelDB as LevelDB alone makes it durable: its data is
+    fdatasynced, but the directory is never synced after the rename that installs
+    ``CURRENT`` or after a new log file is created.  A process kill loses nothing (every
+    other check passes it); a power cut under the weak model can lose the names, and with
+    them acknowledged mail.  The black-box power-loss check fails it under weak (C1)::
+
+        queue-ref certify conformance.examples.broken_backends:kv_leveldb_names_unsynced \\
+            --only blackbox-power-loss
+    """
+    import os as _os
+
+    from queue_ref.kv import leveldb
+    from queue_ref.kv.kv_queue import KvQueue
+
+    class NamesUnsynced(leveldb.LevelDBEngine):
+        def _sync_names(self) -> frozenset[str]:
+            return frozenset(_os.listdir(self.path))  # the bug: no directory fsync
+
+    real = leveldb.LevelDBEngine
+    leveldb.LevelDBEngine = NamesUnsynced  # type: ignore[misc]
+    try:
+        return KvQueue.open_leveldb(root)
+    finally:
+        leveldb.LevelDBEngine = real  # type: ignore[misc]
+
+
 # ---- message ids --------------------------------------------------------------------------
 
 def fs_ids_repeat_on_a_stalled_clock(root: str, io: IO | None = None) -> Storage:

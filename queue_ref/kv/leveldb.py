@@ -12,6 +12,15 @@ damaged table is an error, never altered data.  LevelDB's ``Corruption`` becomes
 LevelDB's own ``RepairDB``: ``queue_ref.kv.salvage``); an ``IOError`` for a full disk
 becomes an ``OSError`` with ``ENOSPC`` (so the queue raises ``NoSpaceError``).
 
+Names: LevelDB makes its data durable with ``fdatasync`` but does not sync the directory
+after the ``rename`` that installs ``CURRENT`` or after creating a new log file, so a power
+cut (under the weak model: a directory change is durable only once its directory is
+synced) could lose the name and with it acknowledged writes.  The engine syncs the
+directory after every open, and after every synced write that left a different set of
+names in it (a new log, a new table), before the write returns; a rename over an
+existing name (``CURRENT``) happens only while LevelDB opens.  The black-box power-loss
+check (strace) found it.
+
 Locking: LevelDB locks ``LOCK`` with ``fcntl``, which is per process, and a failed second
 open in the same process closes a descriptor of that file, which drops the first open's
 lock.  So the engine first takes an ``flock`` on ``queue-ref.lock`` in the database
@@ -104,6 +113,7 @@ class LevelDBEngine(KV):
         try:
             _refuse_without_current(self.path)
             self._db = plyvel.DB(self.path, create_if_missing=True, **self._options)
+            self._names = self._sync_names()
         except plyvel.IOError as e:
             os.close(self._lock_fd)
             if "lock" in str(e):  # held by a LevelDB user outside this engine
@@ -151,6 +161,7 @@ class LevelDBEngine(KV):
                     self._db.close()
                 try:
                     self._db = plyvel.DB(self.path, **self._options)
+                    self._names = self._sync_names()
                 except plyvel.Error as e:
                     err = os_error("reopening LevelDB after a failed write", e, self.path)
                     self._down = str(err)
@@ -163,6 +174,22 @@ class LevelDBEngine(KV):
 
     def _is_closed(self) -> bool:
         return self._closed
+
+    def _sync_names(self) -> frozenset[str]:
+        """fsync the database's directory; the names it held when synced."""
+        names = frozenset(os.listdir(self.path))
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return names
+
+    def _names_synced(self) -> None:
+        """After a synced write: if LevelDB created or removed a file since the directory
+        was last synced (a new log at a memtable switch), sync it before acknowledging."""
+        if frozenset(os.listdir(self.path)) != self._names:
+            self._names = self._sync_names()
 
     def _begin(self, writes: bool = False) -> None:
         with self._mu:
@@ -225,6 +252,8 @@ class LevelDBEngine(KV):
                         wb.delete(key)
                     else:
                         wb.put(key, value)
+            if sync:
+                self._names_synced()
         except plyvel.Error as e:
             err = os_error("LevelDB write failed", e, self.path)
             if not isinstance(err, DatabaseCorruptError):
