@@ -196,27 +196,12 @@ def fs_envelope_length_unbounded(root: str, io: IO | None = None) -> Storage:
     """
     from conformance.crashexplore.broken_fs_variants import _Fsync
     from conformance.crashexplore.explored_backends import deterministic_fs
-    from queue_ref.fsqueue.fs_records import TRAILER_LEN, Envelope, RecordError, parse_trailer
-    from queue_ref.fsqueue.metadata import MAX_ENVELOPE, Corrupt
+    from queue_ref.fsqueue.metadata import MAX_ENVELOPE
 
     class LengthUnbounded(_Fsync):
-        def _read_envelope(self, path: str, msgid: str) -> Envelope:
-            fd = self.io.open_read(path)
-            try:
-                size = self.io.fsize(fd)
-                if size < TRAILER_LEN:
-                    raise Corrupt(f"message {msgid} is shorter than its trailer", True)
-                n = parse_trailer(self.io.pread(fd, TRAILER_LEN, size - TRAILER_LEN))
-                if n > MAX_ENVELOPE:  # the bug: not bounded by the file's size
-                    raise Corrupt(f"envelope of {msgid} is too large", True)
-                env = Envelope.decode(self.io.pread(fd, n, size - TRAILER_LEN - n), msgid)
-            except RecordError as e:
-                raise Corrupt(f"envelope of {msgid}: {e}", True) from e
-            finally:
-                self.io.close(fd)
-            if env.body_size != size - TRAILER_LEN - n:
-                raise Corrupt(f"message {msgid}: body size differs from its envelope", True)
-            return env
+        @staticmethod
+        def _envelope_fits(n: int, size: int) -> bool:
+            return n <= MAX_ENVELOPE  # the bug: not bounded by the file's size
 
     if io is None:
         return LengthUnbounded(root)

@@ -180,6 +180,13 @@ class FsMetadata(FsSteps):
         read and verified.  Raises as ``_load_envelope``."""
         return self._envelopes.peek(msgid) or self._load_envelope(msgid)
 
+    @staticmethod
+    def _envelope_fits(n: int, size: int) -> bool:
+        """Whether an envelope of ``n`` bytes (as a trailer says, maybe damaged) can lie in
+        a message file of ``size`` bytes: a damaged length must be refused here, before
+        it becomes an offset (C6, C9)."""
+        return n <= min(MAX_ENVELOPE, size - TRAILER_LEN)
+
     def _read_envelope(self, path: str, msgid: str) -> Envelope:
         """Read the envelope from the end of a message file and check that the body it
         describes fills the rest exactly.  Raises Corrupt or OSError."""
@@ -189,7 +196,7 @@ class FsMetadata(FsSteps):
             if size < TRAILER_LEN:
                 raise Corrupt(f"message {msgid} is shorter than its trailer", True)
             n = parse_trailer(self.io.pread(fd, TRAILER_LEN, size - TRAILER_LEN))
-            if n > min(MAX_ENVELOPE, size - TRAILER_LEN):
+            if not self._envelope_fits(n, size):
                 raise Corrupt(f"envelope of {msgid} is larger than its message", True)
             raw = self.io.pread(fd, n, size - TRAILER_LEN - n)
             env = Envelope.decode(raw, msgid)
