@@ -1222,3 +1222,38 @@ def test_the_kv_queue_says_reopen_after_its_engine_failed_a_sync(tmp_path: Path)
         assert kept.entry_id in [h.entry_id for h in q.list_queue()]  # acknowledged: kept
     finally:
         q.close()
+
+
+def test_a_failed_directory_sync_fails_the_leveldb_engine_until_reopened(tmp_path) -> None:
+    """LevelDB leaves its directory unsynced; the engine syncs it when a synced write
+    changed its names.  If that sync fails, the write fails, and so does every later one
+    (ReopenRequiredError from the queue): a retried fsync proves nothing about what the
+    failed one dropped.  Reopening the queue works again."""
+    from queue_ref.kv.kv_queue import KvQueue
+    from queue_ref.storage import Recipient, ReopenRequiredError, Schedule
+
+    root = str(tmp_path / "q")
+    q = KvQueue.open_leveldb(root)
+    eng = q.kv
+
+    def broken_sync() -> frozenset[str]:
+        raise OSError(errno.EIO, "Input/output error")
+
+    eng._names = frozenset()  # as if LevelDB had made a new log since the last sync
+    eng._sync_names = broken_sync  # type: ignore[method-assign]
+    rcpt = [Recipient("r@example.net", Schedule(0))]
+    for _ in range(2):
+        with pytest.raises(ReopenRequiredError):
+            with q.enqueue("a@example.org") as e:
+                e.write(b"body")
+                e.commit(rcpt)
+    assert eng.failed is not None
+    q.close()
+    q = KvQueue.open_leveldb(root)
+    try:
+        with q.enqueue("a@example.org") as e:
+            e.write(b"body")
+            e.commit(rcpt)
+        assert len(list(q.list_queue())) >= 1
+    finally:
+        q.close()

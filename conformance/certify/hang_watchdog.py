@@ -40,6 +40,11 @@ class Watchdog:
         self.seconds = seconds
         self.on_hang = on_hang
         self._thread = threading.get_ident()
+        # Held by a firing timer until the process ends, and by a step as it ends: a step
+        # that finishes at its deadline either ends first (the timer then does nothing)
+        # or never returns (the timer reports it).
+        self._lock = threading.Lock()
+        self._running: str | None = None
 
     @contextmanager
     def step(self, name: str) -> Iterator[None]:
@@ -47,6 +52,8 @@ class Watchdog:
         if self.seconds is None:
             yield
             return
+        with self._lock:
+            self._running = name
         timer = threading.Timer(self.seconds, self._fire, args=(name,))
         timer.daemon = True
         timer.start()
@@ -54,6 +61,8 @@ class Watchdog:
             yield
         finally:
             timer.cancel()
+            with self._lock:  # blocks for good if the timer fired: the process is ending
+                self._running = None
 
     def stack(self) -> tuple[str, str]:
         """Where the watched thread is now: the innermost call outside the standard
@@ -70,6 +79,10 @@ class Watchdog:
                 "\n".join(lines[-STACK_LINES:]))
 
     def _fire(self, name: str) -> None:
+        self._lock.acquire()  # never released: os._exit below
+        if self._running != name:  # the step ended as the deadline came
+            self._lock.release()
+            return
         try:
             assert self.seconds is not None
             self.on_hang(name, self.seconds, *self.stack())

@@ -206,7 +206,7 @@ def certify(factory: Factory | str | Backend, *, models: Iterable[str] = DEFAULT
             started=started, environment=environment())
 
     def hung(name: str, seconds: float, where: str, stack: str) -> None:
-        check, cols = current[0]
+        check, cols = current[0]  # the step that is running: the watchdog holds it there
         note = (f"did not finish within {seconds:g} s, stuck in {where}: a hang (a deadlock "
                 f"or an endless loop) in the backend or in the check; its stack:\n{stack}")
         stuck = [CheckResult(check, col, Status.ERROR, note=note, seconds=seconds)

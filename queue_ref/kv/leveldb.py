@@ -113,7 +113,11 @@ class LevelDBEngine(KV):
         try:
             _refuse_without_current(self.path)
             self._db = plyvel.DB(self.path, create_if_missing=True, **self._options)
-            self._names = self._sync_names()
+            try:
+                self._names = self._sync_names()
+            except OSError:
+                self._db.close()
+                raise
         except plyvel.IOError as e:
             os.close(self._lock_fd)
             if "lock" in str(e):  # held by a LevelDB user outside this engine
@@ -142,6 +146,7 @@ class LevelDBEngine(KV):
         # is still full), LevelDB is closed (``_down``) and every call tries again.
         self._stale = False
         self._down: str | None = None
+        self._failed: OSError | None = None
 
     def _revive(self, *, writes: bool) -> None:
         """Reopen LevelDB (in this process, under our lock) after a failed write, once no
@@ -161,11 +166,16 @@ class LevelDBEngine(KV):
                     self._db.close()
                 try:
                     self._db = plyvel.DB(self.path, **self._options)
-                    self._names = self._sync_names()
                 except plyvel.Error as e:
                     err = os_error("reopening LevelDB after a failed write", e, self.path)
                     self._down = str(err)
                     raise err from e
+                try:
+                    self._names = self._sync_names()
+                except OSError as e:
+                    self._db.close()
+                    self._down = f"syncing {self.path} after reopening LevelDB: {e}"
+                    raise
                 self._down = None
                 self._stale = False
             finally:
@@ -187,9 +197,23 @@ class LevelDBEngine(KV):
 
     def _names_synced(self) -> None:
         """After a synced write: if LevelDB created or removed a file since the directory
-        was last synced (a new log at a memtable switch), sync it before acknowledging."""
-        if frozenset(os.listdir(self.path)) != self._names:
-            self._names = self._sync_names()
+        was last synced (a new log at a memtable switch), sync it before acknowledging.
+        A failed sync fails the engine: every later write is refused until it is reopened
+        (a retried fsync proves nothing about what the failed one dropped)."""
+        if self._failed is not None:
+            raise OSError(errno.EIO, f"LevelDB at {self.path}: a directory sync failed "
+                                     f"earlier ({self._failed}); reopen the queue")
+        try:
+            if frozenset(os.listdir(self.path)) != self._names:
+                self._names = self._sync_names()
+        except OSError as e:
+            self._failed = e
+            raise
+
+    @property
+    def failed(self) -> BaseException | None:
+        """The failed directory sync after which writes are refused, if any."""
+        return self._failed
 
     def _begin(self, writes: bool = False) -> None:
         with self._mu:
@@ -243,6 +267,9 @@ class LevelDBEngine(KV):
                 if self._closed:
                     raise ClosedError(f"LevelDBEngine {self.path} is closed")
             return
+        if self._failed is not None:
+            raise OSError(errno.EIO, f"LevelDB at {self.path}: a directory sync failed "
+                                     f"earlier ({self._failed}); reopen the queue")
         self._revive(writes=True)
         self._begin(writes=True)
         try:
@@ -325,6 +352,7 @@ class LevelDBEngine(KV):
                         else:
                             wb.put(key, value)
                 self._db.compact_range(start=b"", stop=stop)
+                self._names_synced()  # new tables, old logs and tables gone
         finally:
             with self._cv:
                 self._compacting = False
