@@ -1243,10 +1243,9 @@ def test_a_failed_directory_sync_fails_the_leveldb_engine_until_reopened(tmp_pat
     eng._sync_names = broken_sync  # type: ignore[method-assign]
     rcpt = [Recipient("r@example.net", Schedule(0))]
     for _ in range(2):
-        with pytest.raises(ReopenRequiredError):
-            with q.enqueue("a@example.org") as e:
-                e.write(b"body")
-                e.commit(rcpt)
+        with pytest.raises(ReopenRequiredError), q.enqueue("a@example.org") as e:
+            e.write(b"body")
+            e.commit(rcpt)
     assert eng.failed is not None
     q.close()
     q = KvQueue.open_leveldb(root)
