@@ -48,6 +48,7 @@ from queue_ref.storage import (
 __all__ = ["RelaySMTP", "SmtpReceiver", "valid_address"]
 
 HARD_ERROR_LIMIT = 20  # Postfix's smtpd_hard_error_limit
+LINGER = 5.0  # seconds a hung-up session's input is still read (and dropped)
 
 _LABEL = r"[A-Za-z0-9\u0080-\U0010ffff](?:[A-Za-z0-9\u0080-\U0010ffff-]*[A-Za-z0-9\u0080-\U0010ffff])?"
 _DOMAIN = rf"(?:{_LABEL}\.)*{_LABEL}"
@@ -112,6 +113,7 @@ class RelaySMTP(SMTP):
         self.receiver = handler
         self.raw_pushes = 0  # replies (EHLO/HELO lines) that take no enhanced code
         self.errors = 0
+        self.hung_up = False  # 421 sent: what the client still sends is read and dropped
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -122,6 +124,8 @@ class RelaySMTP(SMTP):
         super().connection_lost(error)
 
     async def push(self, status: Any) -> None:
+        if self.hung_up:
+            return
         if isinstance(status, bytes):
             status = status.decode("utf-8", "surrogateescape")
         if self.raw_pushes > 0:
@@ -133,7 +137,22 @@ class RelaySMTP(SMTP):
             self.errors += 1
             if self.errors >= HARD_ERROR_LIMIT and self.transport is not None:
                 await super().push("421 4.7.0 Error: too many errors")
-                self.transport.close()
+                self._hang_up()
+
+    def _hang_up(self) -> None:
+        """End the session after its 421 so that the client gets every reply: closing a
+        socket with unread input makes the kernel reset the connection and drop the
+        replies not yet sent.  So: send FIN after the replies (``write_eof``), read and
+        drop what the client still sends (a pipelining client may have sent thousands of
+        commands), and close once it closes, or after ``LINGER`` seconds."""
+        transport = self.transport
+        assert transport is not None
+        self.hung_up = True
+        if isinstance(transport, asyncio.WriteTransport) and transport.can_write_eof():
+            transport.write_eof()
+            asyncio.get_running_loop().call_later(LINGER, transport.close)
+        else:
+            transport.close()
 
     @syntax("ETRN domain")
     async def smtp_ETRN(self, arg: str | None) -> None:
