@@ -121,7 +121,6 @@ def copy_tree(src: str, dst: str) -> None:
                 shutil.copy2(s, t)
                 if st.st_nlink > 1:
                     seen[(st.st_dev, st.st_ino)] = t
-        dirs[:] = [n for n in dirs if not os.path.islink(os.path.join(d, n))]
 
 
 def _files(root: str) -> list[str]:

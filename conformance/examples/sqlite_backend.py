@@ -114,39 +114,36 @@ CREATE INDEX IF NOT EXISTS entries_by_msg ON entries (msg_id);
 
 #: The columns each row's checksum covers (text as its stored bytes: a damaged one need not
 #: decode), and the triggers that keep it, so every statement that writes a row keeps it.
-ROW_CRC = {
-    "messages": "NEW.id, CAST(NEW.mail_from AS BLOB), CAST(NEW.params AS BLOB), "
-                "CAST(NEW.owner AS BLOB), NEW.chunks, NEW.body_size, "
-                "CAST(NEW.body_sha256 AS BLOB)",
-    "entries": "NEW.id, NEW.msg_id, NEW.idx, CAST(NEW.rcpt AS BLOB), CAST(NEW.zone AS BLOB), "
-               "CAST(NEW.domain AS BLOB), CAST(NEW.state AS BLOB), NEW.at, NEW.attempts, "
-               "CAST(NEW.owner AS BLOB)",
+ROWS = {
+    "messages": ("id", "mail_from", "params", "owner", "chunks", "body_size", "body_sha256"),
+    "entries": ("id", "msg_id", "idx", "rcpt", "zone", "domain", "state", "at", "attempts",
+                "owner"),
 }
-ROW_COLUMNS = {
-    "messages": "mail_from, params, owner, chunks, body_size, body_sha256",
-    "entries": "msg_id, idx, rcpt, zone, domain, state, at, attempts, owner",
-}
+TEXT = {"mail_from", "params", "owner", "body_sha256", "rcpt", "zone", "domain", "state"}
+
+
+def _crc_args(table: str, prefix: str = "") -> str:
+    """The arguments of ``qr_crc`` for a row of ``table`` (``prefix``: ``NEW.`` in a
+    trigger)."""
+    return ", ".join(f"CAST({prefix}{c} AS BLOB)" if c in TEXT else f"{prefix}{c}"
+                     for c in ROWS[table])
 
 
 def _triggers() -> list[str]:
     out = []
-    for table, cols in ROW_CRC.items():
+    for table, cols in ROWS.items():
+        crc = _crc_args(table, "NEW.")
         out.append(f"CREATE TRIGGER IF NOT EXISTS {table}_crc_new AFTER INSERT ON {table} "
-                   f"BEGIN UPDATE {table} SET crc = qr_crc({cols}) WHERE id = NEW.id; END")
+                   f"BEGIN UPDATE {table} SET crc = qr_crc({crc}) WHERE id = NEW.id; END")
         out.append(f"CREATE TRIGGER IF NOT EXISTS {table}_crc_set AFTER UPDATE OF "
-                   f"{ROW_COLUMNS[table]} ON {table} "
-                   f"BEGIN UPDATE {table} SET crc = qr_crc({cols}) WHERE id = NEW.id; END")
+                   f"{', '.join(cols[1:])} ON {table} "
+                   f"BEGIN UPDATE {table} SET crc = qr_crc({crc}) WHERE id = NEW.id; END")
     return out
 
 
 def _crc(*values: object) -> int:
     """The checksum of a row's values (SQL function ``qr_crc``)."""
     return zlib.crc32(repr(values).encode())
-
-
-def _old(cols: str) -> str:
-    """``ROW_CRC``'s column list for a plain SELECT (no ``NEW.``)."""
-    return cols.replace("NEW.", "")
 
 
 #: Written once the database exists: a directory with it and no database lost its queue.
@@ -156,11 +153,16 @@ MARKER = "queue.created"
 DAMAGED = (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB)
 
 
+def _damaged(e: Exception) -> bool:
+    """Whether what SQLite read is damaged (a page that fails its checks, a text column
+    that is not UTF-8 any more)."""
+    return isinstance(e, UnicodeDecodeError) or getattr(e, "sqlite_errorcode", 0) & 0xFF in DAMAGED
+
+
 def _storage_error(e: sqlite3.Error | UnicodeDecodeError) -> StorageIOError:
     """A failed statement as the contract's error: DamagedStoreError when what SQLite read
-    is damaged (a page that fails its checks, a text column that is not UTF-8 any more),
-    else StorageIOError."""
-    if isinstance(e, UnicodeDecodeError) or getattr(e, "sqlite_errorcode", 0) & 0xFF in DAMAGED:
+    is damaged, else StorageIOError."""
+    if _damaged(e):
         return DamagedStoreError(f"sqlite: the database is damaged: {e}")
     return StorageIOError(f"sqlite: {e}")
 
@@ -209,8 +211,7 @@ class SqliteStorage(Storage):
             os.close(self._owner_fd)
             if isinstance(e, DamagedStoreError):
                 raise
-            if (isinstance(e, UnicodeDecodeError)
-                    or getattr(e, "sqlite_errorcode", 0) & 0xFF in DAMAGED):
+            if _damaged(e):
                 raise DamagedStoreError(f"the queue database {db_path} is damaged ({e}): "
                                         "refusing to open it; restore it from a backup or "
                                         "salvage it with sqlite3's .recover") from e
@@ -430,10 +431,10 @@ class SqliteStorage(Storage):
         notes: list[str] = []
         with self._tx() as db:
             bad_msgs = [r[0] for r in db.execute(
-                f"SELECT id FROM messages WHERE crc IS NOT qr_crc({_old(ROW_CRC['messages'])})")]
+                f"SELECT id FROM messages WHERE crc IS NOT qr_crc({_crc_args('messages')})")]
             bad_entries = [(r[0], r[1]) for r in db.execute(
                 f"SELECT id, msg_id FROM entries WHERE state != 'quarantined' AND "
-                f"crc IS NOT qr_crc({_old(ROW_CRC['entries'])})")]
+                f"crc IS NOT qr_crc({_crc_args('entries')})")]
             orphans = [(r[0], r[1]) for r in db.execute(
                 "SELECT id, msg_id FROM entries WHERE state != 'quarantined' AND msg_id NOT IN "
                 "(SELECT id FROM messages)")]

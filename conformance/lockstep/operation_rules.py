@@ -30,6 +30,7 @@ from conformance.lockstep.machine_state import (
     schedules,
 )
 from queue_ref.storage import (
+    Handle,
     HeldMail,
     InflightMail,
     InvalidInputError,
@@ -38,7 +39,7 @@ from queue_ref.storage import (
     Recipient,
     Schedule,
 )
-from spec.model import Call, run
+from spec.model import Call, EntryKey, run
 from spec.states import HOLD_OPS, TABLE, EntryState, Op
 
 #: The operations the crash rule may crash inside, by rule name.
@@ -152,6 +153,11 @@ class Operations(MachineBase):
 
     def _act(self, data: st.DataObject, op: Op, schedule: Schedule | None = None) -> Call:
         h, key = self._draw(data, TAKES[op])
+        return self._do(op, h, key, schedule)
+
+    def _do(self, op: Op, h: Handle, key: EntryKey, schedule: Schedule | None = None) -> Call:
+        """``op`` on the entry ``key`` through the handle ``h``, on the backend and the
+        model, the answers compared."""
         stale = self.model.state_of(key) is not TABLE[op].source
         to = "" if schedule is None else f" to at={schedule.at}, attempts={schedule.attempts}"
         self.log.append(f"{op.value}{key}{to}" + (" through a stale handle" if stale else ""))

@@ -112,12 +112,7 @@ class LevelDBEngine(KV):
             raise DatabaseLockedError(self.path) from None
         try:
             _refuse_without_current(self.path)
-            self._db = plyvel.DB(self.path, create_if_missing=True, **self._options)
-            try:
-                self._names = self._sync_names()
-            except OSError:
-                self._db.close()
-                raise
+            self._open_db(create_if_missing=True)
         except plyvel.IOError as e:
             os.close(self._lock_fd)
             if "lock" in str(e):  # held by a LevelDB user outside this engine
@@ -165,15 +160,12 @@ class LevelDBEngine(KV):
                 if self._down is None:
                     self._db.close()
                 try:
-                    self._db = plyvel.DB(self.path, **self._options)
+                    self._open_db()
                 except plyvel.Error as e:
                     err = os_error("reopening LevelDB after a failed write", e, self.path)
                     self._down = str(err)
                     raise err from e
-                try:
-                    self._names = self._sync_names()
                 except OSError as e:
-                    self._db.close()
                     self._down = f"syncing {self.path} after reopening LevelDB: {e}"
                     raise
                 self._down = None
@@ -184,6 +176,20 @@ class LevelDBEngine(KV):
 
     def _is_closed(self) -> bool:
         return self._closed
+
+    def _open_db(self, **options: bool) -> None:
+        """Open LevelDB and sync its directory (closed again if that sync fails)."""
+        self._db = plyvel.DB(self.path, **options, **self._options)
+        try:
+            self._names = self._sync_names()
+        except OSError:
+            self._db.close()
+            raise
+
+    def _refuse_if_failed(self) -> None:
+        if self._failed is not None:
+            raise OSError(errno.EIO, f"LevelDB at {self.path}: a directory sync failed "
+                                     f"earlier ({self._failed}); reopen the queue")
 
     def _sync_names(self) -> frozenset[str]:
         """fsync the database's directory; the names it held when synced."""
@@ -200,9 +206,7 @@ class LevelDBEngine(KV):
         was last synced (a new log at a memtable switch), sync it before acknowledging.
         A failed sync fails the engine: every later write is refused until it is reopened
         (a retried fsync proves nothing about what the failed one dropped)."""
-        if self._failed is not None:
-            raise OSError(errno.EIO, f"LevelDB at {self.path}: a directory sync failed "
-                                     f"earlier ({self._failed}); reopen the queue")
+        self._refuse_if_failed()
         try:
             if frozenset(os.listdir(self.path)) != self._names:
                 self._names = self._sync_names()
@@ -267,9 +271,7 @@ class LevelDBEngine(KV):
                 if self._closed:
                     raise ClosedError(f"LevelDBEngine {self.path} is closed")
             return
-        if self._failed is not None:
-            raise OSError(errno.EIO, f"LevelDB at {self.path}: a directory sync failed "
-                                     f"earlier ({self._failed}); reopen the queue")
+        self._refuse_if_failed()
         self._revive(writes=True)
         self._begin(writes=True)
         try:
