@@ -158,11 +158,16 @@ class Capability(enum.Enum):
 @dataclass(frozen=True)
 class Limits:
     """What one message may hold in a backend (``Storage.limits``); beyond it, ``commit``
-    raises InvalidInputError before anything is stored.  None: no limit of its own."""
+    raises InvalidInputError before anything is stored.  None: no limit of its own.
+
+    ``pool_files``: how many files of released storage one open queue may keep for reuse
+    after its messages are cleaned up (C8: the filesystem queue's spare files); a drained
+    queue holds no more than that beyond what it held with nothing queued."""
 
     max_recipients: int | None = None
     max_address: int = MAX_ADDRESS
     max_body_bytes: int | None = None
+    pool_files: int = 0
 
 
 @dataclass(frozen=True)

@@ -234,7 +234,7 @@ def test_check_ids_are_stable() -> None:
                            "limits", "threads", "process-kill", "recovery-rerun", "crash-exploration",
                            "io-errors", "multi-process", "streaming", "damage-at-rest", "hold",
                            "group-commit", "linearizable",
-                           "lifecycle-edges", "blackbox-power-loss"]
+                           "lifecycle-edges", "bounded-disk", "blackbox-power-loss"]
 
 
 def _child_echo(ch: object, value: object) -> None:

@@ -28,7 +28,7 @@ BROKEN = "conformance.examples.broken_backends"
 FIRST = "0"  # MemoryStorage numbers messages from 0
 
 
-@pytest.mark.parametrize("scenario", ["io-errors:46:8", "io-errors:60:10", "io-errors:106:0"])
+@pytest.mark.parametrize("scenario", ["io-errors:46:8", "io-errors:106:0"])
 def test_a_fault_the_queue_recovers_from_is_no_finding(scenario: str) -> None:
     # Each of these fails the creation of a spare file (an optional step): the enqueue
     # succeeds, and the queue, reopened and after a power cut, holds exactly the model's
@@ -140,6 +140,28 @@ def test_every_odd_io_error_trial_fails_a_sync() -> None:
         trial = io_errors_check.make_trial(7, n, calls)
         assert calls.syncs and 0 <= trial.fail_at < calls.total
         assert (trial.fail_at in calls.syncs) if n % 2 else True
+        inside = {m for _, ms in calls.transitions for m in ms}
+        assert (trial.fail_at in inside) if n % 4 == 2 and inside else True
+
+
+HIDES = f"{BROKEN}:fs_reschedule_hides_entry"
+
+
+@pytest.mark.parametrize("seed", [0, 5])
+def test_a_failed_reschedule_must_not_hide_its_entry_until_a_restart(seed: int) -> None:
+    """A queue whose failed ``reschedule`` keeps the entry claimed (in inflight/, out of
+    every listing) passes the restart and power-cut judges: recovery requeues it.  The
+    open queue's listing right after the error shows neither the old state nor the new
+    one, a C9 finding that replays; the real queues list the entry."""
+    res = io_errors_check.run(Backend.from_factory(HIDES), QUICK, seed)
+    assert res.findings and {f.clause for f in res.findings} == {"C9"}
+    first = res.findings[0]
+    assert first.detail.startswith("right after reschedule(")
+    assert "its old state lists" in first.detail
+    again = replay(Backend.from_factory(HIDES), first.scenario)
+    assert [(f.clause, f.detail) for f in again] == [
+        (f.clause, f.detail) for f in res.findings if f.scenario == first.scenario]
+    assert io_errors_check.run(Backend.from_factory(FS), QUICK, seed).findings == []
 
 
 IDS_REPEAT = "conformance.examples.broken_backends:fs_ids_repeat_on_a_stalled_clock"

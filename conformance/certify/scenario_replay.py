@@ -13,7 +13,8 @@ Scenario ids start with the check that found them:
 * ``blackbox-power-loss:<seed>:<trial>:<length>:<model>:<point>:<key>``: the workload
   traced again, the named crash state of its first ``point`` calls recovered;
 * ``bad-input:<case>``, ``limits:<case>``, ``many-recipients:<n>``, ``threads:<seed>``,
-  ``multi-process:<seed>``, ``streaming:<bytes>``: that check again;
+  ``multi-process:<seed>``, ``streaming:<bytes>``, ``bounded-disk:<rounds>``: that
+  check again;
 * ``lifecycle-edges:<op>:<target>:<stop>``: that trial again (the same stop point, or
   the same SIGSTOP delay);
 * anything else is handed to the crash explorer (``conformance.checks.crash_exploration_check``).
@@ -28,6 +29,7 @@ from conformance.checks import (
     bad_input_check,
     blackbox_power_loss_check,
     damage_at_rest_check,
+    disk_growth_check,
     io_errors_check,
     lifecycle_edges_check,
     limits_check,
@@ -76,6 +78,8 @@ def replay(backend: Backend, scenario: str) -> list[Finding]:
         return lifecycle_edges_check.replay(backend, scenario)
     if head == "damage-at-rest":
         return damage_at_rest_check.replay(backend, scenario)
+    if head == "bounded-disk":
+        return disk_growth_check.run(backend, replace(QUICK, growth_rounds=int(rest))).findings
     if head == "streaming":
         return streaming_check.run(backend, replace(QUICK, streaming_bytes=int(rest))).findings
     from conformance.checks import crash_exploration_check

@@ -21,6 +21,7 @@ from conformance.checks import (
     blackbox_power_loss_check,
     crash_exploration_check,
     damage_at_rest_check,
+    disk_growth_check,
     group_commit_check,
     hold_check,
     io_errors_check,
@@ -92,6 +93,8 @@ def _run_one(spec: CheckSpec, model: str, backend: Backend, probe: Probe, profil
         return lifecycle_edges_check.run(backend, profile, s, probe.capabilities)
     if spec.id == "damage-at-rest":
         return damage_at_rest_check.run(backend, profile, s)
+    if spec.id == "bounded-disk":
+        return disk_growth_check.run(backend, profile)
     if spec.id == "hold":
         return hold_check.run(backend)
     if spec.id == "linearizable":

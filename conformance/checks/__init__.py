@@ -13,6 +13,7 @@ io_errors_check            io-errors
 multi_process_check        multi-process
 streaming_check            streaming
 damage_at_rest_check       damage-at-rest
+disk_growth_check          bounded-disk
 group_commit_check         group-commit
 linearizability_check      linearizable (the search: ``concurrency.linearizability``)
 lifecycle_edges_check      lifecycle-edges

@@ -5,7 +5,10 @@ made to fail (EIO, or ENOSPC with a short write).  The operation containing the 
 call is judged by its *outcome* against the model, never by whether it raised:
 
 * it **failed** with ``StorageIOError`` (``NoSpaceError`` for a full disk): the queue,
-  reopened on the disk as it is (the process restarted; the kernel kept what it
+  still open right after the error (unless it said ``ReopenRequiredError``), must list
+  the queued entries of the model's old state or of its new one, schedules included (a
+  failed ``reschedule`` must not leave its entry hidden until the next restart); and the
+  queue reopened on the disk as it is (the process restarted; the kernel kept what it
   accepted) and after a power cut right then, must show the operation done or not done,
   never a mixture (the crash condition of ``spec.crash``);
 * it **succeeded** (a backend may recover from a fault on an optional step, such as a
@@ -52,7 +55,9 @@ from faultinject.models import MODELS, crash_states
 from faultinject.seam import FaultPlan
 from queue_ref.storage import StorageIOError
 from spec.crash import judge
-from spec.model import Call, Model
+from spec.model import Call, EntryKey, Model, Schedule
+from spec.model import run as model_run
+from spec.states import EntryState, Op
 
 WORKLOAD_LENGTH = 8
 #: The power-loss model the outcome is checked under (the harshest of faultinject's).
@@ -88,27 +93,42 @@ SYNCS = frozenset({"fsync", "fdatasync", "fsync_dir", "syncfs"})
 
 @dataclass(frozen=True)
 class CallCount:
-    """The mutating calls of a fault-free run (opening included), and the positions of
-    the syncs among them."""
+    """The mutating calls of a fault-free run (opening included), the positions of the
+    syncs among them, and of the calls made inside transitions of existing entries (every
+    operation but enqueue)."""
 
     total: int
     syncs: tuple[int, ...] = ()
+    #: operation -> the mutating calls made inside its calls (enqueue excluded)
+    transitions: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 def _count_calls(backend: Backend, workload: Workload) -> CallCount:
     run = run_workload(_spec(backend), workload)
     mutating = [e for e in run.events if e.mutating]
+    inside: dict[str, list[int]] = {}
+    for i, call in enumerate(workload[:len(run.op_ends)]):
+        if call.op is not Op.ENQUEUE and run.op_ends[i] > run.op_starts[i]:
+            inside.setdefault(call.op.value, []).extend(range(run.op_starts[i],
+                                                              run.op_ends[i]))
     return CallCount(run.mutating_total,
-                     tuple(m for m, e in enumerate(mutating) if e.name in SYNCS))
+                     tuple(m for m, e in enumerate(mutating) if e.name in SYNCS),
+                     tuple((op, tuple(ms)) for op, ms in sorted(inside.items())))
 
 
 def make_trial(seed: int, number: int, calls: CallCount) -> FaultTrial:
-    """Trial ``number`` of ``seed``: an even one fails a mutating call drawn uniformly, an
-    odd one a sync (when the run makes any)."""
+    """Trial ``number`` of ``seed``: an odd one fails a sync (when the run makes any); one
+    in four (``number % 4 == 2``) a call inside a transition of an existing entry, the
+    operation drawn first (most disk calls are an enqueue's, so a uniform draw seldom
+    fails a ``reschedule`` or a ``send_cancel``); the rest a mutating call drawn
+    uniformly."""
     rng = random.Random(f"io-errors:{seed}:{number}")
     wseed = rng.randrange(2**32)
     if number % 2 and calls.syncs:
         fail_at = calls.syncs[rng.randrange(len(calls.syncs))]
+    elif number % 4 == 2 and calls.transitions:
+        _, inside = calls.transitions[rng.randrange(len(calls.transitions))]
+        fail_at = inside[rng.randrange(len(inside))]
     else:
         fail_at = rng.randrange(max(calls.total, 1))
     return FaultTrial(seed, number, wseed, fail_at,
@@ -159,6 +179,41 @@ def _steps(trial: FaultTrial, workload: Workload, run: Run, out: _Outcome) -> li
             mark = f"  <- {name} inside, returned"
         steps.append(f"{i}: {call.describe()}{mark}")
     return steps
+
+
+def _queued(model: Model, keys: set[EntryKey] | None = None) -> dict[EntryKey, Schedule]:
+    return {k: e.schedule for k, e in model.entries.items()
+            if e.state is EntryState.QUEUED and (keys is None or k in keys)}
+
+
+def _live_judge(run: Run, before: Model, pending: Call) -> list[tuple[str, str]]:
+    """The queue as it was right after the call failed, without a restart: it lists the
+    queued entries of the old state or of the new one (C9: "the entry is then in its old
+    or its new state").  Entries the backend never named to the run (those of a failed
+    enqueue) are counted: none (old) or every one the enqueue would have made (new)."""
+    if run.live_listing_error is not None:
+        return [("C9", f"right after the failed call, list_queue raised "
+                       f"{run.live_listing_error}; expected a listing or a QueueError")]
+    if run.live_queued is None:
+        return []
+    after, _ = model_run(before, pending)
+    known = {run.entry_keys[e]: s for e, s in run.live_queued.items() if e in run.entry_keys}
+    unknown = len(run.live_queued) - len(known)
+    old = _queued(before)
+    new = _queued(after, set(before.entries))
+    made = len(set(after.entries) - set(before.entries))
+    if (known, unknown) in ((old, 0), (new, made)):
+        return []
+
+    def show(q: dict[EntryKey, Schedule], extra: int) -> str:
+        items = [f"{k} at={s.at} attempts={s.attempts}" for k, s in sorted(q.items())]
+        items += [f"{extra} entries of the failed enqueue"] if extra else []
+        return "[" + ", ".join(items) + "]"
+
+    return [("C9", f"right after {pending.describe()} raised StorageIOError, the open "
+                   f"queue lists {show(known, unknown)}; its old state lists "
+                   f"{show(old, 0)} and its new state {show(new, made)}: a failed call "
+                   "must leave its entry in one of them, without waiting for a restart")]
 
 
 def _restart_judge(backend: Backend, root: str, run: Run, before: Model,
@@ -212,7 +267,8 @@ def run_trial(backend: Backend, trial: FaultTrial, workload: Workload) -> list[F
             # Failed: the state before or after the failed call, nothing else.
             i = out.failed
             before, pending = run.models[i], workload[i]
-            found = _restart_judge(backend, root, run, before, pending)
+            found = _live_judge(run, before, pending)
+            found += _restart_judge(backend, root, run, before, pending)
             found += _power_cut_judge(spec, run, len(run.events), before, pending)
             return findings(found)
         # Succeeded (and so did every later call): the model's state, durable.

@@ -33,8 +33,8 @@ from faultinject.fault_errors import Crash
 from faultinject.seam import FaultPlan, FaultyIO
 from faultinject.trace import SYNC_CALLS, TraceEvent
 from queue_ref.io import OsIO
-from queue_ref.storage import Storage
-from spec.model import Call, Model
+from queue_ref.storage import QueueError, ReopenRequiredError, Storage, StorageIOError
+from spec.model import Call, Model, Schedule
 
 OPEN = -1  # the "call" index of opening the queue (before the workload's first call)
 
@@ -115,6 +115,11 @@ class Run:
     open_events: int = 0  # len(events) when opening the queue returned
     event_ends: list[int] = field(default_factory=list)  # len(events) when call i returned
     close_error: BaseException | None = None  # what closing the queue after the run raised
+    #: After a call failed with StorageIOError (not ReopenRequiredError), what the queue,
+    #: still open, listed right then (entry id -> schedule); None if not listed.
+    live_queued: dict[str, Schedule] | None = None
+    #: ... or what that listing raised, if not a QueueError (a QueueError is a refusal).
+    live_listing_error: str | None = None
 
     def returned(self) -> int:
         """How many calls of the workload returned (raising counts as not returning)."""
@@ -218,12 +223,26 @@ def run_workload(backend: BackendSpec, workload: Workload, plan: FaultPlan | Non
     run.workload_end = len(run.events)
     run.trace_hash = io.trace_hash()
     run.mutating_total = io.mutating_count
+    if storage is not None and isinstance(run.error, StorageIOError) \
+            and not isinstance(run.error, ReopenRequiredError):
+        _list_live(storage, run)
     if storage is not None and not run.crashed:
         try:
             storage.close()
         except Exception as e:  # after an injected fault a close may fail, and say so
             run.close_error = e
     return run
+
+
+def _list_live(storage: Storage, run: Run) -> None:
+    """What the open queue lists right after a call failed (after the trace ends: the
+    listing is not part of what a power cut can see)."""
+    try:
+        run.live_queued = {h.entry_id: h.schedule for h in storage.list_queue()}
+    except QueueError:
+        pass  # the queue refuses to list after the failure, and says so
+    except Exception as e:
+        run.live_listing_error = f"{type(e).__name__}: {e}"
 
 
 def sync_points(run: Run, call: int) -> list[int]:

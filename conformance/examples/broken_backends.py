@@ -521,6 +521,32 @@ def fs_requeues_live_claims(root: str, io: IO | None = None) -> Storage:
     return deterministic_fs(RequeuesLiveClaims)(root, io)
 
 
+def fs_reschedule_hides_entry(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue (``fsync`` mode) whose failed ``reschedule`` leaves the entry
+    it had claimed in inflight/, remembered only by the caller's handle: the handle still
+    works, and a restart requeues the entry, but until then no listing shows it and a
+    caller that drops the handle leaves the mail undelivered (C9: after an error the
+    entry is in its old or its new state).  The io-errors check lists the open queue right
+    after each failed call and fails it on C9::
+
+        queue-ref certify conformance.examples.broken_backends:fs_reschedule_hides_entry \\
+            --only io-errors
+    """
+    from conformance.crashexplore.broken_fs_variants import _Fsync
+    from conformance.crashexplore.explored_backends import deterministic_fs
+    from queue_ref.fsqueue.fs_queue import _CLAIMED
+    from queue_ref.fsqueue.layout import EntryName
+    from queue_ref.storage import QueuedMail
+
+    class HidesEntry(_Fsync):
+        def _put_back(self, h: QueuedMail, e: EntryName) -> None:
+            h._extra = _CLAIMED  # the bug: the claim stays, out of every listing
+
+    if io is None:
+        return HidesEntry(root)
+    return deterministic_fs(HidesEntry)(root, io)
+
+
 def fs_orphans_live_claims(root: str, io: IO | None = None) -> Storage:
     """The filesystem queue (``fsync`` mode) whose recovery, looking for orphan message
     files, counts the names in queue/, held/ and cleanup/ but forgets inflight/: a

@@ -152,6 +152,10 @@ CHECKS: tuple[CheckSpec, ...] = (
               "adopted, nothing claimed twice, lost, quarantined or brought back",
               Kind.CONCURRENCY, ("C4", "C7", "C2", "C1", "C3"), Level.OPTIONAL,
               (Capability.MULTI_PROCESS,)),
+    CheckSpec("bounded-disk", "the queue's whole directory tree, counted after it was "
+              "drained: many messages at once (no more than the declared pool left), "
+              "repeated restarts, repeated killed owners: it does not grow with use",
+              Kind.SCALE, ("C8",)),
     CheckSpec("blackbox-power-loss", "a backend outside the I/O seam runs a workload in a "
               "child traced by strace; the disks a power cut may leave at each "
               "acknowledgement and inside operations are rebuilt from its system calls "

@@ -64,6 +64,8 @@ class Profile:
     blackbox_exhaustive_limit: int = 3
     blackbox_random_states: int = 4
     blackbox_max_states: int = 16
+    #: bounded disk: rounds of restarts and of killed owners
+    growth_rounds: int = 9
 
     def hypothesis_settings(self) -> settings:
         phases = [Phase.explicit, Phase.reuse, Phase.generate]
@@ -83,7 +85,7 @@ class Profile:
 QUICK = Profile(
     name="quick", lockstep_examples=25, lockstep_steps=25, kill_trials=8, kill_ops=40,
     recovery_trials=3, crash_bound=2, crash_random=2, crash_random_length=8,
-    fault_trials=12, many_recipients=10_000, many_full_drain=False,
+    fault_trials=40, many_recipients=10_000, many_full_drain=False,
     streaming_bytes=100 * 1024 * 1024, streaming_peak_limit=16 * 1024 * 1024,
     threads=4, thread_messages=10, processes=3, shrink=False,
 )
@@ -97,7 +99,7 @@ THOROUGH = Profile(
     group_commit_trials=30, group_commit_cuts=None,
     linearizable_rounds=200, linearizable_threads=4,
     linearizable_processes=3, linearizable_ops=12, linearizable_bound=2_000_000,
-    edges_stops=None, edges_all_targets=True, edges_signal_trials=12,
+    edges_stops=None, edges_all_targets=True, edges_signal_trials=12, growth_rounds=24,
     blackbox_trials=4, blackbox_length=12, blackbox_points=0,
     blackbox_exhaustive_limit=6, blackbox_random_states=16, blackbox_max_states=0,
 )

@@ -227,8 +227,9 @@ class FsQueue(FsMetadata, Storage):
 
     @property
     def limits(self) -> Limits:
-        """Recipients per message: one fewer than the file system's names per file."""
-        return Limits(max_recipients=self._link_max - 1)
+        """Recipients per message: one fewer than the file system's names per file; the
+        spare files kept for reuse (``spares``)."""
+        return Limits(max_recipients=self._link_max - 1, pool_files=self._spares.capacity)
 
     @property
     def sync_mode(self) -> str:

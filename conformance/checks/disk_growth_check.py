@@ -1,0 +1,225 @@
+"""Bounded disk: what a drained queue leaves on disk does not grow with use (C8).
+
+``footprint()`` is the backend's own count of what it keeps, so a backend that forgets
+something forgets to count it too.  This check counts the queue's whole directory tree
+instead (every name: files, directories, links; and the bytes of its regular files, a
+file with several names counted once), and judges it after the queue was drained, three
+ways, each repeated:
+
+* **at once**: one open queue enqueues more and more messages at once, then delivers
+  and cleans up all of them.  What it keeps for reuse (``Limits.pool_files``, the
+  filesystem queue's spare files) may stay, up to the declared count; beyond it, names
+  that track how many messages were in the queue at once are a leak.
+* **restarts**: the queue is closed and opened again, with a little mail each time.
+* **killed owners**: a child process opens the queue, enqueues, claims one entry and is
+  killed (SIGKILL); the queue is opened again (recovery), drained and closed.
+
+After each round of the last two the queue is closed and its tree measured.  The tree
+may change from round to round (a log-structured store writes new tables and logs), but
+the last rounds may not hold more than the first ones plus a small slack: a name left
+behind at each open (a dead owner's lock file, a log copied aside every time) shows as a
+steady climb.  Scenario ``bounded-disk:<rounds>``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from conformance.harness.backend_factory import Backend
+from conformance.harness.check_catalog import NO_CRASH
+from conformance.harness.check_results import CheckResult, Finding, Status, finished
+from conformance.harness.child_process import Channel, Child
+from conformance.harness.suite_profiles import Profile
+from queue_ref.storage import Recipient, Schedule, Storage
+
+BODY = b"Subject: bounded disk\r\n\r\n" + b"a line of the body\r\n" * 12
+#: Names the tree may hold beyond the declared pool after a drain (a log-structured
+#: store's tables and logs come and go), and how much the last rounds may exceed the
+#: first ones by.
+SLACK_NAMES = 16
+CLIMB_NAMES = 3
+CLIMB_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True)
+class Tree:
+    names: int
+    bytes: int
+
+    def __str__(self) -> str:
+        return f"{self.names} names, {self.bytes} bytes"
+
+
+def measure(root: str) -> Tree:
+    """Every name under ``root`` (not ``root`` itself) and the bytes of its regular files,
+    each file once however many names it has."""
+    names, size = 0, 0
+    seen: set[tuple[int, int]] = set()
+    for top, dirs, files in os.walk(root):
+        for n in (*dirs, *files):
+            names += 1
+            try:
+                st = os.lstat(os.path.join(top, n))
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                size += st.st_size
+    return Tree(names, size)
+
+
+def _enqueue(store: Storage, n: int, tag: str) -> None:
+    for i in range(n):
+        with store.enqueue(f"{tag}{i}@example.org") as enq:
+            enq.write(BODY)
+            enq.commit([Recipient(f"r{i}@example.net", Schedule(i))])
+
+
+def _drain(store: Storage) -> None:
+    """Deliver and clean up everything the queue holds (claims of dead owners too)."""
+    claimed = [*store.find_inflight()]
+    claimed += [f for f in (store.send_start(h) for h in store.list_queue()) if f is not None]
+    for f in claimed:
+        p = store.send_done(f)
+        if p is not None:
+            store.cleanup(p)
+    for p in store.find_pending_cleanup():
+        store.cleanup(p)
+
+
+def _climb(series: list[Tree]) -> str | None:
+    """Whether the last third of the rounds holds more than the first third plus slack."""
+    k = max(1, len(series) // 3)
+    first, last = series[:k], series[-k:]
+    top_names = max(t.names for t in first)
+    top_bytes = max(t.bytes for t in first)
+    if min(t.names for t in last) > top_names + CLIMB_NAMES:
+        return (f"names climb from at most {top_names} in the first {k} rounds to at least "
+                f"{min(t.names for t in last)} in the last {k}")
+    if min(t.bytes for t in last) > 2 * top_bytes + CLIMB_BYTES:
+        return (f"bytes climb from at most {top_bytes} in the first {k} rounds to at least "
+                f"{min(t.bytes for t in last)} in the last {k}")
+    return None
+
+
+def _series(series: list[Tree]) -> str:
+    return ", ".join(f"{t.names}/{t.bytes}" for t in series)
+
+
+def _at_once(backend: Backend, root: str, batches: tuple[int, ...],
+             fail: Callable[[str, str], None]) -> dict[str, int]:
+    store = backend.open(root)
+    try:
+        pool = store.limits.pool_files
+        for i in range(4):
+            _enqueue(store, 1, f"warm{i}.")
+            _drain(store)
+        base = measure(root)
+        after: list[tuple[int, Tree]] = []
+        for n in (pool + b for b in batches):
+            _enqueue(store, n, f"batch{n}.")
+            _drain(store)
+            after.append((n, measure(root)))
+    finally:
+        store.close()
+    top = max(t.names for _, t in after)
+    if top > base.names + pool + SLACK_NAMES:
+        steps = "; ".join(f"after {n} at once: {t}" for n, t in after)
+        fail("C8", f"a drained open queue holds {top - base.names} names more than after "
+                   f"messages one at a time ({base}; {steps}); it declares a pool of "
+                   f"{pool} files (Limits.pool_files), and may keep {SLACK_NAMES} more")
+    return {"at_once_base_names": base.names, "at_once_top_names": top, "pool_files": pool}
+
+
+def _restarts(backend: Backend, root: str, rounds: int,
+              fail: Callable[[str, str], None]) -> list[Tree]:
+    series = []
+    for r in range(rounds):
+        store = backend.open(root)
+        try:
+            _enqueue(store, 3, f"restart{r}.")
+            _drain(store)
+        finally:
+            store.close()
+        series.append(measure(root))
+    climb = _climb(series)
+    if climb:
+        fail("C8", f"closed and opened {rounds} times, draining a few messages each time, "
+                   f"the closed queue's tree grows: {climb} (names/bytes after each round: "
+                   f"{_series(series)})")
+    return series
+
+
+def _doomed_owner(ch: Channel, backend: Backend, root: str, tag: str) -> None:
+    """Open, enqueue, claim one entry, say so, and wait to be killed."""
+    store = backend.open(root)
+    _enqueue(store, 2, tag)
+    for h in store.list_queue():
+        if store.send_start(h) is not None:
+            break
+    ch.send({"ready": True})
+    while True:
+        time.sleep(1)
+
+
+def _killed_owners(backend: Backend, root: str, rounds: int,
+                   fail: Callable[[str, str], None]) -> list[Tree]:
+    series = []
+    for r in range(rounds):
+        with Child(_doomed_owner, backend, root, f"killed{r}.") as child:
+            for msg in child.messages():
+                if "crashed" in msg:
+                    fail("C9", f"round {r}: the child failed before it was killed: "
+                               f"{msg['crashed']}")
+                    return series
+                if msg.get("ready"):
+                    break
+            child.kill()
+        store = backend.open(root)
+        try:
+            _drain(store)
+        finally:
+            store.close()
+        series.append(measure(root))
+    climb = _climb(series)
+    if climb:
+        fail("C8", f"a process that opened the queue and enqueued was killed {rounds} times, "
+                   f"and the queue opened, drained and closed after each: the tree grows: "
+                   f"{climb} (names/bytes after each round: {_series(series)})")
+    return series
+
+
+def run(backend: Backend, profile: Profile) -> CheckResult:
+    if not backend.takes_root:
+        return CheckResult("bounded-disk", NO_CRASH, Status.UNSUPPORTED,
+                           note="the factory takes no directory: there is no tree to count")
+    start = time.perf_counter()
+    findings: list[Finding] = []
+    rounds = profile.growth_rounds
+    scenario = f"bounded-disk:{rounds}"
+
+    def fail(clause: str, detail: str) -> None:
+        findings.append(Finding(clause, detail, scenario, NO_CRASH))
+
+    stats: dict[str, int] = {}
+    for part in ("at once", "restarts", "killed owners"):
+        root = tempfile.mkdtemp(prefix="queue-ref-growth-")
+        try:
+            if part == "at once":
+                stats |= _at_once(backend, root, (16, 64, 256), fail)
+            elif part == "restarts":
+                s = _restarts(backend, root, rounds, fail)
+                stats["restart_rounds"] = len(s)
+            else:
+                s = _killed_owners(backend, root, rounds, fail)
+                stats["killed_rounds"] = len(s)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    return finished("bounded-disk", NO_CRASH, findings, seconds=time.perf_counter() - start,
+                    stats=stats)

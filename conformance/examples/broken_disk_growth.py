@@ -1,0 +1,82 @@
+"""Broken variants that leave names behind outside ``footprint()``: each drains to a
+footprint of zero while its directory grows with use.  The bounded-disk check counts
+the whole tree and fails each on C8; every other check passes them.  Never use them for
+mail.
+
+    queue-ref certify conformance.examples.broken_disk_growth:fs_spare_pool_unbounded \\
+        --only bounded-disk
+"""
+
+from __future__ import annotations
+
+import time
+
+from queue_ref.io import IO, OsIO
+from queue_ref.storage import Storage
+
+
+def fs_spare_pool_unbounded(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue (``fsync`` mode) whose pool of spare message files ignores its
+    capacity: every message cleaned up while others are queued leaves its file behind,
+    so after a burst of n messages at once the queue keeps n spare files until it is
+    closed, past the 64 it declares (``Limits.pool_files``)."""
+    from conformance.crashexplore.broken_fs_variants import _Fsync
+    from conformance.crashexplore.explored_backends import deterministic_fs
+    from queue_ref.fsqueue.spares import Spares
+
+    class NoCapacity(Spares):
+        def reserve(self) -> str | None:
+            with self._lock:
+                self._reserved += 1  # the bug: no check against the capacity
+                return f"{self.directory}/spare.{next(self._numbers)}"
+
+    class PoolUnbounded(_Fsync):
+        def __init__(self, *args: object, **kw: object) -> None:
+            super().__init__(*args, **kw)  # type: ignore[arg-type]
+            self._spares.__class__ = NoCapacity
+
+    if io is None:
+        return PoolUnbounded(root)
+    return deterministic_fs(PoolUnbounded)(root, io)
+
+
+def fs_dead_owner_lock_kept(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue (``fsync`` mode) whose recovery requeues a dead owner's claims
+    and removes its ``tmp/`` directory, but keeps its lock file ``owners/<owner>.lock``:
+    one more file for every process that died with the queue open."""
+    from conformance.crashexplore.broken_fs_variants import _OwnRecovery
+    from conformance.crashexplore.explored_backends import deterministic_fs
+    from queue_ref.fsqueue.owners import Owners
+    from queue_ref.storage import RecoveryReport
+
+    class KeepsDeadLocks(Owners):
+        def forget_dead(self, owner: str) -> bool:
+            return False  # the bug: the dead owner's lock file stays
+
+    class DeadLocksKept(_OwnRecovery):
+        def recover(self) -> RecoveryReport:
+            self._owners.__class__ = KeepsDeadLocks
+            return super().recover()
+
+    if io is None:
+        return DeadLocksKept(root)
+    return deterministic_fs(DeadLocksKept)(root, io)
+
+
+def kv_log_set_aside_every_open(root: str, io: IO | None = None) -> Storage:
+    """The KV queue (log engine) that moves its live log to ``quarantine/`` at every
+    open, as it should only when the log is damaged in the middle: nothing is lost (the
+    log's records go to a table first) and nothing is reported, but every open leaves
+    one more file."""
+    from queue_ref.kv.kv_queue import KvQueue
+    from queue_ref.kv.logengine import LogEngine
+    from queue_ref.kv.logengine.wal import Replayed
+
+    class SetsAsideEveryLog(LogEngine):
+        def _recover(self) -> None:
+            super()._recover()
+            self._set_aside_log(Replayed(0, 0))  # the bug: an intact log set aside too
+
+    return KvQueue._open(lambda: SetsAsideEveryLog(root, io=io), recover=True,
+                         sync_all=False, clock=time.time_ns,
+                         at=(io or OsIO(), root, "kv-log"), reserve=-1 if io is None else 0)
