@@ -87,6 +87,35 @@ def test_a_length_read_from_a_damaged_trailer_unchecked_is_caught_and_replayed(
     assert damage_at_rest_check.run(Backend.from_factory(FS), QUICK, seed).status is Status.PASS
 
 
+@pytest.mark.parametrize("seed", [1, 4])
+def test_damage_in_the_middle_of_a_log_taken_for_a_torn_tail_is_c6(seed: int) -> None:
+    """A log read up to its first damaged record loses every later message.  The clean
+    close names them, so none goes silently; but their records are intact, and a flip
+    takes out no message whose body lies whole after it.  Extra bit flips of each file
+    find it on any seed; the project's KV queue keeps those messages on the same seeds."""
+    broken = Backend.from_factory(f"{BROKEN}:kv_mid_log_damage_as_torn_tail")
+    res = damage_at_rest_check.run(broken, QUICK, seed)
+    assert res.status is Status.FAIL
+    assert {f.clause for f in res.findings} == {"C6"}
+    first = res.findings[0]
+    assert "lie whole after the flipped byte" in first.detail and ".log" in first.detail
+    assert "and the next body" in first.detail
+    again = damage_at_rest_check.replay(broken, first.scenario)
+    assert [f.detail for f in again] == [first.detail]
+    assert damage_at_rest_check.run(Backend.from_factory(KV), QUICK, seed).status is Status.PASS
+
+
+def test_a_flip_locates_the_messages_after_it(tmp_path: Path) -> None:
+    f = tmp_path / "log"
+    f.write_bytes(b"head" + b"AAAA" + b"mid" + b"BBBB" + b"x" + b"DDDD" + b"tail")
+    bodies = {"a": b"AAAA", "b": b"BBBB", "c": b"CCCC", "d": b"DDDD"}
+    # the first body after the flip may share its record: only the ones after it count
+    assert damage_at_rest_check.after_flip(f, 5, bodies) == {"d": 16}
+    assert damage_at_rest_check.after_flip(f, 0, bodies) == {"b": 11, "d": 16}
+    assert damage_at_rest_check.after_flip(f, 12, bodies) == {}
+    assert damage_at_rest_check.after_flip(f, None, bodies) == {}
+
+
 def test_memory_backend_is_unsupported_not_passed() -> None:
     res = damage_at_rest_check.run(Backend.from_factory("queue_ref.memory:MemoryStorage"),
                                    QUICK, 7)
@@ -99,9 +128,15 @@ def test_plan_damages_every_file_and_every_way_when_thorough() -> None:
     quick = _plan(files, False, random.Random(1))
     assert {f for f, _ in quick} == set(files) and len(quick) == 160
     thorough = _plan(files, True, random.Random(1))
-    assert len(thorough) == len(set(thorough)) == 200
+    every_way = thorough[:200]
+    assert len(every_way) == len(set(every_way)) == 200
+    extra = thorough[200:]  # then more bit flips of every file, at other places
+    assert len(extra) == 40 * damage_at_rest_check.EXTRA_FLIPS
+    assert {k for _, k in extra} == {"bit flip"} and {f for f, _ in extra} == set(files)
     assert thorough[:160] == quick  # the quick plan is the thorough one cut short
     assert THOROUGH.damage_every_way and not QUICK.damage_every_way
+    few = _plan(["log", "CURRENT"], False, random.Random(1))
+    assert len(few) == 10 + 2 * damage_at_rest_check.EXTRA_FLIPS  # a few files: all of it
 
 
 def test_a_log_cut_short_at_rest_does_not_bring_back_delivered_mail(tmp_path) -> None:
@@ -177,3 +212,45 @@ def test_the_sqlite_example_names_a_row_whose_recipient_a_flipped_bit_changed(tm
         assert sorted(h.message_id for h in q.list_queue()) == sorted([mids[0], mids[2]])
     finally:
         q.close()
+
+
+def test_a_damage_id_of_another_backend_is_refused_not_replayed_as_something_else() -> None:
+    """The id names the trial's kind and file: a plan whose trial N is another damage
+    (another backend, another version) says so instead of running it as if it were."""
+    with pytest.raises(ValueError, match=r"not a removal of nonexistent\.file"):
+        damage_at_rest_check.replay(Backend.from_factory(KV),
+                                    "damage-at-rest:seed=1:trial=0:removal:nonexistent.file")
+    with pytest.raises(ValueError, match="no trial 100000"):
+        damage_at_rest_check.replay(Backend.from_factory(KV),
+                                    "damage-at-rest:seed=1:trial=100000:removal:CURRENT")
+
+
+@pytest.mark.parametrize(("old", "new"), [("body_size", "body_sizf"),
+                                          ("TABLE messages", "TABLE messagds")])
+def test_a_sqlite_schema_renamed_by_damage_is_refused_as_damaged(tmp_path: Path, old: str,
+                                                                  new: str) -> None:
+    """A flipped bit in ``sqlite_master`` renames a column (statements then fail with "no
+    such column", blamed on nothing) or a table (``CREATE TABLE IF NOT EXISTS`` would
+    start an empty one beside it): the SQLite example compares the schema with its own
+    and refuses with DamagedStoreError, leaving the file as it was.  Found by the extra
+    bit flips of damage-at-rest."""
+    import sqlite3
+
+    from conformance.examples.sqlite_backend import factory
+
+    root = str(tmp_path / "q")
+    q = factory(root)
+    with q.enqueue("a@example.org") as enq:
+        enq.write(b"body")
+        enq.commit([Recipient("b@example.net", Schedule(0))])
+    q.close()
+    db = sqlite3.connect(os.path.join(root, "queue.sqlite3"))
+    db.execute("PRAGMA writable_schema=ON")
+    db.execute("UPDATE sqlite_master SET sql = replace(sql, ?, ?) WHERE name = 'messages'",
+               (old, new))
+    db.commit()
+    db.close()
+    before = Path(root, "queue.sqlite3").read_bytes()
+    with pytest.raises(DamagedStoreError, match="is damaged"):
+        factory(root)
+    assert Path(root, "queue.sqlite3").read_bytes() == before

@@ -58,3 +58,43 @@ def test_a_check_timeout_must_be_positive_or_zero_for_none(tmp_path: Path, bad: 
         assert code == 2 and "positive number of seconds" in out, out
     else:  # 0: no deadline; the check ran
         assert code != 2 and "bad-input          no-crash      pass" in out, out
+
+
+HANG_WITH_A_CHILD = """
+import sys, time
+from conformance.certify.hang_watchdog import Watchdog
+from conformance.checks.disk_growth_check import _doomed_owner
+from conformance.harness.backend_factory import Backend
+from conformance.harness.child_process import Child
+
+child = Child(_doomed_owner, Backend.from_factory("conformance.examples.backends:fs"),
+              sys.argv[1], "hang.")
+next(m for m in child.messages() if m.get("ready"))
+print(child.pid, flush=True)
+with Watchdog(1.0, lambda *a: print("hung in", a[0], flush=True)).step("stuck"):
+    time.sleep(120)
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def test_a_hang_ends_the_check_processes_it_started(tmp_path: Path) -> None:
+    """A check's own child processes (a killed owner, a traced workload) do not outlive a
+    run the watchdog ended: they are killed with it, not left running."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-c", HANG_WITH_A_CHILD, str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=90)
+    assert run.returncode == 1, run.stdout + run.stderr
+    pid_line, hung = run.stdout.splitlines()[:2]
+    assert hung == "hung in stuck"
+    pid = int(pid_line)
+    deadline = time.monotonic() + 10
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(pid), f"child {pid} still runs after the hang ended the run"

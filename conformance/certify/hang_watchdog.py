@@ -22,6 +22,8 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from conformance.harness import child_process
+
 #: Exit code of a run ended by a hang (the same as "not certified").
 HUNG_EXIT = 1
 #: Lines of the hung thread's stack kept in the report (innermost last).
@@ -89,6 +91,7 @@ class Watchdog:
         finally:
             for child in multiprocessing.active_children():
                 child.kill()
+            child_process.kill_all()
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(HUNG_EXIT)

@@ -17,7 +17,11 @@ requires, for every trial:
 * every acknowledged message not delivered is named: in the recovery report of the open
   (``Storage.last_recovery``: ``lost``, or counted in ``lost_unknown``), or by a typed
   error (``CorruptionError``) when its body is read (C6);
-* the undamaged rest is still served: every message not named is delivered (C6);
+* the undamaged rest is still served: every message not named is delivered (C6), and a
+  flipped bit takes out no message whose body lies whole after it in the same file
+  beyond the next body (intact records after damage in the middle of a log are kept: a
+  store that reads the rest of the file as a torn tail and names those messages lost
+  fails C6);
 * no message that was delivered and cleaned up before the damage comes back (C3);
 * with ``Capability.DOMAIN_INDEX``, ``list_domain`` gives what ``list_queue`` gives (every
   recipient is in one domain): recovery mends the index it keeps (C13).
@@ -32,9 +36,11 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from conformance.harness.backend_factory import Backend
@@ -43,6 +49,7 @@ from conformance.harness.check_results import CheckResult, Finding, Status, fini
 from conformance.harness.suite_profiles import Profile
 from queue_ref.storage import (
     Capability,
+    CorruptionError,
     DamagedStoreError,
     QueueError,
     Recipient,
@@ -133,11 +140,17 @@ def _files(root: str) -> list[str]:
     return sorted(out)
 
 
-def damage(path: Path, kind: str, rng: random.Random) -> str:
-    """Damage ``path`` in place; returns what was done, for the finding."""
+@dataclass(frozen=True)
+class Damage:
+    what: str  # for the finding
+    flipped: int | None = None  # the offset of a flipped bit in a regular file
+
+
+def damage(path: Path, kind: str, rng: random.Random) -> Damage:
+    """Damage ``path`` in place; returns what was done."""
     if kind == "removal":
         path.unlink()
-        return f"removed {path.name}"
+        return Damage(f"removed {path.name}")
     if path.is_symlink():
         target = bytearray(os.readlink(path).encode())
         if kind == "bit flip":
@@ -149,15 +162,17 @@ def damage(path: Path, kind: str, rng: random.Random) -> str:
             what = f"cut {path.name}'s target to {len(target)} bytes"
         path.unlink()
         os.symlink(bytes(target) or b"x", path)
-        return what
+        return Damage(what)
     data = bytearray(path.read_bytes())
     if not data:
         path.write_bytes(b"\x01")
-        return f"wrote a byte into the empty {path.name}"
+        return Damage(f"wrote a byte into the empty {path.name}")
+    flipped: int | None = None
     if kind == "bit flip":
         i = rng.randrange(len(data))
         data[i] ^= 1 << rng.randrange(8)
         what = f"flipped bit of byte {i} of {path.name} ({len(data)} bytes)"
+        flipped = i
     elif kind == "framing flip":
         # Framing (a record's length or offset) often sits at the end of a file, and as
         # decimal digits in a text format: aim at a digit there when there is one, and
@@ -168,25 +183,51 @@ def damage(path: Path, kind: str, rng: random.Random) -> str:
         data[i] ^= 1 << rng.randrange(4)
         what = (f"flipped a low bit of byte {i} of {path.name} ({len(data)} bytes), in its "
                 f"last {FRAMING}")
+        flipped = i
     else:  # a truncation keeps any length; a tail cut loses at most the last quarter
         keep = (rng.randrange(len(data)) if kind == "truncation"
                 else len(data) - 1 - rng.randrange(max(1, len(data) // 4)))
         del data[keep:]
         what = f"cut {path.name} to {keep} of its bytes"
     path.write_bytes(bytes(data))
-    return what
+    return Damage(what, flipped)
+
+
+def after_flip(path: Path, at: int | None, bodies: dict[str, bytes]) -> dict[str, int]:
+    """The messages whose body lies whole in the file ``path`` after byte ``at`` and after
+    another message's body that lies whole after it (the offset of each): a flip damages
+    one record, which may hold the next body after it (its header, the flip's record), but
+    not the body after that one.  Those are undamaged records of a log, which recovery
+    must keep."""
+    if at is None or path.is_symlink() or not path.is_file():
+        return {}
+    data = path.read_bytes()
+    found = sorted((pos, m) for m, body in bodies.items() if (pos := data.find(body)) > at)
+    if not found:
+        return {}
+    first_end = found[0][0] + len(bodies[found[0][1]])
+    return {m: pos for pos, m in found[1:] if pos >= first_end}
 
 
 QUICK_TRIALS = 160
 
 
+#: Bit flips per file at other random places, after every file was damaged every way
+#: (a store of few files, such as the KV queue's one log, gets them in the quick
+#: profile too: a flip in the middle of a log must leave the records after it served).
+EXTRA_FLIPS = 8
+
+
 def _plan(files: list[str], thorough: bool, rng: random.Random) -> list[tuple[str, str]]:
-    """Every file once (in a random way), then the other ways, shuffled: all of them when
-    ``thorough``, else up to QUICK_TRIALS trials in all."""
+    """Every file once (in a random way), then the other ways, shuffled, then
+    ``EXTRA_FLIPS`` more bit flips of each file: all of them when ``thorough``, else up
+    to QUICK_TRIALS trials in all."""
     first = [(f, rng.choice(KINDS)) for f in files]
     rest = [(f, k) for f in files for k in KINDS if (f, k) not in set(first)]
     rng.shuffle(rest)
-    plan = first + rest
+    extra = [(f, "bit flip") for f in files for _ in range(EXTRA_FLIPS)]
+    rng.shuffle(extra)
+    plan = first + rest + extra
     return plan if thorough else plan[:max(QUICK_TRIALS, len(files))]
 
 
@@ -198,7 +239,9 @@ def _trial(backend: Backend, template: str, rel: str, kind: str, rng: random.Ran
     root = os.path.join(work, "q")
     try:
         copy_tree(template, root)
-        what = damage(Path(root, rel), kind, rng)
+        hit = damage(Path(root, rel), kind, rng)
+        what = hit.what
+        later = after_flip(Path(root, rel), hit.flipped, want)
         steps = (f"fill a queue of {MESSAGES} messages, deliver {CLEANED}, close",
                  f"{kind}: {what}", "open the queue and deliver what it lists")
 
@@ -242,7 +285,13 @@ def _trial(backend: Backend, template: str, rel: str, kind: str, rng: random.Ran
                     with store.read_inflight(f) as r:
                         body = r.read_all()
                         meta = r.meta
-                except QueueError:
+                except (CorruptionError, DamagedStoreError):
+                    named.add(h.message_id)  # the store says the message is damaged
+                    continue
+                except QueueError as e:
+                    finding("C9", f"claiming or reading listed message {h.message_id} "
+                                  f"raised {type(e).__name__} ({e}), not CorruptionError: "
+                                  "a damaged message must be named as damaged")
                     named.add(h.message_id)
                     continue
                 if h.message_id in cleaned:
@@ -263,6 +312,13 @@ def _trial(backend: Backend, template: str, rel: str, kind: str, rng: random.Ran
                 done = store.send_done(f)
                 if done is not None:
                     store.cleanup(done)
+            kept_out = sorted(m for m in later if m in named and m not in delivered)
+            if kept_out:
+                m = kept_out[0]
+                finding("C6", f"{len(kept_out)} messages whose bodies lie whole after the "
+                              f"flipped byte {hit.flipped} and the next body were named lost (first: {m}, "
+                              f"its body at byte {later[m]}): intact records after damage "
+                              "in the middle of a file are kept, not taken for a torn tail")
             silent = sorted(set(want) - set(delivered) - named - altered)
             if silent and not report.lost_unknown:
                 finding("C6", f"{len(silent)} acknowledged messages were neither delivered "
@@ -296,8 +352,14 @@ def scenario_id(seed: int, trial: int, kind: str, rel: str) -> str:
     return f"damage-at-rest:seed={seed}:trial={trial}:{kind}:{rel}"
 
 
+def _shape(rel: str) -> str:
+    """A file's name with its ids (runs of hex digits) masked: the same file of a new fill."""
+    return re.sub(r"[0-9a-f]{8,}", "#", rel)
+
+
 def _trials(backend: Backend, seed: int, every_way: bool, only: int | None,
-            findings: list[Finding], stats: dict[str, int]) -> None:
+            findings: list[Finding], stats: dict[str, int],
+            expect: tuple[str, str] | None = None) -> None:
     """Fill a template, then run the plan drawn from ``seed`` (trial ``only`` alone when
     given).  Each trial draws its damage from its own generator, so it is the same trial
     whether run in the plan or alone."""
@@ -309,6 +371,15 @@ def _trials(backend: Backend, seed: int, every_way: bool, only: int | None,
         files = _files(template)
         stats["files"] = len(files)
         plan = _plan(files, every_way or only is not None, random.Random(seed))
+        if only is not None and expect is not None:
+            if not 0 <= only < len(plan):
+                raise ValueError(f"this backend's plan for seed {seed} has {len(plan)} "
+                                 f"trials, no trial {only}")
+            rel, kind = plan[only]
+            if (kind, _shape(rel)) != (expect[0], _shape(expect[1])):
+                raise ValueError(f"trial {only} of seed {seed} is a {kind} of {rel} for this "
+                                 f"backend, not a {expect[0]} of {expect[1]}: the scenario "
+                                 "comes from another backend or version")
         for n, (rel, kind) in enumerate(plan):
             if only is not None and n != only:
                 continue
@@ -343,5 +414,6 @@ def replay(backend: Backend, scenario: str) -> list[Finding]:
             or not parts[2].startswith("trial=")):
         raise ValueError(f"{scenario!r}: expected damage-at-rest:seed=S:trial=N:<kind>:<file>")
     findings: list[Finding] = []
-    _trials(backend, int(parts[1][5:]), True, int(parts[2][6:]), findings, _stats())
+    expect = (parts[3], parts[4]) if len(parts) == 5 else None
+    _trials(backend, int(parts[1][5:]), True, int(parts[2][6:]), findings, _stats(), expect)
     return findings

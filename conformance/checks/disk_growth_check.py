@@ -137,22 +137,30 @@ def _at_once(backend: Backend, root: str, batches: tuple[int, ...],
     return {"at_once_base_names": base.names, "at_once_top_names": top, "pool_files": pool}
 
 
-def _restarts(backend: Backend, root: str, rounds: int,
-              fail: Callable[[str, str], None]) -> list[Tree]:
-    series = []
-    for r in range(rounds):
-        store = backend.open(root)
-        try:
-            _enqueue(store, 3, f"restart{r}.")
-            _drain(store)
-        finally:
-            store.close()
-        series.append(measure(root))
+def _open_drain_close(backend: Backend, root: str, enqueue: int, tag: str) -> Tree:
+    """Open the queue (recovery runs), enqueue ``enqueue`` messages, deliver and clean up
+    everything it holds, close it: the tree it leaves."""
+    store = backend.open(root)
+    try:
+        _enqueue(store, enqueue, tag)
+        _drain(store)
+    finally:
+        store.close()
+    return measure(root)
+
+
+def _judge(series: list[Tree], what: str, fail: Callable[[str, str], None]) -> None:
     climb = _climb(series)
     if climb:
-        fail("C8", f"closed and opened {rounds} times, draining a few messages each time, "
-                   f"the closed queue's tree grows: {climb} (names/bytes after each round: "
-                   f"{_series(series)})")
+        fail("C8", f"{what}: the closed queue's tree grows: {climb} (names/bytes after each "
+                   f"round: {_series(series)})")
+
+
+def _restarts(backend: Backend, root: str, rounds: int,
+              fail: Callable[[str, str], None]) -> list[Tree]:
+    series = [_open_drain_close(backend, root, 3, f"restart{r}.") for r in range(rounds)]
+    _judge(series, f"closed and opened {rounds} times, draining a few messages each time",
+           fail)
     return series
 
 
@@ -181,17 +189,9 @@ def _killed_owners(backend: Backend, root: str, rounds: int,
                 if msg.get("ready"):
                     break
             child.kill()
-        store = backend.open(root)
-        try:
-            _drain(store)
-        finally:
-            store.close()
-        series.append(measure(root))
-    climb = _climb(series)
-    if climb:
-        fail("C8", f"a process that opened the queue and enqueued was killed {rounds} times, "
-                   f"and the queue opened, drained and closed after each: the tree grows: "
-                   f"{climb} (names/bytes after each round: {_series(series)})")
+        series.append(_open_drain_close(backend, root, 0, ""))
+    _judge(series, f"a process that opened the queue and enqueued was killed {rounds} "
+                   "times, and the queue opened, drained and closed after each", fail)
     return series
 
 

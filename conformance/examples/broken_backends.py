@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from typing import Any
 
 from queue_ref.io import IO, OsIO
@@ -181,6 +182,44 @@ def kv_damage_as_disk_error(root: str, io: IO | None = None) -> Storage:
         return KvQueue.open_log(root, io)
     except DamagedStoreError as e:
         raise StorageIOError(str(e)) from e  # the bug: the cause is lost
+
+
+def kv_mid_log_damage_as_torn_tail(root: str, io: IO | None = None) -> Storage:
+    """The KV queue (log engine) that reads its log up to the first damaged record and
+    takes the rest for a torn tail: after a flipped bit in the middle of the log, every
+    later message is named lost (the clean-close record names them), although its records
+    are intact.  Nothing is lost silently, so only the damage-at-rest rule that a flip
+    takes out no message whose body lies whole after it fails it (C6)::
+
+        queue-ref certify conformance.examples.broken_backends:kv_mid_log_damage_as_torn_tail \\
+            --only damage-at-rest
+    """
+    from collections.abc import Callable
+
+    from queue_ref.kv.kv_queue import KvQueue
+    from queue_ref.kv.logengine import LogEngine, wal
+
+    def up_to_damage(io: IO, path: str, apply: Callable[[list[wal.Op]], None]) -> wal.Replayed:
+        fd = io.open_read(path)
+        try:
+            reader = wal._Reader(io, fd, io.fsize(fd))
+            out = wal.Replayed(0, reader.size)
+            while out.valid < reader.size:
+                got = wal._intact_at(reader, out.valid)
+                if got is None:
+                    break  # the bug: damage in the middle read as a torn tail
+                apply(got[0])
+                out.valid = got[1]
+            return out
+        finally:
+            io.close(fd)
+
+    class TornTailEngine(LogEngine):
+        _replay = staticmethod(up_to_damage)
+
+    return KvQueue._open(lambda: TornTailEngine(root, io=io), recover=True, sync_all=False,
+                         clock=time.time_ns, at=(io or OsIO(), root, "kv-log"),
+                         reserve=-1 if io is None else 0)
 
 
 def fs_envelope_length_unbounded(root: str, io: IO | None = None) -> Storage:

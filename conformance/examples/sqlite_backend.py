@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -167,6 +168,44 @@ def _storage_error(e: sqlite3.Error | UnicodeDecodeError) -> StorageIOError:
     return StorageIOError(f"sqlite: {e}")
 
 
+def _schema_statements() -> list[str]:
+    return [stmt for stmt in [*SCHEMA.split(";"), *_triggers()] if stmt.strip()]
+
+
+def _schema_of(db: sqlite3.Connection) -> dict[str, bytes]:
+    """Names and statements as bytes: damage may leave them not UTF-8."""
+    return {bytes(n).decode("utf-8", "replace"): bytes(sql) for n, sql in db.execute(
+        "SELECT CAST(name AS BLOB), CAST(sql AS BLOB) FROM sqlite_master "
+        "WHERE sql IS NOT NULL")}
+
+
+@functools.cache
+def _expected_schema() -> dict[str, bytes]:
+    """Every table, index and trigger of a new queue database, as SQLite stores it."""
+    mem = sqlite3.connect(":memory:")
+    try:
+        mem.create_function("qr_crc", -1, _crc, deterministic=True)
+        for stmt in _schema_statements():
+            mem.execute(stmt)
+        return _schema_of(mem)
+    finally:
+        mem.close()
+
+
+def _check_schema(db: sqlite3.Connection, db_path: str) -> None:
+    """A flipped bit in ``sqlite_master`` renames a column or a table: statements then fail
+    with "no such column" (an error that blames nothing), or ``CREATE TABLE IF NOT
+    EXISTS`` makes a new empty table beside the renamed one.  The schema must be exactly
+    the queue's, else the store is damaged."""
+    got, want = _schema_of(db), _expected_schema()
+    wrong = sorted(n for n in set(got) | set(want) if got.get(n) != want.get(n))
+    if wrong:
+        raise DamagedStoreError(
+            f"the queue database {db_path} is damaged: its schema differs from the "
+            f"queue's in {', '.join(wrong)}; refusing to open it; restore it from a backup "
+            "or salvage it with sqlite3's .recover")
+
+
 class SqliteStorage(Storage):
     capabilities = frozenset({Capability.ZONE_LISTING, Capability.DOMAIN_INDEX,
                               Capability.STREAMING_BODIES, Capability.MULTI_PROCESS})
@@ -204,9 +243,9 @@ class SqliteStorage(Storage):
             self._db.execute(f"PRAGMA journal_mode={journal}")
             self._db.execute(f"PRAGMA synchronous={synchronous}")
             with self._tx() as db:
-                for stmt in [*SCHEMA.split(";"), *_triggers()]:
-                    if stmt.strip():
-                        db.execute(stmt)
+                for stmt in _schema_statements():
+                    db.execute(stmt)
+                _check_schema(db, db_path)  # raising rolls back what the statements did
         except (sqlite3.DatabaseError, UnicodeDecodeError, DamagedStoreError) as e:
             os.close(self._owner_fd)
             if isinstance(e, DamagedStoreError):

@@ -34,6 +34,18 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+#: Children started and not yet reaped (``kill_all`` ends them when a run must stop).
+_LIVE: set[Child] = set()
+
+
+def kill_all() -> int:
+    """SIGKILL every child still running (with what a wrapper command started under it)
+    and reap it; the number killed.  For a run that must end now (a hung check)."""
+    live = list(_LIVE)
+    for child in live:
+        child.kill()
+    return len(live)
+
 
 class ChildTimeout(RuntimeError):
     """The child sent nothing for too long (it hangs); it has been killed."""
@@ -87,6 +99,7 @@ class Child:
             payload = _frame(pickle.dumps(list(sys.path))) + _frame(pickle.dumps((target, args)))
         except (pickle.PicklingError, AttributeError, TypeError):
             payload = None
+        self._group = bool(wrapper)
         if payload is not None:
             self._spawn(payload, wrapper)
         elif wrapper:
@@ -100,7 +113,9 @@ class Child:
         try:
             self._proc = subprocess.Popen(
                 [*wrapper, sys.executable, "-m", "conformance.harness.child_process", str(w)],
-                stdin=subprocess.PIPE, pass_fds=(w,), close_fds=True)
+                stdin=subprocess.PIPE, pass_fds=(w,), close_fds=True,
+                # a wrapper (strace) and what it runs are one process group, killed as one
+                start_new_session=self._group)
         finally:
             os.close(w)
         assert self._proc.stdin is not None
@@ -109,6 +124,7 @@ class Child:
         self.pid = self._proc.pid
         self._fd = r
         self._ctl = self._proc.stdin.fileno()
+        _LIVE.add(self)
 
     def _fork(self, target: Callable[..., None], args: tuple[Any, ...]) -> None:
         r, w = os.pipe()
@@ -131,6 +147,7 @@ class Child:
         self.pid = pid
         self._fd = r
         self._ctl = cw
+        _LIVE.add(self)
 
     def tell(self, line: str) -> None:
         """Send one line to the child (what ``channel.recv`` returns there)."""
@@ -156,7 +173,10 @@ class Child:
         """SIGKILL the child (if still there) and reap it."""
         if self.status is None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
+                if self._group:
+                    os.killpg(self.pid, signal.SIGKILL)
+                else:
+                    os.kill(self.pid, signal.SIGKILL)
             self.wait()
 
     def wait(self) -> int:
@@ -165,6 +185,7 @@ class Child:
                 self.status = self._proc.wait()
             else:
                 _, self.status = os.waitpid(self.pid, 0)
+            _LIVE.discard(self)
         return self.status
 
     def drain(self, timeout: float = 120.0) -> list[dict[str, Any]]:
