@@ -119,6 +119,7 @@ def test_a_broken_variant_gives_the_explorers_scenarios_and_the_report_shows_the
     for k in TOTAL_KEYS:
         assert rep[k] == got[k]
     page = (out / "report.html").read_text()
+    assert "bound 0, 1 random workload of 4 calls from seed 0;" in page  # one sentence
     shortest = min(want.failures, key=lambda f: (len(f.case.workload), f.scenario))
     assert f"queue-ref crash reproduce {shortest.scenario}" in page
     assert page.count("<svg") >= 3 and "http" not in page.split("<svg", 1)[0].lower()

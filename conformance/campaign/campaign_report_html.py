@@ -120,9 +120,10 @@ def render(s: dict[str, Any]) -> str:
 <html lang="en"><head><meta charset="utf-8"><title>queue-ref crash campaign</title>
 <style>{CSS}</style></head><body>
 <h1>Crash campaign: {e(', '.join(s['backends']))}</h1>
-<p>Models {e(', '.join(s['models']))}; bound {s['bound']}
-{f", bound {s['after_life']} after a whole life" if s['after_life'] >= 0 else ""}
-{f", {s['random']} random workloads of {s['random_length']} calls from seed {s['seed']}"
+<p>Models {e(', '.join(s['models']))}; bound {s['bound']}{
+f", bound {s['after_life']} after a whole life" if s['after_life'] >= 0 else ""}{
+f", {s['random']} random workload{'s' if s['random'] != 1 else ''} of "
+f"{s['random_length']} calls from seed {s['seed']}"
  if s['random'] else ""}; exhaustive limit {s['exhaustive_limit']} pending operations;
 code {e(s['code_version'])}. Verdict: {verdict}.</p>
 <h2>Totals</h2>{_table(totals, ["key", "value"])}
