@@ -256,3 +256,36 @@ def test_damage_is_judged_per_entry_and_the_domain_index_after_it() -> None:
     index = damage_at_rest_check.run(Backend.from_factory(f"{BROKEN}:fs_index_not_rebuilt"),
                                      QUICK, 3)
     assert {f.clause for f in index.findings} == {"C13"}
+
+
+def test_the_listing_right_after_a_failed_call_is_judged_against_old_and_new() -> None:
+    """The live judge alone, on a run made by hand: a failed enqueue of two recipients
+    may show none or both of its entries (their ids were never returned, so they are
+    counted), never one; a failed reschedule must show its entry at the old or the new
+    schedule; a listing that raised something other than a QueueError is C9."""
+    from conformance.crashexplore.traced_runs import Run
+    from conformance.crashexplore.workloads import enqueue_call
+    from spec.model import Model, run
+    from spec.model import Schedule as ModelSchedule
+
+    def judged(before: Model, call: Call, listed: dict[str, ModelSchedule] | None,
+               keys: dict[str, tuple[int, int]], error: str | None = None) -> list[str]:
+        r = Run((call,), {}, [], "", [before], [0], [0], entry_keys=keys,  # type: ignore[arg-type]
+                live_queued=listed, live_listing_error=error)
+        return [c for c, _ in io_errors_check._live_judge(r, before, call)]
+
+    enq = enqueue_call(0, 2)
+    empty = Model()
+    assert judged(empty, enq, {}, {}) == []
+    assert judged(empty, enq, {"a": ModelSchedule(100), "b": ModelSchedule(101)}, {}) == []
+    assert judged(empty, enq, {"a": ModelSchedule(100)}, {}) == ["C9"]
+    assert judged(empty, enq, None, {}) == []  # the queue refused to list: not judged
+    assert judged(empty, enq, None, {}, "KeyError: 'x'") == ["C9"]
+
+    one, _ = run(Model(), enqueue_call(0, 1))
+    resched = Call(Op.RESCHEDULE, (0, 0), ModelSchedule(999))
+    keys = {"e": (0, 0)}
+    assert judged(one, resched, {"e": ModelSchedule(100)}, keys) == []  # old
+    assert judged(one, resched, {"e": ModelSchedule(999)}, keys) == []  # new
+    assert judged(one, resched, {}, keys) == ["C9"]  # hidden
+    assert judged(one, resched, {"e": ModelSchedule(5)}, keys) == ["C9"]  # neither
