@@ -24,13 +24,12 @@ steady climb.  Scenario ``bounded-disk:<rounds>``.
 from __future__ import annotations
 
 import os
-import shutil
 import stat
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from conformance.crashexplore.traced_runs import scratch_dir
 from conformance.harness.backend_factory import Backend
 from conformance.harness.check_catalog import NO_CRASH
 from conformance.harness.check_results import CheckResult, Finding, Status, finished
@@ -210,19 +209,11 @@ def run(backend: Backend, profile: Profile) -> CheckResult:
     def fail(clause: str, detail: str) -> None:
         findings.append(Finding(clause, detail, scenario, NO_CRASH))
 
-    stats: dict[str, int] = {}
-    for part in ("at once", "restarts", "killed owners"):
-        root = tempfile.mkdtemp(prefix="queue-ref-growth-")
-        try:
-            if part == "at once":
-                stats |= _at_once(backend, root, (16, 64, 256), fail)
-            elif part == "restarts":
-                s = _restarts(backend, root, rounds, fail)
-                stats["restart_rounds"] = len(s)
-            else:
-                s = _killed_owners(backend, root, rounds, fail)
-                stats["killed_rounds"] = len(s)
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
+    with scratch_dir("queue-ref-growth-") as root:
+        stats = _at_once(backend, root, (16, 64, 256), fail)
+    with scratch_dir("queue-ref-growth-") as root:
+        stats["restart_rounds"] = len(_restarts(backend, root, rounds, fail))
+    with scratch_dir("queue-ref-growth-") as root:
+        stats["killed_rounds"] = len(_killed_owners(backend, root, rounds, fail))
     return finished("bounded-disk", NO_CRASH, findings, seconds=time.perf_counter() - start,
                     stats=stats)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import os
-import time
 from typing import Any
 
 from queue_ref.io import IO, OsIO
@@ -217,9 +216,7 @@ def kv_mid_log_damage_as_torn_tail(root: str, io: IO | None = None) -> Storage:
     class TornTailEngine(LogEngine):
         _replay = staticmethod(up_to_damage)
 
-    return KvQueue._open(lambda: TornTailEngine(root, io=io), recover=True, sync_all=False,
-                         clock=time.time_ns, at=(io or OsIO(), root, "kv-log"),
-                         reserve=-1 if io is None else 0)
+    return KvQueue.open_log(root, io, engine=TornTailEngine)
 
 
 def fs_envelope_length_unbounded(root: str, io: IO | None = None) -> Storage:

@@ -9,9 +9,7 @@ mail.
 
 from __future__ import annotations
 
-import time
-
-from queue_ref.io import IO, OsIO
+from queue_ref.io import IO
 from queue_ref.storage import Storage
 
 
@@ -77,6 +75,4 @@ def kv_log_set_aside_every_open(root: str, io: IO | None = None) -> Storage:
             super()._recover()
             self._set_aside_log(Replayed(0, 0))  # the bug: an intact log set aside too
 
-    return KvQueue._open(lambda: SetsAsideEveryLog(root, io=io), recover=True,
-                         sync_all=False, clock=time.time_ns,
-                         at=(io or OsIO(), root, "kv-log"), reserve=-1 if io is None else 0)
+    return KvQueue.open_log(root, io, engine=SetsAsideEveryLog)

@@ -119,13 +119,16 @@ class KvQueue(Storage):
     @classmethod
     def open_log(cls, path: str, io: IO | None = None, *, recover: bool = True,
                  sync_all: bool = False, clock: Callable[[], int] = time.time_ns,
-                 reserve: int | None = None) -> KvQueue:
+                 reserve: int | None = None,
+                 engine: Callable[[str, IO | None], KV] | None = None) -> KvQueue:
         """A queue over the log-structured engine at ``path`` (every byte through ``io``).
 
         ``reserve``: bytes of disk kept free for draining a full disk (``reserve.py``);
-        None: 1/16 of the file system (64 KiB to 8 MiB) when ``io`` is None, else none."""
+        None: 1/16 of the file system (64 KiB to 8 MiB) when ``io`` is None, else none.
+        ``engine(path, io)``: the engine to open instead of ``LogEngine`` (a subclass)."""
         from queue_ref.kv.logengine import LogEngine
-        return cls._open(lambda: LogEngine(path, io=io), recover=recover, sync_all=sync_all,
+        make = engine or (lambda p, i: LogEngine(p, io=i))
+        return cls._open(lambda: make(path, io), recover=recover, sync_all=sync_all,
                          clock=clock, at=(io or OsIO(), path, "kv-log"),
                          reserve=reserve if reserve is not None else (-1 if io is None else 0))
 
