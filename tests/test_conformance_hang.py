@@ -29,12 +29,13 @@ def test_a_check_that_hangs_is_an_error_with_where_it_was_stuck(tmp_path: Path) 
     code, out, took = _certify(tmp_path, "conformance_support:HangsInSendDone",
                                "--only", "lockstep,bad-input", "--check-timeout", "3", "--json")
     assert code == 1, out
-    assert took < 60
+    assert took < 110  # the subprocess's own limit is 120 s
     assert "lockstep" in out and "did not finish within 3 s" in out
     assert "NOT CERTIFIED" in out
     cert = json.loads(out.strip().splitlines()[-1])
     (stuck,) = [r for r in cert["checks"] if r["check"] == "lockstep"]
     assert stuck["status"] == "error"
+    assert 3.0 <= stuck["seconds"] < 20.0  # given up at its 3 s, not waited out
     assert stuck["note"].startswith("did not finish within 3 s, stuck in send_done (")
     assert "conformance_support.py" in stuck["note"].splitlines()[0]
     assert "_Stuck.event.wait()" in stuck["note"]  # the stack, innermost call last

@@ -3,7 +3,9 @@
 One child process, the *actor*, opens the queue and runs one operation; it is stopped in
 the middle of it.  While it stands still a second child, the *observer*, opens the same
 queue (its recovery runs), lists it, calls ``find_inflight`` and tries ``send_start`` on
-every entry it sees.  Then the actor is let go and finishes; the observer sends what it
+every entry it sees.  Then the actor is let go and finishes (an observer that waits for
+it, asleep with no CPU used, is held by ``SIGSTOP`` until the actor's operation returned:
+who goes next is then not a race, and a replay sees what the run saw); the observer sends what it
 claimed (``send_done``, and ``cleanup`` of every other one); both close, and the queue is
 reopened and read back (``crashexplore.recovered_queue.inspect``).
 
@@ -74,9 +76,13 @@ from conformance.harness.suite_profiles import Profile
 from queue_ref.storage import Capability, Recipient, Schedule
 from spec.states import Op
 
-#: How long the parent lets the observer work while the actor stands still before it
-#: lets the actor go (the observer may be waiting for a lock the actor holds).
+#: How long the observer must sit asleep, using no CPU, while the actor stands still before
+#: the parent takes it to be waiting (for a lock the actor holds) and lets the actor go.
 OBSERVE_WAIT = 0.4
+#: Longest the parent lets a busy observer work before it lets the actor go anyway.
+OBSERVE_BUSY = 20.0
+#: How many times ``replay`` runs a trial that finds nothing before it reports nothing.
+REPLAY_TRIES = 5
 #: Longest a child may take to answer once it can (a hang is reported, not waited out).
 ANSWER_TIMEOUT = 60.0
 
@@ -94,6 +100,42 @@ def _poll(child: Child, timeout: float) -> dict[str, Any] | None:
     return got if got is not None else {"exited": child.wait()}
 
 
+def _cpu(pid: int) -> tuple[bytes, int] | None:
+    """The process's scheduler state and CPU ticks so far, or None without /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+        return fields[0], int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _until_quiet(child: Child) -> dict[str, Any] | None:
+    """The child's answer, or None once it waits: asleep with no CPU tick gained for
+    ``OBSERVE_WAIT`` (or busy past ``OBSERVE_BUSY``).  A slow child on a loaded machine,
+    runnable or still burning CPU, is waited for, so that whether a trial's observer
+    "waited" does not depend on the load (a replay sees what the run saw)."""
+    start = time.monotonic()
+    last, quiet_since = _cpu(child.pid), start
+    while True:
+        seen = _poll(child, OBSERVE_WAIT / 8)
+        if seen is not None:
+            return seen
+        now = time.monotonic()
+        if now - start > OBSERVE_BUSY:
+            return None
+        cur = _cpu(child.pid)
+        if cur is None:  # no /proc: a plain wait is all there is
+            if now - start >= OBSERVE_WAIT:
+                return None
+            continue
+        if cur[0] in (b"R", b"D") or last is None or cur[1] != last[1]:
+            quiet_since = now
+        elif now - quiet_since >= OBSERVE_WAIT:
+            return None
+        last = cur
+
+
 class Hang(Exception):
     """A child did not answer in time (``who``: the actor or the observer)."""
 
@@ -106,6 +148,10 @@ def _answer(child: Child, what: str, timeout: float = ANSWER_TIMEOUT) -> dict[st
     got = _poll(child, timeout)
     if got is None:
         raise Hang(what, f"the {what} did not answer within {timeout:.0f} s")
+    return _checked(got, what)
+
+
+def _checked(got: dict[str, Any], what: str) -> dict[str, Any]:
     if "crashed" in got:
         raise RuntimeError(f"the {what} failed: {got['crashed']}\n{got.get('trace', '')}")
     if "exited" in got:
@@ -245,12 +291,22 @@ def _run_trial(bench: Bench, trial: Trial, root: str, out: TrialOutcome) -> None
     result: dict[str, Any] | None = first if "result" in first else None
     if out.stopped:
         observer.tell(json.dumps({"cmd": "observe", "root": root}))
-        seen = _poll(observer, OBSERVE_WAIT)
+        seen = _until_quiet(observer)
         out.blocked = seen is None
         out.steps.append(f"{op} stopped {first.get('where', '')}".rstrip())
-        _release(bench, actor, trial)
         if seen is None:
+            # the observer waits (for the actor): the actor goes on first, alone, so that
+            # who takes the queue next is not a race a replay could lose
+            os.kill(observer.pid, signal.SIGSTOP)
+            _wait_stopped(observer.pid)
+            _release(bench, actor, trial)
+            if result is None:
+                early = _until_quiet(actor)  # None: the actor waits for the observer
+                result = None if early is None else _checked(early, "actor")
+            os.kill(observer.pid, signal.SIGCONT)
             seen = _answer(observer, "observer")
+        else:
+            _release(bench, actor, trial)
         if "crashed" in seen or "exited" in seen:
             raise RuntimeError(f"the observer failed: {seen}")
         if result is None:
@@ -382,7 +438,8 @@ def run(backend: Backend, profile: Profile, seed: int,
 
 
 def replay(backend: Backend, scenario: str) -> list[Finding]:
-    """The findings of one trial, run again."""
+    """The findings of one trial, run again: up to ``REPLAY_TRIES`` times until it fails
+    (a SIGSTOP delay lands where it did only as nearly as the machine's timing allows)."""
     parts = scenario.split(":")
     if len(parts) != 4 or parts[0] != CHECK or parts[1] not in OPS or parts[2] not in TARGETS:
         raise ValueError(f"{scenario!r}: expected {CHECK}:<op>:<single|pair>:<stop point "
@@ -398,7 +455,10 @@ def replay(backend: Backend, scenario: str) -> list[Finding]:
         raise ValueError(f"{scenario!r}: this backend is stopped "
                          f"{'at stop points' if seam else 'by SIGSTOP'}")
     with Bench(backend, seam) as bench:
-        out = run_trial(bench, trial)
+        for _ in range(REPLAY_TRIES):
+            out = run_trial(bench, trial)
+            if out.findings:
+                break
     return [Finding(c, d, trial.scenario, NO_CRASH, tuple(out.steps)) for c, d in out.findings]
 
 
