@@ -180,6 +180,32 @@ def test_damaged_table_refuses_then_repair_names_the_lost_messages(tmp_path: Pat
         q.close()
 
 
+def test_leveldb_table_cut_short_is_damage_not_a_disk_error(tmp_path: Path) -> None:
+    """LevelDB answers a read past the end of a table it maps with EINVAL, an "IO error":
+    the queue must say the store is damaged and name the repair, not blame the disk."""
+    path = str(tmp_path / "q")
+    ids = fill(path, KvQueue.open_leveldb, compact=True)  # the first half in a table
+    table = newest(path, ".ldb")
+    whole = table.read_bytes()
+    table.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(DamagedStoreError, match=r"cut short.*queue-ref repair") as e:
+        q = KvQueue.open_leveldb(path)
+        try:
+            drain(q)
+        finally:
+            q.close()
+    assert table.name in str(e.value)
+    done = salvage.repair_leveldb(path)
+    q = KvQueue.open_leveldb(path)
+    try:
+        served = drain(q)
+    finally:
+        q.close()
+    assert set(ids[3:]) <= set(served)  # the log's half is intact
+    # nothing silent: what is not served is named lost
+    assert set(ids) - set(served) <= set(done.report.lost), (served, done.report)
+
+
 class Killed(BaseException):
     pass
 

@@ -34,6 +34,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import re
 import threading
 from collections.abc import Callable, Iterator
 
@@ -53,12 +54,24 @@ BACKEND = "kv-leveldb"
 OPTIONS: dict[str, object] = {"paranoid_checks": True}
 
 
+#: LevelDB's error for a read past the end of a table file (``PosixMmapReadableFile``).
+_PAST_END = re.compile(r"IO error: (/\S+\.(?:ldb|sst)): Invalid argument")
+
+
 def os_error(what: str, e: Exception, path: str) -> OSError:
-    """The OSError for a plyvel error: ``DatabaseCorruptError`` for LevelDB's Corruption,
+    """The OSError for a plyvel error: ``DatabaseCorruptError`` for LevelDB's Corruption
+    and for a read past the end of one of the database's tables (a table cut short),
     ``ENOSPC`` for a full disk, ``EIO`` otherwise."""
     text = str(e)
     if isinstance(e, plyvel.CorruptionError) or "Corruption" in text:
         return DatabaseCorruptError(path, f"{what}: {text}", repair=(path, BACKEND))
+    short = _PAST_END.search(text)
+    if short and os.path.dirname(os.path.abspath(short.group(1))) == os.path.abspath(path):
+        # LevelDB reads a table through mmap and answers a read past the file's end with
+        # EINVAL: the table is shorter than the manifest says, the file is damaged
+        return DatabaseCorruptError(
+            short.group(1), f"{what}: {text} (the table is shorter than the database's "
+            "manifest says: it was cut short)", repair=(path, BACKEND))
     if "No space left" in text or "Disk quota" in text:
         return OSError(errno.ENOSPC, f"{what}: {text}")
     return OSError(errno.EIO, f"{what}: {text}")
