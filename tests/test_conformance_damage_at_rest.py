@@ -105,6 +105,48 @@ def test_damage_in_the_middle_of_a_log_taken_for_a_torn_tail_is_c6(seed: int) ->
     assert damage_at_rest_check.run(Backend.from_factory(KV), QUICK, seed).status is Status.PASS
 
 
+def test_a_table_miss_read_as_a_tombstone_loses_the_older_tables_keys() -> None:
+    """Nothing is damaged: the deep template's first trial reads back a queue of two
+    tables whose key ranges overlap, and the older table's message vanishes.  The id
+    replays it; the project's KV queue passes that very trial."""
+    broken = Backend.from_factory(f"{BROKEN}:kv_table_miss_as_tombstone")
+    res = damage_at_rest_check.run(broken, QUICK, 3)
+    assert res.status is Status.FAIL
+    assert res.stats["deep_trials"] >= 1 and res.stats["deep_files"] >= 1  # the .tbl kind
+    c6 = [f for f in res.findings if f.clause == "C6"]
+    assert c6 and all(f.scenario == "damage-at-rest:seed=3:deep=0:none:" for f in c6)
+    assert "no damage: " in c6[0].detail and "neither delivered nor named lost" in c6[0].detail
+    again = damage_at_rest_check.replay(broken, c6[0].scenario)
+    assert c6[0].detail in [f.detail for f in again]
+    assert damage_at_rest_check.replay(Backend.from_factory(KV), c6[0].scenario) == []
+
+
+def test_a_half_checked_table_checksum_is_found_by_structure_flips() -> None:
+    """Flips in a body are caught by the queue's digests whatever the table's checksum
+    does; flips aimed at the table's keys and lengths find the weak checksum."""
+    broken = Backend.from_factory(f"{BROKEN}:kv_table_checksum_half_checked")
+    res = damage_at_rest_check.run(broken, QUICK, 3)
+    assert res.status is Status.FAIL
+    deep = [f for f in res.findings if ":deep=" in f.scenario]
+    assert deep and all(":structure flip:" in f.scenario and ".tbl" in f.scenario
+                        for f in deep)
+    assert not [f for f in res.findings if ":trial=" in f.scenario]  # no table there
+    again = damage_at_rest_check.replay(broken, deep[0].scenario)
+    assert deep[0].detail in [f.detail for f in again]
+    assert damage_at_rest_check.replay(Backend.from_factory(KV), deep[0].scenario) == []
+
+
+def test_structure_flips_avoid_every_piece_of_a_body() -> None:
+    body = bytes(range(256)) * 16  # 4 KiB: four pieces
+    other = b"z" * 3000  # two pieces and a tail too short to be one
+    data = b"KEY1" + body[:2048] + b"HDR" + body[2048:] + b"KEY2" + other + b"END"
+    ranges = damage_at_rest_check.outside_bodies(data, [body, other])
+    assert ranges == [(0, 4), (2052, 2055), (4103, 4107), (6155, 7110)]
+    structure = b"".join(data[a:b] for a, b in ranges)
+    assert structure == b"KEY1HDRKEY2" + b"z" * (3000 - 2048) + b"END"
+    assert damage_at_rest_check.outside_bodies(b"only keys", [body]) == [(0, 9)]
+
+
 def test_a_flip_locates_the_messages_after_it(tmp_path: Path) -> None:
     f = tmp_path / "log"
     f.write_bytes(b"head" + b"AAAA" + b"mid" + b"BBBB" + b"x" + b"DDDD" + b"tail")

@@ -12,11 +12,12 @@ crash_exploration_check    crash-exploration (hands the backend to ``crashexplor
 io_errors_check            io-errors
 multi_process_check        multi-process
 streaming_check            streaming
-damage_at_rest_check       damage-at-rest
+damage_at_rest_check       damage-at-rest (the ways a file is damaged: ``file_damage``)
 disk_growth_check          bounded-disk
 group_commit_check         group-commit
 linearizability_check      linearizable (the search: ``concurrency.linearizability``)
-lifecycle_edges_check      lifecycle-edges
+lifecycle_edges_check      lifecycle-edges (the children: ``lifecycle_edges_actors``;
+                           the judge: ``lifecycle_edges_judge``)
 blackbox_power_loss_check  blackbox-power-loss (strace; backends without the I/O seam)
 =========================  ==============================================================
 

@@ -29,6 +29,17 @@ requires, for every trial:
 Every file is damaged at least once (in a way drawn at random), then in the other ways:
 all of them in the thorough profile, up to 160 trials in all in the quick one.  A
 framing flip aims at the end of a file, where a record's length or offset often is.
+
+A second, *deep* template goes past a store's write buffer twice: a message of
+``DEEP_RCPTS`` recipients, a body of ``DEEP_BODY`` bytes, a few deliveries of the first
+message, another such body.  A store that buffers writes and flushes them to sorted
+tables (LevelDB's 4 MiB write buffer, the log engine's memtable) then holds two tables
+whose key ranges overlap, the older one with many small keys.  Its first trial damages
+nothing: every message must read back whole (a store that takes a key missing from the
+newer table for a deletion loses the older table's messages).  Then every file whose
+kind the first template has none of (a table, say) is damaged every way, then flipped
+``DEEP_FLIPS`` times outside every body (a *structure flip*: in keys, lengths, headers,
+where no body digest can see it), with the same requirements.
 """
 
 from __future__ import annotations
@@ -40,9 +51,20 @@ import re
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from conformance.checks.file_damage import (
+    KINDS,
+    NOTHING,
+    STRUCTURE,
+    Damage,
+    after_flip,
+    copy_tree,
+    damage,
+    files_of,
+    outside_bodies,
+)
 from conformance.harness.backend_factory import Backend
 from conformance.harness.check_catalog import NO_CRASH
 from conformance.harness.check_results import CheckResult, Finding, Status, finished
@@ -59,154 +81,96 @@ from queue_ref.storage import (
 )
 
 DOMAIN = "example.net"  # every recipient's: list_domain must give what list_queue gives
-KINDS = ("bit flip", "framing flip", "truncation", "tail cut", "removal")
-FRAMING = 32  # a framing flip hits one of the last FRAMING bytes of a file
+__all__ = ["Damage", "after_flip", "copy_tree", "damage", "outside_bodies", "replay", "run",
+           "scenario_id"]
 MESSAGES = 8
 CLEANED = 2  # messages delivered and cleaned up before the damage
+#: The deep template: recipients of its first message, size of its two large bodies, and
+#: how many of the first message's entries are delivered between the two.
+DEEP_RCPTS = 80
+DEEP_BODY = 5 << 20
+DEEP_DELIVERED = 3
+#: Structure flips of each new kind of file of the deep template (most flips there are
+#: caught by a record's own checksum, or harmless: few reach a key the store misreads).
+DEEP_FLIPS = 32
+#: Most trials on the deep template in the quick profile (its first, undamaged, included).
+DEEP_QUICK_TRIALS = 40
 
 
 def _body(i: int) -> bytes:
     return b"Subject: at rest %d\r\n\r\n" % i + (b"line %03d of the body\r\n" % i) * (20 + 13 * i)
 
 
-def _fill(backend: Backend, root: str
-          ) -> tuple[dict[str, bytes], dict[str, str], set[str], dict[str, str]]:
-    """The template queue: (message id -> body of messages still queued, entry id ->
-    recipient, ids of messages delivered and cleaned up)."""
-    store = backend.open(root)
-    want: dict[str, bytes] = {}
-    rcpt_of: dict[str, str] = {}
-    message_of: dict[str, str] = {}
-    try:
-        for i in range(MESSAGES):
-            rcpts = [Recipient(f"r{i}.{k}@{DOMAIN}", Schedule(i)) for k in range(1 + i % 2)]
-            with store.enqueue(f"s{i}@example.org") as enq:
-                enq.write(_body(i))
-                handles = enq.commit(rcpts)
-            want[handles[0].message_id] = _body(i)
-            for h, r in zip(handles, rcpts, strict=True):
-                rcpt_of[h.entry_id] = r.address
-                message_of[h.entry_id] = h.message_id
-        cleaned: set[str] = set()
+def _deep_body(i: int, size: int) -> bytes:
+    """``size`` bytes of numbered lines: no two chunks of a body alike."""
+    head = b"Subject: deep %d\r\n\r\n" % i
+    lines = b"".join(b"line %07d of deep body %d\r\n" % (k, i)
+                     for k in range(size // 28 + 1))
+    return (head + lines)[:size]
+
+
+@dataclass
+class Template:
+    """What a template queue holds: message id -> body of the messages still queued,
+    entry id -> recipient and -> message id, the messages delivered and cleaned up, and
+    the entries delivered (send_done) but not cleaned up."""
+
+    want: dict[str, bytes] = field(default_factory=dict)
+    rcpt_of: dict[str, str] = field(default_factory=dict)
+    message_of: dict[str, str] = field(default_factory=dict)
+    cleaned: set[str] = field(default_factory=set)
+    sent: set[str] = field(default_factory=set)
+
+    def enqueue(self, store: Storage, i: int, body: bytes, rcpts: int) -> str:
+        addrs = [Recipient(f"r{i}.{k}@{DOMAIN}", Schedule(i)) for k in range(rcpts)]
+        with store.enqueue(f"s{i}@example.org") as enq:
+            enq.write(body)
+            handles = enq.commit(addrs)
+        self.want[handles[0].message_id] = body
+        for h, r in zip(handles, addrs, strict=True):
+            self.rcpt_of[h.entry_id] = r.address
+            self.message_of[h.entry_id] = h.message_id
+        return handles[0].message_id
+
+    def deliver(self, store: Storage, message: str, entries: int | None) -> None:
+        """Deliver ``entries`` entries of ``message`` (or all of it, cleaned up)."""
+        if entries is None:
+            self.cleaned.add(message)
+            self.want.pop(message, None)
+        done = 0
         for h in list(store.list_queue()):
-            if len(cleaned) == CLEANED and h.message_id not in cleaned:
+            if h.message_id != message or (entries is not None and done == entries):
                 continue
-            cleaned.add(h.message_id)
             f = store.send_start(h)
-            done = store.send_done(f) if f is not None else None
-            if done is not None:
-                store.cleanup(done)
-        for m in cleaned:
-            want.pop(m, None)
+            finished = store.send_done(f) if f is not None else None
+            done += 1
+            self.sent.add(h.entry_id)
+            if finished is not None and entries is None:
+                store.cleanup(finished)
+
+
+def _fill(backend: Backend, root: str, deep: bool = False) -> Template:
+    """A template queue (the deep one when ``deep``), and what it holds."""
+    t = Template()
+    store = backend.open(root)
+    try:
+        if deep:
+            first = t.enqueue(store, 0, _body(0), DEEP_RCPTS)
+            t.enqueue(store, 1, _deep_body(1, DEEP_BODY), 1)
+            t.deliver(store, first, DEEP_DELIVERED)
+            t.enqueue(store, 2, _deep_body(2, DEEP_BODY), 1)
+        else:
+            for i in range(MESSAGES):
+                t.enqueue(store, i, _body(i), 1 + i % 2)
+            listed: list[str] = []  # the messages in the order the queue lists them
+            for h in store.list_queue():
+                if h.message_id not in listed:
+                    listed.append(h.message_id)
+            for m in listed[:CLEANED]:
+                t.deliver(store, m, None)
     finally:
         store.close()
-    return want, rcpt_of, cleaned, message_of
-
-
-def copy_tree(src: str, dst: str) -> None:
-    """Copy ``src`` to ``dst`` as it is: symbolic links as links, and the names of one
-    file as names of one file (hard links), so damage to one name is damage to all of
-    them, as on the disk (``shutil.copytree`` would make each name a file of its own)."""
-    seen: dict[tuple[int, int], str] = {}
-    os.mkdir(dst)
-    for d, dirs, names in os.walk(src):
-        rel = os.path.relpath(d, src)
-        for n in dirs:
-            s = os.path.join(d, n)
-            if os.path.islink(s):
-                os.symlink(os.readlink(s), os.path.join(dst, rel, n))
-            else:
-                os.mkdir(os.path.join(dst, rel, n))
-        for n in names:
-            s, t = os.path.join(d, n), os.path.join(dst, rel, n)
-            st = os.lstat(s)
-            if os.path.islink(s):
-                os.symlink(os.readlink(s), t)
-            elif (st.st_dev, st.st_ino) in seen:
-                os.link(seen[(st.st_dev, st.st_ino)], t)
-            else:
-                shutil.copy2(s, t)
-                if st.st_nlink > 1:
-                    seen[(st.st_dev, st.st_ino)] = t
-
-
-def _files(root: str) -> list[str]:
-    out = []
-    for d, _dirs, names in os.walk(root):
-        for n in names:
-            p = os.path.join(d, n)
-            if os.path.islink(p) or os.path.isfile(p):
-                out.append(os.path.relpath(p, root))
-    return sorted(out)
-
-
-@dataclass(frozen=True)
-class Damage:
-    what: str  # for the finding
-    flipped: int | None = None  # the offset of a flipped bit in a regular file
-
-
-def damage(path: Path, kind: str, rng: random.Random) -> Damage:
-    """Damage ``path`` in place; returns what was done."""
-    if kind == "removal":
-        path.unlink()
-        return Damage(f"removed {path.name}")
-    if path.is_symlink():
-        target = bytearray(os.readlink(path).encode())
-        if kind == "bit flip":
-            i = rng.randrange(len(target))
-            target[i] ^= 1 << rng.randrange(7)  # stays ASCII: a valid, wrong target
-            what = f"flipped a bit of {path.name}'s target"
-        else:
-            del target[rng.randrange(len(target)):]
-            what = f"cut {path.name}'s target to {len(target)} bytes"
-        path.unlink()
-        os.symlink(bytes(target) or b"x", path)
-        return Damage(what)
-    data = bytearray(path.read_bytes())
-    if not data:
-        path.write_bytes(b"\x01")
-        return Damage(f"wrote a byte into the empty {path.name}")
-    flipped: int | None = None
-    if kind == "bit flip":
-        i = rng.randrange(len(data))
-        data[i] ^= 1 << rng.randrange(8)
-        what = f"flipped bit of byte {i} of {path.name} ({len(data)} bytes)"
-        flipped = i
-    elif kind == "framing flip":
-        # Framing (a record's length or offset) often sits at the end of a file, and as
-        # decimal digits in a text format: aim at a digit there when there is one, and
-        # flip one of the low four bits (a digit stays a digit, a length grows or shrinks).
-        tail = range(max(0, len(data) - FRAMING), len(data))
-        digits = [j for j in tail if 0x30 <= data[j] <= 0x39]
-        i = rng.choice(digits or list(tail))
-        data[i] ^= 1 << rng.randrange(4)
-        what = (f"flipped a low bit of byte {i} of {path.name} ({len(data)} bytes), in its "
-                f"last {FRAMING}")
-        flipped = i
-    else:  # a truncation keeps any length; a tail cut loses at most the last quarter
-        keep = (rng.randrange(len(data)) if kind == "truncation"
-                else len(data) - 1 - rng.randrange(max(1, len(data) // 4)))
-        del data[keep:]
-        what = f"cut {path.name} to {keep} of its bytes"
-    path.write_bytes(bytes(data))
-    return Damage(what, flipped)
-
-
-def after_flip(path: Path, at: int | None, bodies: dict[str, bytes]) -> dict[str, int]:
-    """The messages whose body lies whole in the file ``path`` after byte ``at`` and after
-    another message's body that lies whole after it (the offset of each): a flip damages
-    one record, which may hold the next body after it (its header, the flip's record), but
-    not the body after that one.  Those are undamaged records of a log, which recovery
-    must keep."""
-    if at is None or path.is_symlink() or not path.is_file():
-        return {}
-    data = path.read_bytes()
-    found = sorted((pos, m) for m, body in bodies.items() if (pos := data.find(body)) > at)
-    if not found:
-        return {}
-    first_end = found[0][0] + len(bodies[found[0][1]])
-    return {m: pos for pos, m in found[1:] if pos >= first_end}
+    return t
 
 
 QUICK_TRIALS = 160
@@ -231,23 +195,53 @@ def _plan(files: list[str], thorough: bool, rng: random.Random) -> list[tuple[st
     return plan if thorough else plan[:max(QUICK_TRIALS, len(files))]
 
 
+def _deep_plan(files: list[str], known: set[str], thorough: bool,
+               rng: random.Random) -> list[tuple[str, str]]:
+    """The deep template's trials: nothing damaged; then one file of each kind the first
+    template has none of, every way, and ``DEEP_FLIPS`` structure flips of each (outside
+    every body, where only the store's own checks can see them); then the same for the
+    other files of those kinds.  All of it when ``thorough``, else the first
+    DEEP_QUICK_TRIALS (the quick plan is the start of the thorough one, so that a
+    replay finds its trial)."""
+    by_kind: dict[str, list[str]] = {}
+    for f in files:
+        if _kind(f) not in known:
+            by_kind.setdefault(_kind(f), []).append(f)
+    firsts = [rng.choice(fs) for _, fs in sorted(by_kind.items())]
+    others = [f for fs in by_kind.values() for f in fs if f not in firsts]
+    plan: list[tuple[str, str]] = [("", NOTHING)]
+    for group in (firsts, others):
+        ways = [(f, k) for f in group for k in KINDS]
+        extra = [(f, STRUCTURE) for f in group for _ in range(DEEP_FLIPS)]
+        rng.shuffle(ways)
+        rng.shuffle(extra)
+        plan += ways + extra
+    return plan if thorough else plan[:DEEP_QUICK_TRIALS]
+
+
+def _kind(rel: str) -> str:
+    """A file's name with every number masked: ``000003.tbl`` and ``000011.tbl`` are
+    files of one kind."""
+    return re.sub(r"[0-9]+", "#", _shape(rel))
+
+
 def _trial(backend: Backend, template: str, rel: str, kind: str, rng: random.Random,
-           want: dict[str, bytes], rcpt_of: dict[str, str], cleaned: set[str],
-           message_of: dict[str, str],
-           fail: list[Finding], stats: dict[str, int], scenario: str) -> None:
+           filled: Template, fill_steps: str, fail: list[Finding], stats: dict[str, int],
+           scenario: str) -> None:
+    want, rcpt_of, cleaned, message_of = (filled.want, filled.rcpt_of, filled.cleaned,
+                                          filled.message_of)
     work = tempfile.mkdtemp(prefix="queue-ref-atrest-")
     root = os.path.join(work, "q")
     try:
         copy_tree(template, root)
-        hit = damage(Path(root, rel), kind, rng)
+        hit = damage(Path(root, rel), kind, rng, list(want.values()))
         what = hit.what
         later = after_flip(Path(root, rel), hit.flipped, want)
-        steps = (f"fill a queue of {MESSAGES} messages, deliver {CLEANED}, close",
-                 f"{kind}: {what}", "open the queue and deliver what it lists")
+        steps = (fill_steps, f"{kind}: {what}", "open the queue and deliver what it lists")
+        damaged = "no damage" if kind == NOTHING else f"{kind} of {rel}"
 
         def finding(clause: str, detail: str) -> None:
-            fail.append(Finding(clause, f"{kind} of {rel}: {detail}", scenario, NO_CRASH,
-                                steps))
+            fail.append(Finding(clause, f"{damaged}: {detail}", scenario, NO_CRASH, steps))
 
         try:
             store: Storage = backend.open(root)
@@ -262,7 +256,7 @@ def _trial(backend: Backend, template: str, rel: str, kind: str, rng: random.Ran
             report = getattr(store, "last_recovery", None) or RecoveryReport()
             delivered: dict[str, bytes] = {}
             delivered_entries: set[str] = set()
-            msg_of = {e: m for e, m in message_of.items() if m in want}
+            msg_of = {e: m for e, m in message_of.items() if m in want and e not in filled.sent}
             named = set(report.lost)
             seen: set[str] = set()
             altered: set[str] = set()
@@ -297,6 +291,9 @@ def _trial(backend: Backend, template: str, rel: str, kind: str, rng: random.Ran
                 if h.message_id in cleaned:
                     finding("C3", f"message {h.message_id}, delivered and cleaned up before "
                                   "the damage, came back")
+                elif h.entry_id in filled.sent:
+                    finding("C3", f"entry {h.entry_id}, delivered before the damage, came "
+                                  "back")
                 elif h.message_id not in want:
                     finding("C6", f"an entry of an unknown message {h.message_id} was listed")
                 elif body != want[h.message_id]:
@@ -345,11 +342,11 @@ def _trial(backend: Backend, template: str, rel: str, kind: str, rng: random.Ran
         shutil.rmtree(work, ignore_errors=True)
 
 
-def scenario_id(seed: int, trial: int, kind: str, rel: str) -> str:
+def scenario_id(seed: int, trial: int, kind: str, rel: str, plan: str = "trial") -> str:
     """``damage-at-rest:seed=S:trial=N:<kind>:<file>``: the N-th trial of the plan drawn
     from S (the file is named for a person; the plan's order finds it again in a new fill,
-    whose file names differ only in ids)."""
-    return f"damage-at-rest:seed={seed}:trial={trial}:{kind}:{rel}"
+    whose file names differ only in ids); ``deep=N`` for the deep template's plan."""
+    return f"damage-at-rest:seed={seed}:{plan}={trial}:{kind}:{rel}"
 
 
 def _shape(rel: str) -> str:
@@ -357,42 +354,64 @@ def _shape(rel: str) -> str:
     return re.sub(r"[0-9a-f]{8,}", "#", rel)
 
 
-def _trials(backend: Backend, seed: int, every_way: bool, only: int | None,
+SHALLOW_STEPS = f"fill a queue of {MESSAGES} messages, deliver {CLEANED}, close"
+DEEP_STEPS = (f"fill a queue with a message of {DEEP_RCPTS} recipients, a {DEEP_BODY >> 20} MiB "
+              f"body, deliver {DEEP_DELIVERED} entries of the first, another "
+              f"{DEEP_BODY >> 20} MiB body, close")
+
+
+def _trials(backend: Backend, seed: int, every_way: bool, only: tuple[str, int] | None,
             findings: list[Finding], stats: dict[str, int],
             expect: tuple[str, str] | None = None) -> None:
-    """Fill a template, then run the plan drawn from ``seed`` (trial ``only`` alone when
-    given).  Each trial draws its damage from its own generator, so it is the same trial
-    whether run in the plan or alone."""
+    """Fill the templates, then run the plans drawn from ``seed`` (only the trial
+    ``only`` = (plan, number) when given).  Each trial draws its damage from its own
+    generator, so it is the same trial whether run in the plan or alone."""
     base = tempfile.mkdtemp(prefix="queue-ref-atrest-template-")
+    thorough = every_way or only is not None
     try:
-        template = os.path.join(base, "q")
-        os.mkdir(template)
-        want, rcpt_of, cleaned, message_of = _fill(backend, template)
-        files = _files(template)
-        stats["files"] = len(files)
-        plan = _plan(files, every_way or only is not None, random.Random(seed))
-        if only is not None and expect is not None:
-            if not 0 <= only < len(plan):
-                raise ValueError(f"this backend's plan for seed {seed} has {len(plan)} "
-                                 f"trials, no trial {only}")
-            rel, kind = plan[only]
-            if (kind, _shape(rel)) != (expect[0], _shape(expect[1])):
-                raise ValueError(f"trial {only} of seed {seed} is a {kind} of {rel} for this "
-                                 f"backend, not a {expect[0]} of {expect[1]}: the scenario "
-                                 "comes from another backend or version")
-        for n, (rel, kind) in enumerate(plan):
-            if only is not None and n != only:
-                continue
-            stats["trials"] += 1
-            _trial(backend, template, rel, kind, random.Random(f"{seed}:{n}"), want, rcpt_of,
-                   cleaned, message_of, findings, stats, scenario_id(seed, n, kind, rel))
+        known: set[str] = set()  # the kinds of file of the first template
+        for plan_name in ("trial", "deep"):
+            deep = plan_name == "deep"
+            if deep and only is not None and only[0] != plan_name:
+                break
+            template = os.path.join(base, plan_name)
+            os.mkdir(template)
+            filled = _fill(backend, template, deep)
+            files = files_of(template)
+            if deep:
+                plan = _deep_plan(files, known, thorough, random.Random(f"{seed}:deep"))
+                stats["deep_files"] = len({f for f, _ in plan[1:]})
+            else:
+                known = {_kind(f) for f in files}
+                stats["files"] = len(files)
+                if only is not None and only[0] != plan_name:
+                    continue  # the deep plan needs only the kinds of file
+                plan = _plan(files, thorough, random.Random(seed))
+            if only is not None and expect is not None:
+                n = only[1]
+                if not 0 <= n < len(plan):
+                    raise ValueError(f"this backend's {plan_name} plan for seed {seed} has "
+                                     f"{len(plan)} trials, no trial {n}")
+                rel, kind = plan[n]
+                if (kind, _shape(rel)) != (expect[0], _shape(expect[1])):
+                    raise ValueError(f"{plan_name} {n} of seed {seed} is a {kind} of {rel} "
+                                     f"for this backend, not a {expect[0]} of {expect[1]}: "
+                                     "the scenario comes from another backend or version")
+            for n, (rel, kind) in enumerate(plan):
+                if only is not None and n != only[1]:
+                    continue
+                stats["deep_trials" if deep else "trials"] += 1
+                rng = random.Random(f"{seed}:deep:{n}" if deep else f"{seed}:{n}")
+                _trial(backend, template, rel, kind, rng, filled,
+                       DEEP_STEPS if deep else SHALLOW_STEPS, findings, stats,
+                       scenario_id(seed, n, kind, rel, plan_name))
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
 
 def _stats() -> dict[str, int]:
-    return {"files": 0, "trials": 0, "refused": 0, "refused_later": 0, "detected": 0,
-            "delivered": 0, "named_lost": 0}
+    return {"files": 0, "trials": 0, "deep_files": 0, "deep_trials": 0, "refused": 0,
+            "refused_later": 0, "detected": 0, "delivered": 0, "named_lost": 0}
 
 
 def run(backend: Backend, profile: Profile, seed: int) -> CheckResult:
@@ -410,10 +429,13 @@ def run(backend: Backend, profile: Profile, seed: int) -> CheckResult:
 def replay(backend: Backend, scenario: str) -> list[Finding]:
     """The findings of one trial, by its scenario id (``scenario_id``)."""
     parts = scenario.split(":", 4)
+    plan, _, number = parts[2].partition("=") if len(parts) > 2 else ("", "", "")
     if (len(parts) < 4 or parts[0] != "damage-at-rest" or not parts[1].startswith("seed=")
-            or not parts[2].startswith("trial=")):
-        raise ValueError(f"{scenario!r}: expected damage-at-rest:seed=S:trial=N:<kind>:<file>")
+            or plan not in ("trial", "deep") or not number.isdigit()
+            or not parts[1][5:].isdigit()):
+        raise ValueError(f"{scenario!r}: expected damage-at-rest:seed=S:trial=N:<kind>:<file> "
+                         "or damage-at-rest:seed=S:deep=N:<kind>:<file>")
     findings: list[Finding] = []
     expect = (parts[3], parts[4]) if len(parts) == 5 else None
-    _trials(backend, int(parts[1][5:]), True, int(parts[2][6:]), findings, _stats(), expect)
+    _trials(backend, int(parts[1][5:]), True, (plan, int(number)), findings, _stats(), expect)
     return findings

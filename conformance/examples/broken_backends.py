@@ -219,6 +219,64 @@ def kv_mid_log_damage_as_torn_tail(root: str, io: IO | None = None) -> Storage:
     return KvQueue.open_log(root, io, engine=TornTailEngine)
 
 
+def kv_table_miss_as_tombstone(root: str, io: IO | None = None) -> Storage:
+    """The KV queue (log engine) whose table lookup answers "deleted" for a key inside the
+    table's key range that the table does not hold, instead of "not here": once a newer
+    table's range spans keys that only an older table holds, those keys vanish, and the
+    messages they belong to with them.  Nothing is damaged, so only damage-at-rest's deep
+    template (two tables whose key ranges overlap, read back undamaged) shows it (C6)::
+
+        queue-ref certify conformance.examples.broken_backends:kv_table_miss_as_tombstone \
+            --only damage-at-rest
+    """
+    from queue_ref.kv.kv_queue import KvQueue
+    from queue_ref.kv.logengine import LogEngine
+    from queue_ref.kv.logengine.table import Table
+
+    class MissIsTombstone(Table):
+        def get(self, key: bytes) -> tuple[bool, bytes | None]:
+            found, value = super().get(key)
+            inside = bool(self.last_keys) and self.first_key <= key <= self.last_keys[-1]
+            return (True, None) if inside and not found else (found, value)  # the bug
+
+    class MissIsTombstoneEngine(LogEngine):
+        _table = MissIsTombstone
+
+    return KvQueue.open_log(root, io, engine=MissIsTombstoneEngine)
+
+
+def kv_table_checksum_half_checked(root: str, io: IO | None = None) -> Storage:
+    """The KV queue (log engine) whose table blocks are refused only when the stored CRC
+    is above the one computed (``>`` where ``!=`` belongs): about half the damaged blocks
+    are read as good.  Damage to a body is still caught by the queue's own digests, so
+    only flips in the table's own structure (keys, lengths), which damage-at-rest's deep
+    template aims at, show it: an entry's key read wrong makes it vanish silently or fail
+    as a disk error (C6, C9)::
+
+        queue-ref certify conformance.examples.broken_backends:kv_table_checksum_half_checked \
+            --only damage-at-rest
+    """
+    import zlib
+
+    from queue_ref.kv.engine_errors import DatabaseCorruptError
+    from queue_ref.kv.kv_queue import KvQueue
+    from queue_ref.kv.logengine import LogEngine, table
+
+    class HalfChecked(table.Table):
+        def _block(self, i: int) -> tuple[list[bytes], list[bytes | None]]:
+            offset, length = self._blocks[i]
+            raw = self._read(offset, length)
+            data = raw[:-4]
+            if table._U32.unpack(raw[-4:])[0] > zlib.crc32(data):  # the bug: not !=
+                raise DatabaseCorruptError(self.path, f"block checksum mismatch at {offset}")
+            return table._parse_block(self.path, data)
+
+    class HalfCheckedEngine(LogEngine):
+        _table = HalfChecked
+
+    return KvQueue.open_log(root, io, engine=HalfCheckedEngine)
+
+
 def fs_envelope_length_unbounded(root: str, io: IO | None = None) -> Storage:
     """The filesystem queue (``fsync`` mode) that bounds the envelope length its trailer
     gives by the largest envelope, but not by the file's size: a damaged digit in the

@@ -106,6 +106,8 @@ class LogEngine(KV):
     #: How the live log is read back at open (``wal.replay``: every intact record, past
     #: damage in the middle).
     _replay = staticmethod(replay)
+    #: The class of a table file opened for reading (a class attribute, as ``_replay``).
+    _table: type[Table] = Table
 
     def __init__(self, path: str, io: IO | None = None, *, memtable_limit: int = 4 << 20) -> None:
         if not isinstance(memtable_limit, int) or isinstance(memtable_limit, bool) or (
@@ -311,7 +313,7 @@ class LogEngine(KV):
             raise DatabaseCorruptError(path, "live table is missing")
         fd = self.io.open_read(path)
         try:
-            return Table(self.io, path, number, fd)
+            return self._table(self.io, path, number, fd)
         except BaseException:
             self.io.close(fd)
             raise
