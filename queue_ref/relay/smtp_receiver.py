@@ -29,11 +29,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
-from aiosmtpd.smtp import SMTP, Envelope, Session, syntax
+from aiosmtpd.smtp import MISSING, SMTP, Envelope, Session, syntax
 
 from queue_ref.operate.queue_actions import check_domain, flush
 from queue_ref.relay.delivery_log import DeliveryLog
 from queue_ref.relay.relay_config import RelayConfig
+from queue_ref.relay.smtp_data_reader import read_data
 from queue_ref.storage import (
     MAX_ADDRESS,
     InvalidInputError,
@@ -153,6 +154,37 @@ class RelaySMTP(SMTP):
             asyncio.get_running_loop().call_later(LINGER, transport.close)
         else:
             transport.close()
+
+    @syntax("DATA")
+    async def smtp_DATA(self, arg: str) -> None:
+        """aiosmtpd's DATA, with the data read in bulk (``smtp_data_reader``)."""
+        if self._decode_data or "DATA" not in self._handle_hooks:
+            await super().smtp_DATA(arg)
+            return
+        if await self.check_helo_needed() or await self.check_auth_needed("DATA"):
+            return
+        assert self.envelope is not None
+        if not self.envelope.rcpt_tos:
+            await self.push("503 Error: need RCPT command")
+            return
+        if arg:
+            await self.push("501 Syntax: DATA")
+            return
+        await self.push("354 End data with <CR><LF>.<CR><LF>")
+        try:
+            got = await read_data(self._reader, self.data_size_limit, self.line_length_limit)
+        except asyncio.CancelledError:  # the connection went away during DATA
+            self._writer.close()
+            raise
+        if got.error is not None:
+            await self.push(got.error)
+            self._set_post_data_state()  # type: ignore[no-untyped-call]
+            return
+        self.envelope.content = got.content
+        self.envelope.original_content = got.content
+        status = await self._call_handler_hook("DATA")
+        self._set_post_data_state()  # type: ignore[no-untyped-call]
+        await self.push("250 OK" if status is MISSING else status)
 
     @syntax("ETRN domain")
     async def smtp_ETRN(self, arg: str | None) -> None:

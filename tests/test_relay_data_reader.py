@@ -1,0 +1,164 @@
+"""The bulk DATA reader against aiosmtpd's line-by-line one: the same message, the same
+error reply, the same bytes left for the next command, however the bytes arrive."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from aiosmtpd.smtp import SMTP
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from queue_ref.relay.smtp_data_reader import (
+    LINE_TOO_LONG,
+    PIECE,
+    TERMINATOR,
+    TOO_MUCH,
+    DataRead,
+    read_data,
+)
+
+LINE_LIMIT = SMTP.line_length_limit  # 1001
+
+
+def _reference(wire: bytes, size_limit: int | None) -> tuple[DataRead, bytes]:
+    """aiosmtpd's rules, line by line (RFC 5321 4.5.2 and 4.2.5): the data, and the rest."""
+    pos, size, lines, error = 0, 0, [], None
+    while True:
+        end = wire.index(b"\r\n", pos) + 2
+        line = wire[pos:end]
+        pos = end
+        if line == b".\r\n":
+            break
+        size += len(line)
+        if error is None and len(line) > LINE_LIMIT:
+            error = LINE_TOO_LONG
+        if error is None and size_limit and size > size_limit:
+            error = TOO_MUCH
+        lines.append(line[1:] if line.startswith(b".") else line)
+    got = DataRead(b"", error) if error else DataRead(b"".join(lines))
+    return got, wire[pos:]
+
+
+async def _read(wire: bytes, cuts: list[int], size_limit: int | None
+                ) -> tuple[DataRead, bytes]:
+    """Feed ``wire`` to a StreamReader in the pieces ``cuts`` makes, read the data, then
+    whatever is left."""
+    reader = asyncio.StreamReader(limit=LINE_LIMIT)
+
+    async def feed() -> None:
+        last = 0
+        for c in [*sorted(cuts), len(wire)]:
+            reader.feed_data(wire[last:c])
+            last = c
+            await asyncio.sleep(0)
+        reader.feed_eof()
+
+    feeder = asyncio.ensure_future(feed())
+    got = await read_data(reader, size_limit, LINE_LIMIT)
+    await feeder
+    assert reader._limit == LINE_LIMIT  # type: ignore[attr-defined]  # restored
+    return got, await reader.read()
+
+
+def _same(wire: bytes, cuts: list[int], size_limit: int | None = None) -> DataRead:
+    got = asyncio.run(_read(wire, cuts, size_limit))
+    assert got == _reference(wire, size_limit)
+    return got[0]
+
+
+def test_a_one_dot_message_and_an_empty_one() -> None:
+    assert _same(b".\r\nQUIT\r\n", []) == DataRead(b"")
+    assert _same(b"a\r\n.\r\nQUIT\r\n", [1, 2, 3, 4]) == DataRead(b"a\r\n")
+    assert _same(b"\r\n.\r\n", [1]) == DataRead(b"\r\n")
+
+
+def test_dot_stuffing_is_undone_once_per_line() -> None:
+    wire = b"..\r\n...x\r\n.y\r\nz.\r\n. \r\n.\r\nMAIL FROM:<a@b.c>\r\n"
+    assert _same(wire, []).content == b".\r\n..x\r\ny\r\nz.\r\n \r\n"
+
+
+def test_every_split_of_a_terminator_is_found() -> None:
+    wire = b"Subject: x\r\n\r\n.. \r\nend\r\n.\r\nRSET\r\n"
+    for a in range(len(wire)):
+        for b in range(a, len(wire)):
+            _same(wire, [a, b])
+
+
+def test_a_large_message_in_pieces_of_every_size() -> None:
+    body = b"".join(b"line %06d of a large message, some text to fill it.\r\n" % i
+                    for i in range(40_000))  # 2.3 MB: several of the reader's pieces
+    wire = body + b".\r\nQUIT\r\n"
+    rng = random.Random(5)
+    for n in (1, 7, 300):
+        assert _same(wire, [rng.randrange(len(wire)) for _ in range(n)]).content == body
+    assert len(body) > 2 * PIECE
+
+
+@pytest.mark.parametrize("limit", [100, 2000, PIECE + 10])
+def test_too_much_data_is_552_after_the_terminator(limit: int) -> None:
+    body = b"x" * 50 + b"\r\n"
+    wire = body * (limit // 52 + 3) + b".\r\nQUIT\r\n"
+    assert _same(wire, [7, 500], limit).error == TOO_MUCH
+    exact = body * 2  # 104 bytes: at the limit is fine, one more is not
+    assert _same(exact + b".\r\n", [], len(exact)) == DataRead(exact)
+    assert _same(exact + b".\r\n", [], len(exact) - 1).error == TOO_MUCH
+
+
+def test_a_long_line_is_500_and_the_stream_stays_in_step() -> None:
+    long = b"y" * 5000 + b"\r\n"
+    assert _same(b"ok\r\n" + long + b"ok\r\n.\r\nNOOP\r\n", [3, 2000]).error == LINE_TOO_LONG
+    edge = b"z" * (LINE_LIMIT - 2) + b"\r\n"  # exactly the limit with its CRLF
+    assert _same(edge + b".\r\n", [LINE_LIMIT - 1]) == DataRead(edge)
+    assert _same(b"z" + edge + b".\r\n", [LINE_LIMIT]).error == LINE_TOO_LONG
+    # the limit passed before the long line: 552, as aiosmtpd answers
+    assert _same(b"a\r\n" * 40 + long + b".\r\n", [], 100).error == TOO_MUCH
+    assert _same(long + b"a\r\n" * 40 + b".\r\n", [], 100).error == LINE_TOO_LONG
+
+
+lines = st.lists(st.sampled_from([b"", b".", b"..", b"a", b".a", b"\r", b"\n", b"\r.",
+                                  b"x" * 1200, b". ", b"\r\n."]), max_size=12)
+
+
+@settings(deadline=None)
+@given(lines, st.lists(st.integers(0, 20_000), max_size=6), st.sampled_from([None, 30, 2000]))
+def test_any_data_reads_as_aiosmtpd_reads_it(parts: list[bytes], cuts: list[int],
+                                             size_limit: int | None) -> None:
+    wire = b"".join(p + b"\r\n" for p in parts) + TERMINATOR[2:] + b"QUIT\r\n"
+    _same(wire, [c % (len(wire) + 1) for c in cuts], size_limit)
+
+
+def test_aiosmtpd_reads_those_messages_the_same_way() -> None:
+    """The reference above is aiosmtpd's behaviour: one real aiosmtpd server, fed the
+    tricky messages, gives what it says."""
+    got: list[bytes] = []
+
+    class Keep:
+        async def handle_DATA(self, server: SMTP, session: object, envelope: object) -> str:
+            got.append(envelope.original_content)  # type: ignore[attr-defined]
+            return "250 kept"
+
+    async def main() -> list[bytes]:
+        server = await asyncio.get_running_loop().create_server(
+            lambda: SMTP(Keep(), data_size_limit=3000), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        wires = [b".\r\n", b"..\r\n...x\r\n.y\r\n.\r\n", b"a\r\n" * 40 + b"y" * 5000 + b"\r\n.\r\n"]
+        replies = []
+        for w in wires:
+            r, wr = await asyncio.open_connection("127.0.0.1", port)
+            await r.readline()
+            wr.write(b"HELO x\r\nMAIL FROM:<a@b.c>\r\nRCPT TO:<d@e.f>\r\nDATA\r\n" + w)
+            await wr.drain()
+            for _ in range(4):
+                await r.readline()
+            replies.append(await r.readline())
+            wr.close()
+        server.close()
+        await server.wait_closed()
+        return replies
+
+    replies = asyncio.run(main())
+    assert got == [b"", b".\r\n..x\r\ny\r\n"]
+    assert replies[2].startswith(b"500 Line too long")
