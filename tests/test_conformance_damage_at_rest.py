@@ -131,8 +131,11 @@ def test_a_half_checked_table_checksum_is_found_by_structure_flips() -> None:
     assert deep and all(":structure flip:" in f.scenario and ".tbl" in f.scenario
                         for f in deep)
     assert not [f for f in res.findings if ":trial=" in f.scenario]  # no table there
+    # each replay fills a new queue whose creation times differ: whether the damaged
+    # block's checksum compares below or above is then a coin, tossed up to 12 times
     again = damage_at_rest_check.replay(broken, deep[0].scenario)
-    assert deep[0].detail in [f.detail for f in again]
+    assert again and all(f.scenario == deep[0].scenario for f in again)
+    assert {f.clause for f in again} & {"C6", "C9", "C13"}
     assert damage_at_rest_check.replay(Backend.from_factory(KV), deep[0].scenario) == []
 
 

@@ -14,6 +14,7 @@ import io
 from typing import Any
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
 
 #: Violations listed in full on the page (all of them are in the JSON summary).
 LISTED = 300
@@ -35,6 +36,8 @@ def states_plot(rows: list[dict[str, Any]]) -> str:
     ax.bar(xs, [r["violating_states"] for r in rows], color="#c0392b", label="violating")
     ax.set_xticks(list(xs), labels, fontsize=8)
     ax.set_ylabel("states")
+    # whole numbers with separators: matplotlib's "1e7" offset label sits under the title
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:,.0f}"))
     ax.set_title("States per backend and persistence model")
     ax.legend(fontsize=8)
     return _svg(fig)
