@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 from aiosmtpd.smtp import SMTP
@@ -24,7 +25,10 @@ LINE_LIMIT = SMTP.line_length_limit  # 1001
 
 
 def _reference(wire: bytes, size_limit: int | None) -> tuple[DataRead, bytes]:
-    """aiosmtpd's rules, line by line (RFC 5321 4.5.2 and 4.2.5): the data, and the rest."""
+    """aiosmtpd 1.4's smtp_DATA, line by line (RFC 5321 4.5.2 and 4.2.5): the data, and
+    the rest.  A line whose content passes the stream limit (1001 bytes) overruns its
+    read and is 500 at once; a shorter one is counted first (552 past the size limit),
+    then judged by its length with its CRLF (500 past 1001)."""
     pos, size, lines, error = 0, 0, [], None
     while True:
         end = wire.index(b"\r\n", pos) + 2
@@ -32,11 +36,13 @@ def _reference(wire: bytes, size_limit: int | None) -> tuple[DataRead, bytes]:
         pos = end
         if line == b".\r\n":
             break
-        size += len(line)
-        if error is None and len(line) > LINE_LIMIT:
+        if error is None and len(line) - 2 > LINE_LIMIT:
             error = LINE_TOO_LONG
+        size += len(line)
         if error is None and size_limit and size > size_limit:
             error = TOO_MUCH
+        if error is None and len(line) > LINE_LIMIT:
+            error = LINE_TOO_LONG
         lines.append(line[1:] if line.startswith(b".") else line)
     got = DataRead(b"", error) if error else DataRead(b"".join(lines))
     return got, wire[pos:]
@@ -118,6 +124,34 @@ def test_a_long_line_is_500_and_the_stream_stays_in_step() -> None:
     assert _same(long + b"a\r\n" * 40 + b".\r\n", [], 100).error == LINE_TOO_LONG
 
 
+def test_a_line_just_over_the_limit_that_passes_the_size_limit_is_552() -> None:
+    """aiosmtpd counts a line of 1002 or 1003 bytes before it judges its length (its read
+    does not overrun), so such a line that passes the size limit is 552, not 500."""
+    head = b"a\r\n" * 30  # 90 bytes
+    for n in (1000, 1001):
+        assert _same(head + b"y" * n + b"\r\n.\r\n", [], 100).error == TOO_MUCH
+    assert _same(head + b"y" * 1002 + b"\r\n.\r\n", [], 100).error == LINE_TOO_LONG
+
+
+def test_the_verdict_does_not_depend_on_where_the_stream_is_cut() -> None:
+    short = b"x" * 60 + b"\r\n"
+    wire = short * ((PIECE - 10) // len(short)) + b"y" * 5000 + b"\r\n.\r\nQUIT\r\n"
+    limit = PIECE + 100
+    start = len(short) * ((PIECE - 10) // len(short))
+    for cut in (start + 10, start + 600, start + 1003, start + 4000):
+        assert _same(wire, [cut], limit).error == LINE_TOO_LONG
+
+
+def test_lines_that_look_like_the_end_cost_no_more_than_aiosmtpd() -> None:
+    """Carriage returns, blank lines and lines ending in a dot are each read in bulk or
+    one readuntil per line, never byte by byte."""
+    for wire in (b"\r" * 300_000 + b"\r\n.\r\n", b"\r\n" * 150_000 + b".\r\n",
+                 b"a.\r\n" * 75_000 + b".\r\n"):
+        started = time.process_time()
+        _same(wire, [])
+        assert time.process_time() - started < 2.0
+
+
 lines = st.lists(st.sampled_from([b"", b".", b"..", b"a", b".a", b"\r", b"\n", b"\r.",
                                   b"x" * 1200, b". ", b"\r\n."]), max_size=12)
 
@@ -144,8 +178,10 @@ def test_aiosmtpd_reads_those_messages_the_same_way() -> None:
         server = await asyncio.get_running_loop().create_server(
             lambda: SMTP(Keep(), data_size_limit=3000), "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        wires = [b".\r\n", b"..\r\n...x\r\n.y\r\n.\r\n", b"a\r\n" * 40 + b"y" * 5000 + b"\r\n.\r\n"]
+        wires = [b".\r\n", b"..\r\n...x\r\n.y\r\n.\r\n", b"a\r\n" * 40 + b"y" * 5000 + b"\r\n.\r\n",
+                 b"a\r\n" * 700 + b"y" * 1000 + b"\r\n.\r\n"]  # 1002 bytes past 3,000
         replies = []
+        wires_sent.extend(wires)
         for w in wires:
             r, wr = await asyncio.open_connection("127.0.0.1", port)
             await r.readline()
@@ -159,6 +195,11 @@ def test_aiosmtpd_reads_those_messages_the_same_way() -> None:
         await server.wait_closed()
         return replies
 
+    wires_sent: list[bytes] = []
     replies = asyncio.run(main())
     assert got == [b"", b".\r\n..x\r\ny\r\n"]
     assert replies[2].startswith(b"500 Line too long")
+    assert replies[3].startswith(b"552")  # counted before its length is judged
+    for wire, reply in zip(wires_sent, replies, strict=True):
+        ours = _reference(wire + b"QUIT\r\n", 3000)[0]
+        assert reply.startswith(ours.error.split()[0].encode() if ours.error else b"250")

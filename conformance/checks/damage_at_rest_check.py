@@ -143,9 +143,12 @@ class Template:
                 continue
             f = store.send_start(h)
             finished = store.send_done(f) if f is not None else None
+            if finished is None:
+                raise RuntimeError(f"filling the template: entry {h.entry_id} could not be "
+                                   "claimed and sent by its only user")
             done += 1
             self.sent.add(h.entry_id)
-            if finished is not None and entries is None:
+            if entries is None:
                 store.cleanup(finished)
 
 

@@ -82,8 +82,8 @@ def outside_bodies(data: bytes, bodies: list[bytes]) -> list[tuple[int, int]]:
             pos = -1 if at is None else data.find(piece, at, at + PIECE + SLACK)
             if pos < 0 and k % STRIDE == 0:
                 pos = data.find(piece)
-            if pos < 0:
-                at = None
+            if pos < 0:  # not here (a header between two pieces, or not in this file)
+                at = None if at is None else at + PIECE
                 continue
             covered.append((pos, pos + PIECE))
             at = pos + PIECE

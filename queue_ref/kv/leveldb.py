@@ -55,17 +55,18 @@ OPTIONS: dict[str, object] = {"paranoid_checks": True}
 
 
 #: LevelDB's error for a read past the end of a table file (``PosixMmapReadableFile``).
-_PAST_END = re.compile(r"IO error: (/\S+\.(?:ldb|sst)): Invalid argument")
+_PAST_END = re.compile(r"IO error: (/.+?\.(?:ldb|sst)): Invalid argument")
 
 
-def os_error(what: str, e: Exception, path: str) -> OSError:
+def os_error(what: str, e: Exception, path: str, *, reading: bool = True) -> OSError:
     """The OSError for a plyvel error: ``DatabaseCorruptError`` for LevelDB's Corruption
-    and for a read past the end of one of the database's tables (a table cut short),
-    ``ENOSPC`` for a full disk, ``EIO`` otherwise."""
+    and, when ``reading``, for a read past the end of one of the database's tables (a
+    table cut short; a write's EINVAL is the file system's, not damage), ``ENOSPC`` for a
+    full disk, ``EIO`` otherwise."""
     text = str(e)
     if isinstance(e, plyvel.CorruptionError) or "Corruption" in text:
         return DatabaseCorruptError(path, f"{what}: {text}", repair=(path, BACKEND))
-    short = _PAST_END.search(text)
+    short = _PAST_END.search(text) if reading else None
     if short and os.path.dirname(os.path.abspath(short.group(1))) == os.path.abspath(path):
         # LevelDB reads a table through mmap and answers a read past the file's end with
         # EINVAL: the table is shorter than the manifest says, the file is damaged
@@ -175,7 +176,8 @@ class LevelDBEngine(KV):
                 try:
                     self._open_db()
                 except plyvel.Error as e:
-                    err = os_error("reopening LevelDB after a failed write", e, self.path)
+                    err = os_error("reopening LevelDB after a failed write", e, self.path,
+                                   reading=False)
                     self._down = str(err)
                     raise err from e
                 except OSError as e:
@@ -297,7 +299,7 @@ class LevelDBEngine(KV):
             if sync:
                 self._names_synced()
         except plyvel.Error as e:
-            err = os_error("LevelDB write failed", e, self.path)
+            err = os_error("LevelDB write failed", e, self.path, reading=False)
             if not isinstance(err, DatabaseCorruptError):
                 self._stale = True
             raise err from e

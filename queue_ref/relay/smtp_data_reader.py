@@ -2,21 +2,23 @@
 
 aiosmtpd reads a message one line at a time (``readuntil(b"\\r\\n")`` and a dozen Python
 steps per line): about 28 ms of CPU for a 1 MB message of 70-byte lines, more than
-Postfix's smtpd spends on the whole message.  ``read_data`` reads up to the end of data
-(``CRLF . CRLF``, RFC 5321 4.1.1.4) in pieces of up to ``PIECE`` bytes through the
-stream's own ``readuntil`` on that terminator, so the bytes are searched in C, and undoes
-the dot-stuffing (4.5.2) with one ``bytes.replace``.
+Postfix's smtpd spends on the whole message.  ``read_data`` reads with the stream's own
+``readuntil`` on ``. CRLF``, in pieces of up to ``PIECE`` bytes, so the bytes are
+searched in C, and undoes the dot-stuffing (RFC 5321 4.5.2) with one ``bytes.replace``.
 
-What holds, as in aiosmtpd: the reply is decided only after the terminator (RFC 5321
-4.2.5): a message over ``size_limit`` bytes (its lines with their CRLF, the terminator not
-counted) is ``552`` and is discarded as it arrives, so memory stays bounded; a line longer
-than ``line_limit`` bytes (CRLF included) is ``500``; whichever came first wins.  Nothing
-after the terminator is consumed: a pipelining client's next command stays in the stream.
+The end of data is ``CRLF . CRLF`` (4.1.1.4), the data's start counting as a line start.
+Searching for ``. CRLF`` and looking at the two bytes before it (kept across pieces)
+finds it wherever the pieces fall, and never reads past it: a pipelining client's next
+command stays in the stream.  A piece ends at the end of data, at a line that ends in a
+dot, or after PIECE bytes; input made only of such lines costs one ``readuntil`` per
+line, as aiosmtpd's loop does.
 
-The one thing ``readuntil`` cannot see is a terminator whose first bytes were consumed
-before (the data's very first line is ``.``, or a piece ended inside ``CRLF . CRLF``): the
-reader keeps how much of the terminator the consumed bytes end with (a KMP state) and
-reads byte by byte while that is not zero, which is a few bytes at most.
+The reply is decided only after the end of data (4.2.5) and is aiosmtpd's, line by line:
+a line longer than ``line_limit`` bytes with its CRLF is ``500``, unless the lines before
+it passed ``size_limit`` (then ``552``), or it is at most two bytes over and itself
+passes the size limit (aiosmtpd counts such a line's bytes before its length); a line
+that passes the size limit is ``552``.  Data after either verdict is dropped as it
+arrives, so memory stays bounded.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import asyncio
 from dataclasses import dataclass
 
 TERMINATOR = b"\r\n.\r\n"
+SEPARATOR = TERMINATOR[2:]  # what readuntil looks for: the line start is checked after
 #: The most a single ``readuntil`` may hold before its bytes are taken as they are.
 PIECE = 1 << 20
 
@@ -40,91 +43,87 @@ class DataRead:
     error: str | None = None
 
 
-def _advance(state: int, byte: int) -> int:
-    """The KMP state after ``byte``: how many bytes of TERMINATOR the input ends with."""
-    if TERMINATOR[state] == byte:
-        return state + 1
-    return 1 if byte == 0x0D else 0  # every proper border of TERMINATOR starts with CR
+class _Verdict:
+    """aiosmtpd's verdict on the data so far, fed piece by piece: its lines' lengths and
+    the running size, judged line by line only where a line is long or the size passes
+    the limit (elsewhere a ``split`` and a ``max`` in C)."""
 
-
-def _state_after(data: bytes | bytearray, state: int = 0) -> int:
-    for b in data[-(len(TERMINATOR) - 1):] if state == 0 else data:
-        state = _advance(state, b)
-    return state
-
-
-class _Lines:
-    """Line lengths across pieces: where the first line longer than ``limit`` bytes (with
-    its CRLF) starts, in data bytes."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.tail = b""  # the line not yet ended (at most ``limit`` bytes)
+    def __init__(self, size_limit: int | None, line_limit: int) -> None:
+        self.size_limit = size_limit
+        self.line_limit = line_limit
+        self.tail = b""  # the line not yet ended
         self.seen = 0  # data bytes before ``tail``
+        self.error: str | None = None
 
-    def first_long(self, piece: bytes) -> int | None:
-        buf = self.tail + piece
+    def feed(self, data: bytes) -> None:
+        if self.error is not None or not data:
+            return
+        buf = self.tail + data
         lines = buf.split(b"\r\n")
-        ended = lines[:-1]
-        if ended and max(map(len, ended)) + 2 > self.limit:
-            at = self.seen
+        ended, tail = lines[:-1], lines[-1]
+        end = self.seen + len(buf) - len(tail)  # where the last ended line ends
+        over = bool(self.size_limit) and end > (self.size_limit or 0)
+        if ended and (over or max(map(len, ended)) + 2 > self.line_limit):
+            start = self.seen
             for line in ended:
-                if len(line) + 2 > self.limit:
-                    return at
-                at += len(line) + 2
-        self.seen += len(buf) - len(lines[-1])
-        self.tail = lines[-1]
-        if len(self.tail) + 1 > self.limit:  # too long even if its LF comes next
-            return self.seen
-        return None
+                self.error = self._line(start, len(line) + 2)
+                if self.error is not None:
+                    return
+                start += len(line) + 2
+        self.seen, self.tail = end, tail
+        # long whatever ends it (a CR at its end may be its CRLF's): aiosmtpd overran
+        if len(tail) - tail.endswith(b"\r") > self.line_limit:
+            self.error = self._line(self.seen, len(tail) + 2)
+            self.tail = b""
+
+    def _line(self, start: int, length: int) -> str | None:
+        """aiosmtpd's verdict on a line of ``length`` bytes (CRLF included) at ``start``."""
+        limit = self.size_limit
+        if limit and start > limit:
+            return TOO_MUCH
+        if length > self.line_limit + 2:  # aiosmtpd's read overruns: 500 at once
+            return LINE_TOO_LONG
+        if limit and start + length > limit:
+            return TOO_MUCH
+        return LINE_TOO_LONG if length > self.line_limit else None
 
 
 async def read_data(reader: asyncio.StreamReader, size_limit: int | None,
                     line_limit: int) -> DataRead:
     """Read one message's data from ``reader``, after the 354 reply, up to and including
     its terminator.  ``asyncio.IncompleteReadError`` if the stream ends first."""
-    kept = bytearray()  # the data so far (nothing once it is being discarded)
-    size = 0  # bytes read so far, the terminator's included
-    error: str | None = None
-    lines = _Lines(line_limit)
-    state = 2  # the data starts a line: as if CRLF came just before it
+    kept = bytearray()  # the data so far (nothing once the reply is an error)
+    verdict = _Verdict(size_limit, line_limit)
+    last = b"\r\n"  # the two bytes before the next piece: the data starts a line
     saved = reader._limit  # type: ignore[attr-defined]
-    reader._limit = PIECE + len(TERMINATOR)  # type: ignore[attr-defined]
+    reader._limit = PIECE + len(SEPARATOR)  # type: ignore[attr-defined]
     try:
-        while state < len(TERMINATOR):
-            if state:
-                piece = await reader.readexactly(1)
-                state = _advance(state, piece[0])
-            else:
-                try:
-                    piece = await reader.readuntil(TERMINATOR)
-                    state = len(TERMINATOR)
-                except asyncio.LimitOverrunError as e:
-                    piece = await reader.readexactly(e.consumed)
-                    state = _state_after(piece)
-            size += len(piece)
-            if error is not None:
-                continue
-            # data bytes for certain: a partial terminator's CRLF is the end of a line
-            data_bytes = size - max(0, state - 2)
-            long_start = lines.first_long(piece)
-            if long_start is not None:
-                # as aiosmtpd: a long line is 500 unless the lines before it passed the limit
-                error = TOO_MUCH if size_limit and long_start > size_limit else LINE_TOO_LONG
-            elif size_limit and data_bytes > size_limit:
-                error = TOO_MUCH
-            if error is not None:
-                kept = bytearray()
-            else:
+        while True:
+            try:
+                piece = await reader.readuntil(SEPARATOR)
+                done = (last + piece[-5:])[-5:] == TERMINATOR
+            except asyncio.LimitOverrunError as e:
+                # no ". CRLF" starts in these bytes (readuntil would have found it)
+                piece = await reader.readexactly(e.consumed)
+                done = False
+            last = (last + piece[-2:])[-2:]
+            # the terminator's ". CRLF" is not data; its CRLF ends the last line
+            verdict.feed(piece[:-3] if done else piece)
+            if verdict.error is None:
                 kept += piece
+            elif kept:
+                kept = bytearray()
+            if done:
+                break
     finally:
         reader._limit = saved  # type: ignore[attr-defined]
-    if error is not None:
-        return DataRead(b"", error)
+    if verdict.error is not None:
+        return DataRead(b"", verdict.error)
     data = bytes(kept[:-3])  # without ". CRLF"
     if data.startswith(b"."):
         data = data[1:]
     return DataRead(data.replace(b"\r\n.", b"\r\n"))
 
 
-__all__ = ["LINE_TOO_LONG", "PIECE", "TERMINATOR", "TOO_MUCH", "DataRead", "read_data"]
+__all__ = ["LINE_TOO_LONG", "PIECE", "SEPARATOR", "TERMINATOR", "TOO_MUCH", "DataRead",
+           "read_data"]

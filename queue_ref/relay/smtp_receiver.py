@@ -177,9 +177,9 @@ class RelaySMTP(SMTP):
         except asyncio.CancelledError:  # the connection went away during DATA
             self._writer.close()
             raise
-        except asyncio.IncompleteReadError:  # the stream ended before the terminator
-            self._writer.close()
-            return
+        except asyncio.IncompleteReadError as e:  # the stream ended before the terminator
+            # aiosmtpd's way out for a lost connection: it closes the writer and ends
+            raise ConnectionResetError("the client's stream ended during DATA") from e
         if got.error is not None:
             await self.push(got.error)
             self._set_post_data_state()  # type: ignore[no-untyped-call]
