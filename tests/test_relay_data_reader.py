@@ -152,6 +152,39 @@ def test_lines_that_look_like_the_end_cost_no_more_than_aiosmtpd() -> None:
         assert time.process_time() - started < 2.0
 
 
+def test_prose_is_read_in_a_few_pieces() -> None:
+    """Lines that end in a full stop, blank lines and runs of CRs are read in bulk: a few
+    calls per MiB, not one per line."""
+    calls = 0
+
+    class Counting(asyncio.StreamReader):
+        async def readuntil(self, separator: bytes = b"\n") -> bytes:
+            nonlocal calls
+            calls += 1
+            return await super().readuntil(separator)
+
+        async def readexactly(self, n: int) -> bytes:
+            nonlocal calls
+            calls += 1
+            return await super().readexactly(n)
+
+    prose = b"".join(b"Sentence %06d ends here.\r\n\r\n" % i for i in range(30_000))
+    crs = (b"\r" * 900 + b"\r\n") * 200  # lines of CRs, each within the line limit
+    for wire in (prose, b"\r\n" + prose, crs + prose):
+        calls = 0
+
+        async def main(wire: bytes = wire) -> DataRead:
+            reader = Counting(limit=LINE_LIMIT)
+            reader.feed_data(wire + b".\r\nQUIT\r\n")
+            reader.feed_eof()
+            got = await read_data(reader, None, LINE_LIMIT)
+            assert await reader.read() == b"QUIT\r\n"
+            return got
+
+        assert asyncio.run(main()).content == wire
+        assert calls <= 12, (len(wire), calls)
+
+
 lines = st.lists(st.sampled_from([b"", b".", b"..", b"a", b".a", b"\r", b"\n", b"\r.",
                                   b"x" * 1200, b". ", b"\r\n."]), max_size=12)
 

@@ -27,7 +27,6 @@ import asyncio
 from dataclasses import dataclass
 
 TERMINATOR = b"\r\n.\r\n"
-SEPARATOR = TERMINATOR[2:]  # what readuntil looks for: the line start is checked after
 #: The most a single ``readuntil`` may hold before its bytes are taken as they are.
 PIECE = 1 << 20
 
@@ -88,33 +87,52 @@ class _Verdict:
         return LINE_TOO_LONG if length > self.line_limit else None
 
 
+def _state(last: bytes) -> int:
+    """How much of TERMINATOR the stream ends with, from its last five bytes."""
+    for k in range(len(TERMINATOR), 0, -1):
+        if last.endswith(TERMINATOR[:k]):
+            return k
+    return 0
+
+
+async def _piece(reader: asyncio.StreamReader, state: int) -> bytes:
+    """The next bytes to take, given that the stream so far ends with ``state`` bytes of
+    the terminator.  In bulk where that cannot hide the end of data: up to the whole
+    terminator (nothing of it pending), or up to ``LF . CRLF`` (a CR pending: runs of
+    CRs stay in bulk); else the few bytes that decide (after CRLF, three are always
+    coming: at the least the ``. CRLF`` of the end)."""
+    if state > 1:
+        return await reader.readexactly(len(TERMINATOR) - state)
+    try:
+        return await reader.readuntil(TERMINATOR[state:])
+    except asyncio.LimitOverrunError as e:
+        # no separator starts in these bytes (readuntil would have found it)
+        return await reader.readexactly(e.consumed)
+
+
 async def read_data(reader: asyncio.StreamReader, size_limit: int | None,
                     line_limit: int) -> DataRead:
     """Read one message's data from ``reader``, after the 354 reply, up to and including
     its terminator.  ``asyncio.IncompleteReadError`` if the stream ends first."""
     kept = bytearray()  # the data so far (nothing once the reply is an error)
     verdict = _Verdict(size_limit, line_limit)
-    last = b"\r\n"  # the two bytes before the next piece: the data starts a line
+    last = b"\r\n"  # the stream's last bytes: the data starts a line, as if after CRLF
+    state = 2
     saved = reader._limit  # type: ignore[attr-defined]
-    reader._limit = PIECE + len(SEPARATOR)  # type: ignore[attr-defined]
+    reader._limit = PIECE + len(TERMINATOR)  # type: ignore[attr-defined]
     try:
-        while True:
-            try:
-                piece = await reader.readuntil(SEPARATOR)
-                done = (last + piece[-5:])[-5:] == TERMINATOR
-            except asyncio.LimitOverrunError as e:
-                # no ". CRLF" starts in these bytes (readuntil would have found it)
-                piece = await reader.readexactly(e.consumed)
-                done = False
-            last = (last + piece[-2:])[-2:]
-            # the terminator's ". CRLF" is not data; its CRLF ends the last line
+        while state < len(TERMINATOR):
+            piece = await _piece(reader, state)
+            last = (last + piece[-5:])[-5:]
+            state = _state(last)
+            done = state == len(TERMINATOR)
+            # the terminator's ". CRLF" is not data; its CRLF ends the last line (a piece
+            # that completes the terminator holds at least its ". CRLF")
             verdict.feed(piece[:-3] if done else piece)
             if verdict.error is None:
                 kept += piece
             elif kept:
                 kept = bytearray()
-            if done:
-                break
     finally:
         reader._limit = saved  # type: ignore[attr-defined]
     if verdict.error is not None:
@@ -125,5 +143,4 @@ async def read_data(reader: asyncio.StreamReader, size_limit: int | None,
     return DataRead(data.replace(b"\r\n.", b"\r\n"))
 
 
-__all__ = ["LINE_TOO_LONG", "PIECE", "SEPARATOR", "TERMINATOR", "TOO_MUCH", "DataRead",
-           "read_data"]
+__all__ = ["LINE_TOO_LONG", "PIECE", "TERMINATOR", "TOO_MUCH", "DataRead", "read_data"]
