@@ -51,6 +51,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -120,6 +121,16 @@ class Template:
     message_of: dict[str, str] = field(default_factory=dict)
     cleaned: set[str] = field(default_factory=set)
     sent: set[str] = field(default_factory=set)
+    #: ``outside_bodies`` of each file, by name: every trial's copy holds the same bytes
+    outside: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+
+    def structure(self, rel: str) -> Callable[[bytes], list[tuple[int, int]]]:
+        """Where file ``rel`` holds no body, computed once for all its trials."""
+        def ranges(data: bytes) -> list[tuple[int, int]]:
+            if rel not in self.outside:
+                self.outside[rel] = outside_bodies(data, list(self.want.values()))
+            return self.outside[rel]
+        return ranges
 
     def enqueue(self, store: Storage, i: int, body: bytes, rcpts: int) -> str:
         addrs = [Recipient(f"r{i}.{k}@{DOMAIN}", Schedule(i)) for k in range(rcpts)]
@@ -237,7 +248,7 @@ def _trial(backend: Backend, template: str, rel: str, kind: str, rng: random.Ran
     root = os.path.join(work, "q")
     try:
         copy_tree(template, root)
-        hit = damage(Path(root, rel), kind, rng, list(want.values()))
+        hit = damage(Path(root, rel), kind, rng, filled.structure(rel))
         what = hit.what
         later = after_flip(Path(root, rel), hit.flipped, want)
         steps = (fill_steps, f"{kind}: {what}", "open the queue and deliver what it lists")

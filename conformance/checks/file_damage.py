@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,9 +100,9 @@ def outside_bodies(data: bytes, bodies: list[bytes]) -> list[tuple[int, int]]:
 
 
 def damage(path: Path, kind: str, rng: random.Random,
-           bodies: list[bytes] | None = None) -> Damage:
-    """Damage ``path`` in place; returns what was done (``bodies``: what a structure flip
-    avoids)."""
+           outside: Callable[[bytes], list[tuple[int, int]]] | None = None) -> Damage:
+    """Damage ``path`` in place; returns what was done (``outside``: the ranges of a
+    file's bytes that hold no body, ``outside_bodies``, where a structure flip lands)."""
     if kind == NOTHING:
         return Damage("nothing damaged")
     if kind == "removal":
@@ -125,7 +126,7 @@ def damage(path: Path, kind: str, rng: random.Random,
         return Damage(f"wrote a byte into the empty {path.name}")
     flipped: int | None = None
     if kind == STRUCTURE:
-        ranges = outside_bodies(bytes(data), bodies or [])
+        ranges = outside(bytes(data)) if outside is not None else [(0, len(data))]
         total = sum(b - a for a, b in ranges)
         pick = rng.randrange(total) if total else rng.randrange(len(data))
         i = pick

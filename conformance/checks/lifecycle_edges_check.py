@@ -363,13 +363,9 @@ def _wait_stopped(pid: int, timeout: float = 2.0) -> None:
     came finishes first), so that nothing of it happens while the observer looks."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                state = f.read().rpartition(b")")[2].split()[0]
-        except (OSError, IndexError):
-            return  # no /proc here: the signal is all there is
-        if state in (b"T", b"t"):
-            return
+        seen = _cpu(pid)
+        if seen is None or seen[0] in (b"T", b"t"):
+            return  # stopped (or no /proc here: the signal is all there is)
         time.sleep(0.0005)
 
 
