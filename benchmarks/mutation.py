@@ -99,12 +99,17 @@ def kill_script(backend: str, src: Path, seed: int) -> Path:
         shutil.copytree(src / m, pristine / m, ignore=shutil.ignore_patterns("__pycache__"))
     script = src / f"mutation-kill-{backend}.sh"
     lines = ["#!/bin/sh", "set -e", f'cd "{src}"', f'export PYTHONPATH="{src}"',
+             f'mkdir -p "{src}/out"',
              f'changed=$(diff -rq --exclude=__pycache__ "{pristine}/queue_ref" queue_ref '
              "| sed -n 's/^Files .* and \\(.*\\) differ$/\\1/p')"]
     for factory in FACTORIES[backend]:
         run = (f'"{sys.executable}" -m conformance.cli certify {factory} --profile quick '
                f'--fail-fast --jobs 1 --seed {seed} --check-timeout {CHECK_TIMEOUT:g} '
-               f'--out "{src}/out/cert" >/dev/null')
+               f'--out "{src}/out/cert" >"{src}/out/certify.log" 2>&1 '
+               # the verdict's last lines go to cosmic-ray's record of the mutant: which
+               # check killed it, and whether by a timeout (worth a rerun if the machine
+               # was busy)
+               f'|| {{ tail -n 25 "{src}/out/certify.log"; exit 1; }}')
         skip = UNREACHED.get(factory)
         if skip:
             lines.append(f'case "$changed" in {"|".join(skip)}) ;; *) {run} ;; esac')

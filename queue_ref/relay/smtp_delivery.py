@@ -21,7 +21,7 @@ import aiosmtplib
 from queue_ref.relay.mx_routing import Nexthop
 from queue_ref.relay.relay_config import RelayConfig
 
-__all__ = ["RcptResult", "SmtpDeliverer", "dsn_of"]
+__all__ = ["RcptResult", "SmtpDeliverer", "dsn_of", "wire_body"]
 
 
 @dataclass
@@ -207,7 +207,7 @@ class SmtpDeliverer:
                 return [r for r in results if r is not None]
             stage = "DATA"
             try:
-                resp = await smtp.data(body)
+                resp = await _data(smtp, body)
                 r = RcptResult(resp.code, dsn_of(resp.code, resp.message),
                                _reply(resp.code, resp.message), relay)
             except aiosmtplib.SMTPDataError as e:
@@ -228,6 +228,52 @@ class SmtpDeliverer:
             text = f"lost connection with {relay} while sending {stage}: {_why(e)}"
             return [x or RcptResult(0, "4.4.2", text, relay) for x in results]
         return [x if x is not None else RcptResult(0, "4.4.2", "no reply", relay) for x in results]
+
+
+def wire_body(body: bytes) -> bytes | None:
+    """The DATA payload of ``body`` as aiosmtplib's ``data()`` would send it (dot-stuffed,
+    ending in CRLF, then ``.`` CRLF), made with ``bytes`` methods in one pass each; None
+    if the body has a bare CR or LF, which only aiosmtplib's own conversion handles.
+
+    Bodies the receiver stored have CRLF line endings only (``smtp_data_reader``), so the
+    relay's path is this one: aiosmtplib runs two regular expressions over the whole body
+    (line endings, then dot-stuffing), about 9 ms per MB, where three ``count`` calls and
+    one ``replace`` take under 1 ms."""
+    crlf = body.count(b"\r\n")
+    if body.count(b"\n") != crlf or body.count(b"\r") != crlf:
+        return None
+    if not body.endswith(b"\r\n"):
+        body += b"\r\n"
+    stuffed = body.replace(b"\r\n.", b"\r\n..")
+    if stuffed.startswith(b"."):
+        stuffed = b"." + stuffed
+    return stuffed + b".\r\n"
+
+
+async def _data(smtp: aiosmtplib.SMTP, body: bytes) -> aiosmtplib.SMTPResponse:
+    """``smtp.data(body)``, with the payload made by ``wire_body`` when it can: DATA through
+    ``execute_command``, then the payload and its reply through the protocol's ``write``
+    and ``read_response`` (the steps ``data()`` takes itself, with the same errors)."""
+    wire = wire_body(body)
+    if wire is None:
+        return await smtp.data(body)
+    start = await smtp.execute_command(b"DATA")
+    if start.code != aiosmtplib.SMTPStatus.start_input:
+        raise aiosmtplib.SMTPDataError(start.code, start.message)
+    protocol = smtp.protocol
+    if protocol is None:
+        raise aiosmtplib.SMTPServerDisconnected("Connection lost")
+    try:
+        protocol.write(wire)
+        # read_response marks a reply as expected before it first yields, so the reply
+        # cannot arrive unexpected
+        resp = await protocol.read_response(timeout=smtp.timeout)
+    except (aiosmtplib.SMTPServerDisconnected, aiosmtplib.SMTPTimeoutError):
+        smtp.close()
+        raise
+    if resp.code != aiosmtplib.SMTPStatus.completed:
+        raise aiosmtplib.SMTPDataError(resp.code, resp.message)
+    return resp
 
 
 def _why(e: BaseException) -> str:
