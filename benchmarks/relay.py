@@ -456,6 +456,9 @@ def run_once(relay: Relay, sc: Scenario, work: Path, timeout: float, rnd: int) -
     res = Run(rnd, relay.name, sc.name, sc.messages)
     try:
         port = relay.start(work, sink.port)
+        # start on a settled disk: what the last run left unwritten (its queue's deletes,
+        # its logs) is not billed to this one's syncs
+        os.sync()
         stop = threading.Event()
         peak = [tree_rss(relay.pid)]
         sampler = threading.Thread(target=_rss_sampler, args=(relay.pid, stop, peak))
