@@ -164,6 +164,44 @@ def test_a_failed_reschedule_must_not_hide_its_entry_until_a_restart(seed: int) 
     assert io_errors_check.run(Backend.from_factory(FS), QUICK, seed).findings == []
 
 
+KEEPS_REFS = f"{BROKEN}:fs_failed_commit_keeps_refs"
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_failed_commit_must_leave_nothing_in_the_open_queue(seed: int) -> None:
+    """A queue whose undo of a failed commit forgets the per-recipient hard links passes
+    the restart and power-cut judges (recovery sweeps the orphans); the open queue's
+    footprint right after the error is larger than before the enqueue: a C8 finding that
+    replays.  One trial in eight fails a call of a two-recipient enqueue, so every seed
+    meets it; the real queue leaves nothing."""
+    res = io_errors_check.run(Backend.from_factory(KEEPS_REFS), QUICK, seed)
+    assert res.findings and {f.clause for f in res.findings} == {"C8"}
+    first = res.findings[0]
+    assert first.detail.startswith("right after enqueue(")
+    assert "the failed enqueue left storage behind" in first.detail
+    again = replay(Backend.from_factory(KEEPS_REFS), first.scenario)
+    assert [(f.clause, f.detail) for f in again] == [
+        (f.clause, f.detail) for f in res.findings if f.scenario == first.scenario]
+    assert io_errors_check.run(Backend.from_factory(FS), QUICK, seed).findings == []
+
+
+def test_one_trial_in_eight_fails_a_call_of_a_shared_enqueue() -> None:
+    """Trials 0, 8, 16... fail a call (not a sync) of an enqueue of two or more
+    recipients whenever the workload has one."""
+    backend = Backend.from_factory(FS)
+    met = 0
+    for n in range(0, 64, 8):
+        wseed = io_errors_check.make_trial(7, n, io_errors_check.CallCount(1)).workload_seed
+        workload = io_errors_check.random_workload(wseed, io_errors_check.WORKLOAD_LENGTH)
+        calls = io_errors_check._count_calls(backend, workload)
+        trial = io_errors_check.make_trial(7, n, calls)
+        if calls.shared_enqueues:
+            met += 1
+            assert trial.fail_at in calls.shared_enqueues
+            assert trial.fail_at not in calls.syncs
+    assert met >= 4
+
+
 IDS_REPEAT = "conformance.examples.broken_backends:fs_ids_repeat_on_a_stalled_clock"
 
 

@@ -7,7 +7,9 @@ call is judged by its *outcome* against the model, never by whether it raised:
 * it **failed** with ``StorageIOError`` (``NoSpaceError`` for a full disk): the queue,
   still open right after the error (unless it said ``ReopenRequiredError``), must list
   the queued entries of the model's old state or of its new one, schedules included (a
-  failed ``reschedule`` must not leave its entry hidden until the next restart); and the
+  failed ``reschedule`` must not leave its entry hidden until the next restart), and
+  after a failed enqueue its ``footprint()`` must be what it was before the enqueue
+  (C8: nothing left behind that only a restart's recovery would sweep); and the
   queue reopened on the disk as it is (the process restarted; the kernel kept what it
   accepted) and after a power cut right then, must show the operation done or not done,
   never a mixture (the crash condition of ``spec.crash``);
@@ -101,27 +103,35 @@ class CallCount:
     syncs: tuple[int, ...] = ()
     #: operation -> the mutating calls made inside its calls (enqueue excluded)
     transitions: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    #: the mutating calls made inside enqueues of two or more recipients, syncs excepted
+    #: (odd trials fail those)
+    shared_enqueues: tuple[int, ...] = ()
 
 
 def _count_calls(backend: Backend, workload: Workload) -> CallCount:
     run = run_workload(_spec(backend), workload)
     mutating = [e for e in run.events if e.mutating]
     inside: dict[str, list[int]] = {}
+    shared: list[int] = []
     for i, call in enumerate(workload[:len(run.op_ends)]):
-        if call.op is not Op.ENQUEUE and run.op_ends[i] > run.op_starts[i]:
-            inside.setdefault(call.op.value, []).extend(range(run.op_starts[i],
-                                                              run.op_ends[i]))
+        calls = range(run.op_starts[i], run.op_ends[i])
+        if call.op is not Op.ENQUEUE and calls:
+            inside.setdefault(call.op.value, []).extend(calls)
+        elif call.op is Op.ENQUEUE and len(call.rcpts) >= 2:
+            shared.extend(m for m in calls if mutating[m].name not in SYNCS)
     return CallCount(run.mutating_total,
                      tuple(m for m, e in enumerate(mutating) if e.name in SYNCS),
-                     tuple((op, tuple(ms)) for op, ms in sorted(inside.items())))
+                     tuple((op, tuple(ms)) for op, ms in sorted(inside.items())),
+                     tuple(shared))
 
 
 def make_trial(seed: int, number: int, calls: CallCount) -> FaultTrial:
     """Trial ``number`` of ``seed``: an odd one fails a sync (when the run makes any); one
     in four (``number % 4 == 2``) a call inside a transition of an existing entry, the
     operation drawn first (most disk calls are an enqueue's, so a uniform draw seldom
-    fails a ``reschedule`` or a ``send_cancel``); the rest a mutating call drawn
-    uniformly."""
+    fails a ``reschedule`` or a ``send_cancel``); one in eight (``number % 8 == 0``) a
+    call inside an enqueue of two or more recipients (what a failed commit must undo is
+    largest there); the rest a mutating call drawn uniformly."""
     rng = random.Random(f"io-errors:{seed}:{number}")
     wseed = rng.randrange(2**32)
     if number % 2 and calls.syncs:
@@ -129,6 +139,8 @@ def make_trial(seed: int, number: int, calls: CallCount) -> FaultTrial:
     elif number % 4 == 2 and calls.transitions:
         _, inside = calls.transitions[rng.randrange(len(calls.transitions))]
         fail_at = inside[rng.randrange(len(inside))]
+    elif number % 8 == 0 and calls.shared_enqueues:
+        fail_at = calls.shared_enqueues[rng.randrange(len(calls.shared_enqueues))]
     else:
         fail_at = rng.randrange(max(calls.total, 1))
     return FaultTrial(seed, number, wseed, fail_at,
@@ -216,6 +228,21 @@ def _live_judge(run: Run, before: Model, pending: Call) -> list[tuple[str, str]]
                    "must leave its entry in one of them, without waiting for a restart")]
 
 
+def _leftover_judge(run: Run, i: int, pending: Call) -> list[tuple[str, str]]:
+    """A failed enqueue leaves nothing behind once it has raised (C8: "an aborted or
+    failed enqueue leaves nothing after abort returns"): the open queue's footprint is
+    the one it had before the enqueue began, not merely after the next restart (whose
+    recovery would sweep the leftovers, while a queue that stays open keeps them)."""
+    before = run.footprints.get(i)
+    after = run.live_footprint
+    if pending.op is not Op.ENQUEUE or before is None or after is None or after == before:
+        return []
+    return [("C8", f"right after {pending.describe()} raised StorageIOError, the open "
+                   f"queue's footprint is {after.objects} objects, {after.bytes} bytes; "
+                   f"before the enqueue it was {before.objects} objects, {before.bytes} "
+                   "bytes: the failed enqueue left storage behind")]
+
+
 def _restart_judge(backend: Backend, root: str, run: Run, before: Model,
                    pending: Call | None) -> list[tuple[str, str]]:
     """The queue reopened on the disk as the run left it (process restart)."""
@@ -268,6 +295,7 @@ def run_trial(backend: Backend, trial: FaultTrial, workload: Workload) -> list[F
             i = out.failed
             before, pending = run.models[i], workload[i]
             found = _live_judge(run, before, pending)
+            found += _leftover_judge(run, i, pending)
             found += _restart_judge(backend, root, run, before, pending)
             found += _power_cut_judge(spec, run, len(run.events), before, pending)
             return findings(found)

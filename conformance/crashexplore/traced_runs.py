@@ -16,6 +16,7 @@ is the caller's).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import pickle
@@ -33,8 +34,15 @@ from faultinject.fault_errors import Crash
 from faultinject.seam import FaultPlan, FaultyIO
 from faultinject.trace import SYNC_CALLS, TraceEvent
 from queue_ref.io import OsIO
-from queue_ref.storage import QueueError, ReopenRequiredError, Storage, StorageIOError
+from queue_ref.storage import (
+    Footprint,
+    QueueError,
+    ReopenRequiredError,
+    Storage,
+    StorageIOError,
+)
 from spec.model import Call, Model, Schedule
+from spec.states import Op
 
 OPEN = -1  # the "call" index of opening the queue (before the workload's first call)
 
@@ -120,6 +128,11 @@ class Run:
     live_queued: dict[str, Schedule] | None = None
     #: ... or what that listing raised, if not a QueueError (a QueueError is a refusal).
     live_listing_error: str | None = None
+    #: With a plan that fails a call: ``footprint()`` right before each enqueue (call index
+    #: -> value),
+    #: and right after a call failed, in the queue still open (None: not taken).
+    footprints: dict[int, Footprint] = field(default_factory=dict)
+    live_footprint: Footprint | None = None
 
     def returned(self) -> int:
         """How many calls of the workload returned (raising counts as not returning)."""
@@ -187,6 +200,11 @@ def run_workload(backend: BackendSpec, workload: Workload, plan: FaultPlan | Non
         spares = spare_plan(workload)
         for i, call in enumerate(workload):
             current = i
+            if plan is not None and plan.fail_at is not None and call.op is Op.ENQUEUE:
+                # reads only, before the call's mutating count starts: a failed enqueue
+                # must leave the footprint as it found it (C8), without a restart
+                with contextlib.suppress(QueueError):
+                    run.footprints[i] = storage.footprint()
             starts.append(io.mutating_count)
             try:
                 models.append(driver.step(i, models[-1], call))
@@ -237,6 +255,8 @@ def run_workload(backend: BackendSpec, workload: Workload, plan: FaultPlan | Non
 def _list_live(storage: Storage, run: Run) -> None:
     """What the open queue lists right after a call failed (after the trace ends: the
     listing is not part of what a power cut can see)."""
+    with contextlib.suppress(QueueError):
+        run.live_footprint = storage.footprint()
     try:
         run.live_queued = {h.entry_id: h.schedule for h in storage.list_queue()}
     except QueueError:

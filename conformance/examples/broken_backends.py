@@ -674,6 +674,60 @@ def fs_orphans_live_claims(root: str, io: IO | None = None) -> Storage:
     return deterministic_fs(OrphansLiveClaims)(root, io)
 
 
+def fs_adopted_schedule_reset(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue (``fsync`` mode) whose ``find_inflight`` hands a dead owner's
+    entry back with a fresh schedule (due now, no attempt counted) instead of the stored
+    one: a relay that defers it again restarts its backoff, and a message that keeps
+    failing in a process that keeps dying never expires (C11: a handle carries the
+    entry's stored schedule).  Only an entry adopted from another process shows it: the
+    multi-process check fails it on C11::
+
+        queue-ref certify conformance.examples.broken_backends:fs_adopted_schedule_reset \\
+            --only multi-process
+    """
+    from collections.abc import Iterator
+
+    from conformance.crashexplore.broken_fs_variants import _Fsync
+    from conformance.crashexplore.explored_backends import deterministic_fs
+    from queue_ref.storage import InflightMail, Schedule
+
+    class ResetsAdopted(_Fsync):
+        def find_inflight(self) -> Iterator[InflightMail]:
+            for f in super().find_inflight():  # the bug: the stored schedule is dropped
+                yield self._issue(InflightMail, f.entry_id, f.message_id, Schedule(0),
+                                  f._extra)
+
+    if io is None:
+        return ResetsAdopted(root)
+    return deterministic_fs(ResetsAdopted)(root, io)
+
+
+def fs_failed_commit_keeps_refs(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue (``fsync`` mode) whose undo of a failed commit removes the
+    links and the message file's name but forgets its per-recipient hard links
+    (``data/<msgid>.<i>``): the body stays on disk, owned by no entry, until the next
+    recovery that sweeps orphans, which a queue that stays open for months never runs
+    (C8: a failed enqueue leaves nothing once it has raised).  A restart hides it; the
+    io-errors check compares the open queue's footprint with the one before the enqueue
+    and fails it on C8::
+
+        queue-ref certify conformance.examples.broken_backends:fs_failed_commit_keeps_refs \\
+            --only io-errors
+    """
+    from conformance.crashexplore.broken_fs_variants import _Fsync
+    from conformance.crashexplore.explored_backends import deterministic_fs
+    from queue_ref.fsqueue.steps import MessageTx
+
+    class KeepsRefs(_Fsync):
+        def _discard_message(self, tx: MessageTx) -> None:
+            tx.refs = 0  # the bug: the hard links are forgotten, not removed
+            super()._discard_message(tx)
+
+    if io is None:
+        return KeepsRefs(root)
+    return deterministic_fs(KeepsRefs)(root, io)
+
+
 def sqlite_sync_off(root: str) -> Storage:
     """The SQLite example with ``PRAGMA synchronous=OFF``: ``COMMIT`` returns before
     anything reached the disk, so a power cut loses acknowledged mail (C1).  A process
