@@ -1,5 +1,6 @@
-"""The multi-process check: processes race for the entries of one queue, one is killed
-holding claims, and the entries adopted from it must carry their stored schedules."""
+"""Queues several processes share: the multi-process check (processes race for the
+entries, one is killed holding claims, the entries adopted from it must carry their stored
+schedules) and process-kill's trials that reopen beside a live owner."""
 
 from __future__ import annotations
 
@@ -32,3 +33,24 @@ def test_an_adopted_handle_with_a_fresh_schedule_is_c11_on_every_seed():
         assert res.status is Status.FAIL
         assert {f.clause for f in res.findings} == {"C11"}
         assert "carry a schedule other than the stored one" in res.findings[0].detail
+
+
+KEEPS_REFS = "conformance.examples.broken_backends:fs_dead_commit_refs_kept"
+
+
+def test_process_kill_reopens_beside_a_live_owner_in_odd_trials():
+    """Every other process-kill trial keeps the queue open in another Storage and kills
+    the child inside an enqueue of two recipients.  A recovery that leaves a dead owner's
+    hard links to the orphan sweep (which only runs when no one else has the queue open)
+    leaves a body behind after the drain: C8, on the trials whose kill landed after the
+    hard links were made; the real queue leaves nothing on the same trials."""
+    from conformance.checks import process_kill_check as pk
+
+    trials = [pk.make_trial("process-kill", seed, 1, 40) for seed in (3, 12, 16)]
+    for t in trials:
+        call = t.workload[t.kill_during]
+        assert call.op.value == "enqueue" and len(call.rcpts) >= 2
+        found = pk.run_trial(Backend.from_factory(KEEPS_REFS), t)
+        assert [f.clause for f in found] == ["C8"], (t.scenario, found)
+        assert "after draining everything" in found[0].detail
+        assert pk.run_trial(Backend.from_factory("conformance.examples.backends:fs"), t) == []

@@ -172,6 +172,30 @@ def test_orphan_removal_waits_while_another_owner_lives(root: str) -> None:
     q3.close()
 
 
+def test_a_dead_owners_schedule_temp_goes_while_another_owner_lives(root: str) -> None:
+    """A process killed inside a reschedule leaves its schedule temp file; a recovery
+    beside a live owner removes it (the orphan sweep, which would, waits for an exclusive
+    one: a relay worker killed beside live ones would leave it until all restarted, C8),
+    and leaves the live owner's temps alone."""
+    q = FsQueue(root)
+    h = put(q, n=1)
+    data = os.path.join(root, "data")
+    dead = os.path.join(data, f"{h[0].entry_id}.{'a' * 16}.tmp")  # no lock: a dead owner
+    live = os.path.join(data, f"{h[0].entry_id}.{q._owners.me}.tmp")
+    for path in (dead, live):
+        with open(path, "wb") as f:
+            f.write(b"half a schedule record")
+    other = FsQueue(root)  # q is alive: not exclusive
+    assert other.last_recovery.orphans_removed == 1
+    assert not os.path.exists(dead)
+    assert os.path.exists(live)
+    os.unlink(live)
+    other.close()
+    drain(q)
+    assert q.footprint() == Footprint(0, 0)
+    q.close()
+
+
 def test_killed_inflight_owner_is_requeued_with_its_schedule(root: str) -> None:
     io = CrashIO()
     q = FsQueue(root, io)

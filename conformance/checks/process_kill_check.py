@@ -15,7 +15,12 @@ interpreter, so the same trial lands on the same instruction every time.  Then t
 parent opens the queue (recovery runs), reads every entry
 (``crashexplore.recovered_queue.inspect``) and judges the result with the pending-op
 oracle of ``spec.crash``: the acknowledged calls all happened, the call that had begun
-and was not acknowledged happened or not, nothing else.
+and was not acknowledged happened or not, nothing else; once drained, nothing is left.
+In every other trial of a backend that processes share (``Capability.MULTI_PROCESS``)
+the parent holds the queue open in another Storage from before the child starts until
+the judging ends: the reopening then recovers beside a live owner, as a relay worker
+restarted beside the others does, and must clean up the dead owner's leftovers all the
+same (a sweep that only runs when no other owner is alive leaves them behind: C8).
 
 A *recovery trial* kills a second child at the ``m``-th Python call of opening the
 crashed queue (recovery is interrupted), then judges what the third opening shows, and
@@ -46,8 +51,10 @@ from conformance.harness.backend_factory import Backend
 from conformance.harness.check_catalog import NO_CRASH, PROCESS_KILL
 from conformance.harness.check_results import CheckResult, Finding, finished
 from conformance.harness.child_process import Channel, Child, ChildTimeout
+from queue_ref.storage import Capability
 from spec.crash import judge
 from spec.model import Call
+from spec.states import Op
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,12 @@ def make_trial(check: str, seed: int, number: int, length: int) -> Trial:
                              rng.randrange(1, 1500)))
     recovery_event = rng.choice((1, rng.randrange(1, 200), rng.randrange(1, 1000),
                                  rng.randrange(1, 5000)))
+    shared = [i for i, c in enumerate(workload) if c.op is Op.ENQUEUE and len(c.rcpts) >= 2]
+    if number % 2 and shared:
+        # a trial with another owner alive (see _trial) kills inside an enqueue of two or
+        # more recipients, whose half-made commit leaves the most for recovery to undo
+        kill_during = shared[rng.randrange(len(shared))]
+        kill_event = rng.randrange(1, 1200)  # its commit is most of its Python calls
     return Trial(check, seed, number, wseed, workload, kill_during, kill_event, recovery_event)
 
 
@@ -222,7 +235,17 @@ def run_trial(backend: Backend, trial: Trial) -> list[Finding]:
 def _trial(backend: Backend, trial: Trial) -> tuple[list[Finding], bool]:
     """The findings, and whether the kill landed inside a call (not between two)."""
     root = tempfile.mkdtemp(prefix=f"queue-ref-{trial.check}-")
+    bystander = None
     try:
+        if trial.number % 2:
+            # another owner keeps the queue open all along, so the reopening after the
+            # kill is not alone: its recovery must finish what the dead owner left (its
+            # half-made commit, hard links included) without the sweep only a queue no
+            # one else has open may make, and the drain must leave nothing (C8)
+            bystander = backend.open(root)
+            if Capability.MULTI_PROCESS not in bystander.capabilities:
+                bystander.close()  # one process at a time: the child must open it alone
+                bystander = None
         try:
             state = _crash_child(backend, root, trial)
         except ChildTimeout as e:
@@ -236,6 +259,8 @@ def _trial(backend: Backend, trial: Trial) -> tuple[list[Finding], bool]:
                 return found, inside
         return judge_trial(backend, root, trial, state), inside
     finally:
+        if bystander is not None:
+            bystander.close()
         shutil.rmtree(root, ignore_errors=True)
 
 

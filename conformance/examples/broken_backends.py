@@ -728,6 +728,35 @@ def fs_failed_commit_keeps_refs(root: str, io: IO | None = None) -> Storage:
     return deterministic_fs(KeepsRefs)(root, io)
 
 
+def fs_dead_commit_refs_kept(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue (``fsync`` mode) whose recovery removes a dead owner's message
+    files under construction but not the per-recipient hard links their commits had
+    already made: the orphan sweep removes those, but it runs only when no other owner
+    is alive, so a relay worker killed inside a commit beside live workers leaves a body
+    on disk until every worker restarts (C8).  Only a reopening beside a live owner shows
+    it: process-kill, whose every other trial keeps the queue open in another Storage,
+    fails it on C8::
+
+        queue-ref certify conformance.examples.broken_backends:fs_dead_commit_refs_kept \\
+            --only process-kill
+    """
+    from conformance.crashexplore.broken_fs_variants import _OwnRecovery
+    from conformance.crashexplore.explored_backends import deterministic_fs
+    from queue_ref.fsqueue.fs_recovery import Recovery
+
+    class _KeepsRefs(Recovery):
+        def _remove_tmp_of(self, owner: str) -> set[str]:
+            super()._remove_tmp_of(owner)
+            return set()  # the bug: the messages' hard links are not looked for
+
+    class DeadCommitRefsKept(_OwnRecovery):
+        recovery_class = _KeepsRefs
+
+    if io is None:
+        return DeadCommitRefsKept(root)
+    return deterministic_fs(DeadCommitRefsKept)(root, io)
+
+
 def sqlite_sync_off(root: str) -> Storage:
     """The SQLite example with ``PRAGMA synchronous=OFF``: ``COMMIT`` returns before
     anything reached the disk, so a power cut loses acknowledged mail (C1).  A process

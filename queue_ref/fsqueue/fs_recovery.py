@@ -25,7 +25,8 @@ queue open and none can open it meanwhile.  Steps, in order:
    is restored from it; otherwise the message is lost, its links go to quarantine with
    a note, and the report names it (``lost``), never silently.
 5. **Requeue**: inflight links of dead owners go back to queue/ (INFLIGHT -> QUEUED).
-6. **Orphans** (exclusive only): under data/, every name of a message no link names (its
+6. **Orphans** (exclusive only; otherwise only the schedule temp files of dead owners):
+   under data/, every name of a message no link names (its
    hard links, schedule records), hard links and schedule records of entries no link
    names, schedule temp files, and unknown names (quarantined).  A committed message
    file no link names is moved to quarantine (``<msgid>.unlinked``) and reported lost:
@@ -103,6 +104,8 @@ class Recovery:
         self.requeue()
         if self.exclusive:
             self.remove_orphans()
+        else:
+            self.remove_dead_temps()
         self.verify_queued()
         if self.exclusive:
             self.prune_index()
@@ -355,6 +358,23 @@ class Recovery:
             if parsed is not None:
                 refs.add(parsed[0].entry_id)
         return refs
+
+    def remove_dead_temps(self) -> None:
+        """Not exclusive: the schedule records dead owners were writing
+        (``data/<msgid>.<i>.<owner>.tmp``; the orphan sweep, which removes them, runs only
+        when no other owner is alive, so a process killed inside a reschedule beside a
+        live one would leave its temp file until every process restarted: C8).  A temp
+        is never renamed into place after its owner died, so it holds nothing."""
+        changed = False
+        for n in listdir_or_empty(self.io, self.lay.data):
+            m = DATA_RE.match(n)
+            if m is None or m["owner"] is None or self.alive(m["owner"]):
+                continue
+            if if_exists(self.io.unlink, join(self.lay.data, n)):
+                changed = True
+                self.orphans += 1
+        if changed:
+            self.q._sync_dirs(self.lay.data)
 
     def remove_orphans(self) -> None:
         """Exclusive only: remove every name under data/ that no link needs.  The message
