@@ -46,7 +46,7 @@ def test_process_kill_reopens_beside_a_live_owner_in_odd_trials():
     hard links were made; the real queue leaves nothing on the same trials."""
     from conformance.checks import process_kill_check as pk
 
-    trials = [pk.make_trial("process-kill", seed, 1, 40) for seed in (3, 12, 16)]
+    trials = [pk.make_trial("process-kill", seed, 1, 40, shared=True) for seed in (3, 12, 16)]
     for t in trials:
         call = t.workload[t.kill_during]
         assert call.op.value == "enqueue" and len(call.rcpts) >= 2
@@ -54,3 +54,18 @@ def test_process_kill_reopens_beside_a_live_owner_in_odd_trials():
         assert [f.clause for f in found] == ["C8"], (t.scenario, found)
         assert "after draining everything" in found[0].detail
         assert pk.run_trial(Backend.from_factory("conformance.examples.backends:fs"), t) == []
+
+
+def test_only_shared_backends_run_trials_beside_a_live_owner():
+    """A backend one process at a time keeps every trial's kill where it was drawn, so its
+    crash coverage of every operation is not traded for enqueues."""
+    from conformance.checks import process_kill_check as pk
+
+    for n in range(8):
+        alone = pk.make_trial("process-kill", 5, n, 40, shared=False)
+        shared = pk.make_trial("process-kill", 5, n, 40, shared=True)
+        assert not alone.beside_live
+        assert shared.beside_live == (n % 2 == 1)
+        if n % 2 == 0:
+            assert (alone.kill_during, alone.kill_event) == (shared.kill_during,
+                                                             shared.kill_event)

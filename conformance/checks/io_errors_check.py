@@ -232,11 +232,15 @@ def _leftover_judge(run: Run, i: int, pending: Call) -> list[tuple[str, str]]:
     """A failed enqueue leaves nothing behind once it has raised (C8: "an aborted or
     failed enqueue leaves nothing after abort returns"): the open queue's footprint is
     the one it had before the enqueue began, not merely after the next restart (whose
-    recovery would sweep the leftovers, while a queue that stays open keeps them)."""
+    recovery would sweep the leftovers, while a queue that stays open keeps them).
+    Judged only when the open queue lists the old state: an enqueue that took effect
+    before a later step failed is allowed (``_live_judge``) and owns what it stored."""
     before = run.footprints.get(i)
     after = run.live_footprint
     if pending.op is not Op.ENQUEUE or before is None or after is None or after == before:
         return []
+    if run.live_queued is None or any(e not in run.entry_keys for e in run.live_queued):
+        return []  # the commit took effect before the failure (allowed): nothing to undo
     return [("C8", f"right after {pending.describe()} raised StorageIOError, the open "
                    f"queue's footprint is {after.objects} objects, {after.bytes} bytes; "
                    f"before the enqueue it was {before.objects} objects, {before.bytes} "

@@ -69,13 +69,20 @@ class Trial:
     kill_during: int  # index of the call during which the child is killed
     kill_event: int  # the child dies at this Python call inside that call (0: at its end)
     recovery_event: int  # ... at this Python call of the reopening (recovery trials)
+    #: another Storage keeps the queue open all along (odd trials of a shared backend)
+    beside_live: bool = False
 
     @property
     def scenario(self) -> str:
         return f"{self.check}:{self.seed}:{self.number}:{len(self.workload)}"
 
 
-def make_trial(check: str, seed: int, number: int, length: int) -> Trial:
+def make_trial(check: str, seed: int, number: int, length: int, shared: bool = False
+               ) -> Trial:
+    """Trial ``number`` of ``seed``.  ``shared``: the backend declares
+    ``Capability.MULTI_PROCESS``, and its odd trials then run beside a live owner, killed
+    inside an enqueue of two or more recipients (other backends keep every trial's kill
+    where it was drawn)."""
     rng = random.Random(f"{check}:{seed}:{number}")
     wseed = rng.randrange(2**32)
     workload = random_workload(wseed, length)
@@ -84,13 +91,15 @@ def make_trial(check: str, seed: int, number: int, length: int) -> Trial:
                              rng.randrange(1, 1500)))
     recovery_event = rng.choice((1, rng.randrange(1, 200), rng.randrange(1, 1000),
                                  rng.randrange(1, 5000)))
-    shared = [i for i, c in enumerate(workload) if c.op is Op.ENQUEUE and len(c.rcpts) >= 2]
-    if number % 2 and shared:
+    beside_live = shared and number % 2 == 1
+    wide = [i for i, c in enumerate(workload) if c.op is Op.ENQUEUE and len(c.rcpts) >= 2]
+    if beside_live and wide:
         # a trial with another owner alive (see _trial) kills inside an enqueue of two or
         # more recipients, whose half-made commit leaves the most for recovery to undo
-        kill_during = shared[rng.randrange(len(shared))]
+        kill_during = wide[rng.randrange(len(wide))]
         kill_event = rng.randrange(1, 1200)  # its commit is most of its Python calls
-    return Trial(check, seed, number, wseed, workload, kill_during, kill_event, recovery_event)
+    return Trial(check, seed, number, wseed, workload, kill_during, kill_event, recovery_event,
+                 beside_live)
 
 
 def parse_scenario(scenario: str) -> tuple[str, int, int, int]:
@@ -237,15 +246,16 @@ def _trial(backend: Backend, trial: Trial) -> tuple[list[Finding], bool]:
     root = tempfile.mkdtemp(prefix=f"queue-ref-{trial.check}-")
     bystander = None
     try:
-        if trial.number % 2:
+        if trial.beside_live:
             # another owner keeps the queue open all along, so the reopening after the
             # kill is not alone: its recovery must finish what the dead owner left (its
             # half-made commit, hard links included) without the sweep only a queue no
             # one else has open may make, and the drain must leave nothing (C8)
-            bystander = backend.open(root)
-            if Capability.MULTI_PROCESS not in bystander.capabilities:
-                bystander.close()  # one process at a time: the child must open it alone
-                bystander = None
+            try:
+                bystander = backend.open(root)
+            except Exception as e:
+                return [Finding("C9", f"opening an empty queue failed: {type(e).__name__}: "
+                                      f"{e}", trial.scenario, NO_CRASH, ())], False
         try:
             state = _crash_child(backend, root, trial)
         except ChildTimeout as e:
@@ -259,9 +269,11 @@ def _trial(backend: Backend, trial: Trial) -> tuple[list[Finding], bool]:
                 return found, inside
         return judge_trial(backend, root, trial, state), inside
     finally:
-        if bystander is not None:
-            bystander.close()
-        shutil.rmtree(root, ignore_errors=True)
+        try:
+            if bystander is not None:
+                bystander.close()
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def _interrupt_recovery(backend: Backend, root: str, trial: Trial,
@@ -295,8 +307,9 @@ def run_check(backend: Backend, check: str, seed: int, trials: int, length: int)
     start = time.perf_counter()
     findings: list[Finding] = []
     inside = 0
+    shared = _shared(backend)
     for n in range(trials):
-        found, within = _trial(backend, make_trial(check, seed, n, length))
+        found, within = _trial(backend, make_trial(check, seed, n, length, shared))
         findings += found
         inside += within
     failed = len({f.scenario for f in findings})
@@ -309,4 +322,10 @@ def run_check(backend: Backend, check: str, seed: int, trials: int, length: int)
 def replay(backend: Backend, scenario: str) -> list[Finding]:
     """Run the trial ``scenario`` names again."""
     check, seed, number, length = parse_scenario(scenario)
-    return run_trial(backend, make_trial(check, seed, number, length))
+    return run_trial(backend, make_trial(check, seed, number, length, _shared(backend)))
+
+
+def _shared(backend: Backend) -> bool:
+    """Whether processes may share the backend's queue (its odd trials run beside a live
+    owner)."""
+    return backend.probe().has(Capability.MULTI_PROCESS)

@@ -745,8 +745,7 @@ def fs_dead_commit_refs_kept(root: str, io: IO | None = None) -> Storage:
     from queue_ref.fsqueue.fs_recovery import Recovery
 
     class _KeepsRefs(Recovery):
-        def _remove_tmp_of(self, owner: str) -> set[str]:
-            super()._remove_tmp_of(owner)
+        def _uncommitted_of(self, owner: str) -> set[str]:
             return set()  # the bug: the messages' hard links are not looked for
 
     class DeadCommitRefsKept(_OwnRecovery):

@@ -231,14 +231,34 @@ class Recovery:
                 del self.inflight[e]
         if changed:
             self.q._sync_dirs(*sorted(changed))
-        for owner in dead:  # their links are gone first: a crash here leaves only files
+        # Their links are gone first, then the hard links their commits had made, then
+        # the files: a crash at any point leaves what the next run finds again by the
+        # files under tmp/ (hard links removed after the files would be found by nothing
+        # but the orphan sweep, which waits for an exclusive recovery: C8).
+        building_ids = {m for owner in dead for m in self._uncommitted_of(owner)}
+        if self._remove_refs_of(building_ids):
+            self.q._sync_dirs(self.lay.data)
+        for owner in dead:
             removed |= self._remove_tmp_of(owner)
             changed.add(self.lay.tmp)
-        if self._remove_refs_of(removed):
-            changed.add(self.lay.data)
         self.uncommitted += len(removed)
         if changed:
             self.q._sync_dirs(*sorted(changed))
+
+    def _uncommitted_of(self, owner: str) -> set[str]:
+        """Ids of a dead owner's messages under construction (not also ``data/<msgid>``)."""
+        out = set()
+        base = self.lay.tmp_owner(owner)
+        for m in listdir_or_empty(self.io, base):
+            if not MSGID_RE.match(m):
+                continue
+            committed = lstat_or_none(self.io, self.lay.msg_file(m))
+            mine = lstat_or_none(self.io, join(base, m))
+            if mine is None or (committed is not None and (
+                    (committed.st_dev, committed.st_ino) == (mine.st_dev, mine.st_ino))):
+                continue
+            out.add(m)
+        return out
 
     def _remove_tmp_of(self, owner: str) -> set[str]:
         """Remove a dead owner's message files under construction; returns their ids.  A
@@ -370,6 +390,9 @@ class Recovery:
             m = DATA_RE.match(n)
             if m is None or m["owner"] is None or self.alive(m["owner"]):
                 continue
+            st = lstat_or_none(self.io, join(self.lay.data, n))
+            if st is None or not stat.S_ISREG(st.st_mode):
+                continue  # not a file we wrote: the exclusive sweep quarantines it
             if if_exists(self.io.unlink, join(self.lay.data, n)):
                 changed = True
                 self.orphans += 1

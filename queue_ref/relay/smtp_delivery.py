@@ -237,8 +237,8 @@ def wire_body(body: bytes) -> bytes | None:
 
     Bodies the receiver stored have CRLF line endings only (``smtp_data_reader``), so the
     relay's path is this one: aiosmtplib runs two regular expressions over the whole body
-    (line endings, then dot-stuffing), about 9 ms per MB, where three ``count`` calls and
-    one ``replace`` take under 1 ms."""
+    (line endings, then dot-stuffing), about 7 ms per MB, where three ``count`` calls and
+    one ``replace`` take about 2 ms."""
     crlf = body.count(b"\r\n")
     if body.count(b"\n") != crlf or body.count(b"\r") != crlf:
         return None
