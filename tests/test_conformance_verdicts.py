@@ -153,12 +153,19 @@ def test_a_failed_reschedule_must_not_hide_its_entry_until_a_restart(seed: int) 
     every listing) passes the restart and power-cut judges: recovery requeues it.  The
     open queue's listing right after the error shows neither the old state nor the new
     one, a C9 finding that replays; the real queues list the entry."""
-    res = io_errors_check.run(Backend.from_factory(HIDES), QUICK, seed)
-    assert res.findings and {f.clause for f in res.findings} == {"C9"}
+    _live_finding_replays(HIDES, seed, "C9", "right after reschedule(", "its old state lists")
+
+
+def _live_finding_replays(variant: str, seed: int, clause: str, start: str, text: str) -> None:
+    """io-errors fails ``variant`` on ``clause`` only, with a finding judged in the open
+    queue right after the error (``start``, ``text``) that replays to the same findings;
+    the real queue passes the same seed."""
+    res = io_errors_check.run(Backend.from_factory(variant), QUICK, seed)
+    assert res.findings and {f.clause for f in res.findings} == {clause}
     first = res.findings[0]
-    assert first.detail.startswith("right after reschedule(")
-    assert "its old state lists" in first.detail
-    again = replay(Backend.from_factory(HIDES), first.scenario)
+    assert first.detail.startswith(start)
+    assert text in first.detail
+    again = replay(Backend.from_factory(variant), first.scenario)
     assert [(f.clause, f.detail) for f in again] == [
         (f.clause, f.detail) for f in res.findings if f.scenario == first.scenario]
     assert io_errors_check.run(Backend.from_factory(FS), QUICK, seed).findings == []
@@ -174,15 +181,8 @@ def test_a_failed_commit_must_leave_nothing_in_the_open_queue(seed: int) -> None
     footprint right after the error is larger than before the enqueue: a C8 finding that
     replays.  One trial in eight fails a call of a two-recipient enqueue, so every seed
     meets it; the real queue leaves nothing."""
-    res = io_errors_check.run(Backend.from_factory(KEEPS_REFS), QUICK, seed)
-    assert res.findings and {f.clause for f in res.findings} == {"C8"}
-    first = res.findings[0]
-    assert first.detail.startswith("right after enqueue(")
-    assert "the failed enqueue left storage behind" in first.detail
-    again = replay(Backend.from_factory(KEEPS_REFS), first.scenario)
-    assert [(f.clause, f.detail) for f in again] == [
-        (f.clause, f.detail) for f in res.findings if f.scenario == first.scenario]
-    assert io_errors_check.run(Backend.from_factory(FS), QUICK, seed).findings == []
+    _live_finding_replays(KEEPS_REFS, seed, "C8", "right after enqueue(",
+                          "the failed enqueue left storage behind")
 
 
 def test_one_trial_in_eight_fails_a_call_of_a_shared_enqueue() -> None:
