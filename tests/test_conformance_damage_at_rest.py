@@ -11,6 +11,7 @@ import pytest
 
 from conformance.checks import damage_at_rest_check
 from conformance.checks.damage_at_rest_check import _plan
+from conformance.checks.file_damage import held_whole
 from conformance.harness.backend_factory import Backend
 from conformance.harness.check_results import Status
 from conformance.harness.suite_profiles import QUICK, THOROUGH
@@ -299,3 +300,33 @@ def test_a_sqlite_schema_renamed_by_damage_is_refused_as_damaged(tmp_path: Path,
     with pytest.raises(DamagedStoreError, match="is damaged"):
         factory(root)
     assert Path(root, "queue.sqlite3").read_bytes() == before
+
+
+@pytest.mark.parametrize("seed", [1, 7])
+def test_a_store_that_starts_afresh_over_its_files_is_c6(seed: int) -> None:
+    """A KV engine that creates a new database when ``CURRENT`` is gone (LevelDB's
+    ``create_if_missing``) names every message lost from its clean-close record, so
+    nothing is lost silently; but the old log, whose bodies ``queue-ref repair`` would
+    salvage, is gone.  Only the rule that the files a store cannot serve are kept sees
+    it.  The finding replays from its id, and the project's KV queue (which refuses with
+    DamagedStoreError and touches nothing) passes that trial."""
+    broken = Backend.from_factory(f"{BROKEN}:kv_fresh_over_missing_current")
+    res = damage_at_rest_check.run(broken, QUICK, seed)
+    assert res.status is Status.FAIL
+    assert {f.clause for f in res.findings} == {"C6"}
+    assert all("removal of CURRENT" in f.detail and "gone from it" in f.detail
+               for f in res.findings), [f.detail for f in res.findings]
+    first = res.findings[0]
+    assert ":removal:CURRENT" in first.scenario
+    again = damage_at_rest_check.replay(broken, first.scenario)
+    assert [f.clause for f in again] == ["C6"]
+    assert damage_at_rest_check.replay(Backend.from_factory(KV), first.scenario) == []
+
+
+def test_held_whole_finds_a_body_only_while_it_is_on_the_disk(tmp_path: Path) -> None:
+    body = b"Subject: kept\r\n\r\n" + b"x" * 5000
+    (tmp_path / "log").write_bytes(b"header" + body + b"trailer")
+    (tmp_path / "link").symlink_to("log")
+    assert held_whole(str(tmp_path), {"m": body, "n": body + b"!"}) == {"m": "log"}
+    (tmp_path / "log").write_bytes(b"header" + body[:-1])
+    assert held_whole(str(tmp_path), {"m": body}) == {}

@@ -64,6 +64,7 @@ from conformance.checks.file_damage import (
     copy_tree,
     damage,
     files_of,
+    held_whole,
     outside_bodies,
 )
 from conformance.harness.backend_factory import Backend
@@ -257,18 +258,34 @@ def _trial(backend: Backend, template: str, rel: str, kind: str, rng: random.Ran
         def finding(clause: str, detail: str) -> None:
             fail.append(Finding(clause, f"{damaged}: {detail}", scenario, NO_CRASH, steps))
 
+        whole = held_whole(root, want)  # what salvage could still find
+
+        def kept(delivered: set[str], when: str) -> None:
+            """Every message not delivered whose body lay whole in a file before the
+            open still lies whole in one after it: the damaged files were kept."""
+            now = held_whole(root, {m: want[m] for m in whole if m not in delivered})
+            gone = sorted(m for m in whole if m not in delivered and m not in now)
+            if gone:
+                m = gone[0]
+                finding("C6", f"{len(gone)} messages not delivered whose bodies lay whole "
+                              f"on the disk before the open are gone from it {when} (first: "
+                              f"{m}, whole in {whole[m]}): a store that cannot serve a "
+                              "message keeps the damaged files aside for `queue-ref "
+                              "repair`, never deletes them or starts afresh over them")
+
         try:
             store: Storage = backend.open(root)
         except DamagedStoreError:
             stats["refused"] += 1
+            kept(set(), "after the open refused")
             return
         except Exception as e:
             finding("C9", f"opening raised {type(e).__name__} ({e}), not DamagedStoreError "
                           "(the store's files are damaged, not the disk)")
             return
+        delivered: dict[str, bytes] = {}
         try:
             report = getattr(store, "last_recovery", None) or RecoveryReport()
-            delivered: dict[str, bytes] = {}
             delivered_entries: set[str] = set()
             msg_of = {e: m for e, m in message_of.items() if m in want and e not in filled.sent}
             named = set(report.lost)
@@ -352,6 +369,7 @@ def _trial(backend: Backend, template: str, rel: str, kind: str, rng: random.Ran
         finally:
             with contextlib.suppress(Exception):
                 store.close()
+        kept(set(delivered), "once the queue was opened, served and closed")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -164,6 +164,27 @@ def damage(path: Path, kind: str, rng: random.Random,
     return Damage(what, flipped)
 
 
+def held_whole(root: str, bodies: dict[str, bytes]) -> dict[str, str]:
+    """The messages whose body lies whole, as one run of bytes, in a regular file under
+    ``root`` (the first such file of each, relative to ``root``).  A store that names a
+    message lost keeps the damaged files aside for salvage, never deletes them (C6): a
+    body whole on the disk before the open must still be whole there after it, unless
+    the message was delivered."""
+    found: dict[str, str] = {}
+    for rel in files_of(root):
+        path = os.path.join(root, rel)
+        if os.path.islink(path) or len(found) == len(bodies):
+            continue
+        try:
+            data = Path(path).read_bytes()
+        except OSError:
+            continue  # gone or unreadable: holds nothing
+        for m, body in bodies.items():
+            if m not in found and body and data.find(body) >= 0:
+                found[m] = rel
+    return found
+
+
 def after_flip(path: Path, at: int | None, bodies: dict[str, bytes]) -> dict[str, int]:
     """The messages whose body lies whole in the file ``path`` after byte ``at`` and after
     another message's body that lies whole after it (the offset of each): a flip damages

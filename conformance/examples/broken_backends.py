@@ -219,6 +219,27 @@ def kv_mid_log_damage_as_torn_tail(root: str, io: IO | None = None) -> Storage:
     return KvQueue.open_log(root, io, engine=TornTailEngine)
 
 
+def kv_fresh_over_missing_current(root: str, io: IO | None = None) -> Storage:
+    """The KV queue (log engine) that, finding no ``CURRENT``, creates a new database in
+    the directory, as LevelDB does with ``create_if_missing`` (its log and manifest
+    numbers start again, and the old log is replaced).  Its clean-close record still
+    names every message lost, so nothing is lost silently; only damage-at-rest's rule
+    that a store keeps the damaged files it cannot serve (every body that lay whole on
+    the disk before the open still lies whole there after it) fails it (C6)::
+
+        queue-ref certify conformance.examples.broken_backends:kv_fresh_over_missing_current \\
+            --only damage-at-rest
+    """
+    from queue_ref.kv.kv_queue import KvQueue
+    from queue_ref.kv.logengine import LogEngine
+
+    class FreshOverData(LogEngine):
+        def _holds_data(self) -> bool:
+            return False  # the bug: the old log and manifest are taken for a crashed creation
+
+    return KvQueue.open_log(root, io, engine=FreshOverData)
+
+
 def kv_table_miss_as_tombstone(root: str, io: IO | None = None) -> Storage:
     """The KV queue (log engine) whose table lookup answers "deleted" for a key inside the
     table's key range that the table does not hold, instead of "not here": once a newer
