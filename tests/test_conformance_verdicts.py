@@ -327,3 +327,93 @@ def test_the_listing_right_after_a_failed_call_is_judged_against_old_and_new() -
     assert judged(one, resched, {"e": ModelSchedule(999)}, keys) == []  # new
     assert judged(one, resched, {}, keys) == ["C9"]  # hidden
     assert judged(one, resched, {"e": ModelSchedule(5)}, keys) == ["C9"]  # neither
+
+
+FULL_AS_EIO = f"{BROKEN}:fs_full_disk_as_eio"
+KV = "conformance.examples.backends:kv_log"
+
+
+def _same_on_replay(variant: str, first_scenario: str, findings: list) -> None:  # type: ignore[type-arg]
+    again = replay(Backend.from_factory(variant), first_scenario)
+    assert [(f.clause, f.detail) for f in again] == [
+        (f.clause, f.detail) for f in findings if f.scenario == first_scenario]
+
+
+@pytest.mark.parametrize("seed", [1, 5])
+def test_a_full_disk_must_say_no_space_error(seed: int) -> None:
+    """A queue over a disk layer that reports ENOSPC as EIO keeps every state right, so
+    only the error's class shows it: a full disk must raise NoSpaceError (a relay answers
+    452, an operator frees space), and a failing disk must not.  The real queue, on the
+    same seeds, raises NoSpaceError for every ENOSPC it meets outside a sync."""
+    res = io_errors_check.run(Backend.from_factory(FULL_AS_EIO), QUICK, seed)
+    assert res.findings and {f.clause for f in res.findings} == {"C9"}
+    assert all("expected NoSpaceError: the disk is full" in f.detail for f in res.findings)
+    _same_on_replay(FULL_AS_EIO, res.findings[0].scenario, res.findings)
+    assert io_errors_check.run(Backend.from_factory(FS), QUICK, seed).findings == []
+
+
+def test_one_trial_in_eight_streams_large_bodies_in_pieces() -> None:
+    """Trials 4, 12, 20... give the first two enqueues 2.5 MB bodies, written in pieces
+    of 100-300 KB, and fail a call of the last of them (trials 12, 28...: its last call,
+    the commit); the other trials keep small bodies."""
+    from conformance.crashexplore.workload_driver import PIECES, body_pieces
+
+    backend = Backend.from_factory(KV)
+    for n in (4, 12, 20, 28):
+        workload = io_errors_check.workload_of(7, n)
+        large = [c for c in workload if len(c.body) > io_errors_check.LARGE_BODY]
+        assert 1 <= len(large) <= io_errors_check.LARGE_ENQUEUES
+        pieces = body_pieces(large[0].body)
+        assert b"".join(pieces) == large[0].body and len(pieces[0]) == PIECES[0]
+        calls = io_errors_check._count_calls(backend, workload)
+        trial = io_errors_check.make_trial(7, n, calls)
+        assert calls.large_body and trial.fail_at in calls.large_body
+        assert trial.fail_at not in calls.syncs
+        if n % 16 == 12:
+            assert trial.fail_at == calls.large_body[-1]
+    for n in (0, 2, 3, 8):
+        assert max(len(c.body) for c in io_errors_check.workload_of(7, n)) < 64 * 1024
+
+
+KEEPS_CHUNKS = f"{BROKEN}:kv_failed_commit_keeps_chunks"
+
+
+@pytest.mark.parametrize("seed", [2, 4])
+def test_a_large_commit_refused_for_a_full_disk_must_leave_nothing(seed: int) -> None:
+    """The KV queue once kept a large body's chunks after its commit failed for a full
+    disk (the engine had cut the log back: nothing of the commit was written) until the
+    next open.  The large-body trials find it on C8 and the finding replays; the real KV
+    queue (it drops them at once now) passes the same seed."""
+    res = io_errors_check.run(Backend.from_factory(KEEPS_CHUNKS), QUICK, seed)
+    assert res.findings and {f.clause for f in res.findings} == {"C8"}
+    first = res.findings[0]
+    assert "the failed enqueue left storage behind" in first.detail
+    assert "body=25" in first.detail  # a large body's enqueue
+    _same_on_replay(KEEPS_CHUNKS, first.scenario, res.findings)
+    assert io_errors_check.run(Backend.from_factory(KV), QUICK, seed).findings == []
+
+
+DROPS_CARRY = f"{BROKEN}:kv_drops_rest_after_carry"
+
+
+def test_a_body_that_loses_bytes_between_pieces_is_found_by_the_large_trials() -> None:
+    """An enqueuer that drops the rest of a write once it completes the chunk the last
+    write left stores a body written in one piece, or in whole chunks, as it is; a body
+    in pieces of 100-300 KB is acknowledged and then fails its digest.  The first large
+    body of a large-body trial is read back after the restart: lost."""
+    res = io_errors_check.run(Backend.from_factory(DROPS_CARRY), QUICK, 3)
+    assert res.findings
+    assert {int(f.scenario.rsplit(":", 1)[1]) % 8 for f in res.findings} == {4}
+    assert any("(0, 0)" in f.detail and "was lost" in f.detail for f in res.findings)
+    _same_on_replay(DROPS_CARRY, res.findings[0].scenario, res.findings)
+
+
+def test_a_workload_that_fails_with_no_fault_is_an_io_errors_finding() -> None:
+    """A call that fails when no fault was injected (ids repeated on a stalled clock:
+    EEXIST on a fine disk) is reported by io-errors too, on C9, with the failing call:
+    it was once passed over as a trial whose fault never took place."""
+    res = io_errors_check.run(Backend.from_factory(IDS_REPEAT), QUICK, 3)
+    unfaulted = [f for f in res.findings if "with no fault injected" in f.detail]
+    assert unfaulted and {f.clause for f in unfaulted} == {"C9"}
+    assert "File exists" in unfaulted[0].detail
+    assert unfaulted[0].steps[0].endswith("no fault injected")

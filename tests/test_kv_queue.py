@@ -890,3 +890,52 @@ def test_disk_use_near_zero_after_draining(env: Env) -> None:
     assert q.disk_usage() < 32 * 1024, q.disk_usage()
     q = env.reopen(q)
     assert q.disk_usage() < 32 * 1024 and q.last_recovery == type(q.last_recovery)()
+
+
+@pytest.mark.parametrize("fail_errno", [errno.ENOSPC, errno.EIO])
+def test_a_commit_refused_for_a_full_disk_leaves_nothing_in_the_open_queue(
+        tmp_path: Path, fail_errno: int) -> None:
+    """A 2.5 MB body streams in as 1 MiB batches of chunks, unsynced; then the commit's
+    write fails.  On a full disk the log engine cuts the log back (nothing of the commit
+    is in it) and goes on: the chunks must go at once, or a relay retrying a large
+    message on a full disk leaves megabytes behind at every try until a restart (C8).  On
+    EIO nothing is known: the queue says ReopenRequiredError, and the reopened queue's
+    recovery removes the chunks of a message that never committed."""
+    from faultinject.seam import FaultPlan, FaultyIO
+    from queue_ref.storage import ReopenRequiredError
+
+    body = os.urandom(2_500_000)
+
+    def attempt(root: Path, plan: FaultPlan) -> tuple[FaultyIO, KvQueue, Exception | None]:
+        root.mkdir()
+        io = FaultyIO(str(root), plan)
+        q = KvQueue.open_log(str(root), io)
+        error: Exception | None = None
+        with q.enqueue("s@example.org") as enq:
+            for off in range(0, len(body), 300_001):
+                enq.write(body[off:off + 300_001])
+            try:
+                enq.commit([rcpt("a@x"), rcpt("b@x")])
+            except StorageIOError as e:
+                error = e
+        return io, q, error
+
+    io, q, error = attempt(tmp_path / "count", FaultPlan())
+    assert error is None and len(list(q.list_queue())) == 2
+    mutating = [e for e in io.events if e.mutating]
+    commit_write = max(i for i, e in enumerate(mutating) if e.name == "write")
+    q.close()
+    _, q, error = attempt(tmp_path / "full", FaultPlan(fail_at=commit_write,
+                                                       fail_errno=fail_errno))
+    if fail_errno == errno.ENOSPC:
+        assert isinstance(error, NoSpaceError)
+        assert q.footprint().objects == 0 and list(q.list_queue()) == []
+        # and the queue goes on: the same message commits once there is space
+        hs = put(q, body, [rcpt("a@x")])
+        assert len(hs) == 1
+    else:
+        assert isinstance(error, ReopenRequiredError)
+    q.close()
+    q = KvQueue.open_log(str(tmp_path / "full"))
+    assert len(list(q.list_queue())) == (1 if fail_errno == errno.ENOSPC else 0)
+    q.close()

@@ -34,7 +34,7 @@ from __future__ import annotations
 import errno
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from conformance.crashexplore.crash_judge import judge_recovered
 from conformance.crashexplore.disk_recovery import recover_image
@@ -55,7 +55,7 @@ from conformance.harness.suite_profiles import Profile
 from faultinject.fault_errors import ModelError
 from faultinject.models import MODELS, crash_states
 from faultinject.seam import FaultPlan
-from queue_ref.storage import StorageIOError
+from queue_ref.storage import NoSpaceError, ReopenRequiredError, StorageIOError
 from spec.crash import judge
 from spec.model import Call, EntryKey, Model, Schedule
 from spec.model import run as model_run
@@ -77,6 +77,8 @@ class FaultTrial:
     fail_at: int
     errno_: int
     written: int
+    #: how the same workload failed with no fault injected (``CallCount.unfaulted``)
+    unfaulted: str = ""
 
     @property
     def scenario(self) -> str:
@@ -106,6 +108,10 @@ class CallCount:
     #: the mutating calls made inside enqueues of two or more recipients, syncs excepted
     #: (odd trials fail those)
     shared_enqueues: tuple[int, ...] = ()
+    #: the mutating calls made inside the enqueue of a large body, syncs excepted
+    large_body: tuple[int, ...] = ()
+    #: how the run failed although no fault was injected (the disk is fine), if it did
+    unfaulted: str = ""
 
 
 def _count_calls(backend: Backend, workload: Workload) -> CallCount:
@@ -113,16 +119,50 @@ def _count_calls(backend: Backend, workload: Workload) -> CallCount:
     mutating = [e for e in run.events if e.mutating]
     inside: dict[str, list[int]] = {}
     shared: list[int] = []
+    large: list[int] = []
     for i, call in enumerate(workload[:len(run.op_ends)]):
         calls = range(run.op_starts[i], run.op_ends[i])
         if call.op is not Op.ENQUEUE and calls:
             inside.setdefault(call.op.value, []).extend(calls)
-        elif call.op is Op.ENQUEUE and len(call.rcpts) >= 2:
-            shared.extend(m for m in calls if mutating[m].name not in SYNCS)
+        elif call.op is Op.ENQUEUE:
+            unsynced = [m for m in calls if mutating[m].name not in SYNCS]
+            if len(call.body) >= LARGE_BODY:
+                large = unsynced  # the last large enqueue's: an earlier one is read back
+            elif len(call.rcpts) >= 2:
+                shared.extend(unsynced)
+    unfaulted = ""
+    if run.stopped_in is not None and (run.error is not None or run.divergence is not None):
+        i = run.stopped_in
+        what = "opening the queue" if i == OPEN else f"call {i} {workload[i].describe()}"
+        unfaulted = (f"{what} raised {type(run.error).__name__}: {run.error}"
+                     if run.error is not None else
+                     f"{what} diverged from the model: {run.divergence}")
     return CallCount(run.mutating_total,
                      tuple(m for m, e in enumerate(mutating) if e.name in SYNCS),
                      tuple((op, tuple(ms)) for op, ms in sorted(inside.items())),
-                     tuple(shared))
+                     tuple(shared), tuple(large), unfaulted)
+
+
+#: One trial in eight (``number % 8 == 4``) gives its first two enqueues bodies of this
+#: many bytes more, written in pieces of 100-300 KB (``workload_driver.PIECES``), and
+#: fails a call made while the last of them streams in or commits: a store that writes a
+#: body in batches before the commit (the KV queue: 1 MiB) meets the fault between two of
+#: them, and the first large body, acknowledged before, is read back after it (a store
+#: that loses bytes carried from one piece to the next is found there).
+LARGE_BODY = 2_500_000
+LARGE_ENQUEUES = 2
+
+
+def workload_of(seed: int, number: int) -> Workload:
+    """Trial ``number``'s workload: random; for one trial in eight, its first two
+    enqueues carry large bodies."""
+    workload = random_workload(make_trial(seed, number, CallCount(1)).workload_seed,
+                               WORKLOAD_LENGTH)
+    if number % 8 != 4:
+        return workload
+    enqueues = [i for i, c in enumerate(workload) if c.op is Op.ENQUEUE][:LARGE_ENQUEUES]
+    return tuple(replace(c, body=c.body + b"L" * LARGE_BODY) if i in enqueues else c
+                 for i, c in enumerate(workload))
 
 
 def make_trial(seed: int, number: int, calls: CallCount) -> FaultTrial:
@@ -131,9 +171,12 @@ def make_trial(seed: int, number: int, calls: CallCount) -> FaultTrial:
     operation drawn first (most disk calls are an enqueue's, so a uniform draw seldom
     fails a ``reschedule`` or a ``send_cancel``); one in eight (``number % 8 == 0``) a
     call inside an enqueue of two or more recipients (what a failed commit must undo is
-    largest there); the rest a mutating call drawn uniformly."""
+    largest there); one in eight (``number % 8 == 4``) a call made while a large body
+    streams in (``workload_of``), every other one its commit's last call failing for a
+    full disk; the rest a mutating call drawn uniformly."""
     rng = random.Random(f"io-errors:{seed}:{number}")
     wseed = rng.randrange(2**32)
+    errnos = (errno.EIO, errno.EIO, errno.ENOSPC)
     if number % 2 and calls.syncs:
         fail_at = calls.syncs[rng.randrange(len(calls.syncs))]
     elif number % 4 == 2 and calls.transitions:
@@ -141,10 +184,19 @@ def make_trial(seed: int, number: int, calls: CallCount) -> FaultTrial:
         fail_at = inside[rng.randrange(len(inside))]
     elif number % 8 == 0 and calls.shared_enqueues:
         fail_at = calls.shared_enqueues[rng.randrange(len(calls.shared_enqueues))]
+    elif number % 8 == 4 and calls.large_body:
+        # half of them the enqueue's last call (its commit, after the body's batches) on
+        # a full disk: a relay retrying a large message on a full disk meets it at every
+        # try; the other half any call while the body streams in, ENOSPC or EIO
+        if number % 16 == 12:
+            fail_at, errnos = calls.large_body[-1], (errno.ENOSPC,)
+        else:
+            fail_at = calls.large_body[rng.randrange(len(calls.large_body))]
+            errnos = (errno.EIO, errno.ENOSPC)
     else:
         fail_at = rng.randrange(max(calls.total, 1))
-    return FaultTrial(seed, number, wseed, fail_at,
-                      rng.choice((errno.EIO, errno.EIO, errno.ENOSPC)), rng.choice((0, 1, 100)))
+    return FaultTrial(seed, number, wseed, fail_at, rng.choice(errnos), rng.choice((0, 1, 100)),
+                      calls.unfaulted)
 
 
 @dataclass
@@ -173,10 +225,34 @@ def _outcome(run: Run, workload: Workload, name: str) -> _Outcome | None:
         what = "opening the queue" if i == OPEN else f"call {i} {workload[i].describe()}"
         if isinstance(run.error, StorageIOError):
             out.failed = i
+            out.problems = _error_class(run.error, ev.name, name, what, where) \
+                if i == out.faulted else ()
         else:
             out.problems = (("C9", f"{what} raised {type(run.error).__name__}: {run.error} "
                                    f"{where}; expected StorageIOError"),)
     return out
+
+
+#: The errnos of a full disk: a call that fails on one says ``NoSpaceError``.
+NO_SPACE = frozenset({"ENOSPC", "EDQUOT"})
+
+
+def _error_class(error: StorageIOError, call: str, name: str, what: str,
+                 where: str) -> tuple[tuple[str, str], ...]:
+    """The error must say what failed (C9: "``NoSpaceError`` for a full disk"): the caller
+    acts on it, a relay answering 452 (come back later, the disk is full) or 451 and
+    defer, and the operator freeing space or replacing a disk.  A failed sync may say
+    ``ReopenRequiredError`` whatever its errno (the data it covered is not trusted)."""
+    if call in SYNCS and isinstance(error, ReopenRequiredError):
+        return ()
+    full = isinstance(error, NoSpaceError)
+    if name in NO_SPACE and not full:
+        return (("C9", f"{what} raised {type(error).__name__}: {error} {where}; "
+                       "expected NoSpaceError: the disk is full"),)
+    if name not in NO_SPACE and full:
+        return (("C9", f"{what} raised NoSpaceError: {error} {where}; the disk failed "
+                       f"({name}), it is not full"),)
+    return ()
 
 
 def _steps(trial: FaultTrial, workload: Workload, run: Run, out: _Outcome) -> list[str]:
@@ -279,6 +355,11 @@ def run_trial(backend: Backend, trial: FaultTrial, workload: Workload) -> list[F
     plan = FaultPlan(fail_at=trial.fail_at, fail_errno=trial.errno_,
                      fail_written=trial.written)
     name = errno.errorcode[trial.errno_]
+    if trial.unfaulted:
+        return [Finding("C9", f"{trial.unfaulted} with no fault injected (the disk is fine)",
+                        trial.scenario, NO_CRASH,
+                        (f"workload seed {trial.workload_seed}, no fault injected",
+                         *(f"{i}: {c.describe()}" for i, c in enumerate(workload))))]
     with scratch_dir("queue-ref-faults-") as root:
         run = run_workload(spec, workload, plan, root=root)
         out = _outcome(run, workload, name)
@@ -320,8 +401,7 @@ def replay(backend: Backend, scenario: str) -> list[Finding]:
     if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
         raise ValueError(f"{scenario!r}: expected io-errors:<seed>:<trial>")
     seed, number = int(parts[1]), int(parts[2])
-    workload = random_workload(make_trial(seed, number, CallCount(1)).workload_seed,
-                               WORKLOAD_LENGTH)
+    workload = workload_of(seed, number)
     trial = make_trial(seed, number, _count_calls(backend, workload))
     return run_trial(backend, trial, workload)
 
@@ -331,8 +411,7 @@ def run(backend: Backend, profile: Profile, seed: int) -> CheckResult:
     findings: list[Finding] = []
     failed = 0
     for n in range(profile.fault_trials):
-        wseed = make_trial(seed, n, CallCount(1)).workload_seed
-        workload = random_workload(wseed, WORKLOAD_LENGTH)
+        workload = workload_of(seed, n)
         trial = make_trial(seed, n, _count_calls(backend, workload))
         got = run_trial(backend, trial, workload)
         failed += bool(got)

@@ -30,6 +30,27 @@ from queue_ref.storage import (
 from spec.model import Call, EntryKey, Model, run
 from spec.states import EntryState, Op, Outcome
 
+#: A body above ``LARGE_BODY`` bytes is written in pieces of these sizes, in turn: sizes
+#: that are not multiples of a store's chunk, so that a store which streams a body into
+#: chunks and batches (the KV queue's 64 KiB chunks, 1 MiB batches) carries a partial
+#: chunk from one write to the next, as a relay's DATA phase does.
+PIECES = (100_003, 250_007, 180_001, 299_993)
+LARGE_BODY = 64 * 1024
+
+
+def body_pieces(body: bytes) -> list[bytes]:
+    """The writes that put ``body`` into an enqueue: one for a small body, else pieces
+    of the ``PIECES`` sizes in turn."""
+    if len(body) <= LARGE_BODY:
+        return [body]
+    out: list[bytes] = []
+    off = 0
+    while off < len(body):
+        n = PIECES[len(out) % len(PIECES)]
+        out.append(body[off:off + n])
+        off += n
+    return out
+
 
 class Divergence(Exception):
     """The backend answered a call otherwise than the model, with no crash involved."""
@@ -130,8 +151,16 @@ class Driver:
 
     def _enqueue(self, index: int, call: Call, mid: int) -> None:
         enq = self.storage.enqueue(call.mail_from)
-        enq.write(call.body)
-        got = enq.commit([Recipient(r, s) for r, s in call.rcpts])
+        try:
+            for piece in body_pieces(call.body):
+                enq.write(piece)
+            got = enq.commit([Recipient(r, s) for r, s in call.rcpts])
+        except Exception:
+            # as every caller does (a relay's DATA phase, ``with storage.enqueue()``): a
+            # failed write or commit is aborted, and what it stored goes then (C8); a
+            # simulated crash (a BaseException) is a process that died: nothing runs
+            enq.abort()
+            raise
         if len(got) != len(call.rcpts):
             raise Divergence(index, call, "C2",
                              f"commit returned {len(got)} handles for {len(call.rcpts)} "

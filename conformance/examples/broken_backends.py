@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable
 from typing import Any
 
 from queue_ref.io import IO, OsIO
@@ -40,6 +41,49 @@ class SmallLinksIO(OsIO):
         if os.lstat(src).st_nlink >= self.LINKS:
             raise OSError(errno.EMLINK, os.strerror(errno.EMLINK), dst)
         super().link(src, dst)
+
+
+class FullDiskAsEIO(IO):
+    """A disk layer that reports every failure as EIO, ``ENOSPC`` included (as a layer
+    that raises one error for any failed call does).  Each call goes to ``inner``."""
+
+    def __init__(self, inner: IO) -> None:
+        self.inner = inner
+
+
+def _as_eio(name: str) -> Callable[..., object]:
+    def call(self: FullDiskAsEIO, *args: object, **kwargs: object) -> object:
+        try:
+            return getattr(self.inner, name)(*args, **kwargs)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise OSError(errno.EIO, f"I/O error ({e})", e.filename) from e
+            raise
+    return call
+
+
+for _name, _fn in vars(IO).items():
+    if callable(_fn) and not _name.startswith("_"):
+        setattr(FullDiskAsEIO, _name, _as_eio(_name))
+
+
+def fs_full_disk_as_eio(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue over a disk layer that reports a full disk
+    as EIO: every operation on a full disk raises a plain ``StorageIOError`` (the disk
+    failed) instead of ``NoSpaceError``.  A relay then answers 451 instead of 452 and
+    an operator looks for a failing disk instead of freeing space; the queue's states
+    are all right.  Only io-errors' rule that ENOSPC must read as ``NoSpaceError``
+    fails it (C9)::
+
+        queue-ref certify conformance.examples.broken_backends:fs_full_disk_as_eio \\
+            --only io-errors
+    """
+    from conformance.crashexplore.explored_backends import deterministic_fs
+    from queue_ref.fsqueue import FsQueue
+
+    if io is None:
+        return FsQueue(root, FullDiskAsEIO(OsIO()))
+    return deterministic_fs(FsQueue)(root, FullDiskAsEIO(io))
 
 
 def fs_small_links(root: str) -> Storage:
@@ -193,7 +237,6 @@ def kv_mid_log_damage_as_torn_tail(root: str, io: IO | None = None) -> Storage:
         queue-ref certify conformance.examples.broken_backends:kv_mid_log_damage_as_torn_tail \\
             --only damage-at-rest
     """
-    from collections.abc import Callable
 
     from queue_ref.kv.kv_queue import KvQueue
     from queue_ref.kv.logengine import LogEngine, wal
@@ -238,6 +281,75 @@ def kv_fresh_over_missing_current(root: str, io: IO | None = None) -> Storage:
             return False  # the bug: the old log and manifest are taken for a crashed creation
 
     return KvQueue.open_log(root, io, engine=FreshOverData)
+
+
+def kv_failed_commit_keeps_chunks(root: str, io: IO | None = None) -> Storage:
+    """The KV queue (log engine) that keeps a large body's chunks after its commit failed
+    for a full disk, although the engine cut the log back and knows nothing of the commit
+    was written (as the project's KV queue did until io-errors streamed large bodies):
+    they stay until the next open's recovery, megabytes at every retry of a large message
+    on a full disk.  io-errors fails it on C8 in its large-body trials (one in eight: a
+    2.5 MB body written in 100-300 KB pieces, a call failed while it streams in)::
+
+        queue-ref certify conformance.examples.broken_backends:kv_failed_commit_keeps_chunks \\
+            --only io-errors
+    """
+    from queue_ref.kv.kv_queue import KvQueue
+    from queue_ref.kv.logengine import LogEngine
+
+    class KeepsChunks(LogEngine):
+        def left_nothing(self, error: OSError) -> bool:
+            return False  # the bug: a failed write is always taken for a maybe-written one
+
+    return KvQueue.open_log(root, io, engine=KeepsChunks)
+
+
+def kv_drops_rest_after_carry(root: str, io: IO | None = None) -> Storage:
+    """The KV queue (log engine) whose enqueuer, when a write completes the partial
+    64 KiB chunk the previous write left, stores that chunk and drops the rest of the
+    write.  A body written in one piece, or in pieces of whole chunks (the streaming
+    check's 64 KiB), is stored whole; one written in pieces of other sizes (a relay's
+    DATA phase) is acknowledged and then fails its digest when read: the message is
+    lost.  io-errors' large-body trials (a 2.5 MB body in 100-300 KB pieces) fail it::
+
+        queue-ref certify conformance.examples.broken_backends:kv_drops_rest_after_carry \\
+            --only io-errors
+    """
+    from collections.abc import Mapping
+
+    from queue_ref.kv.core import CHUNK
+    from queue_ref.kv.kv_queue import KvQueue
+    from queue_ref.kv.streams import KvEnqueuer
+    from queue_ref.storage import Enqueuer
+
+    class DropsRest(KvEnqueuer):
+        def write(self, data: bytes) -> None:
+            self._check()
+            view = memoryview(data).cast("B")
+            self._hash.update(view)
+            self._size += len(view)
+            off = 0
+            if self._pending:
+                off = min(len(view), CHUNK - len(self._pending))
+                self._pending += view[:off]
+                if len(self._pending) < CHUNK:
+                    return
+                self._emit(bytes(self._pending))
+                self._pending.clear()
+                return  # the bug: the rest of this write is dropped
+            while len(view) - off >= CHUNK:
+                self._emit(bytes(view[off:off + CHUNK]))
+                off += CHUNK
+            self._pending += view[off:]
+
+    class DropsRestQueue(KvQueue):
+        def enqueue(self, mail_from: str, params: Mapping[str, str] | None = None
+                    ) -> Enqueuer:
+            enq = super().enqueue(mail_from, params)
+            enq.__class__ = DropsRest
+            return enq
+
+    return DropsRestQueue.open_log(root, io)
 
 
 def kv_table_miss_as_tombstone(root: str, io: IO | None = None) -> Storage:
@@ -535,7 +647,7 @@ def fs_late_joiner_acked(root: str, io: IO | None = None) -> Storage:
     finds a round running, so only power cuts at the acknowledgements of several callers
     sharing rounds see the loss: group-commit, on C1."""
     import time as time_mod
-    from collections.abc import Callable, Iterable
+    from collections.abc import Iterable
 
     from queue_ref.fsqueue import FsQueue
     from queue_ref.fsqueue.groupsync import GroupSync
@@ -775,6 +887,30 @@ def fs_dead_commit_refs_kept(root: str, io: IO | None = None) -> Storage:
     if io is None:
         return DeadCommitRefsKept(root)
     return deterministic_fs(DeadCommitRefsKept)(root, io)
+
+
+def sqlite_unchecked_root(root: str) -> Storage:
+    """The SQLite example without its check of the queue path (as it was until the
+    bad-input check tried bad paths): ``""`` makes a queue in the working directory and
+    opens it, a path with NUL raises ``ValueError`` from the OS, a regular file
+    ``NotADirectoryError``.  Only bad-input's ``bad-root`` case fails it (C12, C9)::
+
+        queue-ref certify conformance.examples.broken_backends:sqlite_unchecked_root \\
+            --only bad-input
+    """
+    from conformance.examples.sqlite_backend import SqliteStorage
+
+    class UncheckedRoot(SqliteStorage):
+        @staticmethod
+        def _check_root(root: object) -> None:
+            return None  # the bug
+
+        def __init__(self, root: str) -> None:
+            # as it was: the owner directory made, and a bare OSError let through
+            os.makedirs(os.path.join(root, "owners"), exist_ok=True)
+            super().__init__(root, journal="wal")
+
+    return UncheckedRoot(root)
 
 
 def sqlite_sync_off(root: str) -> Storage:

@@ -80,6 +80,13 @@ class KV(abc.ABC):
         (engines that never refuse keep None)."""
         return None
 
+    def left_nothing(self, error: OSError) -> bool:
+        """Whether a ``write`` that raised ``error`` is known to have left nothing in the
+        store (so the caller may undo what its earlier, unsynced writes stored).  False
+        unless the engine can tell: a failed write may be in the log or not, and
+        recovery decides."""
+        return False
+
     @abc.abstractmethod
     def disk_usage(self) -> int:
         """Bytes the engine's files take on disk (for the drain-to-zero check)."""

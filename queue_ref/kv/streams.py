@@ -149,9 +149,14 @@ class KvEnqueuer(Enqueuer):
             with self._core.claims.hold(shared=[cl.EVERYTHING]):
                 self._core.write(b, sync=True)
         except OSError as e:
-            # The batch may or may not be on disk: its chunks stay for recovery to judge.
+            # The batch may or may not be on disk: its chunks stay for recovery to judge,
+            # unless the engine knows it wrote nothing (a full disk, the log cut back).
+            # Then they go now: an open queue must not keep a failed message's body
+            # (C8), least of all on a full disk.
             if e.errno in _NO_SPACE:
                 self._queue._out_of_space()
+            if self._core.kv.left_nothing(e):
+                self._drop_chunks(mid)
             raise io_error("enqueue: commit", e, None,
                                reopen=self._core.kv.failed is not None) from e
         finally:
@@ -177,15 +182,21 @@ class KvEnqueuer(Enqueuer):
         if mid is None:
             return
         try:
+            self._drop_chunks(mid)
+        finally:
+            with self._core.mu:
+                self._core.enqueuing.discard(mid)
+
+    def _drop_chunks(self, mid: int) -> None:
+        """Delete the body chunks written so far (unsynced: a crash leaves them to
+        recovery, which removes chunks of messages that never committed)."""
+        try:
             b = WriteBatch()
             for seq in range(1, self._written + 1):
                 b.delete(keys.chunk(mid, seq))
             self._core.write(b, sync=False)
         except (OSError, ClosedError):
             pass
-        finally:
-            with self._core.mu:
-                self._core.enqueuing.discard(mid)
 
 
 class KvReader(MailReader):

@@ -438,6 +438,11 @@ class LogEngine(KV):
     def failed(self) -> BaseException | None:
         return self._failed
 
+    def left_nothing(self, error: OSError) -> bool:
+        """A write that failed for a full disk while the engine goes on (``_append`` cut
+        the log back to its size before it) left nothing."""
+        return self._failed is None and error.errno in _NO_SPACE
+
     def _check_writable(self) -> None:
         self._check_open()
         if self._failed is not None:
