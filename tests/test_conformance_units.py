@@ -254,3 +254,34 @@ def test_child_runs_fresh_or_forked(arg: object) -> None:
         msgs = child.drain()
     assert msgs[0]["line"] == "hello" and msgs[-1] == {"end": True}
     assert (child._proc is None) == callable(arg)
+
+
+@pytest.mark.parametrize("factory", [
+    "conformance.examples.backends:fs",
+    "conformance.examples.backends:kv_log",
+    "conformance.examples.backends:kv_leveldb",
+    "conformance.examples.sqlite_backend:factory",
+])
+def test_a_bad_queue_path_is_refused_by_every_backend(factory: str, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """``""`` and a path with NUL are InvalidInputError (C12); a regular file is a
+    QueueError.  The SQLite example once made a queue in the working directory for ``""``;
+    nothing is left there now."""
+    monkeypatch.chdir(tmp_path)
+    res = bad_input_check.run(Backend.from_factory(factory))
+    assert res.status is Status.PASS, [f.detail for f in res.findings]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_backend_that_does_not_check_its_path_fails_bad_root(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
+    monkeypatch.chdir(tmp_path)
+    res = bad_input_check.run(Backend.from_factory(
+        "conformance.examples.broken_backends:sqlite_unchecked_root"))
+    assert {f.scenario for f in res.findings} == {"bad-input:bad-root"}
+    assert {f.clause for f in res.findings} == {"C12", "C9"}
+    details = " | ".join(f.detail for f in res.findings)
+    assert "opening the queue at ''" in details and "expected InvalidInputError" in details
+    assert "regular file raised NotADirectoryError" in details
+    assert list(tmp_path.iterdir()) == []  # the check made its "" queue in a scratch dir

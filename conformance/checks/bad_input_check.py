@@ -7,13 +7,16 @@ Cases (each one a scenario ``bad-input:<case>``):
 * a closed Storage -> ``ClosedError`` from every call, ``close`` again is harmless;
 * a committed or aborted Enqueuer -> ``ClosedError`` (or ``MisuseError``);
 * addresses with NUL, CR or LF, too long, an empty recipient list, something that is
-  not a Recipient, params with NUL -> ``InvalidInputError``.
+  not a Recipient, params with NUL -> ``InvalidInputError``;
+* a queue path that is empty or holds NUL -> ``InvalidInputError``; one that names a
+  regular file -> a ``QueueError`` (backends whose factory takes a root).
 
 After each case the queue lists exactly what it listed before.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -208,6 +211,33 @@ def _closed_cases(s: Storage, findings: list[Finding]) -> None:
         c.expect(f"{name} on a closed Storage", (ClosedError,), fn)
 
 
+def _open_close(backend: Backend, root: str) -> object:
+    store = backend.open(root)
+    store.close()
+    return store
+
+
+def _root_cases(backend: Backend, findings: list[Finding]) -> None:
+    """A queue path that is empty or holds NUL is the caller's mistake (C12:
+    ``InvalidInputError``, not whatever the OS says about it); a path that names a
+    regular file is refused with a ``QueueError`` (a ``StorageIOError``, say), never a
+    bare ``OSError`` or ``ValueError`` that a relay's error handling does not expect."""
+    c = _Case("bad-root", findings)
+    here = os.getcwd()
+    scratch = tempfile.mkdtemp(prefix="queue-ref-badinput-cwd-")
+    try:
+        os.chdir(scratch)  # a backend that takes "" for "here" makes its queue in scratch
+        for bad in ("", "queue\x00dir"):
+            c.expect(f"opening the queue at {bad!r}", (InvalidInputError,),
+                     partial(_open_close, backend, bad), "C12")
+    finally:
+        os.chdir(here)
+        shutil.rmtree(scratch, ignore_errors=True)
+    with tempfile.NamedTemporaryFile(prefix="queue-ref-badinput-") as f:
+        c.expect("opening the queue at a regular file", (QueueError,),
+                 partial(_open_close, backend, f.name))
+
+
 def run_check(backend: Backend, roots: Callable[[], str]) -> CheckResult:
     start = time.perf_counter()
     findings: list[Finding] = []
@@ -220,6 +250,8 @@ def run_check(backend: Backend, roots: Callable[[], str]) -> CheckResult:
         parts: list[Callable[[], None]] = [
             partial(_handle_cases, a, b, findings), partial(_input_cases, a, findings),
             partial(_closed_cases, a, findings)]
+        if backend.takes_root:
+            parts.append(partial(_root_cases, backend, findings))
         for part in parts:
             try:
                 part()

@@ -40,6 +40,7 @@ rolled back, so the entry is in its old state.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import functools
 import hashlib
@@ -60,7 +61,9 @@ from queue_ref.storage import (
     EntryMeta,
     Footprint,
     InflightMail,
+    InvalidInputError,
     MailReader,
+    NoSpaceError,
     PendingCleanupMail,
     QueuedMail,
     Recipient,
@@ -220,11 +223,16 @@ class SqliteStorage(Storage):
         if synchronous not in ("OFF", "NORMAL", "FULL", "EXTRA"):
             raise ValueError(f"synchronous must be OFF, NORMAL, FULL or EXTRA, not "
                              f"{synchronous!r}")
+        self._check_root(root)
         self.root = root
         self._lock = threading.RLock()
-        os.makedirs(os.path.join(root, "owners"), exist_ok=True)
         self.owner = uuid.uuid4().hex
-        owner_fd = _lock_file(self._owner_path(self.owner))
+        try:
+            os.makedirs(os.path.join(root, "owners"), exist_ok=True)
+            owner_fd = _lock_file(self._owner_path(self.owner))
+        except OSError as e:
+            cls = NoSpaceError if e.errno in (errno.ENOSPC, errno.EDQUOT) else StorageIOError
+            raise cls(f"opening the queue at {root!r}: {e}") from e
         if owner_fd is None:
             raise StorageIOError(f"cannot lock owner file of {self.owner}")
         self._owner_fd: int = owner_fd
@@ -276,6 +284,13 @@ class SqliteStorage(Storage):
             raise
 
     # ---- plumbing --------------------------------------------------------------------
+
+    @staticmethod
+    def _check_root(root: object) -> None:
+        """A queue path is a non-empty str without NUL (C12): ``""`` would put the queue
+        in the working directory, and NUL is refused by the OS as a ``ValueError``."""
+        if not isinstance(root, str) or not root or "\x00" in root:
+            raise InvalidInputError(f"root must be a non-empty path without NUL, got {root!r}")
 
     def _owner_path(self, token: str) -> str:
         return os.path.join(self.root, "owners", f"{token}.lock")
