@@ -330,3 +330,18 @@ def test_held_whole_finds_a_body_only_while_it_is_on_the_disk(tmp_path: Path) ->
     assert held_whole(str(tmp_path), {"m": body, "n": body + b"!"}) == {"m": "log"}
     (tmp_path / "log").write_bytes(b"header" + body[:-1])
     assert held_whole(str(tmp_path), {"m": body}) == {}
+
+
+def test_a_quarantine_that_drops_an_intact_body_is_c6() -> None:
+    """The template reschedules an entry of two messages, so their schedule records are
+    damaged too.  A queue that deletes the body of a message whose last entry it
+    quarantined for such a record names the message lost (nothing silent) but keeps
+    nothing to salvage; the finding replays and the real queue passes that trial."""
+    broken = Backend.from_factory(f"{BROKEN}:fs_quarantine_drops_body")
+    res = damage_at_rest_check.run(broken, QUICK, 7)
+    assert res.status is Status.FAIL
+    assert {f.clause for f in res.findings} == {"C6"}
+    assert all(".sched" in f.scenario and "gone from it" in f.detail for f in res.findings)
+    first = res.findings[0]
+    assert [f.clause for f in damage_at_rest_check.replay(broken, first.scenario)] == ["C6"]
+    assert damage_at_rest_check.replay(Backend.from_factory(FS), first.scenario) == []

@@ -5,6 +5,7 @@ what recovery must not touch while other owners are alive."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -248,3 +249,32 @@ def test_lock_files_of_dead_owners_are_removed(root: str) -> None:
     assert sorted(os.listdir(os.path.join(root, "owners"))) == sorted(
         ["gate.lock", f"{q2.owner}.lock"])
     q2.close()
+
+
+def test_a_damaged_schedule_record_quarantines_its_entry_and_keeps_the_body(root: str
+                                                                           ) -> None:
+    """A schedule record that fails its checksum takes its entry out of the queue (C6:
+    no entry is delivered with metadata that cannot be trusted) and names the message
+    lost.  Releasing that last entry used to delete the message file with it, an intact
+    body that nothing could salvage any more; quarantine/ now keeps it under the entry's
+    name (damage-at-rest's rule that a store keeps the files it cannot serve found it)."""
+    body = b"Subject: kept\r\n\r\nan intact body\r\n"
+    q = FsQueue(root)
+    (h,) = put(q, n=1, body=body)
+    assert q.reschedule(h, Schedule(50, 2)) is not None
+    q.close()
+    sched = os.path.join(root, "data", f"{h.entry_id}.sched")
+    raw = bytearray(Path(sched).read_bytes())
+    raw[10] ^= 4
+    Path(sched).write_bytes(bytes(raw))
+    q = FsQueue(root)
+    report = q.last_recovery
+    assert report is not None and report.lost == (h.message_id,)
+    assert list(q.list_queue()) == []
+    q.close()
+    kept = os.path.join(root, "quarantine", f"{h.entry_id}.msg")  # the file, renamed
+    assert body in Path(kept).read_bytes()
+    assert not os.path.exists(os.path.join(root, "data", h.message_id))
+    q = FsQueue(root)  # and the next open leaves quarantine/ as it is
+    q.close()
+    assert body in Path(kept).read_bytes()

@@ -1,12 +1,12 @@
 """Damage at rest: every file a backend wrote is damaged in turn; nothing may go silently.
 
 The check fills a queue (messages of one and two recipients, some already delivered and
-cleaned up), closes it, and keeps that directory as a template.  Each trial copies the
-template, damages one file of the copy (every regular file and symbolic link the backend
-left, so a backend with its own I/O is damaged through its directory as a whole) by a bit
-flip (anywhere, or aimed at the framing near its end), a truncation (to any length, or of
-its last writes only) or a removal, opens the copy and delivers everything it lists.  C6
-requires, for every trial:
+cleaned up, an entry of two others rescheduled), closes it, and keeps that directory as
+a template. Each trial copies the template, damages one file of the copy (every regular
+file and symbolic link the backend left, so a backend with its own I/O is damaged
+through its directory as a whole) by a bit flip (anywhere, or aimed at the framing near
+its end), a truncation (to any length, or of its last writes only) or a removal, opens
+the copy and delivers everything it lists. C6 requires, for every trial:
 
 * opening either works or refuses with ``DamagedStoreError`` (a store that cannot tell
   what it lost must not start as if nothing happened, and must say that its files are
@@ -87,6 +87,13 @@ __all__ = ["Damage", "after_flip", "copy_tree", "damage", "outside_bodies", "rep
            "scenario_id"]
 MESSAGES = 8
 CLEANED = 2  # messages delivered and cleaned up before the damage
+RESCHEDULED = 2  # messages one entry of which is rescheduled before the damage
+#: One message of the template, with others after it, has a body of LARGE_BODY bytes: a
+#: store that writes a body as several records (the KV queues' 64 KiB chunks) has them
+#: damaged one by one, and its log passes a megabyte (a checksum or a scan that covers
+#: only the start of a large file is met).
+LARGE_AT = 5
+LARGE_BODY = 2_200_000
 #: The deep template: recipients of its first message, size of its two large bodies, and
 #: how many of the first message's entries are delivered between the two.
 DEEP_RCPTS = 80
@@ -144,6 +151,14 @@ class Template:
             self.message_of[h.entry_id] = h.message_id
         return handles[0].message_id
 
+    def reschedule(self, store: Storage, message: str) -> None:
+        """Give the first listed entry of ``message`` a schedule of its own (a store may
+        keep it in a record apart from the message: damage must reach it too)."""
+        h = next(h for h in store.list_queue() if h.message_id == message)
+        if store.reschedule(h, Schedule(h.schedule.at + 1000, h.schedule.attempts + 1)) is None:
+            raise RuntimeError(f"filling the template: entry {h.entry_id} could not be "
+                               "rescheduled by the queue's only user")
+
     def deliver(self, store: Storage, message: str, entries: int | None) -> None:
         """Deliver ``entries`` entries of ``message`` (or all of it, cleaned up)."""
         if entries is None:
@@ -175,14 +190,20 @@ def _fill(backend: Backend, root: str, deep: bool = False) -> Template:
             t.deliver(store, first, DEEP_DELIVERED)
             t.enqueue(store, 2, _deep_body(2, DEEP_BODY), 1)
         else:
-            for i in range(MESSAGES):
-                t.enqueue(store, i, _body(i), 1 + i % 2)
+            for i in range(MESSAGES - 1):
+                body = _deep_body(i, LARGE_BODY) if i == LARGE_AT else _body(i)
+                t.enqueue(store, i, body, 1 + i % 2)
             listed: list[str] = []  # the messages in the order the queue lists them
             for h in store.list_queue():
                 if h.message_id not in listed:
                     listed.append(h.message_id)
             for m in listed[:CLEANED]:
                 t.deliver(store, m, None)
+            for m in listed[CLEANED:CLEANED + RESCHEDULED]:
+                t.reschedule(store, m)
+            # the last message comes after them all: a log's last record is its commit
+            # (a flip near the end of a log hits a message, past its first megabyte)
+            t.enqueue(store, MESSAGES - 1, _body(MESSAGES - 1), 1 + (MESSAGES - 1) % 2)
     finally:
         store.close()
     return t
@@ -386,7 +407,8 @@ def _shape(rel: str) -> str:
     return re.sub(r"[0-9a-f]{8,}", "#", rel)
 
 
-SHALLOW_STEPS = f"fill a queue of {MESSAGES} messages, deliver {CLEANED}, close"
+SHALLOW_STEPS = (f"fill a queue of {MESSAGES} messages (one of {LARGE_BODY:,} bytes), deliver "
+                 f"{CLEANED}, reschedule an entry of {RESCHEDULED} others, close")
 DEEP_STEPS = (f"fill a queue with a message of {DEEP_RCPTS} recipients, a {DEEP_BODY >> 20} MiB "
               f"body, deliver {DEEP_DELIVERED} entries of the first, another "
               f"{DEEP_BODY >> 20} MiB body, close")

@@ -807,6 +807,30 @@ def fs_orphans_live_claims(root: str, io: IO | None = None) -> Storage:
     return deterministic_fs(OrphansLiveClaims)(root, io)
 
 
+def fs_quarantine_drops_body(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue as it was until damage-at-rest rescheduled entries in its
+    template: an entry whose schedule record fails its checksum is quarantined (right:
+    it is not delivered with a schedule nobody wrote), and releasing it deletes the
+    message file when it was the message's last entry: an intact body that nothing can
+    salvage any more.  The message is named lost, so only the rule that a store keeps
+    what it cannot serve sees it (C6)::
+
+        queue-ref certify conformance.examples.broken_backends:fs_quarantine_drops_body \\
+            --only damage-at-rest
+    """
+    from conformance.crashexplore.explored_backends import deterministic_fs
+    from queue_ref.fsqueue import FsQueue
+    from queue_ref.fsqueue.layout import EntryName
+
+    class DropsBody(FsQueue):
+        def _body_keeper(self, e: EntryName) -> str | None:
+            return None  # the bug: the last entry's release deletes the body
+
+    if io is None:
+        return DropsBody(root)
+    return deterministic_fs(DropsBody)(root, io)
+
+
 def fs_adopted_schedule_reset(root: str, io: IO | None = None) -> Storage:
     """The filesystem queue (``fsync`` mode) whose ``find_inflight`` hands a dead owner's
     entry back with a fresh schedule (due now, no attempt counted) instead of the stored

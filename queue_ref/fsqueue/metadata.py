@@ -316,9 +316,18 @@ class FsMetadata(FsSteps):
         self._sync_dirs(os.path.dirname(link), self.layout.quarantine)
         if self._move_link(self.layout.sched(e), dest):
             self._sync_dirs(self.layout.data, self.layout.quarantine)
-        self._release_entry(e)
-        self._sync_dirs(self.layout.data)
+        if self._release_entry(e, keep=self._body_keeper(e)):
+            self._sync_dirs(self.layout.data, self.layout.quarantine)
+        else:
+            self._sync_dirs(self.layout.data)
         return dest
+
+    def _body_keeper(self, e: EntryName) -> str | None:
+        """Where the message file goes when the quarantined entry ``e`` was the last to
+        hold it: quarantine/, under the entry's name.  The body is intact (only the
+        entry's schedule record failed), and deleting it would leave salvage nothing
+        (C6: damaged files are kept aside, never deleted)."""
+        return self.layout.quarantined(f"{e.entry_id}.msg")
 
     def _quarantine_corrupt(self, e: EntryName, link: str, c: Corrupt) -> str:
         """Quarantine what ``c`` says is corrupt; returns where it went."""

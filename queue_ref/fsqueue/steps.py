@@ -422,10 +422,11 @@ class FsSteps:
     # ---- cleanup ---------------------------------------------------------------------
 
     def _release_entry(self, e: EntryName, *, single: bool | None = None,
-                       record: bool = True) -> None:
+                       record: bool = True, keep: str | None = None) -> bool:
         """Remove what the entry holds under data/: its schedule record, its hard link,
-        and the message file if no other entry holds it.  Missing names are fine (a
-        retry, or recovery).
+        and the message file if no other entry holds it (renamed to ``keep`` instead,
+        when given: a quarantined entry's intact body stays for salvage).  Missing names
+        are fine (a retry, or recovery).  True if the message file went to ``keep``.
 
         ``single``: whether the message is known to have one recipient (None: unknown;
         then the link count decides).  ``record=False`` when the entry is known to have no
@@ -438,13 +439,19 @@ class FsSteps:
         path = self.layout.msg_file(e.msgid)
         if single is None:
             single = self._single_recipient(e.msgid)
-        if single:
-            self._delete_message_data(e.msgid)
-            return
-        if_exists(self.io.unlink, self.layout.ref(e))
-        st = lstat_or_none(self.io, path)
-        if st is not None and st.st_nlink <= 1:
-            self._delete_message_data(e.msgid)
+        if not single:
+            if_exists(self.io.unlink, self.layout.ref(e))
+            st = lstat_or_none(self.io, path)
+            if st is None or st.st_nlink > 1:
+                return False
+        if keep is not None:
+            try:
+                self.io.rename(path, keep)
+            except FileNotFoundError:
+                return False
+            return True
+        self._delete_message_data(e.msgid)
+        return False
 
     def _single_recipient(self, msgid: str) -> bool:
         """Whether the message is known, without reading the disk, to have one recipient
