@@ -69,3 +69,32 @@ def test_only_shared_backends_run_trials_beside_a_live_owner():
         if n % 2 == 0:
             assert (alone.kill_during, alone.kill_event) == (shared.kill_during,
                                                              shared.kill_event)
+
+
+def test_a_seam_backend_beside_a_live_owner_is_killed_at_a_disk_call():
+    """With the I/O seam, a trial beside a live owner kills the child right after a
+    mutating disk call of its wide enqueue, drawn uniformly over the first KILL_CALLS:
+    the window between a commit's hard links and its rename (8 of a filesystem queue's 12
+    to 14 calls) is met in about half of those trials, where a Python call count met it
+    in few.  The kill is inside the call (the next call never starts), so the trial
+    replays, and the real queues pass the same trials."""
+    from conformance.checks import process_kill_check as pk
+
+    trials = [pk.make_trial("process-kill", 7, n, 40, shared=True, seam=True)
+              for n in range(1, 24, 2)]
+    assert all(1 <= t.kill_call <= pk.KILL_CALLS and t.kill_event == 0 for t in trials)
+    assert len({t.kill_call for t in trials}) > 4
+    assert pk.make_trial("process-kill", 7, 2, 40, shared=True, seam=True).kill_call == 0
+    broken, caught = Backend.from_factory(KEEPS_REFS), []
+    for t in trials[:6]:
+        found = pk.run_trial(broken, t)
+        if found:
+            assert [f.clause for f in found] == ["C8"]
+            assert f"right after its mutating disk call #{t.kill_call}" in found[0].steps[0]
+            assert pk.replay(broken, t.scenario) == found
+            caught.append(t)
+    assert len(caught) >= 2, [t.kill_call for t in trials[:6]]
+    for t in caught:
+        assert pk.run_trial(Backend.from_factory("conformance.examples.backends:fs"), t) == []
+        assert pk.run_trial(Backend.from_factory(
+            "conformance.examples.backends:fs_fsync"), t) == []

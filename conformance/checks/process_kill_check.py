@@ -21,6 +21,9 @@ the parent holds the queue open in another Storage from before the child starts 
 the judging ends: the reopening then recovers beside a live owner, as a relay worker
 restarted beside the others does, and must clean up the dead owner's leftovers all the
 same (a sweep that only runs when no other owner is alive leaves them behind: C8).
+Those trials kill the child inside an enqueue of two or more recipients; a backend with
+the I/O seam is then opened through one that SIGKILLs the child right after a mutating
+disk call drawn from the first ``KILL_CALLS`` of that enqueue, inside the call.
 
 A *recovery trial* kills a second child at the ``m``-th Python call of opening the
 crashed queue (recovery is interrupted), then judges what the third opening shows, and
@@ -51,6 +54,7 @@ from conformance.harness.backend_factory import Backend
 from conformance.harness.check_catalog import NO_CRASH, PROCESS_KILL
 from conformance.harness.check_results import CheckResult, Finding, finished
 from conformance.harness.child_process import Channel, Child, ChildTimeout
+from queue_ref.io import IO, MUTATING, OsIO
 from queue_ref.storage import Capability
 from spec.crash import judge
 from spec.model import Call
@@ -71,18 +75,30 @@ class Trial:
     recovery_event: int  # ... at this Python call of the reopening (recovery trials)
     #: another Storage keeps the queue open all along (odd trials of a shared backend)
     beside_live: bool = False
+    #: with the I/O seam, the child dies right after this mutating disk call of
+    #: ``kill_during`` returns (1-based; 0: at ``kill_event`` instead)
+    kill_call: int = 0
 
     @property
     def scenario(self) -> str:
         return f"{self.check}:{self.seed}:{self.number}:{len(self.workload)}"
 
 
-def make_trial(check: str, seed: int, number: int, length: int, shared: bool = False
-               ) -> Trial:
+#: A kill through the I/O seam lands after one of the first KILL_CALLS mutating calls of
+#: an enqueue (a two-recipient commit of the filesystem queue makes 12 to 14), or at its
+#: end.
+KILL_CALLS = 14
+
+
+def make_trial(check: str, seed: int, number: int, length: int, shared: bool = False,
+               seam: bool = False) -> Trial:
     """Trial ``number`` of ``seed``.  ``shared``: the backend declares
     ``Capability.MULTI_PROCESS``, and its odd trials then run beside a live owner, killed
     inside an enqueue of two or more recipients (other backends keep every trial's kill
-    where it was drawn)."""
+    where it was drawn); ``seam``: it declares ``Capability.IO_SEAM`` too, and those kills
+    land right after a mutating disk call drawn uniformly (a Python call count spreads
+    them over the commit's bookkeeping, and the window between its hard links and its
+    rename is hit in few trials)."""
     rng = random.Random(f"{check}:{seed}:{number}")
     wseed = rng.randrange(2**32)
     workload = random_workload(wseed, length)
@@ -98,6 +114,9 @@ def make_trial(check: str, seed: int, number: int, length: int, shared: bool = F
         # more recipients, whose half-made commit leaves the most for recovery to undo
         kill_during = wide[rng.randrange(len(wide))]
         kill_event = rng.randrange(1, 1200)  # its commit is most of its Python calls
+        if seam:
+            return Trial(check, seed, number, wseed, workload, kill_during, 0,
+                         recovery_event, beside_live, rng.randrange(1, KILL_CALLS + 1))
     return Trial(check, seed, number, wseed, workload, kill_during, kill_event, recovery_event,
                  beside_live)
 
@@ -132,19 +151,53 @@ def _die_at(event: int) -> None:
     sys.setprofile(profile)  # type: ignore[arg-type]
 
 
+class _KillAfterIO(IO):
+    """The real disk (``OsIO``), with a trigger: once armed with ``n``, the process is
+    SIGKILLed right after its ``n``-th mutating call from then on returns, inside the
+    call, so no ``finally`` or ``except`` of the backend runs after it."""
+
+    def __init__(self) -> None:
+        self.inner = OsIO()
+        self.left = 0
+
+    def arm(self, n: int) -> None:
+        self.left = n
+
+
+def _killing(name: str) -> Any:
+    def call(self: _KillAfterIO, *args: Any, **kwargs: Any) -> Any:
+        out = getattr(self.inner, name)(*args, **kwargs)
+        if self.left and name in MUTATING:
+            self.left -= 1
+            if not self.left:
+                _die()
+        return out
+    return call
+
+
+for _name, _fn in vars(IO).items():
+    if callable(_fn) and not _name.startswith("_"):
+        setattr(_KillAfterIO, _name, _killing(_name))
+
+
 def _run_workload(ch: Channel, backend: Backend, root: str, workload: Workload,
-                  kill_during: int, kill_event: int) -> None:
+                  kill_during: int, kill_event: int, kill_call: int = 0) -> None:
     """In the child: run the workload, reporting each call's start and acknowledgement;
-    die at Python call ``kill_event`` of call ``kill_during``, or at its end."""
+    die at Python call ``kill_event`` of call ``kill_during`` (or right after its
+    mutating disk call ``kill_call``, through the I/O seam), or at its end."""
+    io = _KillAfterIO() if kill_call else None
+
     def before(i: int) -> None:
-        if i == kill_during and kill_event > 0:
+        if i == kill_during and io is not None:
+            io.arm(kill_call)
+        elif i == kill_during and kill_event > 0:
             _die_at(kill_event)
 
     def returned(i: int) -> None:
         if i == kill_during:
             _die()  # the call returned; it dies before anyone learns of it
 
-    if not drive_and_report(ch.send, backend.open(root), workload, before=before,
+    if not drive_and_report(ch.send, backend.open(root, io), workload, before=before,
                             returned=returned):
         return
     while True:  # wait to be killed: a clean close is not what is tested here
@@ -188,7 +241,7 @@ def _crash_child(backend: Backend, root: str, trial: Trial) -> _Run:
     """Run the workload child; it dies inside call ``trial.kill_during``."""
     state = _Run()
     with Child(_run_workload, backend, root, trial.workload, trial.kill_during,
-               trial.kill_event) as child:
+               trial.kill_event, trial.kill_call) as child:
         for msg in child.messages():
             state.take(msg)
             if "divergence" in msg or "crashed" in msg or "done" in msg:
@@ -199,7 +252,8 @@ def _crash_child(backend: Backend, root: str, trial: Trial) -> _Run:
 
 def _steps(trial: Trial, state: _Run) -> tuple[str, ...]:
     wl = trial.workload
-    where = (f"at its Python call #{trial.kill_event}" if trial.kill_event
+    where = (f"right after its mutating disk call #{trial.kill_call}" if trial.kill_call
+             else f"at its Python call #{trial.kill_event}" if trial.kill_event
              else "as it returned, before it was acknowledged")
     out = [f"workload seed {trial.workload_seed} ({len(wl)} calls); killed inside call "
            f"{trial.kill_during} {where} (or at its end, if it made fewer)"]
@@ -307,9 +361,9 @@ def run_check(backend: Backend, check: str, seed: int, trials: int, length: int)
     start = time.perf_counter()
     findings: list[Finding] = []
     inside = 0
-    shared = _shared(backend)
+    shared, seam = _shared(backend)
     for n in range(trials):
-        found, within = _trial(backend, make_trial(check, seed, n, length, shared))
+        found, within = _trial(backend, make_trial(check, seed, n, length, shared, seam))
         findings += found
         inside += within
     failed = len({f.scenario for f in findings})
@@ -322,10 +376,12 @@ def run_check(backend: Backend, check: str, seed: int, trials: int, length: int)
 def replay(backend: Backend, scenario: str) -> list[Finding]:
     """Run the trial ``scenario`` names again."""
     check, seed, number, length = parse_scenario(scenario)
-    return run_trial(backend, make_trial(check, seed, number, length, _shared(backend)))
+    return run_trial(backend, make_trial(check, seed, number, length, *_shared(backend)))
 
 
-def _shared(backend: Backend) -> bool:
+def _shared(backend: Backend) -> tuple[bool, bool]:
     """Whether processes may share the backend's queue (its odd trials run beside a live
-    owner)."""
-    return backend.probe().has(Capability.MULTI_PROCESS)
+    owner), and whether it declares the I/O seam (those kills land at a disk call)."""
+    probe = backend.probe()
+    return (probe.has(Capability.MULTI_PROCESS),
+            probe.has(Capability.IO_SEAM) and backend.takes_io)
