@@ -414,6 +414,33 @@ def test_a_workload_that_fails_with_no_fault_is_an_io_errors_finding() -> None:
     it was once passed over as a trial whose fault never took place."""
     res = io_errors_check.run(Backend.from_factory(IDS_REPEAT), QUICK, 3)
     unfaulted = [f for f in res.findings if "with no fault injected" in f.detail]
-    assert unfaulted and {f.clause for f in unfaulted} == {"C9"}
-    assert "File exists" in unfaulted[0].detail
-    assert unfaulted[0].steps[0].endswith("no fault injected")
+    raised = [f for f in unfaulted if "File exists" in f.detail]
+    assert raised and {f.clause for f in raised} == {"C9"}
+    assert raised[0].steps[0].endswith("no fault injected")
+    # a divergence with no fault keeps its own clause (a repeated id answers wrongly)
+    assert all(f.clause != "C9" for f in unfaulted if "diverged from the model" in f.detail)
+
+
+def test_large_bodies_stay_within_the_declared_body_limit() -> None:
+    """A backend that declares ``Limits.max_body_bytes`` below the large bodies gets them
+    cut to its limit (and none when that is below 128 KiB): refusing a body over a
+    declared limit is right, never a finding."""
+    big = io_errors_check.LARGE_BODY
+    assert max(len(c.body) for c in io_errors_check.workload_of(7, 4)) > big
+    capped = io_errors_check.workload_of(7, 4, 1_000_000)
+    assert 128 * 1024 < max(len(c.body) for c in capped) <= 1_000_000
+    assert max(len(c.body) for c in io_errors_check.workload_of(7, 4, 100_000)) < 64 * 1024
+    assert Backend.from_factory(KV).probe().limits.max_body_bytes is None
+
+
+def test_a_sync_that_fails_for_a_full_disk_may_say_any_storage_error() -> None:
+    """ENOSPC from an fsync reports writeback the kernel lost: the caller must reopen or
+    retry, and the error need not be NoSpaceError; EIO is never NoSpaceError; ENOSPC from
+    a write is NoSpaceError."""
+    from queue_ref.storage import NoSpaceError, StorageIOError
+
+    check = io_errors_check._error_class
+    assert check(StorageIOError("x"), "fsync", "ENOSPC", "call 0", "here") == ()
+    assert check(StorageIOError("x"), "write", "ENOSPC", "call 0", "here")
+    assert check(NoSpaceError("x"), "fsync", "EIO", "call 0", "here")
+    assert check(NoSpaceError("x"), "write", "ENOSPC", "call 0", "here") == ()

@@ -77,8 +77,8 @@ class FaultTrial:
     fail_at: int
     errno_: int
     written: int
-    #: how the same workload failed with no fault injected (``CallCount.unfaulted``)
-    unfaulted: str = ""
+    #: (clause, how) the same workload failed with no fault (``CallCount.unfaulted``)
+    unfaulted: tuple[str, str] = ("", "")
 
     @property
     def scenario(self) -> str:
@@ -110,8 +110,8 @@ class CallCount:
     shared_enqueues: tuple[int, ...] = ()
     #: the mutating calls made inside the enqueue of a large body, syncs excepted
     large_body: tuple[int, ...] = ()
-    #: how the run failed although no fault was injected (the disk is fine), if it did
-    unfaulted: str = ""
+    #: (clause, how) the run failed although no fault was injected (the disk is fine)
+    unfaulted: tuple[str, str] = ("", "")
 
 
 def _count_calls(backend: Backend, workload: Workload) -> CallCount:
@@ -130,13 +130,14 @@ def _count_calls(backend: Backend, workload: Workload) -> CallCount:
                 large = unsynced  # the last large enqueue's: an earlier one is read back
             elif len(call.rcpts) >= 2:
                 shared.extend(unsynced)
-    unfaulted = ""
+    unfaulted: tuple[str, str] = ("", "")
     if run.stopped_in is not None and (run.error is not None or run.divergence is not None):
         i = run.stopped_in
         what = "opening the queue" if i == OPEN else f"call {i} {workload[i].describe()}"
-        unfaulted = (f"{what} raised {type(run.error).__name__}: {run.error}"
-                     if run.error is not None else
-                     f"{what} diverged from the model: {run.divergence}")
+        unfaulted = (("C9", f"{what} raised {type(run.error).__name__}: {run.error}")
+                     if run.error is not None or run.divergence is None else
+                     (run.divergence.clause, f"{what} diverged from the model: "
+                                             f"{run.divergence}"))
     return CallCount(run.mutating_total,
                      tuple(m for m, e in enumerate(mutating) if e.name in SYNCS),
                      tuple((op, tuple(ms)) for op, ms in sorted(inside.items())),
@@ -153,16 +154,23 @@ LARGE_BODY = 2_500_000
 LARGE_ENQUEUES = 2
 
 
-def workload_of(seed: int, number: int) -> Workload:
+def workload_of(seed: int, number: int, max_body: int | None = None) -> Workload:
     """Trial ``number``'s workload: random; for one trial in eight, its first two
-    enqueues carry large bodies."""
+    enqueues carry large bodies (as large as ``max_body``, the backend's declared
+    ``Limits.max_body_bytes``, lets them: none larger than a small one when that is
+    below 128 KiB)."""
     workload = random_workload(make_trial(seed, number, CallCount(1)).workload_seed,
                                WORKLOAD_LENGTH)
-    if number % 8 != 4:
+    pad = LARGE_BODY if max_body is None else min(LARGE_BODY, max_body - 4096)
+    if number % 8 != 4 or pad < 128 * 1024:
         return workload
     enqueues = [i for i, c in enumerate(workload) if c.op is Op.ENQUEUE][:LARGE_ENQUEUES]
-    return tuple(replace(c, body=c.body + b"L" * LARGE_BODY) if i in enqueues else c
+    return tuple(replace(c, body=c.body + b"L" * pad) if i in enqueues else c
                  for i, c in enumerate(workload))
+
+
+def _max_body(backend: Backend) -> int | None:
+    return backend.probe().limits.max_body_bytes
 
 
 def make_trial(seed: int, number: int, calls: CallCount) -> FaultTrial:
@@ -207,6 +215,8 @@ class _Outcome:
     site: str  # the failed disk call and where it was made
     failed: int | None = None  # the call judged as failed (raised StorageIOError)
     problems: tuple[tuple[str, str], ...] = ()
+    #: the failed call's error of the wrong class (judged with the state it left)
+    wrong_class: tuple[tuple[str, str], ...] = ()
 
 
 def _outcome(run: Run, workload: Workload, name: str) -> _Outcome | None:
@@ -225,7 +235,7 @@ def _outcome(run: Run, workload: Workload, name: str) -> _Outcome | None:
         what = "opening the queue" if i == OPEN else f"call {i} {workload[i].describe()}"
         if isinstance(run.error, StorageIOError):
             out.failed = i
-            out.problems = _error_class(run.error, ev.name, name, what, where) \
+            out.wrong_class = _error_class(run.error, ev.name, name, what, where) \
                 if i == out.faulted else ()
         else:
             out.problems = (("C9", f"{what} raised {type(run.error).__name__}: {run.error} "
@@ -242,11 +252,13 @@ def _error_class(error: StorageIOError, call: str, name: str, what: str,
     """The error must say what failed (C9: "``NoSpaceError`` for a full disk"): the caller
     acts on it, a relay answering 452 (come back later, the disk is full) or 451 and
     defer, and the operator freeing space or replacing a disk.  A failed sync may say
-    ``ReopenRequiredError`` whatever its errno (the data it covered is not trusted)."""
+    ``ReopenRequiredError`` whatever its errno (the data it covered is not trusted), and
+    need not say ``NoSpaceError`` (ENOSPC from a sync reports lost writeback); EIO never
+    says ``NoSpaceError``."""
     if call in SYNCS and isinstance(error, ReopenRequiredError):
         return ()
     full = isinstance(error, NoSpaceError)
-    if name in NO_SPACE and not full:
+    if name in NO_SPACE and not full and call not in SYNCS:
         return (("C9", f"{what} raised {type(error).__name__}: {error} {where}; "
                        "expected NoSpaceError: the disk is full"),)
     if name not in NO_SPACE and full:
@@ -355,8 +367,9 @@ def run_trial(backend: Backend, trial: FaultTrial, workload: Workload) -> list[F
     plan = FaultPlan(fail_at=trial.fail_at, fail_errno=trial.errno_,
                      fail_written=trial.written)
     name = errno.errorcode[trial.errno_]
-    if trial.unfaulted:
-        return [Finding("C9", f"{trial.unfaulted} with no fault injected (the disk is fine)",
+    if trial.unfaulted[1]:
+        return [Finding(trial.unfaulted[0],
+                        f"{trial.unfaulted[1]} with no fault injected (the disk is fine)",
                         trial.scenario, NO_CRASH,
                         (f"workload seed {trial.workload_seed}, no fault injected",
                          *(f"{i}: {c.describe()}" for i, c in enumerate(workload))))]
@@ -379,7 +392,8 @@ def run_trial(backend: Backend, trial: FaultTrial, workload: Workload) -> list[F
             # Failed: the state before or after the failed call, nothing else.
             i = out.failed
             before, pending = run.models[i], workload[i]
-            found = _live_judge(run, before, pending)
+            found = list(out.wrong_class)
+            found += _live_judge(run, before, pending)
             found += _leftover_judge(run, i, pending)
             found += _restart_judge(backend, root, run, before, pending)
             found += _power_cut_judge(spec, run, len(run.events), before, pending)
@@ -401,7 +415,7 @@ def replay(backend: Backend, scenario: str) -> list[Finding]:
     if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
         raise ValueError(f"{scenario!r}: expected io-errors:<seed>:<trial>")
     seed, number = int(parts[1]), int(parts[2])
-    workload = workload_of(seed, number)
+    workload = workload_of(seed, number, _max_body(backend))
     trial = make_trial(seed, number, _count_calls(backend, workload))
     return run_trial(backend, trial, workload)
 
@@ -410,8 +424,9 @@ def run(backend: Backend, profile: Profile, seed: int) -> CheckResult:
     start = time.perf_counter()
     findings: list[Finding] = []
     failed = 0
+    max_body = _max_body(backend)
     for n in range(profile.fault_trials):
-        workload = workload_of(seed, n)
+        workload = workload_of(seed, n, max_body)
         trial = make_trial(seed, n, _count_calls(backend, workload))
         got = run_trial(backend, trial, workload)
         failed += bool(got)

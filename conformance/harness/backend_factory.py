@@ -21,11 +21,11 @@ import inspect
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from queue_ref.io import IO, OsIO
 from queue_ref.opener import import_object
-from queue_ref.storage import Capability, InvalidInputError, Storage
+from queue_ref.storage import Capability, InvalidInputError, Limits, Storage
 
 Factory = Callable[..., Storage]
 
@@ -123,6 +123,7 @@ class Backend:
             try:
                 caps = frozenset(store.capabilities)
                 kind = f"{type(store).__module__}.{type(store).__qualname__}"
+                limits = store.limits
             finally:
                 store.close()
         finally:
@@ -130,13 +131,15 @@ class Backend:
         if Capability.IO_SEAM in caps and not self.takes_io:
             raise FactoryError(f"{self.name} declares io-seam but its factory takes no io "
                                "argument: give factory(root, io)")
-        return Probe(kind, caps)
+        return Probe(kind, caps, limits)
 
 
 @dataclass(frozen=True)
 class Probe:
     storage_class: str
     capabilities: frozenset[Capability]
+    #: what one message may hold (``Storage.limits``)
+    limits: Limits = field(default_factory=Limits)
 
     def has(self, cap: Capability) -> bool:
         return cap in self.capabilities
