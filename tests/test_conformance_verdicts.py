@@ -353,7 +353,7 @@ def test_a_full_disk_must_say_no_space_error(seed: int) -> None:
 
 
 def test_one_trial_in_eight_streams_large_bodies_in_pieces() -> None:
-    """Trials 4, 12, 20... give the first two enqueues 2.5 MB bodies, written in pieces
+    """Trials 4, 12, 20... give the first two enqueues 1.6 MB bodies, written in pieces
     of 100-300 KB, and fail a call of the last of them (trials 12, 28...: its last call,
     the commit); the other trials keep small bodies."""
     from conformance.crashexplore.workload_driver import PIECES, body_pieces
@@ -388,7 +388,7 @@ def test_a_large_commit_refused_for_a_full_disk_must_leave_nothing(seed: int) ->
     assert res.findings and {f.clause for f in res.findings} == {"C8"}
     first = res.findings[0]
     assert "the failed enqueue left storage behind" in first.detail
-    assert "body=25" in first.detail  # a large body's enqueue
+    assert "body=16" in first.detail  # a large body's enqueue
     _same_on_replay(KEEPS_CHUNKS, first.scenario, res.findings)
     assert io_errors_check.run(Backend.from_factory(KV), QUICK, seed).findings == []
 

@@ -110,6 +110,8 @@ class CallCount:
     shared_enqueues: tuple[int, ...] = ()
     #: the mutating calls made inside the enqueue of a large body, syncs excepted
     large_body: tuple[int, ...] = ()
+    #: ... those made while its body was written, before its commit began
+    large_stream: tuple[int, ...] = ()
     #: (clause, how) the run failed although no fault was injected (the disk is fine)
     unfaulted: tuple[str, str] = ("", "")
 
@@ -120,14 +122,17 @@ def _count_calls(backend: Backend, workload: Workload) -> CallCount:
     inside: dict[str, list[int]] = {}
     shared: list[int] = []
     large: list[int] = []
+    stream: list[int] = []
     for i, call in enumerate(workload[:len(run.op_ends)]):
         calls = range(run.op_starts[i], run.op_ends[i])
         if call.op is not Op.ENQUEUE and calls:
             inside.setdefault(call.op.value, []).extend(calls)
         elif call.op is Op.ENQUEUE:
             unsynced = [m for m in calls if mutating[m].name not in SYNCS]
-            if len(call.body) >= LARGE_BODY:
-                large = unsynced  # the last large enqueue's: an earlier one is read back
+            if len(call.body) >= 128 * 1024:
+                # the last large enqueue's (an earlier one is read back after the fault)
+                large = unsynced
+                stream = [m for m in unsynced if m < run.commit_starts.get(i, run.op_ends[i])]
             elif len(call.rcpts) >= 2:
                 shared.extend(unsynced)
     unfaulted: tuple[str, str] = ("", "")
@@ -141,7 +146,7 @@ def _count_calls(backend: Backend, workload: Workload) -> CallCount:
     return CallCount(run.mutating_total,
                      tuple(m for m, e in enumerate(mutating) if e.name in SYNCS),
                      tuple((op, tuple(ms)) for op, ms in sorted(inside.items())),
-                     tuple(shared), tuple(large), unfaulted)
+                     tuple(shared), tuple(large), tuple(stream), unfaulted)
 
 
 #: One trial in eight (``number % 8 == 4``) gives its first two enqueues bodies of this
@@ -150,7 +155,7 @@ def _count_calls(backend: Backend, workload: Workload) -> CallCount:
 #: body in batches before the commit (the KV queue: 1 MiB) meets the fault between two of
 #: them, and the first large body, acknowledged before, is read back after it (a store
 #: that loses bytes carried from one piece to the next is found there).
-LARGE_BODY = 2_500_000
+LARGE_BODY = 1_600_000
 LARGE_ENQUEUES = 2
 
 
@@ -198,8 +203,9 @@ def make_trial(seed: int, number: int, calls: CallCount) -> FaultTrial:
         # try; the other half any call while the body streams in, ENOSPC or EIO
         if number % 16 == 12:
             fail_at, errnos = calls.large_body[-1], (errno.ENOSPC,)
-        else:
-            fail_at = calls.large_body[rng.randrange(len(calls.large_body))]
+        else:  # a call made while the body streams in (any of the enqueue's if none)
+            pool = calls.large_stream or calls.large_body
+            fail_at = pool[rng.randrange(len(pool))]
             errnos = (errno.EIO, errno.ENOSPC)
     else:
         fail_at = rng.randrange(max(calls.total, 1))

@@ -111,6 +111,9 @@ class Run:
     models: list[Model]  # models[i]: the state call i met; then the state after the last
     op_starts: list[int]  # the mutating-call count when call i began
     op_ends: list[int]  # ... and when it returned (or raised)
+    #: enqueue call i -> the mutating-call count once its body was written (its commit's
+    #: start)
+    commit_starts: dict[int, int] = field(default_factory=dict)
     message_ids: dict[str, int] = field(default_factory=dict)
     entry_keys: dict[str, tuple[int, int]] = field(default_factory=dict)
     stopped_in: int | None = None  # call index where a Crash or an error stopped the run
@@ -197,6 +200,7 @@ def run_workload(backend: BackendSpec, workload: Workload, plan: FaultPlan | Non
         run.open_end = io.mutating_count
         run.open_events = len(io.events)
         driver = Driver(storage)
+        driver.before_commit = lambda i: run.commit_starts.__setitem__(i, io.mutating_count)
         spares = spare_plan(workload)
         for i, call in enumerate(workload):
             current = i

@@ -100,6 +100,8 @@ class Driver:
     spares: dict[EntryKey, list[QueuedMail]] = field(default_factory=dict)
     message_ids: dict[str, int] = field(default_factory=dict)
     entry_keys: dict[str, EntryKey] = field(default_factory=dict)
+    #: called with the call's index once an enqueue's body is written, before its commit
+    before_commit: Callable[[int], None] | None = None
 
     def step(self, index: int, model: Model, call: Call) -> Model:
         """Perform ``call`` on the backend; returns the model after it."""
@@ -154,6 +156,8 @@ class Driver:
         try:
             for piece in body_pieces(call.body):
                 enq.write(piece)
+            if self.before_commit is not None:
+                self.before_commit(index)
             got = enq.commit([Recipient(r, s) for r, s in call.rcpts])
         except Exception:
             # as every caller does (a relay's DATA phase, ``with storage.enqueue()``): a

@@ -289,7 +289,7 @@ def kv_failed_commit_keeps_chunks(root: str, io: IO | None = None) -> Storage:
     was written (as the project's KV queue did until io-errors streamed large bodies):
     they stay until the next open's recovery, megabytes at every retry of a large message
     on a full disk.  io-errors fails it on C8 in its large-body trials (one in eight: a
-    2.5 MB body written in 100-300 KB pieces, a call failed while it streams in)::
+    1.6 MB body written in 100-300 KB pieces, a call failed while it streams in)::
 
         queue-ref certify conformance.examples.broken_backends:kv_failed_commit_keeps_chunks \\
             --only io-errors
@@ -310,7 +310,7 @@ def kv_drops_rest_after_carry(root: str, io: IO | None = None) -> Storage:
     write.  A body written in one piece, or in pieces of whole chunks (the streaming
     check's 64 KiB), is stored whole; one written in pieces of other sizes (a relay's
     DATA phase) is acknowledged and then fails its digest when read: the message is
-    lost.  io-errors' large-body trials (a 2.5 MB body in 100-300 KB pieces) fail it::
+    lost.  io-errors' large-body trials (1.6 MB bodies in 100-300 KB pieces) fail it::
 
         queue-ref certify conformance.examples.broken_backends:kv_drops_rest_after_carry \\
             --only io-errors
