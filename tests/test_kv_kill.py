@@ -353,3 +353,25 @@ def test_kill_anywhere_recovers_every_acknowledged_operation(engine: str, tmp_pa
     # The run must have exercised the queue, not just started children.
     assert model.acked > kills * 5, (model.acked, master)
     assert model.reads > 0, master
+
+
+def test_a_leveldb_creation_killed_before_its_current_opens_afresh(tmp_path: Path) -> None:
+    """LevelDB creates a database by writing MANIFEST-000001, then CURRENT; a process
+    killed in between leaves the manifest alone, and nothing was ever acknowledged there
+    (the first open that follows writes a manifest of a higher number).  That opens as a
+    new queue; a directory that holds data without CURRENT is still refused."""
+    from queue_ref.storage import DamagedStoreError
+
+    root = tmp_path / "created"
+    root.mkdir()
+    (root / "MANIFEST-000001").write_bytes(b"\x00" * 40)
+    (root / "000003.log").write_bytes(b"")
+    q = KvQueue.open_leveldb(str(root))
+    assert list(q.list_queue()) == []
+    q.close()
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / "MANIFEST-000001").write_bytes(b"\x00" * 40)
+    (held / "000003.log").write_bytes(b"a record")
+    with pytest.raises(DamagedStoreError):
+        KvQueue.open_leveldb(str(held))

@@ -111,9 +111,6 @@ class Run:
     models: list[Model]  # models[i]: the state call i met; then the state after the last
     op_starts: list[int]  # the mutating-call count when call i began
     op_ends: list[int]  # ... and when it returned (or raised)
-    #: enqueue call i -> the mutating-call count once its body was written (its commit's
-    #: start)
-    commit_starts: dict[int, int] = field(default_factory=dict)
     message_ids: dict[str, int] = field(default_factory=dict)
     entry_keys: dict[str, tuple[int, int]] = field(default_factory=dict)
     stopped_in: int | None = None  # call index where a Crash or an error stopped the run
@@ -123,6 +120,9 @@ class Run:
     mutating_total: int = 0
     open_end: int = 0  # the mutating-call count when opening the queue returned
     workload_end: int = 0  # len(events) when the last call returned (before any close)
+    #: enqueue call i -> the mutating-call count once its body was written (its commit's
+    #: start)
+    commit_starts: dict[int, int] = field(default_factory=dict)
     open_events: int = 0  # len(events) when opening the queue returned
     event_ends: list[int] = field(default_factory=list)  # len(events) when call i returned
     close_error: BaseException | None = None  # what closing the queue after the run raised

@@ -80,12 +80,18 @@ def os_error(what: str, e: Exception, path: str, *, reading: bool = True) -> OSE
 
 def _refuse_without_current(path: str) -> None:
     """LevelDB's ``create_if_missing`` makes a new, empty database when ``CURRENT`` is
-    missing, beside (and then over) the files of the old one: refuse instead."""
+    missing, beside (and then over) the files of the old one: refuse instead.  Unless
+    those files are what a creation killed before its ``CURRENT`` leaves (LevelDB writes
+    ``MANIFEST-000001``, then ``CURRENT``; the first open that follows writes a manifest
+    of a higher number): no write was ever acknowledged there."""
     if os.path.exists(os.path.join(path, "CURRENT")):
         return
     data = sorted(n for n in os.listdir(path)
                   if n.endswith((".ldb", ".sst", ".log")) or n.startswith("MANIFEST-"))
-    if data:
+    created = all(n == "MANIFEST-000001" or (n.endswith(".log")
+                                               and os.path.getsize(os.path.join(path, n)) == 0)
+                  for n in data)
+    if data and not created:
         raise DatabaseCorruptError(
             os.path.join(path, "CURRENT"), f"missing, but {', '.join(data[:5])}"
             f"{' ...' if len(data) > 5 else ''} of a database are there",
