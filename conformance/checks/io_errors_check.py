@@ -116,6 +116,10 @@ class CallCount:
     unfaulted: tuple[str, str] = ("", "")
 
 
+def _call_name(i: int, workload: Workload) -> str:
+    return "opening the queue" if i == OPEN else f"call {i} {workload[i].describe()}"
+
+
 def _count_calls(backend: Backend, workload: Workload) -> CallCount:
     run = run_workload(_spec(backend), workload)
     mutating = [e for e in run.events if e.mutating]
@@ -129,20 +133,19 @@ def _count_calls(backend: Backend, workload: Workload) -> CallCount:
             inside.setdefault(call.op.value, []).extend(calls)
         elif call.op is Op.ENQUEUE:
             unsynced = [m for m in calls if mutating[m].name not in SYNCS]
-            if len(call.body) >= 128 * 1024:
+            if len(call.body) >= LARGE_MIN:
                 # the last large enqueue's (an earlier one is read back after the fault)
                 large = unsynced
                 stream = [m for m in unsynced if m < run.commit_starts.get(i, run.op_ends[i])]
             elif len(call.rcpts) >= 2:
                 shared.extend(unsynced)
     unfaulted: tuple[str, str] = ("", "")
-    if run.stopped_in is not None and (run.error is not None or run.divergence is not None):
-        i = run.stopped_in
-        what = "opening the queue" if i == OPEN else f"call {i} {workload[i].describe()}"
-        unfaulted = (("C9", f"{what} raised {type(run.error).__name__}: {run.error}")
-                     if run.error is not None or run.divergence is None else
-                     (run.divergence.clause, f"{what} diverged from the model: "
-                                             f"{run.divergence}"))
+    if run.stopped_in is not None and run.error is not None:
+        unfaulted = ("C9", f"{_call_name(run.stopped_in, workload)} raised "
+                           f"{type(run.error).__name__}: {run.error}")
+    elif run.stopped_in is not None and run.divergence is not None:
+        unfaulted = (run.divergence.clause, f"{_call_name(run.stopped_in, workload)} "
+                                            f"diverged from the model: {run.divergence}")
     return CallCount(run.mutating_total,
                      tuple(m for m, e in enumerate(mutating) if e.name in SYNCS),
                      tuple((op, tuple(ms)) for op, ms in sorted(inside.items())),
@@ -157,6 +160,8 @@ def _count_calls(backend: Backend, workload: Workload) -> CallCount:
 #: that loses bytes carried from one piece to the next is found there).
 LARGE_BODY = 1_600_000
 LARGE_ENQUEUES = 2
+#: A body cut to a declared limit below this is no large body at all.
+LARGE_MIN = 128 * 1024
 
 
 def workload_of(seed: int, number: int, max_body: int | None = None) -> Workload:
@@ -167,7 +172,7 @@ def workload_of(seed: int, number: int, max_body: int | None = None) -> Workload
     workload = random_workload(make_trial(seed, number, CallCount(1)).workload_seed,
                                WORKLOAD_LENGTH)
     pad = LARGE_BODY if max_body is None else min(LARGE_BODY, max_body - 4096)
-    if number % 8 != 4 or pad < 128 * 1024:
+    if number % 8 != 4 or pad < LARGE_MIN:
         return workload
     enqueues = [i for i, c in enumerate(workload) if c.op is Op.ENQUEUE][:LARGE_ENQUEUES]
     return tuple(replace(c, body=c.body + b"L" * pad) if i in enqueues else c
@@ -238,7 +243,7 @@ def _outcome(run: Run, workload: Workload, name: str) -> _Outcome | None:
         out.problems = ((clause, f"{d} {where}; expected the model's answer or "
                                  "StorageIOError"),)
     elif run.error is not None and i is not None:
-        what = "opening the queue" if i == OPEN else f"call {i} {workload[i].describe()}"
+        what = _call_name(i, workload)
         if isinstance(run.error, StorageIOError):
             out.failed = i
             out.wrong_class = _error_class(run.error, ev.name, name, what, where) \

@@ -54,7 +54,8 @@ from conformance.harness.backend_factory import Backend
 from conformance.harness.check_catalog import NO_CRASH, PROCESS_KILL
 from conformance.harness.check_results import CheckResult, Finding, finished
 from conformance.harness.child_process import Channel, Child, ChildTimeout
-from queue_ref.io import IO, MUTATING, OsIO
+from conformance.harness.stop_gate_io import StopGateIO
+from queue_ref.io import OsIO
 from queue_ref.storage import Capability
 from spec.crash import judge
 from spec.model import Call
@@ -151,41 +152,13 @@ def _die_at(event: int) -> None:
     sys.setprofile(profile)  # type: ignore[arg-type]
 
 
-class _KillAfterIO(IO):
-    """The real disk (``OsIO``), with a trigger: once armed with ``n``, the process is
-    SIGKILLed right after its ``n``-th mutating call from then on returns, inside the
-    call, so no ``finally`` or ``except`` of the backend runs after it."""
-
-    def __init__(self) -> None:
-        self.inner = OsIO()
-        self.left = 0
-
-    def arm(self, n: int) -> None:
-        self.left = n
-
-
-def _killing(name: str) -> Any:
-    def call(self: _KillAfterIO, *args: Any, **kwargs: Any) -> Any:
-        out = getattr(self.inner, name)(*args, **kwargs)
-        if self.left and name in MUTATING:
-            self.left -= 1
-            if not self.left:
-                _die()
-        return out
-    return call
-
-
-for _name, _fn in vars(IO).items():
-    if callable(_fn) and not _name.startswith("_"):
-        setattr(_KillAfterIO, _name, _killing(_name))
-
-
 def _run_workload(ch: Channel, backend: Backend, root: str, workload: Workload,
                   kill_during: int, kill_event: int, kill_call: int = 0) -> None:
     """In the child: run the workload, reporting each call's start and acknowledgement;
     die at Python call ``kill_event`` of call ``kill_during`` (or right after its
     mutating disk call ``kill_call``, through the I/O seam), or at its end."""
-    io = _KillAfterIO() if kill_call else None
+    # with the seam: stop point ``kill_call`` is right after that mutating call, inside it
+    io = StopGateIO(OsIO(), lambda point, name, when: _die()) if kill_call else None
 
     def before(i: int) -> None:
         if i == kill_during and io is not None:

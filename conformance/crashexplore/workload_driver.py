@@ -30,18 +30,18 @@ from queue_ref.storage import (
 from spec.model import Call, EntryKey, Model, run
 from spec.states import EntryState, Op, Outcome
 
-#: A body above ``LARGE_BODY`` bytes is written in pieces of these sizes, in turn: sizes
+#: A body above ``ONE_WRITE_MAX`` bytes is written in pieces of these sizes, in turn: sizes
 #: that are not multiples of a store's chunk, so that a store which streams a body into
 #: chunks and batches (the KV queue's 64 KiB chunks, 1 MiB batches) carries a partial
 #: chunk from one write to the next, as a relay's DATA phase does.
 PIECES = (100_003, 250_007, 180_001, 299_993)
-LARGE_BODY = 64 * 1024
+ONE_WRITE_MAX = 64 * 1024
 
 
 def body_pieces(body: bytes) -> list[bytes]:
     """The writes that put ``body`` into an enqueue: one for a small body, else pieces
     of the ``PIECES`` sizes in turn."""
-    if len(body) <= LARGE_BODY:
+    if len(body) <= ONE_WRITE_MAX:
         return [body]
     out: list[bytes] = []
     off = 0

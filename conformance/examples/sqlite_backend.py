@@ -40,7 +40,6 @@ rolled back, so the entry is in its old state.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import functools
 import hashlib
@@ -52,6 +51,7 @@ import uuid
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 
+from queue_ref.fsqueue.diskutil import storage_error
 from queue_ref.storage import (
     Capability,
     ClosedError,
@@ -63,7 +63,6 @@ from queue_ref.storage import (
     InflightMail,
     InvalidInputError,
     MailReader,
-    NoSpaceError,
     PendingCleanupMail,
     QueuedMail,
     Recipient,
@@ -231,8 +230,7 @@ class SqliteStorage(Storage):
             os.makedirs(os.path.join(root, "owners"), exist_ok=True)
             owner_fd = _lock_file(self._owner_path(self.owner))
         except OSError as e:
-            cls = NoSpaceError if e.errno in (errno.ENOSPC, errno.EDQUOT) else StorageIOError
-            raise cls(f"opening the queue at {root!r}: {e}") from e
+            raise storage_error(f"opening the queue at {root!r}", e) from e
         if owner_fd is None:
             raise StorageIOError(f"cannot lock owner file of {self.owner}")
         self._owner_fd: int = owner_fd
