@@ -113,7 +113,18 @@ class DamagedStoreError(StorageIOError):
     refuses, leaves every file as it was, and the message names the repair (for the
     project's KV queue, ``queue-ref repair``, which salvages every intact message).  A
     damaged *message* is not this: it is quarantined and named (``CorruptionError``,
-    ``RecoveryReport.lost``) while the rest of the queue is served."""
+    ``RecoveryReport.lost``) while the rest of the queue is served.
+
+    ``repair``, when the store has one, salvages this very store in place (the queue
+    closed everywhere): it keeps the damaged files aside, returns the report of what it
+    could not save (``RecoveryReport.lost``, ``lost_unknown``, ``damaged_files``), and
+    leaves a store that opens and serves every intact message.  The certifier's
+    ``damage-at-rest`` check runs it after each refusal and judges what it left."""
+
+    def __init__(self, message: str, handle: Handle | None = None, *,
+                 repair: Callable[[], RecoveryReport] | None = None) -> None:
+        super().__init__(message, handle)
+        self.repair = repair
 
 
 class ReopenRequiredError(StorageIOError):

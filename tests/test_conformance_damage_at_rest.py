@@ -33,6 +33,8 @@ def test_the_projects_backends_pass(factory: str) -> None:
     res = damage_at_rest_check.run(Backend.from_factory(factory), QUICK, 7)
     assert res.status is Status.PASS, [f.detail for f in res.findings]
     assert res.stats["trials"] >= res.stats["files"] > 0
+    if ":kv_" in factory:  # each refusal declares its repair, and each repair was judged
+        assert res.stats["repaired"] == res.stats["refused"] > 0
 
 
 def test_a_reader_that_does_not_check_the_body_is_c6() -> None:
@@ -345,3 +347,44 @@ def test_a_quarantine_that_drops_an_intact_body_is_c6() -> None:
     first = res.findings[0]
     assert [f.clause for f in damage_at_rest_check.replay(broken, first.scenario)] == ["C6"]
     assert damage_at_rest_check.replay(Backend.from_factory(FS), first.scenario) == []
+
+
+def test_a_refusal_declares_the_repair_that_salvages_the_store(tmp_path: Path) -> None:
+    """The KV queue refusing a damaged store names ``queue-ref repair`` and carries it:
+    running ``DamagedStoreError.repair`` leaves a store that opens and serves the intact
+    message, and its report names the one the damage took."""
+    root = str(tmp_path / "q")
+    q = KvQueue.open_log(root)
+    for i in range(2):
+        with q.enqueue("s@example.org") as enq:
+            enq.write(b"body %d" % i)
+            enq.commit([Recipient(f"r{i}@example.net", Schedule(0))])
+    q.close()
+    os.unlink(os.path.join(root, "CURRENT"))
+    with pytest.raises(DamagedStoreError, match="queue-ref repair") as refused:
+        KvQueue.open_log(root)
+    assert refused.value.repair is not None
+    report = refused.value.repair()
+    assert report.lost == () and report.lost_unknown == 0
+    again = KvQueue.open_log(root)
+    try:
+        assert len(list(again.list_queue())) == 2
+    finally:
+        again.close()
+
+
+@pytest.mark.parametrize("seed", [1, 26])
+def test_a_repair_that_leaves_a_store_that_cannot_open_is_c6(seed: int) -> None:
+    """A repair that writes the salvaged store but keeps its in-progress mark leaves a
+    store every open refuses.  The queue itself is the project's: only judging the
+    repair a refusal declares sees it, the finding replays, and the project's KV queue
+    passes that trial."""
+    broken = Backend.from_factory(f"{BROKEN}:kv_repair_keeps_its_mark")
+    res = damage_at_rest_check.run(broken, QUICK, seed)
+    assert res.status is Status.FAIL
+    assert {f.clause for f in res.findings} == {"C6"}
+    assert all("the repair it declares raised" in f.detail for f in res.findings), \
+        [f.detail for f in res.findings]
+    first = res.findings[0]
+    assert [f.clause for f in damage_at_rest_check.replay(broken, first.scenario)] == ["C6"]
+    assert damage_at_rest_check.replay(Backend.from_factory(KV), first.scenario) == []

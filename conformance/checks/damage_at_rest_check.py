@@ -26,6 +26,11 @@ the copy and delivers everything it lists. C6 requires, for every trial:
 * with ``Capability.DOMAIN_INDEX``, ``list_domain`` gives what ``list_queue`` gives (every
   recipient is in one domain): recovery mends the index it keeps (C13).
 
+A refusal that declares its repair (``DamagedStoreError.repair``: for the project's KV
+queue, ``queue-ref repair``) has it run: it must not raise, the store it leaves must open
+(C6: a repair "salvages every intact message"), and that open is judged by the rules
+above, the names in the repair's report counting as named.
+
 Every file is damaged at least once (in a way drawn at random), then in the other ways:
 all of them in the thorough profile, up to 160 trials in all in the quick one.  A
 framing flip aims at the end of a file, where a record's length or offset often is.
@@ -96,7 +101,7 @@ LARGE_AT = 5
 LARGE_BODY = 2_200_000
 #: The deep template: recipients of its first message, size of its two large bodies, and
 #: how many of the first message's entries are delivered between the two.
-DEEP_RCPTS = 80
+DEEP_RCPTS = 200
 DEEP_BODY = 5 << 20
 DEEP_DELIVERED = 3
 #: Structure flips of each new kind of file of the deep template (most flips there are
@@ -264,27 +269,23 @@ def _kind(rel: str) -> str:
 def _trial(backend: Backend, template: str, rel: str, kind: str, rng: random.Random,
            filled: Template, fill_steps: str, fail: list[Finding], stats: dict[str, int],
            scenario: str) -> None:
-    want, rcpt_of, cleaned, message_of = (filled.want, filled.rcpt_of, filled.cleaned,
-                                          filled.message_of)
     work = tempfile.mkdtemp(prefix="queue-ref-atrest-")
     root = os.path.join(work, "q")
     try:
         copy_tree(template, root)
         hit = damage(Path(root, rel), kind, rng, filled.structure(rel))
-        what = hit.what
-        later = after_flip(Path(root, rel), hit.flipped, want)
-        steps = (fill_steps, f"{kind}: {what}", "open the queue and deliver what it lists")
+        later = after_flip(Path(root, rel), hit.flipped, filled.want)
+        steps = (fill_steps, f"{kind}: {hit.what}", "open the queue and deliver what it lists")
         damaged = "no damage" if kind == NOTHING else f"{kind} of {rel}"
+        whole = held_whole(root, filled.want)  # what salvage could still find
 
         def finding(clause: str, detail: str) -> None:
             fail.append(Finding(clause, f"{damaged}: {detail}", scenario, NO_CRASH, steps))
 
-        whole = held_whole(root, want)  # what salvage could still find
-
         def kept(delivered: set[str], when: str) -> None:
             """Every message not delivered whose body lay whole in a file before the
             open still lies whole in one after it: the damaged files were kept."""
-            now = held_whole(root, {m: want[m] for m in whole if m not in delivered})
+            now = held_whole(root, {m: filled.want[m] for m in whole if m not in delivered})
             gone = sorted(m for m in whole if m not in delivered and m not in now)
             if gone:
                 m = gone[0]
@@ -294,105 +295,160 @@ def _trial(backend: Backend, template: str, rel: str, kind: str, rng: random.Ran
                               "message keeps the damaged files aside for `queue-ref "
                               "repair`, never deletes them or starts afresh over them")
 
+        repaired: RecoveryReport | None = None
         try:
             store: Storage = backend.open(root)
-        except DamagedStoreError:
+        except DamagedStoreError as e:
             stats["refused"] += 1
             kept(set(), "after the open refused")
-            return
+            if e.repair is None:
+                return
+            got = _repair(backend, root, e, finding, stats)
+            if got is None:
+                return
+            kept(set(), "after the repair the refusal declares")
+            store, repaired = got
+            steps += ("the open refused: run the repair it declares, open again, deliver "
+                      "what it lists",)
         except Exception as e:
             finding("C9", f"opening raised {type(e).__name__} ({e}), not DamagedStoreError "
                           "(the store's files are damaged, not the disk)")
             return
-        delivered: dict[str, bytes] = {}
-        try:
-            report = getattr(store, "last_recovery", None) or RecoveryReport()
-            delivered_entries: set[str] = set()
-            msg_of = {e: m for e, m in message_of.items() if m in want and e not in filled.sent}
-            named = set(report.lost)
-            seen: set[str] = set()
-            altered: set[str] = set()
-            listed = list(store.list_queue())
-            if Capability.DOMAIN_INDEX in store.capabilities:
-                by_index = {h.entry_id for h in store.list_domain(DOMAIN)}
-                queued = {h.entry_id for h in listed}
-                if by_index != queued:
-                    finding("C13", f"list_domain({DOMAIN!r}) gives {len(by_index)} entries, "
-                                   f"list_queue {len(queued)} (every recipient is in that "
-                                   "domain): recovery did not mend the domain index")
-            for h in listed:
-                if h.entry_id in seen:
-                    finding("C6", f"entry {h.entry_id} was listed twice")
-                seen.add(h.entry_id)
-                try:
-                    f = store.send_start(h)
-                    if f is None:
-                        continue
-                    with store.read_inflight(f) as r:
-                        body = r.read_all()
-                        meta = r.meta
-                except (CorruptionError, DamagedStoreError):
-                    named.add(h.message_id)  # the store says the message is damaged
-                    continue
-                except QueueError as e:
-                    finding("C9", f"claiming or reading listed message {h.message_id} "
-                                  f"raised {type(e).__name__} ({e}), not CorruptionError: "
-                                  "a damaged message must be named as damaged")
-                    named.add(h.message_id)
-                    continue
-                if h.message_id in cleaned:
-                    finding("C3", f"message {h.message_id}, delivered and cleaned up before "
-                                  "the damage, came back")
-                elif h.entry_id in filled.sent:
-                    finding("C3", f"entry {h.entry_id}, delivered before the damage, came "
-                                  "back")
-                elif h.message_id not in want:
-                    finding("C6", f"an entry of an unknown message {h.message_id} was listed")
-                elif body != want[h.message_id]:
-                    altered.add(h.message_id)
-                    finding("C6", f"message {h.message_id} was delivered with other bytes "
-                                  f"({len(body)} for {len(want[h.message_id])})")
-                elif rcpt_of.get(h.entry_id) not in (None, meta.rcpt):
-                    finding("C6", f"entry {h.entry_id} was delivered to {meta.rcpt!r}, "
-                                  f"not {rcpt_of[h.entry_id]!r}")
-                else:
-                    delivered[h.message_id] = body
-                    delivered_entries.add(h.entry_id)
-                done = store.send_done(f)
-                if done is not None:
-                    store.cleanup(done)
-            kept_out = sorted(m for m in later if m in named and m not in delivered)
-            if kept_out:
-                m = kept_out[0]
-                finding("C6", f"{len(kept_out)} messages whose bodies lie whole after the "
-                              f"flipped byte {hit.flipped} and the next body were named lost (first: {m}, "
-                              f"its body at byte {later[m]}): intact records after damage "
-                              "in the middle of a file are kept, not taken for a torn tail")
-            silent = sorted(set(want) - set(delivered) - named - altered)
-            if silent and not report.lost_unknown:
-                finding("C6", f"{len(silent)} acknowledged messages were neither delivered "
-                              f"nor named lost (first: {silent[0]})")
-            missing = sorted(e for e, m in msg_of.items() if m in delivered
-                             and e not in delivered_entries and m not in named | altered)
-            if missing and not report.lost_unknown:
-                finding("C6", f"{len(missing)} acknowledged entries of messages delivered to "
-                              "their other recipients were neither delivered nor named lost "
-                              f"(first: {missing[0]}, to {rcpt_of[missing[0]]!r})")
-            stats["delivered"] += len(delivered)
-            stats["named_lost"] += len(named & set(want))
-            if report.damage_found or named:
-                stats["detected"] += 1
-        except QueueError:
-            stats["refused_later"] += 1  # a typed error while serving: the store says so
-        except Exception as e:
-            finding("C9", f"serving the damaged queue raised {type(e).__name__} ({e}), "
-                          "not a QueueError")
-        finally:
-            with contextlib.suppress(Exception):
-                store.close()
+        delivered = _serve(store, filled, repaired, later, hit, finding, stats)
         kept(set(delivered), "once the queue was opened, served and closed")
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _repair(backend: Backend, root: str, refused: DamagedStoreError,
+            finding: Callable[[str, str], None], stats: dict[str, int]
+            ) -> tuple[Storage, RecoveryReport] | None:
+    """Run the repair a refusal declares (``DamagedStoreError.repair``), then open the
+    queue again: a store it leaves must open (C6: the repair "salvages every intact
+    message"; a repair that fails, or leaves a store that cannot be opened, loses them
+    all).  The open queue and the repair's report, or None after a finding."""
+    stats["repaired"] += 1
+    assert refused.repair is not None
+    try:
+        report = refused.repair()
+    except Exception as e:
+        finding("C6", f"the open refused ({refused}); the repair it declares raised "
+                      f"{type(e).__name__} ({e}): every intact message is lost to the "
+                      "operator")
+        return None
+    if not isinstance(report, RecoveryReport):
+        finding("C9", f"the repair the refusal declares returned {report!r}, not a "
+                      "RecoveryReport of what it could not save")
+        return None
+    try:
+        return backend.open(root), report
+    except Exception as e:
+        finding("C6", f"after the repair the refusal declares, opening raised "
+                      f"{type(e).__name__} ({e}): a repaired store opens and serves every "
+                      "intact message")
+        return None
+
+
+def _serve(store: Storage, filled: Template, repaired: RecoveryReport | None, later: dict[str, int],
+           hit: Damage, finding: Callable[[str, str], None], stats: dict[str, int]
+           ) -> dict[str, bytes]:
+    """Deliver everything the open ``store`` lists and judge it (the module's rules);
+    ``repaired`` is the report of a repair run before the open (its names count as named).
+    Closes the store; returns the messages delivered whole."""
+    want, rcpt_of, cleaned = filled.want, filled.rcpt_of, filled.cleaned
+    after = "after the repair, " if repaired is not None else ""
+    repaired = repaired or RecoveryReport()
+    delivered: dict[str, bytes] = {}
+    try:
+        report = getattr(store, "last_recovery", None) or RecoveryReport()
+        lost_unknown = report.lost_unknown + repaired.lost_unknown
+        delivered_entries: set[str] = set()
+        msg_of = {e: m for e, m in filled.message_of.items()
+                  if m in want and e not in filled.sent}
+        named = set(report.lost) | set(repaired.lost)
+        seen: set[str] = set()
+        altered: set[str] = set()
+        listed = list(store.list_queue())
+        if Capability.DOMAIN_INDEX in store.capabilities:
+            by_index = {h.entry_id for h in store.list_domain(DOMAIN)}
+            queued = {h.entry_id for h in listed}
+            if by_index != queued:
+                finding("C13", f"{after}list_domain({DOMAIN!r}) gives {len(by_index)} "
+                               f"entries, list_queue {len(queued)} (every recipient is in "
+                               "that domain): recovery did not mend the domain index")
+        for h in listed:
+            if h.entry_id in seen:
+                finding("C6", f"{after}entry {h.entry_id} was listed twice")
+            seen.add(h.entry_id)
+            try:
+                f = store.send_start(h)
+                if f is None:
+                    continue
+                with store.read_inflight(f) as r:
+                    body = r.read_all()
+                    meta = r.meta
+            except (CorruptionError, DamagedStoreError):
+                named.add(h.message_id)  # the store says the message is damaged
+                continue
+            except QueueError as e:
+                finding("C9", f"{after}claiming or reading listed message {h.message_id} "
+                              f"raised {type(e).__name__} ({e}), not CorruptionError: "
+                              "a damaged message must be named as damaged")
+                named.add(h.message_id)
+                continue
+            if h.message_id in cleaned:
+                finding("C3", f"{after}message {h.message_id}, delivered and cleaned up "
+                              "before the damage, came back")
+            elif h.entry_id in filled.sent:
+                finding("C3", f"{after}entry {h.entry_id}, delivered before the damage, "
+                              "came back")
+            elif h.message_id not in want:
+                finding("C6", f"{after}an entry of an unknown message {h.message_id} was "
+                              "listed")
+            elif body != want[h.message_id]:
+                altered.add(h.message_id)
+                finding("C6", f"{after}message {h.message_id} was delivered with other "
+                              f"bytes ({len(body)} for {len(want[h.message_id])})")
+            elif rcpt_of.get(h.entry_id) not in (None, meta.rcpt):
+                finding("C6", f"{after}entry {h.entry_id} was delivered to {meta.rcpt!r}, "
+                              f"not {rcpt_of[h.entry_id]!r}")
+            else:
+                delivered[h.message_id] = body
+                delivered_entries.add(h.entry_id)
+            done = store.send_done(f)
+            if done is not None:
+                store.cleanup(done)
+        kept_out = sorted(m for m in later if m in named and m not in delivered)
+        if kept_out:
+            m = kept_out[0]
+            finding("C6", f"{after}{len(kept_out)} messages whose bodies lie whole after "
+                          f"the flipped byte {hit.flipped} and the next body were named "
+                          f"lost (first: {m}, its body at byte {later[m]}): intact records "
+                          "after damage in the middle of a file are kept, not taken for a "
+                          "torn tail")
+        silent = sorted(set(want) - set(delivered) - named - altered)
+        if silent and not lost_unknown:
+            finding("C6", f"{after}{len(silent)} acknowledged messages were neither "
+                          f"delivered nor named lost (first: {silent[0]})")
+        missing = sorted(e for e, m in msg_of.items() if m in delivered
+                         and e not in delivered_entries and m not in named | altered)
+        if missing and not lost_unknown:
+            finding("C6", f"{after}{len(missing)} acknowledged entries of messages "
+                          "delivered to their other recipients were neither delivered nor "
+                          f"named lost (first: {missing[0]}, to {rcpt_of[missing[0]]!r})")
+        stats["delivered"] += len(delivered)
+        stats["named_lost"] += len(named & set(want))
+        if report.damage_found or named:
+            stats["detected"] += 1
+    except QueueError:
+        stats["refused_later"] += 1  # a typed error while serving: the store says so
+    except Exception as e:
+        finding("C9", f"{after}serving the damaged queue raised {type(e).__name__} ({e}), "
+                      "not a QueueError")
+    finally:
+        with contextlib.suppress(Exception):
+            store.close()
+    return delivered
 
 
 def scenario_id(seed: int, trial: int, kind: str, rel: str, plan: str = "trial") -> str:
@@ -465,7 +521,7 @@ def _trials(backend: Backend, seed: int, every_way: bool, only: tuple[str, int] 
 
 def _stats() -> dict[str, int]:
     return {"files": 0, "trials": 0, "deep_files": 0, "deep_trials": 0, "refused": 0,
-            "refused_later": 0, "detected": 0, "delivered": 0, "named_lost": 0}
+            "repaired": 0, "refused_later": 0, "detected": 0, "delivered": 0, "named_lost": 0}
 
 
 def run(backend: Backend, profile: Profile, seed: int) -> CheckResult:

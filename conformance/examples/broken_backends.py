@@ -283,6 +283,34 @@ def kv_fresh_over_missing_current(root: str, io: IO | None = None) -> Storage:
     return KvQueue.open_log(root, io, engine=FreshOverData)
 
 
+def kv_repair_keeps_its_mark(root: str, io: IO | None = None) -> Storage:
+    """The KV queue (log engine) whose repair writes the salvaged store but skips removing
+    its ``REPAIR`` mark (the one step after the new store is in place): the store it
+    leaves refuses every open as a repair still under way, so every message it salvaged
+    is out of reach.  Its queue is the project's: only damage-at-rest's judging of the
+    repair a refusal declares (``DamagedStoreError.repair``) fails it (C6)::
+
+        queue-ref certify conformance.examples.broken_backends:kv_repair_keeps_its_mark \\
+            --only damage-at-rest
+    """
+    from queue_ref.kv import salvage
+    from queue_ref.kv.kv_queue import KvQueue
+    from queue_ref.storage import DamagedStoreError, RecoveryReport
+
+    class KeepsMark(OsIO):
+        def unlink(self, path: str) -> None:
+            if os.path.basename(path) != salvage.MARK:  # the bug
+                super().unlink(path)
+
+    def repair() -> RecoveryReport:
+        return salvage.repair_log(root, KeepsMark()).report
+
+    try:
+        return KvQueue.open_log(root, io)
+    except DamagedStoreError as e:
+        raise DamagedStoreError(str(e), repair=repair) from e
+
+
 def kv_failed_commit_keeps_chunks(root: str, io: IO | None = None) -> Storage:
     """The KV queue (log engine) that keeps a large body's chunks after its commit failed
     for a full disk, although the engine cut the log back and knows nothing of the commit
