@@ -388,3 +388,38 @@ def test_a_repair_that_leaves_a_store_that_cannot_open_is_c6(seed: int) -> None:
     first = res.findings[0]
     assert [f.clause for f in damage_at_rest_check.replay(broken, first.scenario)] == ["C6"]
     assert damage_at_rest_check.replay(Backend.from_factory(KV), first.scenario) == []
+
+
+def test_a_stray_link_is_added_beside_one_link_of_each_kind_early_in_the_plan() -> None:
+    import random
+
+    from conformance.checks.file_damage import STRAY, stray_name
+
+    assert stray_name("queue/m1a.1") == "queue/m1a.8"
+    assert stray_name("cleanup/0012") == "cleanup/19"
+    assert stray_name("link") == "link.7"
+    files = [f"f{i}" for i in range(40)] + ["queue/aa.0", "queue/aa.1", "cleanup/bb.0"]
+    links = frozenset(files[40:])
+    quick = _plan(files, False, random.Random(1), links)
+    strays = [f for f, k in quick if k == STRAY]
+    assert quick[43:45] == [(f, STRAY) for f in strays[:2]]  # right after every file once
+    assert {f.split("/")[0] for f in strays[:2]} == {"queue", "cleanup"}
+    thorough = _plan(files, True, random.Random(1), links)
+    assert {f for f, k in thorough if k == STRAY} == links  # beside every link in the end
+    assert all(f in links for f, k in thorough if k == STRAY)
+
+
+@pytest.mark.parametrize("seed", [1, 26])
+def test_a_queue_that_trusts_a_link_name_it_never_wrote_is_c9(seed: int) -> None:
+    """Damage that adds a name: a link ``queue/<m>.8`` beside a message of two
+    recipients.  A queue that takes the index in the name on trust raises IndexError at
+    every listing; the finding replays, and the real queue (which sets the link aside)
+    passes that trial."""
+    broken = Backend.from_factory(f"{BROKEN}:fs_stray_link_trusted")
+    res = damage_at_rest_check.run(broken, QUICK, seed)
+    assert res.status is Status.FAIL
+    stray = [f for f in res.findings if ":stray link:" in f.scenario]
+    assert stray and {f.clause for f in stray} == {"C9"}
+    assert all("IndexError" in f.detail for f in stray)
+    assert [f.clause for f in damage_at_rest_check.replay(broken, stray[0].scenario)] == ["C9"]
+    assert damage_at_rest_check.replay(Backend.from_factory(FS), stray[0].scenario) == []

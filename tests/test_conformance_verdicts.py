@@ -447,3 +447,54 @@ def test_a_sync_that_fails_for_a_full_disk_may_say_any_storage_error() -> None:
     assert check(StorageIOError("x"), "write", "ENOSPC", "call 0", "here")
     assert check(NoSpaceError("x"), "fsync", "EIO", "call 0", "here")
     assert check(NoSpaceError("x"), "write", "ENOSPC", "call 0", "here") == ()
+
+
+def test_a_failed_read_must_raise_storage_io_error_and_change_nothing() -> None:
+    """io-errors fails read calls too (a bad sector fails ``readdir`` and ``pread``): each
+    read operation, at up to six of its read calls.  The filesystem queue passes (it let
+    a failed ``listdir`` out of its listings as a bare OSError until these trials); the
+    variant that still does fails on C9, the finding replays by id, and the real queue
+    passes the replay."""
+    from conformance.checks import read_faults
+
+    trials, found = read_faults.run_reads(Backend.from_factory(FS))
+    assert trials >= 20 and found == []
+    broken = Backend.from_factory(f"{BROKEN}:fs_listing_raw_oserror")
+    trials, found = read_faults.run_reads(broken)
+    ops = {f.scenario.split(":")[2] for f in found}
+    assert ops == {"list_queue", "find_inflight", "find_pending_cleanup", "list_domain"}
+    assert {f.clause for f in found} == {"C9"}
+    assert all("raised OSError" in f.detail for f in found)
+    assert [f.clause for f in replay(broken, "io-errors:read:list_queue:0")] == ["C9"]
+    assert replay(Backend.from_factory(FS), "io-errors:read:list_queue:0") == []
+
+
+def test_a_read_fault_io_fails_exactly_the_read_call_it_is_armed_for(tmp_path) -> None:
+    from conformance.checks.read_faults import ReadFaultIO
+    from queue_ref.io import OsIO
+
+    io = ReadFaultIO(OsIO())
+    (tmp_path / "a").write_bytes(b"x")
+    io.arm(1)
+    assert io.listdir(str(tmp_path)) == ["a"]  # read call #0
+    with pytest.raises(OSError, match="read call #1"):
+        io.lstat(str(tmp_path / "a"))
+    io.mkdir(str(tmp_path / "d"))  # a mutating call is never counted nor failed
+    assert io.reads == 2 and io.failed.startswith("lstat")
+    io.disarm()
+    assert io.is_dir(str(tmp_path / "d")) and io.reads == 2
+
+
+@pytest.mark.parametrize("seed", [1, 26])
+def test_a_restart_after_a_failed_call_names_nothing_lost(seed: int) -> None:
+    """A failed call is no damage.  A KV queue that writes its clean-close record from
+    memory after a failed sync (the project's did) makes the next open name the entry
+    whose write the sync covered lost to damage at rest; io-errors fails it on C6, the
+    finding replays, and the real queue (no record after a failure) passes the replay."""
+    broken = Backend.from_factory(f"{BROKEN}:kv_records_rest_after_failed_sync")
+    res = io_errors_check.run(broken, QUICK, seed)
+    named = [f for f in res.findings if "lost to damage" in f.detail]
+    assert named and {f.clause for f in named} == {"C6"}
+    assert all("nothing was damaged" in f.detail for f in named)
+    assert [f.clause for f in replay(broken, named[0].scenario)] == ["C6"]
+    assert replay(Backend.from_factory(KV), named[0].scenario) == []

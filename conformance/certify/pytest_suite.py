@@ -130,6 +130,9 @@ class StorageSuite:
     def test_io_errors(self, request: pytest.FixtureRequest) -> None:
         self._run(request, "io-errors")
 
+    def test_second_open(self, request: pytest.FixtureRequest) -> None:
+        self._run(request, "second-open")
+
     def test_multi_process(self, request: pytest.FixtureRequest) -> None:
         self._run(request, "multi-process")
 

@@ -13,7 +13,7 @@ Scenario ids start with the check that found them:
 * ``blackbox-power-loss:<seed>:<trial>:<length>:<model>:<point>:<key>``: the workload
   traced again, the named crash state of its first ``point`` calls recovered;
 * ``bad-input:<case>``, ``limits:<case>``, ``many-recipients:<n>``, ``threads:<seed>``,
-  ``multi-process:<seed>``, ``streaming:<bytes>``, ``bounded-disk:<rounds>``: that
+  ``multi-process:<seed>``, ``second-open``, ``streaming:<bytes>``, ``bounded-disk:<rounds>``: that
   check again;
 * ``lifecycle-edges:<op>:<target>:<stop>``: that trial again (the same stop point, or
   the same SIGSTOP delay);
@@ -37,6 +37,7 @@ from conformance.checks import (
     multi_process_check,
     process_kill_check,
     scale_checks,
+    second_open_check,
     streaming_check,
 )
 from conformance.harness.backend_factory import Backend
@@ -72,6 +73,8 @@ def replay(backend: Backend, scenario: str) -> list[Finding]:
                                      0).findings
     if head == "threads":
         return scale_checks.threads(backend, QUICK, int(rest)).findings
+    if head == "second-open":
+        return second_open_check.replay(backend)
     if head == "multi-process":
         return multi_process_check.run(backend, QUICK, int(rest)).findings
     if head == "lifecycle-edges":

@@ -31,6 +31,7 @@ from conformance.checks import (
     multi_process_check,
     process_kill_check,
     scale_checks,
+    second_open_check,
     streaming_check,
 )
 from conformance.harness.backend_factory import Backend, Factory, Probe
@@ -85,6 +86,8 @@ def _run_one(spec: CheckSpec, model: str, backend: Backend, probe: Probe, profil
         return scale_checks.threads(backend, profile, s)
     if spec.id == "multi-process":
         return multi_process_check.run(backend, profile, s)
+    if spec.id == "second-open":
+        return second_open_check.run(backend)
     if spec.id == "streaming":
         return streaming_check.run(backend, profile)
     if spec.id == "group-commit":

@@ -5,7 +5,8 @@ cleaned up, an entry of two others rescheduled), closes it, and keeps that direc
 a template. Each trial copies the template, damages one file of the copy (every regular
 file and symbolic link the backend left, so a backend with its own I/O is damaged
 through its directory as a whole) by a bit flip (anywhere, or aimed at the framing near
-its end), a truncation (to any length, or of its last writes only) or a removal, opens
+its end), a truncation (to any length, or of its last writes only), a removal, or (for a
+symbolic link) a stray link beside it, a name the store never wrote, opens
 the copy and delivers everything it lists. C6 requires, for every trial:
 
 * opening either works or refuses with ``DamagedStoreError`` (a store that cannot tell
@@ -13,7 +14,8 @@ the copy and delivers everything it lists. C6 requires, for every trial:
   damaged); any other exception fails C9, a ``StorageIOError`` or another
   ``QueueError`` included: it tells the operator the disk failed, or nothing useful,
   when the disk is fine and the store tripped over damage it did not recognise;
-* no body is delivered with other bytes, and no entry with another recipient (C6);
+* no body is delivered with other bytes, no entry with another recipient, and no entry
+  the store never committed (C6);
 * every acknowledged message not delivered is named: in the recovery report of the open
   (``Storage.last_recovery``: ``lost``, or counted in ``lost_unknown``), or by a typed
   error (``CorruptionError``) when its body is read (C6);
@@ -63,6 +65,7 @@ from pathlib import Path
 from conformance.checks.file_damage import (
     KINDS,
     NOTHING,
+    STRAY,
     STRUCTURE,
     Damage,
     after_flip,
@@ -223,17 +226,27 @@ QUICK_TRIALS = 160
 EXTRA_FLIPS = 8
 
 
-def _plan(files: list[str], thorough: bool, rng: random.Random) -> list[tuple[str, str]]:
-    """Every file once (in a random way), then the other ways, shuffled, then
-    ``EXTRA_FLIPS`` more bit flips of each file: all of them when ``thorough``, else up
-    to QUICK_TRIALS trials in all."""
+def _plan(files: list[str], thorough: bool, rng: random.Random,
+          links: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
+    """Every file once (in a random way), then a stray link beside one symbolic link of
+    each kind (``links``: the files that are links; ``_kind``), then the other ways,
+    shuffled (a stray beside every other link among them), then ``EXTRA_FLIPS`` more bit
+    flips of each file: all of them when ``thorough``, else up to QUICK_TRIALS trials in
+    all."""
     first = [(f, rng.choice(KINDS)) for f in files]
-    rest = [(f, k) for f in files for k in KINDS if (f, k) not in set(first)]
+    by_kind: dict[str, list[str]] = {}
+    for f in files:
+        if f in links:
+            by_kind.setdefault(_kind(f), []).append(f)
+    strays = [(rng.choice(fs), STRAY) for _, fs in sorted(by_kind.items())]
+    done = set(first) | set(strays)
+    rest = [(f, k) for f in files for k in KINDS + ((STRAY,) if f in links else ())
+            if (f, k) not in done]
     rng.shuffle(rest)
     extra = [(f, "bit flip") for f in files for _ in range(EXTRA_FLIPS)]
     rng.shuffle(extra)
-    plan = first + rest + extra
-    return plan if thorough else plan[:max(QUICK_TRIALS, len(files))]
+    plan = first + strays + rest + extra
+    return plan if thorough else plan[:max(QUICK_TRIALS, len(files) + len(strays))]
 
 
 def _deep_plan(files: list[str], known: set[str], thorough: bool,
@@ -405,6 +418,11 @@ def _serve(store: Storage, filled: Template, repaired: RecoveryReport | None, la
             elif h.message_id not in want:
                 finding("C6", f"{after}an entry of an unknown message {h.message_id} was "
                               "listed")
+            elif h.entry_id not in rcpt_of:
+                finding("C6", f"{after}entry {h.entry_id} of message {h.message_id}, which "
+                              "was never committed (the message has no such recipient), "
+                              f"was delivered to {meta.rcpt!r}: a name the store did not "
+                              "write is damage, not an entry")
             elif body != want[h.message_id]:
                 altered.add(h.message_id)
                 finding("C6", f"{after}message {h.message_id} was delivered with other "
@@ -496,7 +514,8 @@ def _trials(backend: Backend, seed: int, every_way: bool, only: tuple[str, int] 
                 stats["files"] = len(files)
                 if only is not None and only[0] != plan_name:
                     continue  # the deep plan needs only the kinds of file
-                plan = _plan(files, thorough, random.Random(seed))
+                links = frozenset(f for f in files if os.path.islink(os.path.join(template, f)))
+                plan = _plan(files, thorough, random.Random(seed), links)
             if only is not None and expect is not None:
                 n = only[1]
                 if not 0 <= n < len(plan):

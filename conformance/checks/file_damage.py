@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +18,11 @@ KINDS = ("bit flip", "framing flip", "truncation", "tail cut", "removal")
 NOTHING = "none"  # the deep template's first trial: no damage, everything reads back
 STRUCTURE = "structure flip"  # a bit flip outside every body: in the store's own framing
 FRAMING = 32  # a framing flip hits one of the last FRAMING bytes of a file
+#: Damage that adds a name: a symbolic link beside one of the store's, to the same target,
+#: its name's last number 7 more (``queue/<m>.1`` gets ``queue/<m>.8``: an entry the
+#: message never had).  Stores link only what they wrote, so a name they did not write is
+#: damage too; it must not be served as an entry.
+STRAY = "stray link"
 
 
 def copy_tree(src: str, dst: str) -> None:
@@ -44,6 +50,15 @@ def copy_tree(src: str, dst: str) -> None:
                 shutil.copy2(s, t)
                 if st.st_nlink > 1:
                     seen[(st.st_dev, st.st_ino)] = t
+
+
+def stray_name(name: str) -> str:
+    """``name`` with its last run of digits 7 more (``"m.1"`` -> ``"m.8"``), or ``.7``
+    added when it has none."""
+    m = re.search(r"[0-9]+(?=[^0-9]*$)", name)
+    if m is None:
+        return name + ".7"
+    return f"{name[:m.start()]}{int(m.group()) + 7}{name[m.end():]}"
 
 
 def files_of(root: str) -> list[str]:
@@ -108,6 +123,10 @@ def damage(path: Path, kind: str, rng: random.Random,
     if kind == "removal":
         path.unlink()
         return Damage(f"removed {path.name}")
+    if kind == STRAY:
+        name = stray_name(path.name)
+        os.symlink(os.readlink(path), path.with_name(name))
+        return Damage(f"added {name} beside {path.name}, a link to the same target")
     if path.is_symlink():
         target = bytearray(os.readlink(path).encode())
         if kind in ("bit flip", STRUCTURE):

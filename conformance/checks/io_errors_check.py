@@ -36,6 +36,7 @@ import random
 import time
 from dataclasses import dataclass, replace
 
+from conformance.checks.read_faults import replay_read, run_reads
 from conformance.crashexplore.crash_judge import judge_recovered
 from conformance.crashexplore.disk_recovery import recover_image
 from conformance.crashexplore.explored_backends import BackendSpec
@@ -55,7 +56,13 @@ from conformance.harness.suite_profiles import Profile
 from faultinject.fault_errors import ModelError
 from faultinject.models import MODELS, crash_states
 from faultinject.seam import FaultPlan
-from queue_ref.storage import NoSpaceError, ReopenRequiredError, StorageIOError
+from queue_ref.storage import (
+    NoSpaceError,
+    RecoveryReport,
+    ReopenRequiredError,
+    Storage,
+    StorageIOError,
+)
 from spec.crash import judge
 from spec.model import Call, EntryKey, Model, Schedule
 from spec.model import run as model_run
@@ -349,10 +356,33 @@ def _leftover_judge(run: Run, i: int, pending: Call) -> list[tuple[str, str]]:
 def _restart_judge(backend: Backend, root: str, run: Run, before: Model,
                    pending: Call | None) -> list[tuple[str, str]]:
     """The queue reopened on the disk as the run left it (process restart)."""
-    rec = inspect(lambda: backend.open(root))
+    opened: list[Storage] = []
+
+    def open_storage() -> Storage:
+        opened.append(backend.open(root))
+        return opened[-1]
+
+    rec = inspect(open_storage)
     views = to_views(rec, run.message_ids, run.entry_keys, before, pending)
+    report = getattr(opened[0], "last_recovery", None) if opened else None
     return [(v.clause, f"after a restart: {v.detail}") for v in judge(before, pending, views)] \
-        + [(c, f"after a restart: {d}") for c, d in rec.problems]
+        + [(c, f"after a restart: {d}") for c, d in rec.problems] \
+        + _named_lost_judge(report)
+
+
+def _named_lost_judge(report: RecoveryReport | None) -> list[tuple[str, str]]:
+    """A failed call is no damage: the recovery after it names nothing lost (C6:
+    ``lost`` names the messages damage took out of the queue; a message never
+    acknowledged, because the enqueue that would have made it raised, was promised to no
+    one, and a false name sends the operator, and a bounce to the sender, after mail
+    that is fine or never was)."""
+    if report is None or not (report.lost or report.lost_unknown):
+        return []
+    named = f"{len(report.lost)} messages (first: {report.lost[0]})" if report.lost \
+        else f"{report.lost_unknown} records of unknown messages"
+    why = f" ({report.problems[0]})" if report.problems else ""
+    return [("C6", f"after a restart, recovery names {named} lost to damage{why}, but nothing "
+                   "was damaged: only a call failed, and the caller was told")]
 
 
 def _power_cut_judge(spec: BackendSpec, run: Run, cut: int, before: Model,
@@ -423,8 +453,11 @@ def run_trial(backend: Backend, trial: FaultTrial, workload: Workload) -> list[F
 
 def replay(backend: Backend, scenario: str) -> list[Finding]:
     parts = scenario.split(":")
+    if len(parts) == 4 and parts[1] == "read" and parts[3].isdigit():
+        return replay_read(backend, parts[2], int(parts[3]))
     if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
-        raise ValueError(f"{scenario!r}: expected io-errors:<seed>:<trial>")
+        raise ValueError(f"{scenario!r}: expected io-errors:<seed>:<trial> or "
+                         "io-errors:read:<operation>:<n>")
     seed, number = int(parts[1]), int(parts[2])
     workload = workload_of(seed, number, _max_body(backend))
     trial = make_trial(seed, number, _count_calls(backend, workload))
@@ -442,5 +475,9 @@ def run(backend: Backend, profile: Profile, seed: int) -> CheckResult:
         got = run_trial(backend, trial, workload)
         failed += bool(got)
         findings += got
+    reads, found = run_reads(backend)
+    findings += found
     return finished("io-errors", NO_CRASH, findings, seconds=time.perf_counter() - start,
-                    seed=seed, stats={"trials": profile.fault_trials, "failed_trials": failed})
+                    seed=seed, stats={"trials": profile.fault_trials, "failed_trials": failed,
+                                      "read_trials": reads,
+                                      "failed_read_trials": len({f.scenario for f in found})})

@@ -86,6 +86,106 @@ def fs_full_disk_as_eio(root: str, io: IO | None = None) -> Storage:
     return deterministic_fs(FsQueue)(root, FullDiskAsEIO(io))
 
 
+def fs_listing_raw_oserror(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue whose listings read their directory outside the guard that
+    turns a disk error into ``StorageIOError``: on a failing disk ``list_queue``,
+    ``find_inflight``, ``find_pending_cleanup`` and ``list_domain`` raise a bare
+    ``OSError``, which a relay's scheduler does not expect (the project's queue did this
+    until io-errors failed read calls).  Only io-errors' read trials fail it (C9)::
+
+        queue-ref certify conformance.examples.broken_backends:fs_listing_raw_oserror \\
+            --only io-errors
+    """
+    from conformance.crashexplore.explored_backends import deterministic_fs
+    from queue_ref.fsqueue import FsQueue
+    from queue_ref.fsqueue.diskutil import listdir_or_empty
+
+    class RawListing(FsQueue):
+        def _listdir(self, directory: str) -> list[str]:
+            return listdir_or_empty(self.io, directory)  # the bug: no storage_error
+
+    if io is None:
+        return RawListing(root, OsIO())
+    return deterministic_fs(RawListing)(root, io)
+
+
+def kv_records_rest_after_failed_sync(root: str, io: IO | None = None) -> Storage:
+    """The KV queue (log engine) that writes its clean-close record (``atrest.py``) after
+    a failed sync too, from what its memory holds: a write whose sync failed is in the log
+    but not applied, so the next open finds the log ahead of the record and names the
+    entry lost to damage at rest, though nothing was damaged (the project's KV queue did
+    this until io-errors judged what recovery names).  Only io-errors' rule that a
+    restart after a failed call names nothing lost fails it (C6)::
+
+        queue-ref certify conformance.examples.broken_backends:kv_records_rest_after_failed_sync \\
+            --only io-errors
+    """
+    from queue_ref.kv import atrest
+    from queue_ref.kv.kv_queue import KvQueue
+
+    class RecordsAnyway(KvQueue):
+        def close(self) -> None:
+            if self._closed or self._at is None:
+                return super().close()
+            at, rest = self._at, atrest.entries_of(self._kv)  # the bug: even after a failure
+            super().close()
+            atrest.write(*at, rest)
+
+    return RecordsAnyway.open_log(root, io)
+
+
+#: The lock files this process holds with ``_posix_lock`` (fd -> path).
+_POSIX_HELD: dict[int, str] = {}
+
+
+def _posix_lock(path: str, *, blocking: bool = False) -> int | None:
+    """A liveness lock as LevelDB takes its ``LOCK``: a POSIX record lock (``lockf``), and
+    a set of the paths this process holds, since record locks do not exclude the
+    process's own second open.  A second open of a held path opens the file, finds the
+    path in the set and closes its descriptor, which drops the process's record lock
+    (POSIX drops them all when any descriptor of the file is closed)."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+    if path in _POSIX_HELD.values():
+        os.close(fd)  # the bug: this close lets go of the first open's lock
+        return None
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return None
+        raise
+    _POSIX_HELD[fd] = path
+    return fd
+
+
+def _posix_unlock(fd: int) -> None:
+    _POSIX_HELD.pop(fd, None)
+    os.close(fd)
+
+
+def kv_posix_lock_dropped(root: str, io: IO | None = None) -> Storage:
+    """The KV queue (log engine) whose one-owner lock is a POSIX record lock, as
+    LevelDB's ``LOCK`` is: a second open in the same process is refused, as it should
+    be, but refusing closes a descriptor of the lock file, which drops the first open's
+    lock; another process then opens the queue beside it and its recovery requeues the
+    entries the first open is delivering (mutant ``7816f97f`` of the mutation run lost
+    the project's own flock on the LevelDB queue the same way).  Only the second-open
+    check fails it (C4)::
+
+        queue-ref certify conformance.examples.broken_backends:kv_posix_lock_dropped \\
+            --only second-open
+    """
+    from queue_ref.kv.kv_queue import KvQueue
+
+    seam = io if io is not None else OsIO()
+    seam.lock_exclusive = _posix_lock  # type: ignore[method-assign]
+    seam.unlock = _posix_unlock  # type: ignore[method-assign]
+    return KvQueue.open_log(root, seam)
+
+
 def fs_small_links(root: str) -> Storage:
     """The filesystem queue on a file system of 200 names per file: it declares 199
     recipients per message and refuses more before anything is stored."""
@@ -846,6 +946,32 @@ def fs_quarantine_drops_body(root: str, io: IO | None = None) -> Storage:
     if io is None:
         return DropsBody(root)
     return deterministic_fs(DropsBody)(root, io)
+
+
+def fs_stray_link_trusted(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue that takes the recipient index a queue link's name gives on
+    trust: a link the queue never wrote (``queue/<m>.8`` beside a message of two
+    recipients: damage that adds a name) makes every listing raise ``IndexError``, and so
+    every open of the queue, instead of setting that one link aside (mutant ``1008369f``
+    of the mutation run).  Only damage-at-rest's stray links fail it (C9)::
+
+        queue-ref certify conformance.examples.broken_backends:fs_stray_link_trusted \\
+            --only damage-at-rest
+    """
+    from conformance.crashexplore.explored_backends import deterministic_fs
+    from queue_ref.fsqueue import FsQueue
+    from queue_ref.fsqueue.fs_records import Envelope
+    from queue_ref.fsqueue.layout import EntryName
+    from spec.model import Schedule
+
+    class TrustsLinks(FsQueue):
+        def _entry_schedule(self, e: EntryName, env: Envelope) -> tuple[Schedule, bool]:
+            env.rcpts[e.index]  # the bug: the index a link's name gives, unchecked
+            return super()._entry_schedule(e, env)
+
+    if io is None:
+        return TrustsLinks(root)
+    return deterministic_fs(TrustsLinks)(root, io)
 
 
 def fs_adopted_schedule_reset(root: str, io: IO | None = None) -> Storage:

@@ -121,6 +121,10 @@ CHECKS: tuple[CheckSpec, ...] = (
               "succeeded and the new state, after a restart and after a power cut",
               Kind.FAULTS, ("C9", "C2", "C5"), Level.OPTIONAL,
               (Capability.IO_SEAM,)),
+    CheckSpec("second-open", "the queue opened again, in the same process and then in "
+              "another, while the first open holds a claim: each is refused with a "
+              "QueueError or opens without listing or adopting the held entry",
+              Kind.CONCURRENCY, ("C4", "C7", "C9")),
     CheckSpec("multi-process", "processes sharing one queue race for the same entries; "
               "entries of a killed owner are found again", Kind.CONCURRENCY,
               ("C7", "C4"), Level.OPTIONAL, (Capability.MULTI_PROCESS,)),

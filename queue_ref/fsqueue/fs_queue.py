@@ -287,9 +287,17 @@ class FsQueue(FsMetadata, Storage):
 
     # ---- listing ---------------------------------------------------------------------
 
+    def _listdir(self, directory: str) -> list[str]:
+        """The names in ``directory`` (none if it is gone); StorageIOError if the disk
+        fails to read it."""
+        try:
+            return listdir_or_empty(self.io, directory)
+        except OSError as e:
+            raise storage_error(f"listing {directory}", e) from e
+
     def _sorted_names(self, directory: str) -> list[EntryName]:
         """Entries named in a link directory, oldest message first (junk left out)."""
-        out = [e for e in map(EntryName.parse, listdir_or_empty(self.io, directory)) if e]
+        out = [e for e in map(EntryName.parse, self._listdir(directory)) if e]
         out.sort()
         return out
 
@@ -331,7 +339,7 @@ class FsQueue(FsMetadata, Storage):
         """INFLIGHT entries of dead owners, adopted: renamed to ``<e>@<our owner>``.  The
         adoption is not synced: after a crash the entry is requeued anyway."""
         self._check_open()
-        for name in listdir_or_empty(self.io, self.layout.inflight):
+        for name in self._listdir(self.layout.inflight):
             parsed = parse_inflight(name)
             if parsed is None:
                 continue

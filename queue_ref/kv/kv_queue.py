@@ -651,7 +651,10 @@ class KvQueue(Storage):
     def close(self) -> None:
         """Close the engine.  A queue opened by ``open_log`` or ``open_leveldb`` then
         records what it holds (``atrest.py``), so that damage at rest is found at the next
-        open; if that record cannot be written (a full disk), there is none."""
+        open; if that record cannot be written (a full disk), there is none.  Nor is there
+        after a failed write or sync: what the engine holds in memory may then differ
+        from its files either way (a record written whose sync failed is not applied), and
+        a record of it would report the difference as damage at the next open."""
         if self._closed:
             return
         super().close()
@@ -661,7 +664,8 @@ class KvQueue(Storage):
         io, path = self._at
         with self._core.claims.hold(excl=[cl.EVERYTHING]):
             try:
-                rest: atrest.AtRest | None = atrest.entries_of(self._kv)
+                rest: atrest.AtRest | None = (atrest.entries_of(self._kv)
+                                              if self._kv.failed is None else None)
             except (OSError, ClosedError):
                 rest = None
             self._kv.close()
