@@ -44,6 +44,7 @@ def test_the_filesystem_queue_declares_its_spare_pool() -> None:
     ("fs_spare_pool_unbounded", "a drained open queue holds"),
     ("fs_dead_owner_lock_kept", "a process that opened the queue"),
     ("kv_log_set_aside_every_open", "closed and opened"),
+    ("fs_dead_index_links_kept", "after a process was killed inside its enqueue"),
 ])
 def test_a_tree_that_grows_with_use_is_c8(variant: str, part: str) -> None:
     backend = Backend.from_factory(f"{GROWTH}:{variant}")
@@ -59,7 +60,7 @@ def test_a_tree_that_grows_with_use_is_c8(variant: str, part: str) -> None:
 def test_every_variant_keeps_a_footprint_of_zero() -> None:
     """What makes them slip past the other checks: their own count says nothing is left."""
     for variant in ("fs_spare_pool_unbounded", "fs_dead_owner_lock_kept",
-                    "kv_log_set_aside_every_open"):
+                    "kv_log_set_aside_every_open", "fs_dead_index_links_kept"):
         backend = Backend.from_factory(f"{GROWTH}:{variant}")
         root = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"growth-{os.getpid()}-{variant}")
         os.makedirs(root)

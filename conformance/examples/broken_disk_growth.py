@@ -9,6 +9,8 @@ mail.
 
 from __future__ import annotations
 
+import os
+
 from queue_ref.io import IO
 from queue_ref.storage import Storage
 
@@ -76,3 +78,43 @@ def kv_log_set_aside_every_open(root: str, io: IO | None = None) -> Storage:
             self._set_aside_log(Replayed(0, 0))  # the bug: an intact log set aside too
 
     return KvQueue.open_log(root, io, engine=SetsAsideEveryLog)
+
+
+def fs_dead_index_links_kept(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue whose recovery prunes a domain index link only when it is
+    both unreferenced and misplaced (``and`` for ``or``, mutant ``24c04ffb`` of the
+    mutation run): the index links of an enqueue whose owner died after linking them,
+    before its commit, stay in ``domains/`` for good, three names per dead three-recipient
+    enqueue.  Nothing is listed wrongly (``list_domain`` checks each link), and
+    ``footprint()`` does not count the index; only bounded-disk, whose killed owners die
+    inside a wide enqueue through the I/O seam, sees them (C8)::
+
+        queue-ref certify conformance.examples.broken_disk_growth:fs_dead_index_links_kept \\
+            --only bounded-disk
+    """
+    from conformance.crashexplore.explored_backends import deterministic_fs
+    from queue_ref.fsqueue import FsQueue
+    from queue_ref.fsqueue.diskutil import if_exists, listdir_or_empty
+    from queue_ref.fsqueue.fs_recovery import Recovery
+    from queue_ref.fsqueue.layout import DOMAIN_ANCHOR, DOMAIN_DIR_RE
+
+    class KeepsIndex(Recovery):
+        def prune_index(self) -> None:
+            refs = self._referenced()
+            for d in listdir_or_empty(self.io, self.lay.domains):
+                path = os.path.join(self.lay.domains, d)
+                if not DOMAIN_DIR_RE.match(d) or not self.io.is_dir(path):
+                    continue
+                for n in listdir_or_empty(self.io, path):
+                    link = os.path.join(path, n)
+                    # the bug: ``and`` where either reason is enough
+                    if n != DOMAIN_ANCHOR and n not in refs \
+                            and self.index_paths.get(n, link) != link:
+                        if_exists(self.io.unlink, link)
+
+    class DeadIndexKept(FsQueue):
+        recovery = KeepsIndex
+
+    if io is None:
+        return DeadIndexKept(root)
+    return deterministic_fs(DeadIndexKept)(root, io)

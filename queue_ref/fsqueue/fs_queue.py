@@ -124,6 +124,8 @@ class FsQueue(FsMetadata, Storage):
 
     #: The sync mode when the constructor is given none (None: ``default_sync_mode()``).
     default_sync: str | None = None
+    #: The recovery run at opening and by ``recover()`` (``fs_recovery.Recovery``).
+    recovery: type[Recovery] = Recovery
 
     def __init__(self, root: str, io: IO | None = None, *, recover: bool = True,
                  owner: str | None = None, clock: Callable[[], int] = time.time_ns,
@@ -197,7 +199,7 @@ class FsQueue(FsMetadata, Storage):
                 self._pin_dirs()
                 self._link_max = self.io.link_max(self.layout.data)
                 if recover:
-                    self.last_recovery = Recovery(self).run()
+                    self.last_recovery = self.recovery(self).run()
         except OSError as e:
             self._release_owner()
             self._closed = True
@@ -744,7 +746,7 @@ class FsQueue(FsMetadata, Storage):
         self._check_open()
         try:
             with self._rw.exclusive(), self._owners.gate():
-                report = Recovery(self).run()
+                report = self.recovery(self).run()
         except OSError as e:
             raise storage_error("recovery", e) from e
         self.last_recovery = report
