@@ -42,7 +42,6 @@ from queue_ref import (
 )
 from queue_ref.fsqueue import FsQueue
 from queue_ref.fsqueue.rebuild import rebuild
-from queue_ref.kv import salvage
 from queue_ref.kv.kv_queue import KvQueue
 from queue_ref.storage import Handle
 
@@ -143,9 +142,9 @@ def open_or_repair(backend: str, root: str) -> tuple[Storage, RecoveryReport, bo
         if backend == "fs":
             report = rebuild(root).report
         elif backend == "kv-log":
-            report = salvage.repair_log(root).report
+            report = KvQueue.repair_log(root).report
         else:
-            report = salvage.repair_leveldb(root).report
+            report = KvQueue.repair_leveldb(root).report
         return OPENERS[backend](root), report, True
 
 

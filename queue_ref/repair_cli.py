@@ -66,9 +66,9 @@ def run(args: argparse.Namespace) -> int:
             report, actions, restored = fs.report, fs.actions, fs.restored
             messages, entries = fs.messages, fs.entries
         else:
-            from queue_ref.kv import salvage
+            from queue_ref.kv.kv_queue import KvQueue
 
-            kv = salvage.repair_log(path) if backend == "kv-log" else salvage.repair_leveldb(path)
+            kv = KvQueue.repair_log(path) if backend == "kv-log" else KvQueue.repair_leveldb(path)
             report, actions, messages, entries = kv.report, kv.actions, kv.messages, kv.entries
     except InvalidInputError as e:
         print(f"queue-ref repair: {e}", file=sys.stderr)

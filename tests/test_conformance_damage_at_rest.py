@@ -423,3 +423,30 @@ def test_a_queue_that_trusts_a_link_name_it_never_wrote_is_c9(seed: int) -> None
     assert all("IndexError" in f.detail for f in stray)
     assert [f.clause for f in damage_at_rest_check.replay(broken, stray[0].scenario)] == ["C9"]
     assert damage_at_rest_check.replay(Backend.from_factory(FS), stray[0].scenario) == []
+
+
+@pytest.mark.parametrize("seed", [1, 26])
+def test_a_corruption_error_must_name_where_the_damaged_bytes_are_kept(seed: int) -> None:
+    """A queue that quarantines the entry being read instead of the message whose body
+    failed its checksum says the bytes went to a file that does not exist, and throws
+    the damaged message file away.  The finding replays; the real queue passes it."""
+    broken = Backend.from_factory(f"{BROKEN}:fs_damaged_body_released")
+    res = damage_at_rest_check.run(broken, QUICK, seed)
+    kept = [f for f in res.findings if "which does not exist" in f.detail]
+    assert kept and {f.clause for f in kept} == {"C6"}
+    assert all(".sched" in f.detail for f in kept)
+    assert "C6" in [f.clause for f in damage_at_rest_check.replay(broken, kept[0].scenario)]
+    assert damage_at_rest_check.replay(Backend.from_factory(FS), kept[0].scenario) == []
+
+
+def test_a_store_that_names_mail_lost_with_nothing_damaged_is_c6() -> None:
+    """A flush that drops deletions while an older table stays out of its merge brings
+    delivered entries back; the clean-close record finishes them again, and the open
+    names their message lost although nothing was damaged.  The deep template's
+    undamaged trial fails it; the real queue passes that trial."""
+    broken = Backend.from_factory(f"{BROKEN}:kv_flush_drops_tombstones")
+    res = damage_at_rest_check.run(broken, QUICK, 3)
+    assert [f.clause for f in res.findings] == ["C6"]
+    first = res.findings[0]
+    assert ":deep=0:none:" in first.scenario and "nothing was damaged" in first.detail
+    assert damage_at_rest_check.replay(Backend.from_factory(KV), first.scenario) == []

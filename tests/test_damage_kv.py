@@ -74,7 +74,7 @@ def test_damaged_log_tail_at_rest_is_reported_by_id(
         # RepairDB reads the log without checking its CRCs: the record is kept with the
         # flipped bit, and the queue's own checks decide (here the bit was in a key of
         # the domain index, which recovery rebuilds): at most that message is lost.
-        report = salvage.repair_leveldb(path).report
+        report = KvQueue.repair_leveldb(path).report
         assert set(report.lost) <= {ids[-1]}
         q = opener(path)
         try:
@@ -128,7 +128,7 @@ def test_leveldb_refuses_a_damaged_log_and_repair_salvages_the_rest(tmp_path: Pa
     log.write_bytes(bytes(data))
     with pytest.raises(DamagedStoreError, match=f"queue-ref repair --queue {path} --backend kv-leveldb"):
         KvQueue.open_leveldb(path)
-    done = salvage.repair_leveldb(path)
+    done = KvQueue.repair_leveldb(path)
     assert ids[2] in done.report.lost
     assert done.report.damaged_files  # the originals RepairDB replaced, in lost/
     q = KvQueue.open_leveldb(path)
@@ -151,7 +151,7 @@ def test_missing_current_refuses_and_repair_keeps_everything(tmp_path: Path, eng
         opener(path)
     # Nothing created over the old files (the record of the clean close is marked read).
     assert sorted(n for n in os.listdir(path) if not n.startswith("queue-ref.")) == before
-    done = salvage.repair_log(path) if engine == "log" else salvage.repair_leveldb(path)
+    done = KvQueue.repair_log(path) if engine == "log" else KvQueue.repair_leveldb(path)
     assert done.report.lost == () and done.messages == len(ids)
     q = opener(path)
     try:
@@ -169,7 +169,7 @@ def test_damaged_table_refuses_then_repair_names_the_lost_messages(tmp_path: Pat
     table.write_bytes(bytes(data))
     with pytest.raises(DamagedStoreError, match=r"checksum mismatch.*queue-ref repair"):
         KvQueue.open_log(path)
-    done = salvage.repair_log(path)
+    done = KvQueue.repair_log(path)
     assert done.report.lost == tuple(ids[:3])  # the table's one block held them
     assert any("repair-1/" in f for f in done.report.damaged_files)
     assert (Path(path) / "quarantine" / "repair-1" / table.name).read_bytes() == bytes(data)
@@ -195,7 +195,7 @@ def test_leveldb_table_cut_short_is_damage_not_a_disk_error(tmp_path: Path) -> N
         finally:
             q.close()
     assert table.name in str(e.value)
-    done = salvage.repair_leveldb(path)
+    done = KvQueue.repair_leveldb(path)
     q = KvQueue.open_leveldb(path)
     try:
         served = drain(q)
@@ -245,12 +245,12 @@ def test_a_killed_repair_run_again_gives_the_same_queue(tmp_path: Path, kill_at:
     for p in (ref, path):
         fill(p, KvQueue.open_log, compact=True)
         os.unlink(os.path.join(p, "CURRENT"))
-    salvage.repair_log(ref)
+    KvQueue.repair_log(ref)
     with pytest.raises(Killed):
-        salvage.repair_log(path, KillAtRename(kill_at))
+        KvQueue.repair_log(path, KillAtRename(kill_at))
     with pytest.raises(DamagedStoreError, match="queue-ref repair"):  # never a fresh store
         KvQueue.open_log(path)
-    again = salvage.repair_log(path)
+    again = KvQueue.repair_log(path)
     assert again.report.lost == ()
     assert contents(path) == contents(ref)
     originals = tmp_path / "q" / "quarantine" / "repair-1"
@@ -280,3 +280,30 @@ def test_a_recovery_cut_after_finishing_cleanups_reports_nothing_next_time(
         assert q.footprint().objects == 0
     finally:
         q.close()
+
+
+def test_a_log_removed_after_a_crash_is_counted_lost_by_the_repair(tmp_path: Path) -> None:
+    """No clean close recorded what the store held (its process died), and the log
+    the manifest names is gone: the open refuses, and the repair, which cannot read
+    the lost ids, counts what the missing file held in ``lost_unknown`` instead of
+    reporting nothing lost."""
+    path = str(tmp_path / "q")
+    pid = os.fork()
+    if pid == 0:  # the child fills the queue and dies without closing it
+        try:
+            q = KvQueue.open_log(path)
+            for i in range(3):
+                with q.enqueue("from@example.org") as e:
+                    e.write(b"body %d" % i)
+                    e.commit([Recipient(f"r{i}@example.net", Schedule(0))])
+        finally:
+            os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert not os.path.exists(os.path.join(path, "queue-ref.closed"))
+    os.unlink(newest(path, ".log"))
+    with pytest.raises(DamagedStoreError, match="queue-ref repair") as refused:
+        KvQueue.open_log(path)
+    assert refused.value.repair is not None
+    report = refused.value.repair()
+    assert report.lost == () and report.lost_unknown == 1
+    assert any("is missing" in p for p in report.problems)

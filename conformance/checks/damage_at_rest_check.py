@@ -28,6 +28,12 @@ the copy and delivers everything it lists. C6 requires, for every trial:
 * with ``Capability.DOMAIN_INDEX``, ``list_domain`` gives what ``list_queue`` gives (every
   recipient is in one domain): recovery mends the index it keeps (C13).
 
+Also, in every trial: a ``CorruptionError`` whose ``quarantined_to`` is a path holds the
+damaged bytes there (C6: "keeping the damaged files aside"); with nothing damaged,
+nothing is named lost; and a message none of whose entries was delivered before the
+damage, delivered whole to every recipient, is not named lost (C6: a false name sends
+the operator and a bounce after mail that is fine).
+
 A refusal that declares its repair (``DamagedStoreError.repair``: for the project's KV
 queue, ``queue-ref repair``) has it run: it must not raise, the store it leaves must open
 (C6: a repair "salvages every intact message"), and that open is judged by the rules
@@ -400,8 +406,19 @@ def _serve(store: Storage, filled: Template, repaired: RecoveryReport | None, la
                 with store.read_inflight(f) as r:
                     body = r.read_all()
                     meta = r.meta
-            except (CorruptionError, DamagedStoreError):
+            except (CorruptionError, DamagedStoreError) as e:
                 named.add(h.message_id)  # the store says the message is damaged
+                # Where the error says the damaged bytes went (a path in the queue's
+                # directory; a KV store names a key) must hold them.  Not judged once
+                # another entry of the message was delivered: that entry's cleanup may
+                # free the body when damage took a name that counted its holders.
+                kept = getattr(e, "quarantined_to", None)
+                if (kept and os.path.isabs(kept) and not os.path.lexists(kept)
+                        and h.message_id not in delivered):
+                    finding("C6", f"{after}reading message {h.message_id} raised "
+                                  f"CorruptionError saying it was quarantined to {kept}, "
+                                  "which does not exist: the damaged bytes were not kept "
+                                  "where the error says (or not kept at all)")
                 continue
             except QueueError as e:
                 finding("C9", f"{after}claiming or reading listed message {h.message_id} "
@@ -444,6 +461,22 @@ def _serve(store: Storage, filled: Template, repaired: RecoveryReport | None, la
                           f"lost (first: {m}, its body at byte {later[m]}): intact records "
                           "after damage in the middle of a file are kept, not taken for a "
                           "torn tail")
+        reported = set(report.lost) | set(repaired.lost)
+        if hit.what == "nothing damaged" and (reported or lost_unknown):
+            finding("C6", f"{after}nothing was damaged, yet recovery names "
+                          f"{len(reported)} messages lost (first: {min(reported, default='-')}) "
+                          f"and {lost_unknown} records of unknown messages")
+        # a message none of whose entries was delivered before the damage, delivered
+        # whole to every recipient now (a message with an entry delivered before may be
+        # named when damage took that entry's name: recovery cannot tell it was done)
+        untouched = set(want) - {filled.message_of[e] for e in filled.sent}
+        false = sorted(m for m in reported & set(delivered) & untouched
+                       if all(e in delivered_entries for e, mm in msg_of.items() if mm == m))
+        if false:
+            finding("C6", f"{after}recovery names {len(false)} messages lost that were "
+                          f"then delivered whole to every recipient (first: {false[0]}): "
+                          "`lost` names what damage took; a false name sends the operator "
+                          "and a bounce after mail that is fine")
         silent = sorted(set(want) - set(delivered) - named - altered)
         if silent and not lost_unknown:
             finding("C6", f"{after}{len(silent)} acknowledged messages were neither "

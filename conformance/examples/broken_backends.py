@@ -403,12 +403,39 @@ def kv_repair_keeps_its_mark(root: str, io: IO | None = None) -> Storage:
                 super().unlink(path)
 
     def repair() -> RecoveryReport:
-        return salvage.repair_log(root, KeepsMark()).report
+        return KvQueue.repair_log(root, KeepsMark()).report
 
     try:
         return KvQueue.open_log(root, io)
     except DamagedStoreError as e:
         raise DamagedStoreError(str(e), repair=repair) from e
+
+
+def kv_flush_drops_tombstones(root: str, io: IO | None = None) -> Storage:
+    """The KV queue (log engine) whose every flush drops deletions, as only a merge down
+    to the oldest table may (mutant ``37a6da74`` of the mutation run): once a flush leaves
+    an older table out of its merge, the entries delivered since come back from it.  Its
+    clean close recorded them as done, so the next open finishes them again: nothing is
+    delivered twice, but that open names their message lost with nothing damaged.  Only
+    damage-at-rest's rule that a trial with nothing damaged names nothing lost fails it
+    (C6; the deep template's undamaged trial)::
+
+        queue-ref certify conformance.examples.broken_backends:kv_flush_drops_tombstones \\
+            --only damage-at-rest
+    """
+    from collections.abc import Iterator
+
+    from queue_ref.kv.kv_queue import KvQueue
+    from queue_ref.kv.logengine import LogEngine
+    from queue_ref.kv.logengine import format as fmt
+    from queue_ref.kv.logengine.merge import drop_tombstones
+    from queue_ref.kv.logengine.table import Table
+
+    class DropsTombstones(LogEngine):
+        def _write_table(self, entries: Iterator[fmt.Op]) -> Table | None:
+            return super()._write_table(drop_tombstones(entries))  # the bug: at every flush
+
+    return KvQueue.open_log(root, io, engine=DropsTombstones)
 
 
 def kv_failed_commit_keeps_chunks(root: str, io: IO | None = None) -> Storage:
@@ -972,6 +999,34 @@ def fs_stray_link_trusted(root: str, io: IO | None = None) -> Storage:
     if io is None:
         return TrustsLinks(root)
     return deterministic_fs(TrustsLinks)(root, io)
+
+
+def fs_damaged_body_released(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue that, finding a body whose checksum fails, quarantines the
+    entry being read instead of the message (mutant ``2096cd95`` of the mutation run): the
+    ``CorruptionError`` says the damaged bytes went to ``quarantine/<entry>.sched``, which
+    does not exist, and releasing the entry throws the damaged message file away (a spare
+    file, or unlinked), so nothing is left for salvage or for the operator to look at.
+    Only damage-at-rest's rule that a ``CorruptionError``'s ``quarantined_to`` holds the
+    damaged bytes fails it (C6)::
+
+        queue-ref certify conformance.examples.broken_backends:fs_damaged_body_released \\
+            --only damage-at-rest
+    """
+    from conformance.crashexplore.explored_backends import deterministic_fs
+    from queue_ref.fsqueue import FsQueue
+    from queue_ref.fsqueue.layout import EntryName
+    from queue_ref.fsqueue.metadata import Corrupt
+    from queue_ref.storage import CorruptionError
+
+    class ReleasesBody(FsQueue):
+        def _body_corrupt(self, e: EntryName, link: str, why: str) -> CorruptionError:
+            with self._rw.shared():
+                return self._corruption(e, link, Corrupt(why, False))  # the bug: the entry
+
+    if io is None:
+        return ReleasesBody(root)
+    return deterministic_fs(ReleasesBody)(root, io)
 
 
 def fs_adopted_schedule_reset(root: str, io: IO | None = None) -> Storage:

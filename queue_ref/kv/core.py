@@ -47,7 +47,6 @@ from queue_ref.storage import (
     DamagedStoreError,
     Handle,
     NoSpaceError,
-    RecoveryReport,
     ReopenRequiredError,
     StorageIOError,
 )
@@ -64,27 +63,10 @@ def io_error(what: str, e: OSError, handle: Handle | None, *,
     """The StorageIOError to raise for ``e``: ReopenRequiredError once the engine refuses
     writes after a failed sync (``reopen``), DamagedStoreError when the engine found its
     own files damaged, NoSpaceError for ENOSPC/EDQUOT."""
-    if not reopen and isinstance(e, DatabaseCorruptError):
-        return DamagedStoreError(f"{what}: {e}", handle, repair=repair_of(e))
     cls = (ReopenRequiredError if reopen
+           else DamagedStoreError if isinstance(e, DatabaseCorruptError)
            else NoSpaceError if e.errno in (errno.ENOSPC, errno.EDQUOT) else StorageIOError)
     return cls(f"{what}: {e}", handle)
-
-
-def repair_of(e: DatabaseCorruptError) -> Callable[[], RecoveryReport] | None:
-    """The salvage ``e`` names (``queue-ref repair`` of its queue), as a callable."""
-    if e.repair is None:
-        return None
-    queue, backend = e.repair
-
-    def repair() -> RecoveryReport:
-        from queue_ref.kv import salvage
-
-        done = (salvage.repair_leveldb(queue) if backend == "kv-leveldb"
-                else salvage.repair_log(queue))
-        return done.report
-
-    return repair
 
 
 class Core:

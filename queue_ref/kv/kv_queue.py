@@ -32,7 +32,7 @@ from types import TracebackType
 from typing import TypeVar
 
 from queue_ref.io import IO, OsIO
-from queue_ref.kv import atrest, keys, kv_records, lostids
+from queue_ref.kv import atrest, keys, kv_records, lostids, salvage
 from queue_ref.kv import claims as cl
 from queue_ref.kv.base import KV, WriteBatch
 from queue_ref.kv.claims import Held
@@ -46,6 +46,7 @@ from queue_ref.storage import (
     Capability,
     ClosedError,
     CorruptionError,
+    DamagedStoreError,
     Enqueuer,
     EntryMeta,
     Footprint,
@@ -176,7 +177,8 @@ class KvQueue(Storage):
         try:
             kv = make()
         except DatabaseCorruptError as e:
-            raise io_error("opening the KV engine", e.with_repair(path, backend), None) from e
+            raise cls._repairable(io_error("opening the KV engine", e.with_repair(path, backend),
+                                           None), io, path, backend) from e
         except OSError as e:
             raise io_error("opening the KV engine", e, None) from e
         try:
@@ -200,12 +202,39 @@ class KvQueue(Storage):
             kv.close()
             cause = e.__cause__
             if isinstance(cause, DatabaseCorruptError):
-                raise io_error("opening the queue", cause.with_repair(path, backend),
-                               None) from cause
+                raise cls._repairable(io_error("opening the queue",
+                                               cause.with_repair(path, backend), None),
+                                      io, path, backend) from cause
             raise
         except BaseException:
             kv.close()
             raise
+
+    @classmethod
+    def _repairable(cls, error: StorageIOError, io: IO, path: str,
+                    backend: str) -> StorageIOError:
+        """``error`` carrying the repair its message names (``DamagedStoreError.repair``):
+        ``queue-ref repair`` of this store, which returns what it could not save."""
+        if isinstance(error, DamagedStoreError) and error.repair is None:
+            def repair() -> RecoveryReport:
+                done = (cls.repair_leveldb(path) if backend == "kv-leveldb"
+                        else cls.repair_log(path, io))
+                return done.report
+
+            error.repair = repair
+        return error
+
+    @classmethod
+    def repair_log(cls, path: str, io: IO | None = None) -> salvage.Repaired:
+        """``queue-ref repair`` of a log-engine store (``salvage.repair_log``), the queue
+        opened over the salvaged store with ``open_log``."""
+        seam = io if io is not None else OsIO()
+        return salvage.repair_log(path, seam, lambda: cls.open_log(path, seam))
+
+    @classmethod
+    def repair_leveldb(cls, path: str) -> salvage.Repaired:
+        """``queue-ref repair`` of a LevelDB store (``salvage.repair_leveldb``)."""
+        return salvage.repair_leveldb(path, lambda: cls.open_leveldb(path))
 
     @property
     def kv(self) -> KV:

@@ -32,16 +32,18 @@ import json
 import os
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from queue_ref.io import IO, OsIO, read_file, write_file_durable
 from queue_ref.kv import atrest, lostids
+from queue_ref.kv.base import KV
 from queue_ref.kv.engine_errors import Damage, DatabaseCorruptError, DatabaseLockedError
 from queue_ref.kv.logengine import format as fmt
 from queue_ref.kv.logengine.table import FOOTER_SIZE, Table, write_entries
 from queue_ref.kv.logengine.wal import replay
-from queue_ref.storage import InvalidInputError, RecoveryReport
+from queue_ref.storage import InvalidInputError, QueuedMail, RecoveryReport
 
 MARK = fmt.REPAIR
 _ENTRY = struct.Struct("<II")
@@ -155,8 +157,9 @@ def _engine_files(io: IO, path: str) -> list[str]:
     return sorted(out)
 
 
-def _sources(io: IO, folder: str) -> tuple[list[str], list[str]]:
-    """The files to read, oldest first, and problems met choosing them."""
+def _sources(io: IO, folder: str) -> tuple[list[str], list[str], list[str]]:
+    """The files to read, oldest first, problems met choosing them, and the files the
+    manifest names that are missing (what they held is lost, its ids unknown)."""
     names = set(io.listdir(folder))
     problems: list[str] = []
     manifests: list[str] = []
@@ -177,14 +180,13 @@ def _sources(io: IO, folder: str) -> tuple[list[str], list[str]]:
             problems.append(f"{m}: {e.detail}")
             continue
         files = [fmt.table_name(n) for n, _ in man.tables] + [fmt.log_name(man.log_number)]
-        for f in files:
-            if f not in names:
-                problems.append(f"{f}, named by {m}, is missing")
-        return [f for f in files if f in names], problems
+        missing = [f for f in files if f not in names]
+        problems += [f"{f}, named by {m}, is missing" for f in missing]
+        return [f for f in files if f in names], problems, missing
     problems.append("no manifest can be read: every table and log is read, oldest first")
     rest = sorted((p[1], n) for n in names
                   if (p := fmt.parse_name(n)) and p[0] in ("tbl", "log"))
-    return [n for _, n in rest], problems
+    return [n for _, n in rest], problems, []
 
 
 def _read_mark(io: IO, path: str) -> dict[str, str] | None:
@@ -271,7 +273,7 @@ def salvage_log_files(io: IO, path: str, actions: list[str]) -> list[Damage]:
         _write_mark(io, path, "building", folder)
     for n in _engine_files(io, path):  # a build a kill interrupted
         io.unlink(os.path.join(path, n))
-    files, problems = _sources(io, full)
+    files, problems, missing = _sources(io, full)
     actions += problems
     entries: dict[bytes, bytes | None] = {}
     found: list[tuple[int, str, bytes]] = []  # (source index, detail, bytes)
@@ -304,20 +306,32 @@ def salvage_log_files(io: IO, path: str, actions: list[str]) -> list[Damage]:
     io.unlink(os.path.join(path, MARK))
     io.fsync_dir(path)
     actions.append(f"wrote a new store of {len(live)} keys")
-    damage = []
+    # a file the manifest names is gone: whatever it held is lost, ids unknown (counted
+    # in ``lost_unknown``; the old store is kept in ``folder``)
+    damage = [Damage(full, f"{f}, which the store's manifest names, is missing") for f in missing]
     for i, detail, data in found:
         later = frozenset().union(*touched[i + 1:]) if i + 1 < len(touched) else frozenset()
         damage.append(Damage(os.path.join(full, files[i]), detail, data, frozenset(later)))
     return damage
 
 
-def _finish(open_queue: object, path: str, damage: list[Damage],
-            rest_problems: list[str], kept: list[str], actions: list[str]) -> Repaired:
-    from queue_ref.kv.kv_queue import KvQueue
+class Reopened(Protocol):
+    """What the repair reads from the queue it opens over the salvaged store (a
+    ``KvQueue``; the queue's module passes its opener in, as it imports this one)."""
 
-    assert callable(open_queue)
-    q = open_queue()
-    assert isinstance(q, KvQueue)
+    last_recovery: RecoveryReport | None
+
+    @property
+    def kv(self) -> KV: ...
+
+    def list_queue(self) -> Iterator[QueuedMail]: ...
+
+    def close(self) -> None: ...
+
+
+def _finish(reopen: Callable[[], Reopened], path: str, damage: list[Damage],
+            rest_problems: list[str], kept: list[str], actions: list[str]) -> Repaired:
+    q = reopen()
     try:
         report = lostids.merge(q.last_recovery or RecoveryReport(), q.kv, path, damage, None,
                                rest_problems, kept)
@@ -327,8 +341,9 @@ def _finish(open_queue: object, path: str, damage: list[Damage],
         q.close()
 
 
-def repair_log(path: str, io: IO | None = None) -> Repaired:
-    """Salvage a log-engine store (see the module docstring).  Raises
+def repair_log(path: str, io: IO | None, reopen: Callable[[], Reopened]) -> Repaired:
+    """Salvage a log-engine store (see the module docstring), then open the queue with
+    ``reopen`` (``KvQueue.repair_log`` passes ``KvQueue.open_log``).  Raises
     ``DatabaseLockedError`` if a queue has it open."""
     io = io if io is not None else OsIO()
     if not io.is_dir(path):
@@ -344,18 +359,16 @@ def repair_log(path: str, io: IO | None = None) -> Repaired:
         damage = salvage_log_files(io, path, actions)
     finally:
         io.unlock(lock)
-    from queue_ref.kv.kv_queue import KvQueue
-
-    return _finish(lambda: KvQueue.open_log(path, io), path, damage, problems, kept, actions)
+    return _finish(reopen, path, damage, problems, kept, actions)
 
 
-def repair_leveldb(path: str) -> Repaired:
-    """Salvage a LevelDB store with LevelDB's ``RepairDB``, then open the queue."""
+def repair_leveldb(path: str, reopen: Callable[[], Reopened]) -> Repaired:
+    """Salvage a LevelDB store with LevelDB's ``RepairDB``, then open the queue with
+    ``reopen`` (``KvQueue.repair_leveldb`` passes ``KvQueue.open_leveldb``)."""
     import fcntl
 
     import plyvel  # type: ignore[import-untyped]
 
-    from queue_ref.kv.kv_queue import KvQueue
     from queue_ref.kv.leveldb import LOCK_NAME, OPTIONS, os_error
 
     io = OsIO()
@@ -385,4 +398,4 @@ def repair_leveldb(path: str) -> Repaired:
         kept = kept + [os.path.join("lost", n) for n in archived]
     finally:
         os.close(fd)
-    return _finish(lambda: KvQueue.open_leveldb(path), path, [], problems, kept, actions)
+    return _finish(reopen, path, [], problems, kept, actions)
