@@ -69,7 +69,7 @@ from conformance.harness.backend_factory import Backend
 from conformance.harness.child_process import Child
 
 child = Child(_doomed_owner, Backend.from_factory("conformance.examples.backends:fs"),
-              sys.argv[1], "hang.")
+              sys.argv[1], "hang.", 0)
 next(m for m in child.messages() if m.get("ready"))
 print(child.pid, flush=True)
 with Watchdog(1.0, lambda *a: print("hung in", a[0], flush=True)).step("stuck"):
