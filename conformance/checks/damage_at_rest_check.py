@@ -333,7 +333,7 @@ def _trial(backend: Backend, template: str, rel: str, kind: str, rng: random.Ran
             finding("C9", f"opening raised {type(e).__name__} ({e}), not DamagedStoreError "
                           "(the store's files are damaged, not the disk)")
             return
-        delivered = _serve(store, filled, repaired, later, hit, finding, stats)
+        delivered = _serve(store, filled, repaired, later, hit, kind == NOTHING, finding, stats)
         kept(set(delivered), "once the queue was opened, served and closed")
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -369,10 +369,11 @@ def _repair(backend: Backend, root: str, refused: DamagedStoreError,
 
 
 def _serve(store: Storage, filled: Template, repaired: RecoveryReport | None, later: dict[str, int],
-           hit: Damage, finding: Callable[[str, str], None], stats: dict[str, int]
-           ) -> dict[str, bytes]:
+           hit: Damage, undamaged: bool, finding: Callable[[str, str], None],
+           stats: dict[str, int]) -> dict[str, bytes]:
     """Deliver everything the open ``store`` lists and judge it (the module's rules);
-    ``repaired`` is the report of a repair run before the open (its names count as named).
+    ``repaired`` is the report of a repair run before the open (its names count as named);
+    ``undamaged``: the trial damaged nothing.
     Closes the store; returns the messages delivered whole."""
     want, rcpt_of, cleaned = filled.want, filled.rcpt_of, filled.cleaned
     after = "after the repair, " if repaired is not None else ""
@@ -462,7 +463,7 @@ def _serve(store: Storage, filled: Template, repaired: RecoveryReport | None, la
                           "after damage in the middle of a file are kept, not taken for a "
                           "torn tail")
         reported = set(report.lost) | set(repaired.lost)
-        if hit.what == "nothing damaged" and (reported or lost_unknown):
+        if undamaged and (reported or lost_unknown):
             finding("C6", f"{after}nothing was damaged, yet recovery names "
                           f"{len(reported)} messages lost (first: {min(reported, default='-')}) "
                           f"and {lost_unknown} records of unknown messages")

@@ -27,7 +27,6 @@ steady climb.  Scenario ``bounded-disk:<rounds>``.
 from __future__ import annotations
 
 import os
-import signal
 import stat
 import time
 from collections.abc import Callable
@@ -38,9 +37,8 @@ from conformance.harness.backend_factory import Backend
 from conformance.harness.check_catalog import NO_CRASH
 from conformance.harness.check_results import CheckResult, Finding, Status, finished
 from conformance.harness.child_process import Channel, Child
-from conformance.harness.stop_gate_io import StopGateIO
+from conformance.harness.stop_gate_io import killing_io
 from conformance.harness.suite_profiles import Profile
-from queue_ref.io import OsIO
 from queue_ref.storage import Recipient, Schedule, Storage
 
 BODY = b"Subject: bounded disk\r\n\r\n" + b"a line of the body\r\n" * 12
@@ -183,15 +181,11 @@ WIDE_RCPTS = 3
 KILL_STOPS = (4, 7, 10, 13, 5, 8, 11, 14, 6, 9, 12, 3)
 
 
-def _die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _doomed_owner(ch: Channel, backend: Backend, root: str, tag: str, stop: int) -> None:
     """Open, enqueue, claim one entry, say so, and wait to be killed; with the I/O seam
     (``stop`` > 0), first die right after mutating call ``stop`` of an enqueue of
     ``WIDE_RCPTS`` recipients (or say so if it finishes before)."""
-    io = StopGateIO(OsIO(), lambda point, name, when: _die()) if stop else None
+    io = killing_io() if stop else None
     store = backend.open(root, io) if io is not None else backend.open(root)
     _enqueue(store, 2, tag)
     for h in store.list_queue():

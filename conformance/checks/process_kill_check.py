@@ -36,10 +36,8 @@ killed at the same Python call (a backend whose own threads race may take anothe
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
-import signal
 import sys
 import tempfile
 import threading
@@ -54,8 +52,7 @@ from conformance.harness.backend_factory import Backend
 from conformance.harness.check_catalog import NO_CRASH, PROCESS_KILL
 from conformance.harness.check_results import CheckResult, Finding, finished
 from conformance.harness.child_process import Channel, Child, ChildTimeout
-from conformance.harness.stop_gate_io import StopGateIO
-from queue_ref.io import OsIO
+from conformance.harness.stop_gate_io import kill_self, killing_io
 from queue_ref.storage import Capability
 from spec.crash import judge
 from spec.model import Call
@@ -134,10 +131,6 @@ def parse_scenario(scenario: str) -> tuple[str, int, int, int]:
         raise ValueError(f"{scenario!r}: seed, trial and length must be integers") from None
 
 
-def _die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _die_at(event: int) -> None:
     """SIGKILL this process at its ``event``-th Python call from now, in any thread."""
     count = 0
@@ -146,7 +139,7 @@ def _die_at(event: int) -> None:
         nonlocal count
         count += 1
         if count >= event:
-            _die()
+            kill_self()
 
     threading.setprofile(profile)  # type: ignore[arg-type]
     sys.setprofile(profile)  # type: ignore[arg-type]
@@ -158,7 +151,7 @@ def _run_workload(ch: Channel, backend: Backend, root: str, workload: Workload,
     die at Python call ``kill_event`` of call ``kill_during`` (or right after its
     mutating disk call ``kill_call``, through the I/O seam), or at its end."""
     # with the seam: stop point ``kill_call`` is right after that mutating call, inside it
-    io = StopGateIO(OsIO(), lambda point, name, when: _die()) if kill_call else None
+    io = killing_io() if kill_call else None
 
     def before(i: int) -> None:
         if i == kill_during and io is not None:
@@ -168,7 +161,7 @@ def _run_workload(ch: Channel, backend: Backend, root: str, workload: Workload,
 
     def returned(i: int) -> None:
         if i == kill_during:
-            _die()  # the call returned; it dies before anyone learns of it
+            kill_self()  # the call returned; it dies before anyone learns of it
 
     if not drive_and_report(ch.send, backend.open(root, io), workload, before=before,
                             returned=returned):

@@ -21,13 +21,26 @@ crashes and fails calls).
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from queue_ref.io import IO, MUTATING
+from queue_ref.io import IO, MUTATING, OsIO
 
 OnStop = Callable[[int, str, str], None]
+
+
+def kill_self() -> None:
+    """SIGKILL this process: no ``finally``, no atexit, as a crash."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def killing_io() -> StopGateIO:
+    """The real disk, through a gate that SIGKILLs this process at its stop point (inside
+    the call, right after mutating call ``stop - 1``)."""
+    return StopGateIO(OsIO(), lambda point, name, when: kill_self())
 
 
 class StopGateIO(IO):
