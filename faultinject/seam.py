@@ -456,6 +456,30 @@ class FaultyIO(IO):
             self._fids.pop(fd, None)
 
 
+    def lock_file(self, fd: int, *, shared: bool, blocking: bool = False) -> bool:
+        """Recorded; a blocking wait happens outside the seam's order, as for
+        ``lock_exclusive`` (the holder may need the seam to close its file)."""
+        if self.crashed:
+            raise self._dead()
+        got = False
+        failure: OSError | None = None
+        try:
+            got = self.inner.lock_file(fd, shared=shared, blocking=blocking)
+        except OSError as e:
+            failure = e
+
+        def result() -> bool:
+            if failure is not None:
+                raise failure
+            return got
+
+        return self._call("lock_file", (self._fid(fd), shared, blocking), result)
+
+    def same_file(self, fd: int, path: str) -> bool:
+        return self._call("same_file", (self._fid(fd), self.rel(path)),
+                          lambda: self.inner.same_file(fd, path))
+
+
 def public_io_methods() -> Sequence[str]:
     """Names of the seam's public calls (``FaultyIO`` records each of them)."""
     return sorted(n for n, v in vars(IO).items() if callable(v) and not n.startswith("_"))

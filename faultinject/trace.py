@@ -15,6 +15,8 @@ call                args                         result
 open_create         (path, exclusive, append)    file id
 open_read           (path,)                      file id
 lock_exclusive      (path, blocking)             file id or None
+lock_file           (fid, shared, blocking)      bool (taken)
+same_file           (fid, path)                  bool
 write               (fid,)  data in ``.data``    bytes written
 pwrite              (fid, offset)  ``.data``     bytes written (the position stays)
 read / pread        (fid, n) / (fid, n, offset)  bytes

@@ -276,6 +276,29 @@ class IO:
     def unlock(self, fd: int) -> None:
         os.close(fd)
 
+    def lock_file(self, fd: int, *, shared: bool, blocking: bool = False) -> bool:
+        """Take a flock on an open file, shared or exclusive: True once taken; False if
+        another open file holds a conflicting one (non-blocking only).  It goes when
+        ``fd`` is closed or the process dies.  The filesystem queue's readers of queued
+        mail hold a shared one so that no other process reuses a file they read."""
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+                        | (0 if blocking else fcntl.LOCK_NB))
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN) and not blocking:
+                return False
+            raise
+        return True
+
+    def same_file(self, fd: int, path: str) -> bool:
+        """Whether ``path`` (not followed) still names the file open as ``fd``."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return False
+        mine = os.fstat(fd)
+        return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
 
 #: Writes up to this size keep the GIL: their cost is a copy into the page cache.
 NOGIL_MAX_WRITE = 1 << 16

@@ -450,3 +450,36 @@ def test_a_store_that_names_mail_lost_with_nothing_damaged_is_c6() -> None:
     first = res.findings[0]
     assert ":deep=0:none:" in first.scenario and "nothing was damaged" in first.detail
     assert damage_at_rest_check.replay(Backend.from_factory(KV), first.scenario) == []
+
+
+@pytest.mark.parametrize("seed", [1, 26])
+def test_a_queue_that_trusts_its_link_count_after_damage_frees_a_queued_body(seed: int
+                                                                            ) -> None:
+    """Damage removes one per-recipient hard link of a message of two recipients: a queue
+    whose recovery does not give it back frees the file at the other entry's cleanup, and
+    the queued entry's CorruptionError names a quarantine file that does not exist.  Only
+    removal of such a link shows it; the finding replays, and the real queue passes it."""
+    broken = Backend.from_factory(f"{BROKEN}:fs_ref_count_trusted")
+    res = damage_at_rest_check.run(broken, QUICK, seed)
+    assert res.status is Status.FAIL and {f.clause for f in res.findings} == {"C6"}
+    assert all(":removal:data/" in f.scenario for f in res.findings)
+    named = [f for f in res.findings if "which does not exist" in f.detail]
+    assert named
+    assert "C6" in [f.clause for f in damage_at_rest_check.replay(broken, named[0].scenario)]
+    assert damage_at_rest_check.replay(Backend.from_factory(FS), named[0].scenario) == []
+
+
+@pytest.mark.parametrize("seed", [1, 26])
+def test_a_queue_that_keeps_no_copy_of_a_shared_body_for_a_lost_entry_is_c6(seed: int
+                                                                           ) -> None:
+    """An entry set aside (its link damaged, or its schedule record) while its message's
+    other entry still holds the file: without a copy in quarantine, that entry's cleanup
+    frees the only body the lost recipient had.  The finding replays; the real queue
+    keeps a copy and passes it."""
+    broken = Backend.from_factory(f"{BROKEN}:fs_shared_body_not_kept")
+    res = damage_at_rest_check.run(broken, QUICK, seed)
+    assert res.status is Status.FAIL and {f.clause for f in res.findings} == {"C6"}
+    gone = [f for f in res.findings if "are gone from it" in f.detail]
+    assert gone and any(":queue/" in f.scenario for f in gone)
+    assert "C6" in [f.clause for f in damage_at_rest_check.replay(broken, gone[0].scenario)]
+    assert damage_at_rest_check.replay(Backend.from_factory(FS), gone[0].scenario) == []

@@ -232,7 +232,8 @@ def test_bad_input_passes_on_memory_and_catches_a_double_claim() -> None:
 def test_check_ids_are_stable() -> None:
     assert list(BY_ID) == ["lockstep", "restart", "listing", "bad-input", "many-recipients",
                            "limits", "threads", "process-kill", "recovery-rerun", "crash-exploration",
-                           "io-errors", "second-open", "multi-process", "streaming", "damage-at-rest", "hold",
+                           "io-errors", "second-open", "multi-process", "reader-elsewhere", "streaming",
+                           "damage-at-rest", "hold",
                            "group-commit", "linearizable",
                            "lifecycle-edges", "bounded-disk", "blackbox-power-loss"]
 

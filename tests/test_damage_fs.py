@@ -109,6 +109,91 @@ def test_a_stray_link_is_quarantined_alone(tmp_path: Path) -> None:
     assert drain(q) == entries(msgs)  # the valid message keeps moving
 
 
+def test_a_removed_hard_link_is_restored_so_the_other_cleanup_keeps_the_body(
+        tmp_path: Path) -> None:
+    """The per-recipient hard links count a message's holders: with one gone, the other
+    entry's cleanup would free the file while this entry is still queued."""
+    root = str(tmp_path / "q")
+    msgs = fill(root)
+    victim = msgs[1][0]
+    os.unlink(os.path.join(root, "data", f"{victim}.1"))
+    q = FsQueue(root)
+    report = q.last_recovery
+    assert report is not None and report.lost == ()
+    assert any(f"{victim}.1" in p and "restored" in p for p in report.problems)
+    assert os.stat(os.path.join(root, "data", victim)).st_nlink == 3
+    first = next(h for h in q.list_queue() if h.entry_id == f"{victim}.0")
+    f = q.send_start(first)
+    assert f is not None
+    done = q.send_done(f)
+    assert done is not None and q.cleanup(done)
+    assert os.path.exists(os.path.join(root, "data", victim))  # entry 1 still needs it
+    assert drain(q) == sorted(set(entries(msgs)) - {f"{victim}.0"})
+
+
+def test_a_hard_link_replaced_by_another_file_is_quarantined_and_restored(
+        tmp_path: Path) -> None:
+    root = str(tmp_path / "q")
+    msgs = fill(root)
+    victim = msgs[3][0]
+    ref = os.path.join(root, "data", f"{victim}.0")
+    os.unlink(ref)
+    Path(ref).write_bytes(b"not the message")
+    q = FsQueue(root)
+    report = q.last_recovery
+    assert report is not None and report.lost == ()
+    assert os.path.samefile(ref, os.path.join(root, "data", victim))
+    junk = [n for n in os.listdir(os.path.join(root, "quarantine")) if n.endswith(
+        f"data.{victim}.0")]
+    assert len(junk) == 1
+    assert Path(root, "quarantine", junk[0]).read_bytes() == b"not the message"
+    assert drain(q) == entries(msgs)
+
+
+def test_an_entry_quarantined_for_its_schedule_keeps_a_copy_of_the_body(
+        tmp_path: Path) -> None:
+    """Its message's other entry is delivered and cleaned up, which frees the file; the
+    quarantined entry's recipient still has the body to be sent from."""
+    root = str(tmp_path / "q")
+    msgs = fill(root)
+    victim = msgs[1][0]
+    content = (Path(root) / "data" / victim).read_bytes()
+    q = FsQueue(root)
+    h = next(h for h in q.list_queue() if h.entry_id == f"{victim}.0")
+    assert q.reschedule(h, Schedule(5)) is not None
+    q.close()
+    sched = Path(root) / "data" / f"{victim}.0.sched"
+    damaged = bytearray(sched.read_bytes())
+    damaged[len(damaged) // 2] ^= 0x10
+    sched.write_bytes(bytes(damaged))
+    q = FsQueue(root)
+    report = q.last_recovery
+    assert report is not None and report.lost == (victim,) and report.quarantined == 1
+    assert drain(q) == sorted(set(entries(msgs)) - {f"{victim}.0"})
+    assert not (Path(root) / "data" / victim).exists()  # freed by entry 1's cleanup
+    quarantine = Path(root) / "quarantine"
+    assert (quarantine / f"{victim}.0.msg").read_bytes() == content
+    assert (quarantine / f"{victim}.0.sched").read_bytes() == bytes(damaged)
+    assert not [n for n in os.listdir(quarantine) if n.endswith(".tmp")]
+
+
+def test_an_entry_whose_link_was_removed_keeps_a_copy_of_the_body(tmp_path: Path) -> None:
+    """Entry 0's link is gone: it is named lost, and since entry 1 still holds the file
+    (and frees it once delivered), a copy of the body is kept for entry 0's recipient."""
+    root = str(tmp_path / "q")
+    msgs = fill(root)
+    victim = msgs[3][0]
+    content = (Path(root) / "data" / victim).read_bytes()
+    os.unlink(os.path.join(root, "queue", f"{victim}.0"))
+    q = FsQueue(root)
+    report = q.last_recovery
+    assert report is not None and report.lost == (victim,)
+    assert any(f"{victim}.0.msg" in p for p in report.problems)
+    assert drain(q) == sorted(set(entries(msgs)) - {f"{victim}.0"})
+    assert not (Path(root) / "data" / victim).exists()
+    assert (Path(root) / "quarantine" / f"{victim}.0.msg").read_bytes() == content
+
+
 def test_a_damaged_envelope_is_reported_lost(tmp_path: Path) -> None:
     root = str(tmp_path / "q")
     msgs = fill(root)

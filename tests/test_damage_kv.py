@@ -307,3 +307,59 @@ def test_a_log_removed_after_a_crash_is_counted_lost_by_the_repair(tmp_path: Pat
     report = refused.value.repair()
     assert report.lost == () and report.lost_unknown == 1
     assert any("is missing" in p for p in report.problems)
+
+
+def test_a_leveldb_log_removed_after_a_crash_is_refused_and_counted_by_the_repair(
+        tmp_path: Path) -> None:
+    """LevelDB replays the logs it finds and says nothing about one that is gone: after a
+    crash (no clean close recorded what the store held) the queue reads the log number
+    from LevelDB's manifest and refuses to open without that log; the repair counts what
+    it held in ``lost_unknown``, and the repaired queue opens (empty: everything was in
+    the log)."""
+    path = str(tmp_path / "q")
+    pid = os.fork()
+    if pid == 0:  # the child fills the queue and dies without closing it
+        try:
+            q = KvQueue.open_leveldb(path)
+            for i in range(3):
+                with q.enqueue("from@example.org") as e:
+                    e.write(b"body %d" % i)
+                    e.commit([Recipient(f"r{i}@example.net", Schedule(0))])
+        finally:
+            os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert not os.path.exists(os.path.join(path, "queue-ref.closed"))
+    log = newest(path, ".log")
+    os.unlink(log)
+    with pytest.raises(DamagedStoreError, match=os.path.basename(log)) as refused:
+        KvQueue.open_leveldb(path)
+    assert refused.value.repair is not None
+    report = refused.value.repair()
+    assert report.lost == () and report.lost_unknown == 1
+    assert any("is missing" in p for p in report.problems)
+    q = KvQueue.open_leveldb(path)
+    try:
+        assert list(q.list_queue()) == []
+    finally:
+        q.close()
+
+
+def test_a_leveldb_store_with_its_log_opens_after_a_crash(tmp_path: Path) -> None:
+    """The same crash with the log in place: nothing refused, every message there."""
+    path = str(tmp_path / "q")
+    pid = os.fork()
+    if pid == 0:
+        try:
+            q = KvQueue.open_leveldb(path)
+            for i in range(3):
+                with q.enqueue("from@example.org") as e:
+                    e.write(b"body %d" % i)
+                    e.commit([Recipient(f"r{i}@example.net", Schedule(0))])
+        finally:
+            os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    q = KvQueue.open_leveldb(path)
+    try:
+        assert len(list(q.list_queue())) == 3
+    finally:
+        q.close()

@@ -234,8 +234,11 @@ def test_half_done_quarantines_are_finished(root: str) -> None:
     assert sorted(os.listdir(qdir)) == sorted([
         f"{h[0].message_id}.note", f"{h[0].message_id}.msg", f"{h[0].entry_id}.link",
         f"{h[1].entry_id}.link", f"{h[0].entry_id}.sched", f"{g[1].entry_id}.note",
-        f"{g[1].entry_id}.link", f"{g[1].entry_id}.sched"])
+        f"{g[1].entry_id}.link", f"{g[1].entry_id}.sched", f"{g[1].entry_id}.msg"])
     assert sorted(os.listdir(data)) == sorted([g[0].message_id, g[0].entry_id])
+    with open(os.path.join(qdir, f"{g[1].entry_id}.msg"), "rb") as kept, open(
+            os.path.join(data, g[0].message_id), "rb") as shared:
+        assert kept.read() == shared.read()  # g.1's body, kept while g.0 holds the file
     drain(q2)
     q2.close()
 

@@ -207,3 +207,50 @@ def test_a_spare_removed_behind_the_queues_back_is_not_missed(q: FsQueue) -> Non
     assert read_back(q, h) == b"after\r\n"
     finish(q, next(iter(q.list_queue())))
     assert q.footprint() == Footprint(0, 0)
+
+
+@pytest.mark.parametrize("pieces", [(4000, 2000), (5000, 1)])
+def test_a_reader_in_another_process_keeps_its_file_from_reuse(root: str,
+                                                               pieces: tuple[int, int]
+                                                               ) -> None:
+    """Process B inspects a queued message and reads it in pieces while process A
+    delivers it, cleans it up (its file becomes A's spare) and enqueues a small message:
+    A takes a new file, and B reads the committed bytes, verified, with nothing
+    quarantined (two open queues have two owners, spare pools and readers' guards, as
+    two processes do; flocks of two open files conflict within one process too)."""
+    body = bytes(range(256)) * 20  # 5,120 bytes
+    a, b = FsQueue(root), FsQueue(root)
+    try:
+        (h,) = put(a, n=1, body=body)
+        reader = b.inspect_entry(next(iter(b.list_queue())))
+        assert reader is not None
+        first = reader.read(pieces[0])
+        finish(a, h)
+        assert a.spare_files == 1
+        (small,) = put(a, n=1, body=b"tiny\r\n")
+        assert a.spare_files == 0  # the spare was given up, not written into
+        assert reader.read(pieces[1]) == body[pieces[0]:pieces[0] + pieces[1]]
+        assert first + reader.read() == body[:pieces[0]] + body[pieces[0] + pieces[1]:]
+        reader.close()
+        assert os.listdir(os.path.join(root, "quarantine")) == []
+        assert read_back(a, small) == b"tiny\r\n"
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_inspect_after_the_file_was_reused_finds_the_entry_gone(root: str) -> None:
+    """B's handle is stale: the message was delivered and its file now holds another
+    message of A's.  The inspect answers None (the entry is no longer queued) and never
+    reads the other message's bytes as this one's."""
+    a, b = FsQueue(root), FsQueue(root)
+    try:
+        (h,) = put(a, n=1, body=b"first message\r\n")
+        stale = next(iter(b.list_queue()))
+        finish(a, h)
+        put(a, n=1, body=b"second\r\n")
+        assert b.inspect_entry(stale) is None
+        assert os.listdir(os.path.join(root, "quarantine")) == []
+    finally:
+        a.close()
+        b.close()

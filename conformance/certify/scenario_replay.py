@@ -13,8 +13,8 @@ Scenario ids start with the check that found them:
 * ``blackbox-power-loss:<seed>:<trial>:<length>:<model>:<point>:<key>``: the workload
   traced again, the named crash state of its first ``point`` calls recovered;
 * ``bad-input:<case>``, ``limits:<case>``, ``many-recipients:<n>``, ``threads:<seed>``,
-  ``multi-process:<seed>``, ``second-open``, ``streaming:<bytes>``, ``bounded-disk:<rounds>``: that
-  check again;
+  ``multi-process:<seed>``, ``second-open``, ``reader-elsewhere``, ``streaming:<bytes>``,
+  ``bounded-disk:<rounds>``: that check again;
 * ``lifecycle-edges:<op>:<target>:<stop>``: that trial again (the same stop point, or
   the same SIGSTOP delay);
 * anything else is handed to the crash explorer (``conformance.checks.crash_exploration_check``).
@@ -36,6 +36,7 @@ from conformance.checks import (
     linearizability_check,
     multi_process_check,
     process_kill_check,
+    reader_elsewhere_check,
     scale_checks,
     second_open_check,
     streaming_check,
@@ -75,6 +76,8 @@ def replay(backend: Backend, scenario: str) -> list[Finding]:
         return scale_checks.threads(backend, QUICK, int(rest)).findings
     if head == "second-open":
         return second_open_check.replay(backend)
+    if head == "reader-elsewhere":
+        return reader_elsewhere_check.replay(backend)
     if head == "multi-process":
         return multi_process_check.run(backend, QUICK, int(rest)).findings
     if head == "lifecycle-edges":

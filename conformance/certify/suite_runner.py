@@ -30,6 +30,7 @@ from conformance.checks import (
     linearizability_check,
     multi_process_check,
     process_kill_check,
+    reader_elsewhere_check,
     scale_checks,
     second_open_check,
     streaming_check,
@@ -88,6 +89,8 @@ def _run_one(spec: CheckSpec, model: str, backend: Backend, probe: Probe, profil
         return multi_process_check.run(backend, profile, s)
     if spec.id == "second-open":
         return second_open_check.run(backend)
+    if spec.id == "reader-elsewhere":
+        return reader_elsewhere_check.run(backend)
     if spec.id == "streaming":
         return streaming_check.run(backend, profile)
     if spec.id == "group-commit":

@@ -374,17 +374,18 @@ def _serve(store: Storage, filled: Template, repaired: RecoveryReport | None, la
     """Deliver everything the open ``store`` lists and judge it (the module's rules);
     ``repaired`` is the report of a repair run before the open (its names count as named);
     ``undamaged``: the trial damaged nothing.
-    Closes the store; returns the messages delivered whole."""
+    Closes the store; returns the messages delivered whole to every entry still queued
+    at the damage (a message delivered to some only must still lie whole somewhere, or be
+    named)."""
     want, rcpt_of, cleaned = filled.want, filled.rcpt_of, filled.cleaned
     after = "after the repair, " if repaired is not None else ""
     repaired = repaired or RecoveryReport()
     delivered: dict[str, bytes] = {}
+    delivered_entries: set[str] = set()
+    msg_of = {e: m for e, m in filled.message_of.items() if m in want and e not in filled.sent}
     try:
         report = getattr(store, "last_recovery", None) or RecoveryReport()
         lost_unknown = report.lost_unknown + repaired.lost_unknown
-        delivered_entries: set[str] = set()
-        msg_of = {e: m for e, m in filled.message_of.items()
-                  if m in want and e not in filled.sent}
         named = set(report.lost) | set(repaired.lost)
         seen: set[str] = set()
         altered: set[str] = set()
@@ -410,12 +411,11 @@ def _serve(store: Storage, filled: Template, repaired: RecoveryReport | None, la
             except (CorruptionError, DamagedStoreError) as e:
                 named.add(h.message_id)  # the store says the message is damaged
                 # Where the error says the damaged bytes went (a path in the queue's
-                # directory; a KV store names a key) must hold them.  Not judged once
-                # another entry of the message was delivered: that entry's cleanup may
-                # free the body when damage took a name that counted its holders.
+                # directory; a KV store names a key) must hold them, also after another
+                # entry of the message was delivered and cleaned up: damage that took a
+                # name counting the message's holders must not let that cleanup free it.
                 kept = getattr(e, "quarantined_to", None)
-                if (kept and os.path.isabs(kept) and not os.path.lexists(kept)
-                        and h.message_id not in delivered):
+                if kept and os.path.isabs(kept) and not os.path.lexists(kept):
                     finding("C6", f"{after}reading message {h.message_id} raised "
                                   f"CorruptionError saying it was quarantined to {kept}, "
                                   "which does not exist: the damaged bytes were not kept "
@@ -500,7 +500,8 @@ def _serve(store: Storage, filled: Template, repaired: RecoveryReport | None, la
     finally:
         with contextlib.suppress(Exception):
             store.close()
-    return delivered
+    return {m: b for m, b in delivered.items()
+            if all(e in delivered_entries for e, mm in msg_of.items() if mm == m)}
 
 
 def scenario_id(seed: int, trial: int, kind: str, rel: str, plan: str = "trial") -> str:

@@ -45,7 +45,7 @@ from queue_ref.storage import (
 
 #: The seam's calls that only read (and the checks built on them).
 READS = frozenset({"open_read", "read", "pread", "fsize", "readlink", "listdir", "lstat",
-                   "exists", "is_dir", "is_symlink"})
+                   "exists", "is_dir", "is_symlink", "same_file"})
 #: Trials per operation: its read calls evenly spread (the first and last among them).
 PER_OPERATION = 6
 BODY = 200_000

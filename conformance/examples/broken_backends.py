@@ -1029,6 +1029,85 @@ def fs_damaged_body_released(root: str, io: IO | None = None) -> Storage:
     return deterministic_fs(ReleasesBody)(root, io)
 
 
+def fs_ref_count_trusted(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue whose recovery trusts the link count of a message of two or
+    more recipients (the per-recipient hard links ``data/<m>.<i>`` count the entries that
+    still need the file): when damage removes one, the cleanup of the message's other
+    entry frees the file while the damaged entry is still queued, whose read then says
+    the bytes went to ``quarantine/<m>.msg``, which does not exist.  Only damage-at-rest's
+    removal of a hard link fails it (C6)::
+
+        queue-ref certify conformance.examples.broken_backends:fs_ref_count_trusted \\
+            --only damage-at-rest
+    """
+    from conformance.crashexplore.explored_backends import deterministic_fs
+    from queue_ref.fsqueue import FsQueue
+    from queue_ref.fsqueue.fs_recovery import Recovery
+    from queue_ref.fsqueue.layout import EntryName
+
+    class TrustsCount(Recovery):
+        def _restore_ref(self, e: EntryName) -> bool:
+            return False  # the bug: a missing hard link is left missing
+
+    class TrustingQueue(FsQueue):
+        recovery = TrustsCount
+
+    if io is None:
+        return TrustingQueue(root)
+    return deterministic_fs(TrustingQueue)(root, io)
+
+
+def fs_shared_body_not_kept(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue that, setting aside one entry of a message of two or more
+    recipients (its link is gone, or its schedule record is damaged), keeps no copy of
+    the body while the message's other entries hold the file: their cleanup then frees
+    it, and the entry named lost has nothing left to be sent from or repaired with.  Only
+    damage-at-rest's rule that a body lying whole before the open still lies whole after
+    it, unless delivered to every recipient, fails it (C6)::
+
+        queue-ref certify conformance.examples.broken_backends:fs_shared_body_not_kept \\
+            --only damage-at-rest
+    """
+    from conformance.crashexplore.explored_backends import deterministic_fs
+    from queue_ref.fsqueue import FsQueue
+    from queue_ref.fsqueue.layout import EntryName
+
+    class DropsCopy(FsQueue):
+        def _copy_body_aside(self, e: EntryName) -> str | None:
+            return None  # the bug: the shared body goes with the other entries' cleanup
+
+    if io is None:
+        return DropsCopy(root)
+    return deterministic_fs(DropsCopy)(root, io)
+
+
+def fs_spare_reused_under_reader(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue whose readers of queued mail take no shared lock and whose
+    spare files are written into without an exclusive one (mutant ``207dc6f4``'s class of
+    the mutation run): an operator's ``queue-ref show`` in another process reads a message
+    while the relay delivers it and writes the next message into its file; the reader gets
+    the other message's bytes, or a CorruptionError for intact mail and a false note in
+    quarantine/.  Its own process's readers are still guarded.  Only the reader-elsewhere
+    check fails it (C9, C13)::
+
+        queue-ref certify conformance.examples.broken_backends:fs_spare_reused_under_reader \\
+            --only reader-elsewhere
+    """
+    from conformance.crashexplore.explored_backends import deterministic_fs
+    from queue_ref.fsqueue import FsQueue
+
+    class Unlocked(FsQueue):
+        def _hold_for_reading(self, fd: int, path: str) -> bool:
+            return True  # the bug: no shared lock, the file is not checked
+
+        def _exclusive_spare(self, fd: int) -> bool:
+            return True  # the bug: written into whoever reads it
+
+    if io is None:
+        return Unlocked(root)
+    return deterministic_fs(Unlocked)(root, io)
+
+
 def fs_adopted_schedule_reset(root: str, io: IO | None = None) -> Storage:
     """The filesystem queue (``fsync`` mode) whose ``find_inflight`` hands a dead owner's
     entry back with a fresh schedule (due now, no attempt counted) instead of the stored

@@ -128,6 +128,11 @@ CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec("multi-process", "processes sharing one queue race for the same entries; "
               "entries of a killed owner are found again", Kind.CONCURRENCY,
               ("C7", "C4"), Level.OPTIONAL, (Capability.MULTI_PROCESS,)),
+    CheckSpec("reader-elsewhere", "another process inspects queued mail and reads it in "
+              "pieces while this one delivers it and enqueues more: every reader gets the "
+              "committed bytes, never another message's, never a false CorruptionError",
+              Kind.CONCURRENCY, ("C13", "C9", "C6"), Level.OPTIONAL,
+              (Capability.MULTI_PROCESS, Capability.HOLD)),
     CheckSpec("streaming", "a 100 MB body enqueued and read back in bounded memory, "
               "byte for byte", Kind.STREAMING, ("C6",), Level.OPTIONAL,
               (Capability.STREAMING_BODIES,)),

@@ -72,6 +72,26 @@ def write_whole(io: IO, path: str, data: bytes, sync: Callable[[int], None]) -> 
         io.close(fd)
 
 
+def copy_whole(io: IO, src: str, dst: str, sync: Callable[[int], None],
+               chunk: int = 1 << 20) -> None:
+    """Create ``dst`` (it must not exist) with the bytes of ``src``, a chunk at a time,
+    ``sync`` it, close both.  Raises FileNotFoundError if ``src`` is gone (``dst`` is
+    then not created)."""
+    fin = io.open_read(src)
+    try:
+        fout = io.open_create(dst)
+        try:
+            pos = 0
+            while b := io.pread(fin, chunk, pos):
+                io.write(fout, b)
+                pos += len(b)
+            sync(fout)
+        finally:
+            io.close(fout)
+    finally:
+        io.close(fin)
+
+
 def remove_tree(io: IO, path: str) -> int:
     """Remove ``path`` and everything below it (symlinks are removed, never followed).
 

@@ -488,7 +488,9 @@ class FsQueue(FsMetadata, Storage):
         """Open a QUEUED or HELD entry's metadata and body without claiming it; None if
         its link is no longer where the handle says (claimed, held, dropped meanwhile).
         The message file stays readable while it is open even if the entry is delivered
-        and cleaned up meanwhile (it is never made a spare while a reader has it)."""
+        and cleaned up meanwhile, by this process or another: it is never made a spare
+        while a reader of this queue has it, and never reused while a reader of any
+        process holds its shared lock (``_hold_for_reading``)."""
         h: HeldMail | QueuedMail = (self._peek(mail, HeldMail) if isinstance(mail, HeldMail)
                                     else self._peek(mail, QueuedMail))
         e = self._entry(h)
@@ -504,9 +506,13 @@ class FsQueue(FsMetadata, Storage):
                         self._reader_closed(e.msgid)
                         return None
                     env, sched = got
+                    path = self.layout.msg_file(e.msgid)
                     try:
-                        fd = self.io.open_read(self.layout.msg_file(e.msgid))
+                        fd = self.io.open_read(path)
                     except FileNotFoundError:  # cleaned up since the link was read
+                        self._reader_closed(e.msgid)
+                        return None
+                    if not self._hold_for_reading(fd, path):
                         self._reader_closed(e.msgid)
                         return None
                 except BaseException:
@@ -520,6 +526,24 @@ class FsQueue(FsMetadata, Storage):
         return FsMailReader(self.io, fd, meta, env.body_sha256, None,
                             lambda why: self._body_corrupt(e, link, why),
                             lambda: self._reader_closed(e.msgid))
+
+    def _hold_for_reading(self, fd: int, path: str) -> bool:
+        """Take a shared lock on the message file open as ``fd`` and check that ``path``
+        still names it; else close ``fd``: False.  Another process may have delivered the
+        message meanwhile and kept its file as a spare (``spares.py``); it writes a new
+        message into a spare only under an exclusive lock, which it does not get while
+        this one is held, and it waits for none: it takes a new file instead.  A spare
+        being written into makes this wait until its writer closes it, and then no
+        longer be the message's file."""
+        try:
+            self.io.lock_file(fd, shared=True, blocking=True)
+            if self.io.same_file(fd, path):
+                return True
+        except BaseException:
+            self.io.close(fd)
+            raise
+        self.io.close(fd)
+        return False
 
     def _reader_closed(self, msgid: str) -> None:
         with self._reading_lock:

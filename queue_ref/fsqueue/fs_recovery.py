@@ -34,9 +34,12 @@ queue open and none can open it meanwhile.  Steps, in order:
    commit was cut short; ``queue-ref repair`` puts an intact one back in the queue.  A
    hard link of an entry no link names is reported too, then removed.
 7. **Verification**: the metadata of every queued and held entry is checked; corrupt entries and
-   messages are quarantined.  Every queued and held entry gets its domain index link
-   back if a power cut lost it (the index is never synced); exclusive recoveries also
-   remove index links of entries no link names (cleaned up, quarantined, uncommitted).
+   messages are quarantined.  Exclusive recoveries give an entry of a message of 2+
+   recipients its hard link back if damage took it (the link count is the reference
+   count: without it the other entries' cleanup would free the file).  Every queued and
+   held entry gets its domain index link back if a power cut lost it (the index is never
+   synced); exclusive recoveries also remove index links of entries no link names
+   (cleaned up, quarantined, uncommitted).
 8. Lock files of dead owners are removed.
 
 Every step is idempotent and leaves a state the next run accepts, so a crash inside
@@ -428,12 +431,15 @@ class Recovery:
                     continue
                 if index is None and not temp:
                     continue  # the message file: moved to quarantine above
-                if not dead and not temp and not n.endswith(".sched"):
+                if not dead and not temp and index is not None and not n.endswith(".sched"):
                     self.lost.add(msgid)
+                    copy = self.q._copy_body_aside(EntryName(msgid, int(index)))
                     self.problems.append(
                         f"entry {entry} lost: its hard link data/{n} is left but no link "
                         "names the entry (its link was removed, or a power cut cut its "
-                        "cleanup short); removed")
+                        "cleanup short); removed" + (
+                            f", the body its other entries hold copied to quarantine/"
+                            f"{os.path.basename(copy)}" if copy else ""))
                 path = join(self.lay.data, n)
                 if n.endswith(".sched") and (
                         self.io.exists(self.lay.quarantined(f"{entry}.note"))
@@ -500,11 +506,14 @@ class Recovery:
                     if_exists(self.io.unlink, link)
 
     def verify_queued(self) -> None:
+        relinked = False
         for e, path in sorted([*self.queue.items(), *self.held.items()]):
             try:
                 got = self.q._load_entry(e)
                 if got is not None and e.index < len(got[0].rcpts):
                     self._index(e, got[0].rcpts[e.index].address)
+                    if self.exclusive and len(got[0].rcpts) > 1:
+                        relinked |= self._restore_ref(e)
             except Corrupt as c:
                 if readlink_or_none(self.io, path) != e.target:
                     continue  # taken and cleaned up by a live process meanwhile
@@ -516,3 +525,28 @@ class Recovery:
                     rel = os.path.relpath(where, self.q.root)
                     if rel not in self.damaged:
                         self.damaged.append(rel)
+        if relinked:
+            self.q._sync_dirs(self.lay.data)
+
+    def _restore_ref(self, e: EntryName) -> bool:
+        """Exclusive only: give a verified entry of a message of 2+ recipients its hard
+        link ``data/<msgid>.<i>`` back if it is missing (or is another file, which goes
+        to quarantine).  The message's link count counts the entries that still need its
+        file; without the entry's link, the cleanup of the last other entry would free
+        the file while this one is queued (C1).  Nothing else removes the link of an
+        entry a link names, so a missing one is damage at rest: reported, and mended.
+        True if a link was made."""
+        ref, msg = self.lay.ref(e), self.lay.msg_file(e.msgid)
+        have, want = lstat_or_none(self.io, ref), lstat_or_none(self.io, msg)
+        if want is None or (have is not None and (have.st_dev, have.st_ino)
+                            == (want.st_dev, want.st_ino)):
+            return False
+        if have is not None:
+            self.junk(ref, "not a hard link of its message file")
+        try:
+            self.io.link(msg, ref)
+        except FileExistsError:
+            return False
+        self.problems.append(f"entry {e.entry_id}: its hard link data/{e.entry_id} was "
+                             "missing (its message's link count was one short); restored")
+        return True

@@ -29,7 +29,7 @@ import time
 from collections import OrderedDict
 from os.path import basename, join
 
-from queue_ref.fsqueue.diskutil import if_exists, lstat_or_none, write_whole
+from queue_ref.fsqueue.diskutil import copy_whole, if_exists, lstat_or_none, write_whole
 from queue_ref.fsqueue.fs_records import (
     TRAILER_LEN,
     Envelope,
@@ -306,13 +306,17 @@ class FsMetadata(FsSteps):
         return moved
 
     def _quarantine_entry(self, e: EntryName, link: str, reason: str) -> str:
-        """Move an entry with a corrupt schedule record to quarantine/: note, link, then the
-        record; the entry's hold on the message is then released as in cleanup.  Returns
-        the quarantined record's path."""
+        """Move an entry with a corrupt schedule record to quarantine/: note, a copy of the
+        body if other entries still hold it, link, then the record; the entry's hold on
+        the message is then released as in cleanup.  Returns the quarantined record's
+        path."""
         self._write_note(e.entry_id, f"entry {e.entry_id}: {reason}")
         dest = self.layout.quarantined(f"{e.entry_id}.sched")
+        copied = self._copy_body_aside(e)
         if not self._move_link(link, self.layout.quarantined(f"{basename(link)}.link")):
-            return dest  # the entry moved on meanwhile: whoever holds it now sees the same
+            if copied is not None:  # the entry moved on meanwhile: whoever holds it now
+                if_exists(self.io.unlink, copied)  # sees the same, and copies again
+            return dest
         self._sync_dirs(os.path.dirname(link), self.layout.quarantine)
         if self._move_link(self.layout.sched(e), dest):
             self._sync_dirs(self.layout.data, self.layout.quarantine)
@@ -320,6 +324,31 @@ class FsMetadata(FsSteps):
             self._sync_dirs(self.layout.data, self.layout.quarantine)
         else:
             self._sync_dirs(self.layout.data)
+        return dest
+
+    def _copy_body_aside(self, e: EntryName) -> str | None:
+        """Copy the intact body of a quarantined entry to ``quarantine/<entry>.msg`` while
+        other entries still hold its message file (their cleanup frees it later, and the
+        entry's recipient would have nothing left to be sent from): durably, before the
+        entry's link moves, so that a crash in between leaves the entry to quarantine
+        again.  The path of the copy made, or None (this entry is the file's last holder:
+        its release keeps the file itself, see ``_body_keeper``; or a copy is there)."""
+        src, dest = self.layout.msg_file(e.msgid), self._body_keeper(e)
+        st, own = lstat_or_none(self.io, src), lstat_or_none(self.io, self.layout.ref(e))
+        if dest is None or st is None or self.io.exists(dest):
+            return None
+        mine = own is not None and (own.st_dev, own.st_ino) == (st.st_dev, st.st_ino)
+        if st.st_nlink - 1 - mine < 1:
+            return None
+        tmp = f"{dest}.{self.owner}.tmp"
+        if_exists(self.io.unlink, tmp)
+        try:
+            copy_whole(self.io, src, tmp, self._sync_file)
+        except FileNotFoundError:
+            if_exists(self.io.unlink, tmp)
+            return None  # freed meanwhile: the entry moved on
+        self.io.rename(tmp, dest)
+        self._sync_dirs(self.layout.quarantine)
         return dest
 
     def _body_keeper(self, e: EntryName) -> str | None:

@@ -147,10 +147,27 @@ class FsSteps:
                 with suppress(OSError):
                     self.io.unlink(path)
             else:
-                tx.path, tx.body_fd, tx.reused, tx.started = path, fd, size, True
-                return
+                if self._exclusive_spare(fd):
+                    tx.path, tx.body_fd, tx.reused, tx.started = path, fd, size, True
+                    return
+                with suppress(OSError):  # another process still reads its old message:
+                    self.io.unlink(path)  # leave the file to it and take a new one
         tx.body_fd = self.io.open_create(tx.path)
         tx.started = True
+
+    def _exclusive_spare(self, fd: int) -> bool:
+        """Lock a spare file opened for writing, exclusively and without waiting: False
+        (``fd`` closed) if a reader in another process still holds its shared lock on
+        the delivered message the file held (``FsQueue.inspect_entry``).  The lock goes
+        when the message file is closed, before its commit publishes it."""
+        try:
+            if self.io.lock_file(fd, shared=False):
+                return True
+        except OSError:
+            pass
+        with suppress(OSError):
+            self.io.close(fd)
+        return False
 
     def _write_body(self, tx: MessageTx, chunk: bytes) -> None:
         """Append a chunk to the message and to its running sha256.  Bytes are held back

@@ -42,6 +42,7 @@ import plyvel  # type: ignore[import-untyped]
 
 from queue_ref.kv.base import KV, WriteBatch
 from queue_ref.kv.engine_errors import DatabaseCorruptError, DatabaseLockedError
+from queue_ref.kv.leveldb_manifest import missing_log
 from queue_ref.storage import ClosedError, InvalidInputError
 
 LOCK_NAME = "queue-ref.lock"
@@ -76,6 +77,18 @@ def os_error(what: str, e: Exception, path: str, *, reading: bool = True) -> OSE
     if "No space left" in text or "Disk quota" in text:
         return OSError(errno.ENOSPC, f"{what}: {text}")
     return OSError(errno.EIO, f"{what}: {text}")
+
+
+def _refuse_without_log(path: str) -> None:
+    """LevelDB opens without the log its manifest names if that log is gone, and the
+    writes acknowledged since its last table was written go with it, without a word (after
+    a crash nothing recorded them elsewhere): refuse instead (``leveldb_manifest``)."""
+    name = missing_log(path)
+    if name is not None:
+        raise DatabaseCorruptError(
+            os.path.join(path, name), "missing: the store's manifest names it as the log "
+            "of the writes made since its last table was written (LevelDB would open "
+            "without them and say nothing)", repair=(path, BACKEND))
 
 
 def _refuse_without_current(path: str) -> None:
@@ -132,6 +145,7 @@ class LevelDBEngine(KV):
             raise DatabaseLockedError(self.path) from None
         try:
             _refuse_without_current(self.path)
+            _refuse_without_log(self.path)
             self._open_db(create_if_missing=True)
         except plyvel.IOError as e:
             os.close(self._lock_fd)

@@ -370,6 +370,7 @@ def repair_leveldb(path: str, reopen: Callable[[], Reopened]) -> Repaired:
     import plyvel  # type: ignore[import-untyped]
 
     from queue_ref.kv.leveldb import LOCK_NAME, OPTIONS, os_error
+    from queue_ref.kv.leveldb_manifest import missing_log
 
     io = OsIO()
     if not os.path.isdir(path):
@@ -384,6 +385,11 @@ def repair_leveldb(path: str, reopen: Callable[[], Reopened]) -> Repaired:
         rest, problems, kept = atrest.take(io, path)
         if rest is not None:
             actions.append("compared with the record of the last clean close")
+        # a log the manifest names that is gone: what it held is lost, ids unknown
+        gone = missing_log(path)
+        damage = [] if gone is None else [Damage(
+            os.path.join(path, gone), f"{gone}, which the store's manifest names as its "
+            "log, is missing")]
         lost_dir = os.path.join(path, "lost")
         before = set(os.listdir(lost_dir)) if os.path.isdir(lost_dir) else set()
         try:
@@ -398,4 +404,4 @@ def repair_leveldb(path: str, reopen: Callable[[], Reopened]) -> Repaired:
         kept = kept + [os.path.join("lost", n) for n in archived]
     finally:
         os.close(fd)
-    return _finish(reopen, path, [], problems, kept, actions)
+    return _finish(reopen, path, damage, problems, kept, actions)
