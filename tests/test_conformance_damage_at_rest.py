@@ -483,3 +483,33 @@ def test_a_queue_that_keeps_no_copy_of_a_shared_body_for_a_lost_entry_is_c6(seed
     assert gone and any(":queue/" in f.scenario for f in gone)
     assert "C6" in [f.clause for f in damage_at_rest_check.replay(broken, gone[0].scenario)]
     assert damage_at_rest_check.replay(Backend.from_factory(FS), gone[0].scenario) == []
+
+
+def test_a_leveldb_queue_that_trusts_the_logs_it_finds_loses_mail_after_a_crash() -> None:
+    """The killed template: no clean close recorded what the store held, and its log is
+    removed.  LevelDB opens without it and says nothing; a queue that does not read the
+    manifest for the log it needs serves an empty queue, every message unnamed (C6).
+    The real queue refuses, and its repair counts the log in ``lost_unknown``."""
+    broken = Backend.from_factory(f"{BROKEN}:kv_leveldb_log_trusted")
+    res = damage_at_rest_check.run(broken, QUICK, 26)
+    assert [f.clause for f in res.findings] == ["C6"]
+    (f,) = res.findings
+    assert ":killed=" in f.scenario and ":removal:" in f.scenario and f.scenario.endswith(".log")
+    assert "neither delivered nor named lost" in f.detail
+    assert res.stats["killed_trials"] > 0
+    real = Backend.from_factory("conformance.examples.backends:kv_leveldb")
+    assert damage_at_rest_check.replay(real, f.scenario) == []
+
+
+def test_sqlite_in_wal_mode_drops_transactions_after_wal_damage_after_a_crash() -> None:
+    """SQLite reads its WAL up to the first frame that fails its checksum: after a crash
+    (no checkpoint) a flipped bit there drops every later transaction, so acknowledged
+    mail goes unnamed and delivered mail comes back.  The killed template finds it; the
+    example's default (rollback journal) keeps committed data in the database file and
+    passes the same trials."""
+    wal = Backend.from_factory("conformance.examples.sqlite_backend:factory_wal")
+    res = damage_at_rest_check.run(wal, QUICK, 26)
+    assert res.status is Status.FAIL
+    assert {f.clause for f in res.findings} <= {"C3", "C6"}
+    assert all(":killed=" in f.scenario and "-wal" in f.scenario for f in res.findings)
+    assert any(f.clause == "C3" and "came back" in f.detail for f in res.findings)

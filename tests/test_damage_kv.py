@@ -46,6 +46,22 @@ def drain(q: KvQueue) -> list[str]:
     return out
 
 
+def filled_and_killed(path: str, opener: Opener) -> None:
+    """Three messages enqueued by a child process that then dies without closing the
+    queue (``os._exit``: no clean-close record)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            q = opener(path)
+            for i in range(3):
+                with q.enqueue("from@example.org") as e:
+                    e.write(b"body %d" % i)
+                    e.commit([Recipient(f"r{i}@example.net", Schedule(0))])
+        finally:
+            os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+
+
 def newest(path: str, suffix: str) -> Path:
     return sorted(Path(path).glob(f"*{suffix}"))[-1]
 
@@ -288,17 +304,7 @@ def test_a_log_removed_after_a_crash_is_counted_lost_by_the_repair(tmp_path: Pat
     the lost ids, counts what the missing file held in ``lost_unknown`` instead of
     reporting nothing lost."""
     path = str(tmp_path / "q")
-    pid = os.fork()
-    if pid == 0:  # the child fills the queue and dies without closing it
-        try:
-            q = KvQueue.open_log(path)
-            for i in range(3):
-                with q.enqueue("from@example.org") as e:
-                    e.write(b"body %d" % i)
-                    e.commit([Recipient(f"r{i}@example.net", Schedule(0))])
-        finally:
-            os._exit(0)
-    assert os.waitpid(pid, 0)[1] == 0
+    filled_and_killed(path, KvQueue.open_log)
     assert not os.path.exists(os.path.join(path, "queue-ref.closed"))
     os.unlink(newest(path, ".log"))
     with pytest.raises(DamagedStoreError, match="queue-ref repair") as refused:
@@ -317,17 +323,7 @@ def test_a_leveldb_log_removed_after_a_crash_is_refused_and_counted_by_the_repai
     it held in ``lost_unknown``, and the repaired queue opens (empty: everything was in
     the log)."""
     path = str(tmp_path / "q")
-    pid = os.fork()
-    if pid == 0:  # the child fills the queue and dies without closing it
-        try:
-            q = KvQueue.open_leveldb(path)
-            for i in range(3):
-                with q.enqueue("from@example.org") as e:
-                    e.write(b"body %d" % i)
-                    e.commit([Recipient(f"r{i}@example.net", Schedule(0))])
-        finally:
-            os._exit(0)
-    assert os.waitpid(pid, 0)[1] == 0
+    filled_and_killed(path, KvQueue.open_leveldb)
     assert not os.path.exists(os.path.join(path, "queue-ref.closed"))
     log = newest(path, ".log")
     os.unlink(log)
@@ -347,17 +343,7 @@ def test_a_leveldb_log_removed_after_a_crash_is_refused_and_counted_by_the_repai
 def test_a_leveldb_store_with_its_log_opens_after_a_crash(tmp_path: Path) -> None:
     """The same crash with the log in place: nothing refused, every message there."""
     path = str(tmp_path / "q")
-    pid = os.fork()
-    if pid == 0:
-        try:
-            q = KvQueue.open_leveldb(path)
-            for i in range(3):
-                with q.enqueue("from@example.org") as e:
-                    e.write(b"body %d" % i)
-                    e.commit([Recipient(f"r{i}@example.net", Schedule(0))])
-        finally:
-            os._exit(0)
-    assert os.waitpid(pid, 0)[1] == 0
+    filled_and_killed(path, KvQueue.open_leveldb)
     q = KvQueue.open_leveldb(path)
     try:
         assert len(list(q.list_queue())) == 3

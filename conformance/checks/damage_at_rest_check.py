@@ -53,6 +53,14 @@ newer table for a deletion loses the older table's messages).  Then every file w
 kind the first template has none of (a table, say) is damaged every way, then flipped
 ``DEEP_FLIPS`` times outside every body (a *structure flip*: in keys, lengths, headers,
 where no body digest can see it), with the same requirements.
+
+Both templates are filled once more by a child process that is then killed (SIGKILL)
+with the queue open (plans ``killed`` and ``deep-killed``; ``damage_templates.py``): a
+store that compares what it finds with the record of its last clean close has none to
+compare with, so damage meets a store recovering from a crash (a log removed then must
+still be named: LevelDB replays the logs it finds and says nothing of one that is gone).
+The small one has nothing damaged, then every file once and ``EXTRA_FLIPS`` bit flips of
+each; the deep one is read back undamaged.
 """
 
 from __future__ import annotations
@@ -65,9 +73,16 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from conformance.checks.damage_templates import (
+    DEEP_STEPS,
+    DOMAIN,
+    KILLED,
+    SHALLOW_STEPS,
+    Template,
+    fill,
+)
 from conformance.checks.file_damage import (
     KINDS,
     NOTHING,
@@ -90,137 +105,19 @@ from queue_ref.storage import (
     CorruptionError,
     DamagedStoreError,
     QueueError,
-    Recipient,
     RecoveryReport,
-    Schedule,
     Storage,
 )
 
-DOMAIN = "example.net"  # every recipient's: list_domain must give what list_queue gives
 __all__ = ["Damage", "after_flip", "copy_tree", "damage", "outside_bodies", "replay", "run",
            "scenario_id"]
-MESSAGES = 8
-CLEANED = 2  # messages delivered and cleaned up before the damage
-RESCHEDULED = 2  # messages one entry of which is rescheduled before the damage
-#: One message of the template, with others after it, has a body of LARGE_BODY bytes: a
-#: store that writes a body as several records (the KV queues' 64 KiB chunks) has them
-#: damaged one by one, and its log passes a megabyte (a checksum or a scan that covers
-#: only the start of a large file is met).
-LARGE_AT = 5
-LARGE_BODY = 2_200_000
-#: The deep template: recipients of its first message, size of its two large bodies, and
-#: how many of the first message's entries are delivered between the two.
-DEEP_RCPTS = 200
-DEEP_BODY = 5 << 20
-DEEP_DELIVERED = 3
 #: Structure flips of each new kind of file of the deep template (most flips there are
 #: caught by a record's own checksum, or harmless: few reach a key the store misreads).
 DEEP_FLIPS = 64
 #: Most trials on the deep template in the quick profile (its first, undamaged, included).
 DEEP_QUICK_TRIALS = 72
-
-
-def _body(i: int) -> bytes:
-    return b"Subject: at rest %d\r\n\r\n" % i + (b"line %03d of the body\r\n" % i) * (20 + 13 * i)
-
-
-def _deep_body(i: int, size: int) -> bytes:
-    """``size`` bytes of numbered lines: no two chunks of a body alike."""
-    head = b"Subject: deep %d\r\n\r\n" % i
-    lines = b"".join(b"line %07d of deep body %d\r\n" % (k, i)
-                     for k in range(size // 28 + 1))
-    return (head + lines)[:size]
-
-
-@dataclass
-class Template:
-    """What a template queue holds: message id -> body of the messages still queued,
-    entry id -> recipient and -> message id, the messages delivered and cleaned up, and
-    the entries delivered (send_done) but not cleaned up."""
-
-    want: dict[str, bytes] = field(default_factory=dict)
-    rcpt_of: dict[str, str] = field(default_factory=dict)
-    message_of: dict[str, str] = field(default_factory=dict)
-    cleaned: set[str] = field(default_factory=set)
-    sent: set[str] = field(default_factory=set)
-    #: ``outside_bodies`` of each file, by name: every trial's copy holds the same bytes
-    outside: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
-
-    def structure(self, rel: str) -> Callable[[bytes], list[tuple[int, int]]]:
-        """Where file ``rel`` holds no body, computed once for all its trials."""
-        def ranges(data: bytes) -> list[tuple[int, int]]:
-            if rel not in self.outside:
-                self.outside[rel] = outside_bodies(data, list(self.want.values()))
-            return self.outside[rel]
-        return ranges
-
-    def enqueue(self, store: Storage, i: int, body: bytes, rcpts: int) -> str:
-        addrs = [Recipient(f"r{i}.{k}@{DOMAIN}", Schedule(i)) for k in range(rcpts)]
-        with store.enqueue(f"s{i}@example.org") as enq:
-            enq.write(body)
-            handles = enq.commit(addrs)
-        self.want[handles[0].message_id] = body
-        for h, r in zip(handles, addrs, strict=True):
-            self.rcpt_of[h.entry_id] = r.address
-            self.message_of[h.entry_id] = h.message_id
-        return handles[0].message_id
-
-    def reschedule(self, store: Storage, message: str) -> None:
-        """Give the first listed entry of ``message`` a schedule of its own (a store may
-        keep it in a record apart from the message: damage must reach it too)."""
-        h = next(h for h in store.list_queue() if h.message_id == message)
-        if store.reschedule(h, Schedule(h.schedule.at + 1000, h.schedule.attempts + 1)) is None:
-            raise RuntimeError(f"filling the template: entry {h.entry_id} could not be "
-                               "rescheduled by the queue's only user")
-
-    def deliver(self, store: Storage, message: str, entries: int | None) -> None:
-        """Deliver ``entries`` entries of ``message`` (or all of it, cleaned up)."""
-        if entries is None:
-            self.cleaned.add(message)
-            self.want.pop(message, None)
-        done = 0
-        for h in list(store.list_queue()):
-            if h.message_id != message or (entries is not None and done == entries):
-                continue
-            f = store.send_start(h)
-            finished = store.send_done(f) if f is not None else None
-            if finished is None:
-                raise RuntimeError(f"filling the template: entry {h.entry_id} could not be "
-                                   "claimed and sent by its only user")
-            done += 1
-            self.sent.add(h.entry_id)
-            if entries is None:
-                store.cleanup(finished)
-
-
-def _fill(backend: Backend, root: str, deep: bool = False) -> Template:
-    """A template queue (the deep one when ``deep``), and what it holds."""
-    t = Template()
-    store = backend.open(root)
-    try:
-        if deep:
-            first = t.enqueue(store, 0, _body(0), DEEP_RCPTS)
-            t.enqueue(store, 1, _deep_body(1, DEEP_BODY), 1)
-            t.deliver(store, first, DEEP_DELIVERED)
-            t.enqueue(store, 2, _deep_body(2, DEEP_BODY), 1)
-        else:
-            for i in range(MESSAGES - 1):
-                body = _deep_body(i, LARGE_BODY) if i == LARGE_AT else _body(i)
-                t.enqueue(store, i, body, 1 + i % 2)
-            listed: list[str] = []  # the messages in the order the queue lists them
-            for h in store.list_queue():
-                if h.message_id not in listed:
-                    listed.append(h.message_id)
-            for m in listed[:CLEANED]:
-                t.deliver(store, m, None)
-            for m in listed[CLEANED:CLEANED + RESCHEDULED]:
-                t.reschedule(store, m)
-            # the last message comes after them all: a log's last record is its commit
-            # (a flip near the end of a log hits a message, past its first megabyte)
-            t.enqueue(store, MESSAGES - 1, _body(MESSAGES - 1), 1 + (MESSAGES - 1) % 2)
-    finally:
-        store.close()
-    return t
+#: Most trials on the killed template in the quick profile (its first, undamaged, included).
+KILLED_QUICK_TRIALS = 40
 
 
 QUICK_TRIALS = 160
@@ -277,6 +174,17 @@ def _deep_plan(files: list[str], known: set[str], thorough: bool,
         rng.shuffle(extra)
         plan += ways + extra
     return plan if thorough else plan[:DEEP_QUICK_TRIALS]
+
+
+def _killed_plan(files: list[str], thorough: bool, rng: random.Random) -> list[tuple[str, str]]:
+    """The killed template's trials: nothing damaged, then every file once (in a random
+    way), then ``EXTRA_FLIPS`` bit flips of each; all of it when ``thorough``, else the
+    first ``KILLED_QUICK_TRIALS``."""
+    first = [(f, rng.choice(KINDS)) for f in files]
+    extra = [(f, "bit flip") for f in files for _ in range(EXTRA_FLIPS)]
+    rng.shuffle(extra)
+    plan = [("", NOTHING), *first, *extra]
+    return plan if thorough else plan[:KILLED_QUICK_TRIALS]
 
 
 def _kind(rel: str) -> str:
@@ -516,11 +424,15 @@ def _shape(rel: str) -> str:
     return re.sub(r"[0-9a-f]{8,}", "#", rel)
 
 
-SHALLOW_STEPS = (f"fill a queue of {MESSAGES} messages (one of {LARGE_BODY:,} bytes), deliver "
-                 f"{CLEANED}, reschedule an entry of {RESCHEDULED} others, close")
-DEEP_STEPS = (f"fill a queue with a message of {DEEP_RCPTS} recipients, a {DEEP_BODY >> 20} MiB "
-              f"body, deliver {DEEP_DELIVERED} entries of the first, another "
-              f"{DEEP_BODY >> 20} MiB body, close")
+#: The plans, each over a template of its own: the small queue closed cleanly, the deep
+#: one, and both left by a filler that was killed instead of closing (no clean-close
+#: record: what a store compares with at its next open is not there).
+PLANS = ("trial", "deep", "killed", "deep-killed")
+STEPS_OF = {"trial": SHALLOW_STEPS, "deep": DEEP_STEPS,
+            "killed": SHALLOW_STEPS.replace(", close", KILLED),
+            "deep-killed": DEEP_STEPS.replace(", close", KILLED)}
+STATS_OF = {"trial": "trials", "deep": "deep_trials", "killed": "killed_trials",
+            "deep-killed": "killed_trials"}
 
 
 def _trials(backend: Backend, seed: int, every_way: bool, only: tuple[str, int] | None,
@@ -533,24 +445,30 @@ def _trials(backend: Backend, seed: int, every_way: bool, only: tuple[str, int] 
     thorough = every_way or only is not None
     try:
         known: set[str] = set()  # the kinds of file of the first template
-        for plan_name in ("trial", "deep"):
-            deep = plan_name == "deep"
-            if deep and only is not None and only[0] != plan_name:
-                break
+        for plan_name in PLANS:
+            # the deep plan needs the kinds of file of the first template
+            if only is not None and only[0] != plan_name and (plan_name, only[0]) != (
+                    "trial", "deep"):
+                continue
+            deep = plan_name.startswith("deep")
             template = os.path.join(base, plan_name)
             os.mkdir(template)
-            filled = _fill(backend, template, deep)
+            filled = fill(backend, template, deep, killed=plan_name.endswith("killed"))
             files = files_of(template)
-            if deep:
+            if plan_name == "deep":
                 plan = _deep_plan(files, known, thorough, random.Random(f"{seed}:deep"))
                 stats["deep_files"] = len({f for f, _ in plan[1:]})
-            else:
+            elif plan_name == "trial":
                 known = {_kind(f) for f in files}
                 stats["files"] = len(files)
                 if only is not None and only[0] != plan_name:
-                    continue  # the deep plan needs only the kinds of file
+                    continue
                 links = frozenset(f for f in files if os.path.islink(os.path.join(template, f)))
                 plan = _plan(files, thorough, random.Random(seed), links)
+            elif plan_name == "killed":
+                plan = _killed_plan(files, thorough, random.Random(f"{seed}:killed"))
+            else:  # the deep template read back after its filler was killed
+                plan = [("", NOTHING)]
             if only is not None and expect is not None:
                 n = only[1]
                 if not 0 <= n < len(plan):
@@ -564,17 +482,18 @@ def _trials(backend: Backend, seed: int, every_way: bool, only: tuple[str, int] 
             for n, (rel, kind) in enumerate(plan):
                 if only is not None and n != only[1]:
                     continue
-                stats["deep_trials" if deep else "trials"] += 1
-                rng = random.Random(f"{seed}:deep:{n}" if deep else f"{seed}:{n}")
-                _trial(backend, template, rel, kind, rng, filled,
-                       DEEP_STEPS if deep else SHALLOW_STEPS, findings, stats,
-                       scenario_id(seed, n, kind, rel, plan_name))
+                stats[STATS_OF[plan_name]] += 1
+                rng = random.Random(f"{seed}:{n}" if plan_name == "trial"
+                                    else f"{seed}:{plan_name}:{n}")
+                _trial(backend, template, rel, kind, rng, filled, STEPS_OF[plan_name],
+                       findings, stats, scenario_id(seed, n, kind, rel, plan_name))
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
 
 def _stats() -> dict[str, int]:
-    return {"files": 0, "trials": 0, "deep_files": 0, "deep_trials": 0, "refused": 0,
+    return {"files": 0, "trials": 0, "deep_files": 0, "deep_trials": 0, "killed_trials": 0,
+            "refused": 0,
             "repaired": 0, "refused_later": 0, "detected": 0, "delivered": 0, "named_lost": 0}
 
 
@@ -604,10 +523,10 @@ def replay(backend: Backend, scenario: str) -> list[Finding]:
     parts = scenario.split(":", 4)
     plan, _, number = parts[2].partition("=") if len(parts) > 2 else ("", "", "")
     if (len(parts) < 4 or parts[0] != "damage-at-rest" or not parts[1].startswith("seed=")
-            or plan not in ("trial", "deep") or not number.isdigit()
+            or plan not in PLANS or not number.isdigit()
             or not parts[1][5:].isdigit()):
-        raise ValueError(f"{scenario!r}: expected damage-at-rest:seed=S:trial=N:<kind>:<file> "
-                         "or damage-at-rest:seed=S:deep=N:<kind>:<file>")
+        raise ValueError(f"{scenario!r}: expected damage-at-rest:seed=S:<plan>=N:<kind>:<file> "
+                         f"(plan: one of {', '.join(PLANS)})")
     findings: list[Finding] = []
     expect = (parts[3], parts[4]) if len(parts) == 5 else None
     for _ in range(REPLAY_TRIES):

@@ -30,14 +30,18 @@ lost (C6).
 from __future__ import annotations
 
 import hashlib
-import shutil
-import tempfile
 import time
 from typing import Any
 
 from conformance.harness.backend_factory import Backend
 from conformance.harness.check_catalog import NO_CRASH
-from conformance.harness.check_results import CheckResult, Finding, Status, finished
+from conformance.harness.check_results import (
+    CheckResult,
+    Finding,
+    Status,
+    findings_in_scratch,
+    finished,
+)
 from conformance.harness.child_process import Channel, Child
 from queue_ref.storage import (
     CorruptionError,
@@ -190,12 +194,8 @@ def replay(backend: Backend) -> list[Finding]:
 
 
 def _run(backend: Backend, stats: dict[str, int]) -> list[Finding]:
-    root = tempfile.mkdtemp(prefix="queue-ref-reader-elsewhere-")
-    try:
-        found = _steps(backend, root, stats)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    return [Finding(c, d, SCENARIO, NO_CRASH, STEPS) for c, d in found]
+    return findings_in_scratch("queue-ref-reader-elsewhere-",
+                               lambda root: _steps(backend, root, stats), SCENARIO, STEPS)
 
 
 def run(backend: Backend) -> CheckResult:

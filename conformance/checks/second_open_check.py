@@ -22,14 +22,18 @@ Scenario ``second-open``: the same steps (they draw nothing at random).
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from typing import Any
 
 from conformance.harness.backend_factory import Backend
 from conformance.harness.check_catalog import NO_CRASH
-from conformance.harness.check_results import CheckResult, Finding, Status, finished
+from conformance.harness.check_results import (
+    CheckResult,
+    Finding,
+    Status,
+    findings_in_scratch,
+    finished,
+)
 from conformance.harness.child_process import Channel, Child
 from queue_ref.storage import QueueError, Recipient, Schedule, Storage
 
@@ -134,12 +138,8 @@ def replay(backend: Backend) -> list[Finding]:
 
 
 def _run(backend: Backend, stats: dict[str, int]) -> list[Finding]:
-    root = tempfile.mkdtemp(prefix="queue-ref-second-open-")
-    try:
-        found = _steps(backend, root, stats)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    return [Finding(c, d, SCENARIO, NO_CRASH, STEPS) for c, d in found]
+    return findings_in_scratch("queue-ref-second-open-",
+                               lambda root: _steps(backend, root, stats), SCENARIO, STEPS)
 
 
 def run(backend: Backend) -> CheckResult:

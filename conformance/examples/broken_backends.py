@@ -713,6 +713,28 @@ def kv_leveldb_names_unsynced(root: str) -> Storage:
         leveldb.LevelDBEngine = real  # type: ignore[misc]
 
 
+def kv_leveldb_log_trusted(root: str) -> Storage:
+    """The KV queue on LevelDB that opens whatever logs LevelDB finds, as LevelDB alone
+    does (the project's queue did this until the killed templates of damage-at-rest): a
+    log removed after a crash, when no clean close recorded what the store held, takes
+    every message acknowledged since the last table with it, and nothing names one.  A
+    cleanly closed store is still judged against its clean-close record, so only
+    damage-at-rest's killed template fails it (C6)::
+
+        queue-ref certify conformance.examples.broken_backends:kv_leveldb_log_trusted \\
+            --only damage-at-rest
+    """
+    from queue_ref.kv import leveldb
+    from queue_ref.kv.kv_queue import KvQueue
+
+    real = leveldb._refuse_without_log
+    leveldb._refuse_without_log = lambda path: None  # the bug: the manifest is not read
+    try:
+        return KvQueue.open_leveldb(root)
+    finally:
+        leveldb._refuse_without_log = real
+
+
 # ---- message ids --------------------------------------------------------------------------
 
 def fs_ids_repeat_on_a_stalled_clock(root: str, io: IO | None = None) -> Storage:

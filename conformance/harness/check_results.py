@@ -13,8 +13,13 @@ that replays it, and what was seen.  A check *result* holds its findings and its
 from __future__ import annotations
 
 import enum
+import shutil
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from conformance.harness.check_catalog import NO_CRASH
 
 
 class Status(enum.Enum):
@@ -76,6 +81,18 @@ def finished(check: str, model: str, findings: list[Finding], **kw: Any) -> Chec
     """A result that passes when ``findings`` is empty, fails otherwise."""
     status = Status.FAIL if findings else Status.PASS
     return CheckResult(check, model, status, _dedupe(findings), **kw)
+
+
+def findings_in_scratch(prefix: str, steps: Callable[[str], list[tuple[str, str]]],
+                        scenario: str, step_texts: tuple[str, ...]) -> list[Finding]:
+    """Run ``steps`` (root -> [(clause, detail)]) on a fresh directory, removed after, and
+    make its answers findings of ``scenario`` (no crash; for checks of fixed steps)."""
+    root = tempfile.mkdtemp(prefix=prefix)
+    try:
+        found = steps(root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return [Finding(c, d, scenario, NO_CRASH, step_texts) for c, d in found]
 
 
 def _dedupe(findings: list[Finding], per_clause: int = 5) -> list[Finding]:
