@@ -107,8 +107,27 @@ def test_a_find_inflight_that_adopts_a_live_owners_claims_is_c7() -> None:
 def test_a_recovery_that_removes_a_live_owners_enqueue_is_caught() -> None:
     """Its commit fails with no fault injected, or its message is gone afterwards."""
     found = lifecycle_edges_check.replay(Backend.from_factory(deletes_live_enqueues),
-                                         "lifecycle-edges:enqueue:pair:2")
+                                         "lifecycle-edges:enqueue:pair:1")
     assert any(f.clause == "C2" and "enqueue failed" in f.detail for f in found), found
+
+
+@pytest.mark.parametrize("seed", [1, 26])
+def test_a_recovery_that_takes_a_live_commits_hard_links_is_c1(seed: int) -> None:
+    """Beside the actor's open queue another owner left an uncommitted enqueue; the
+    observer's recovery, removing it, also takes the hard links the actor's commit made
+    before its rename.  The commit returns with a link count of one, and the observer,
+    delivering what is left while the actor still has the queue open, frees the file with
+    the first entry: the second is lost.  The quick profile meets it (both targets of
+    ``enqueue``); the real queue passes the same trial."""
+    broken = Backend.from_factory("conformance.examples.broken_backends:"
+                                  "fs_live_commit_refs_swept")
+    res = lifecycle_edges_check.run(broken, QUICK, seed)
+    assert res.status is Status.FAIL and {f.clause for f in res.findings} == {"C1"}
+    assert all(f.scenario.startswith("lifecycle-edges:enqueue:pair:") for f in res.findings)
+    first = res.findings[0].scenario
+    assert {f.clause for f in lifecycle_edges_check.replay(broken, first)} == {"C1"}
+    fs = Backend.from_factory("conformance.examples.backends:fs")
+    assert lifecycle_edges_check.replay(fs, first) == []
 
 
 def test_sigstop_finds_the_same_bug_in_a_backend_without_the_seam() -> None:

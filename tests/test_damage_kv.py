@@ -349,3 +349,24 @@ def test_a_leveldb_store_with_its_log_opens_after_a_crash(tmp_path: Path) -> Non
         assert len(list(q.list_queue())) == 3
     finally:
         q.close()
+
+
+def test_a_leveldb_repair_killed_after_repairdb_still_counts_the_missing_log(
+        tmp_path: Path) -> None:
+    """RepairDB writes a manifest that names no log, so a rerun after a repair that died
+    past it would not see the missing log: the repair records it first and forgets it
+    only once it is reported."""
+    path = str(tmp_path / "q")
+    filled_and_killed(path, KvQueue.open_leveldb)
+    os.unlink(newest(path, ".log"))
+
+    def dies() -> KvQueue:
+        raise KeyboardInterrupt("killed after RepairDB")
+
+    with pytest.raises(KeyboardInterrupt):
+        salvage.repair_leveldb(path, dies)
+    assert os.path.exists(os.path.join(path, salvage.LOST_LOG))
+    done = KvQueue.repair_leveldb(path)
+    assert done.report.lost_unknown == 1
+    assert not os.path.exists(os.path.join(path, salvage.LOST_LOG))
+    assert KvQueue.repair_leveldb(path).report.lost_unknown == 0  # reported once, done

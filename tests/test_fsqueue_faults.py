@@ -374,8 +374,11 @@ def test_corrupt_schedule_quarantines_only_that_entry(loaded: Any, root: str) ->
     assert entries(q) == [h[0].entry_id, h[2].entry_id]
     qdir = sorted(os.listdir(os.path.join(root, "quarantine")))
     assert qdir == sorted([f"{h[1].entry_id}.note", f"{h[1].entry_id}.link",
-                           f"{h[1].entry_id}.sched"])
+                           f"{h[1].entry_id}.sched", f"{h[1].entry_id}.msg"])
     assert not os.path.exists(os.path.join(root, "data", h[1].entry_id))  # released
+    with open(os.path.join(root, "quarantine", f"{h[1].entry_id}.msg"), "rb") as kept, \
+            open(os.path.join(root, "data", h[1].message_id), "rb") as shared:
+        assert kept.read() == shared.read()  # the body its recipient still needs
     for k in (h[0], h[2]):
         for m in q.list_queue():
             if m.entry_id == k.entry_id:

@@ -254,3 +254,52 @@ def test_an_inspect_after_the_file_was_reused_finds_the_entry_gone(root: str) ->
     finally:
         a.close()
         b.close()
+
+
+def test_a_reader_that_opened_a_file_now_written_as_a_spare_does_not_wait(root: str
+                                                                         ) -> None:
+    """B opens the message file; before it takes its shared lock, A delivers the message
+    and starts writing a large message into the file (its exclusive lock held while the
+    body streams in).  B must not wait for that client: the file is no longer the
+    message's, and the inspection answers None at once."""
+    a, b = FsQueue(root), FsQueue(root)
+    try:
+        (h,) = put(a, n=1, body=b"first\r\n")
+        stale = next(iter(b.list_queue()))
+        opened = b.io.open_read
+
+        def open_then_reuse(path: str) -> int:
+            fd = opened(path)
+            finish(a, h)  # the file becomes A's spare
+            writer = a.enqueue("slow@example.com")
+            writer.write(b"x" * (1 << 17))  # past the body buffer: the spare is locked
+            held.append(writer)
+            return fd
+
+        held: list[Any] = []
+        b.io.open_read = open_then_reuse  # type: ignore[method-assign]
+        assert b.inspect_entry(stale) is None
+        b.io.open_read = opened  # type: ignore[method-assign]
+        held[0].abort()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_entry_quarantined_by_two_owners_at_once_keeps_its_body_copy(root: str) -> None:
+    """A copies the body aside, then finds the entry's link already moved by B, who saw
+    A's copy and made none: A keeps its copy (B relies on it)."""
+    from queue_ref.fsqueue.layout import EntryName
+
+    a = FsQueue(root)
+    try:
+        hs = put(a, n=2, body=b"Subject: two\r\n\r\nshared body\r\n")
+        e = EntryName(hs[0].message_id, 0)
+        link = a.layout.queue_link(e)
+        os.rename(link, a.layout.quarantined(f"{e.entry_id}.link"))  # B moved it first
+        a._quarantine_entry(e, link, "a damaged schedule record")
+        copy = a.layout.quarantined(f"{e.entry_id}.msg")
+        with open(copy, "rb") as f, open(a.layout.msg_file(e.msgid), "rb") as g:
+            assert f.read() == g.read()
+    finally:
+        a.close()

@@ -499,7 +499,6 @@ RECORD = len(encode_batch([(b"r000-a", b"x" * 30), (b"r000-b", b"y" * 30)]))
     [
         ("cut-1", 9),  # the last record lost its last byte
         ("cut-header", 9),  # only 5 bytes of the last record's 8-byte header remain
-        ("garble-last", 9),  # a byte of the last payload flipped
         ("garble-length", 9),  # the last record's length field is garbage
         ("zeros", 10),  # a power cut extended the file with zeros
         ("garbage", 10),  # random bytes after the last record
@@ -579,6 +578,31 @@ def test_damage_in_the_middle_of_the_log_keeps_every_intact_record(
         assert kv.damage == []  # reported once: the next open is clean
         assert [i for i in range(10) if kv.get(b"r%03d-a" % i)] == [0, 1, 2, 3, 4, 6, 7, 8, 9]
         assert kv.get(b"after") == b"damage"
+    finally:
+        kv.close()
+
+
+@pytest.mark.parametrize("where", [-3, 16, 4])  # payload end, first op, crc
+def test_a_whole_last_record_that_fails_its_check_is_damage_not_a_torn_tail(
+    tmp_path: Path, where: int
+) -> None:
+    """The last record is there in the length its header gives, with a byte changed: it
+    reached the disk whole (it was acknowledged), so it is reported with its bytes and
+    the log kept aside, never cut off as a torn tail without a word."""
+    path = tmp_path / "db"
+    _write_records(str(path), 10)
+    (log,) = log_files(path)
+    data = bytearray(log.read_bytes())
+    data[9 * RECORD + where if where >= 0 else where] ^= 0x40
+    log.write_bytes(bytes(data))
+    kv = LogEngine(str(path))
+    try:
+        assert _records_present(kv, 10) == 9
+        (d,) = kv.damage
+        assert "last record" in d.detail
+        assert d.sample == bytes(data[9 * RECORD:])  # its bytes, ids readable in them
+        kept = Path(d.kept)
+        assert kept.parent == path / "quarantine" and kept.read_bytes() == bytes(data)
     finally:
         kv.close()
 

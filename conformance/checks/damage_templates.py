@@ -159,13 +159,17 @@ def fill(backend: Backend, root: str, deep: bool = False, killed: bool = False) 
         finally:
             store.close()
     told = root + ".template.json"
+    filled = False
     with Child(_fill_and_wait, backend, root, deep, told) as child:
         for msg in child.messages(600.0):
             if "crashed" in msg:
                 raise RuntimeError(f"filling the template in a child failed: {msg['crashed']}")
             if msg.get("filled"):
+                filled = True
                 break
         child.kill()
+    if not filled:
+        raise RuntimeError("the child filling the template ended without filling it")
     got = json.loads(Path(told).read_text())
     os.unlink(told)
     return Template.from_json(got, deep)

@@ -11,6 +11,7 @@ step (``harness.child_process``) and are reused from trial to trial.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from typing import Any
@@ -72,7 +73,7 @@ def actor(ch: Channel, backend: Backend, seam: bool) -> None:
         if cmd["cmd"] == "leave":
             _leave(ch, backend, cmd, kept)
         elif cmd["cmd"] == "run":
-            _act(ch, backend, seam, cmd)
+            _act(ch, backend, seam, cmd, kept)
 
 
 def _leave(ch: Channel, backend: Backend, cmd: dict[str, Any], kept: list[object]) -> None:
@@ -91,7 +92,20 @@ def _leave(ch: Channel, backend: Backend, cmd: dict[str, Any], kept: list[object
     ch.send({"left": [f is not None, p is not None]})
 
 
-def _act(ch: Channel, backend: Backend, seam: bool, cmd: dict[str, Any]) -> None:
+def _leave_enqueue(backend: Backend, root: str, kept: list[object]) -> None:
+    """Beside the actor's open queue, another owner starts an enqueue and goes away
+    without committing it (closed without finishing, as a killed owner would): its
+    message is left for a recovery to remove, and only one that runs with no other owner
+    alive could have removed it before the observer's."""
+    store = backend.open(root)
+    enq = store.enqueue("gone@edges.example")
+    enq.write(b"Subject: never\r\n\r\n" + b"z" * 70_000)
+    kept.append(enq)
+    store.close()
+
+
+def _act(ch: Channel, backend: Backend, seam: bool, cmd: dict[str, Any],
+         kept: list[object]) -> None:
     op, stop = cmd["op"], cmd["stop"]
 
     def on_stop(point: int, name: str, when: str) -> None:
@@ -126,6 +140,10 @@ def _act(ch: Channel, backend: Backend, seam: bool, cmd: dict[str, Any]) -> None
         else:
             store = backend.open(cmd["root"], gate) if gate is not None else \
                 backend.open(cmd["root"])
+            # the observer's recovery then has a dead owner's leftovers to remove beside
+            # the live actor, and must take nothing the operation made so far (a
+            # commit's hard links before its rename)
+            _leave_enqueue(backend, cmd["root"], kept)
             result, took = _operate(ch, store, gate, cmd)
             ch.send({"result": result, "seconds": took, "calls": gate.count if gate else 0})
     except Exception as e:
@@ -228,9 +246,33 @@ def _observe(ch: Channel, backend: Backend, root: str) -> None:
             p = store.send_done(f)
             cleaned = store.cleanup(p) if p is not None and i % 2 == 0 else None
             finished_.append([f.entry_id, p is not None, cleaned])
-        ch.send({"finished": finished_})
+        assert store is not None
+        ch.send({"finished": finished_, "delivered": _deliver_rest(store)})
     except Exception as e:
         ch.send({"finished": finished_, "error": f"{type(e).__name__}: {e}"})
     if _recv(ch) is not None and store is not None:  # "close"
         store.close()
     ch.send({"closed": True})
+
+
+def _deliver_rest(store: Storage) -> list[list[Any]]:
+    """While the actor still has the queue open (so no recovery that runs alone can mend
+    anything meanwhile), deliver every entry still queued, one at a time as a relay does:
+    claim, read the body whole, ``send_done``, ``cleanup``.  A store that lost count of
+    a message's holders frees a body another entry still needs, whose read then fails.
+    [entry id, sha256 of the body, schedule, error or None] for each entry claimed."""
+    out: list[list[Any]] = []
+    for h in store.list_queue():
+        try:
+            f = store.send_start(h)
+            if f is None:
+                continue
+            with store.read_inflight(f) as r:
+                digest = hashlib.sha256(r.read_all()).hexdigest()
+            p = store.send_done(f)
+            if p is not None:
+                store.cleanup(p)
+            out.append([f.entry_id, digest, sched_list(f.schedule), None])
+        except QueueError as e:
+            out.append([h.entry_id, None, sched_list(h.schedule), f"{type(e).__name__}: {e}"])
+    return out

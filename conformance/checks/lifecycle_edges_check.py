@@ -14,7 +14,9 @@ Where the actor stops:
 * through the I/O seam (``Capability.IO_SEAM``): at every *stop point* of the operation,
   before its first mutating call and after each one (``harness.stop_gate_io``): the
   thorough profile runs stop points 0, 1, 2, ... until the operation finishes without
-  reaching one, the quick profile point 0 and a sample of the others (``edges_stops``);
+  reaching one, the quick profile point 0 and a sample of the others (``edges_stops``;
+  the quick profile tries one target per operation, drawn from the seed, but both for
+  ``enqueue``);
 * any other backend: ``SIGSTOP`` after a random delay within the operation's measured
   duration (as process-kill kills it), ``SIGCONT`` after.
 
@@ -22,8 +24,12 @@ Operations: ``open`` (after a killed owner left an inflight entry, a pending cle
 an uncommitted enqueue: two processes recover at once), ``enqueue`` (open, body, commit),
 ``send_start``, ``send_done``, ``send_cancel``, ``reschedule``, ``drop``, ``cleanup``, and
 with ``Capability.HOLD`` ``hold`` and ``release``, each on an entry of a one-recipient and
-of a two-recipient message.  Besides its target the actor holds one more entry INFLIGHT
-all along (a live owner's claim nobody else may take).
+of a two-recipient message; once the actor has opened the queue, another owner starts
+an enqueue beside it and goes away without committing it (so the observer's recovery,
+beside the live actor, has a dead owner's message file to remove, and must take nothing
+the actor's operation made: a commit's hard links before its rename).  Besides its
+target the actor holds one more entry INFLIGHT all along (a live owner's claim nobody
+else may take).
 
 Judged against ``spec``'s model: the actor's operation and the observer's calls must be
 linearizable (the operation takes effect at one point among the observer's calls: what
@@ -387,7 +393,9 @@ def _trials(bench: Bench, ops: list[str], targets: list[str], profile: Profile,
     """Every stop point of every operation (seam; the quick profile samples them), or
     random SIGSTOP delays (other backends)."""
     for op in ops:
-        for target in targets:
+        # an enqueue of two recipients makes the most steps before its commit point (the
+        # filesystem queue's hard links before its rename): both targets, always
+        for target in TARGETS if op == "enqueue" else targets:
             if bench.seam:
                 points: Iterable[int] = itertools.count()
                 if profile.edges_stops is not None:

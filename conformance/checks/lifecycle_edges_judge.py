@@ -120,12 +120,39 @@ def judge_trial(run_: Run, trial: Trial, seen: dict[str, Any], result: dict[str,
             run_.apply(Op.CLEANUP, key)
     if "error" in done:
         found.append(("C7", f"the observer's send_done/cleanup failed: {done['error']}"))
+    found += _judge_delivered(run_, done.get("delivered", []))
     views = to_views(rec, run_.msgids, run_.keys, run_.model, None)
     for v in judge(run_.model, None, views):
         found.append((v.clause, f"after both closed and the queue was reopened: {v.detail}"))
     for clause, detail in rec.problems:
         found.append((clause, f"reading the reopened queue back: {detail}"))
     return list(dict.fromkeys(found))
+
+
+def _judge_delivered(run_: Run, delivered: list[list[Any]]) -> Problems:
+    """The observer delivered, one at a time while the actor still had the queue open,
+    every entry still queued: each read back whole (C6), none lost (C1: a store that lost
+    count of a message's holders frees a body another entry still needs)."""
+    found: Problems = []
+    for eid, digest, sched, error in delivered:
+        key = run_.keys.get(eid)
+        who = "the observer, delivering what was left while the actor lived,"
+        if key is None:
+            found.append(("C2", f"{who} claimed {eid}, an entry of no committed message"))
+            continue
+        if error is not None:
+            found.append(("C1", f"{who} could not read queued entry {key} ({error}): its "
+                                "message was committed and nothing was damaged"))
+            continue
+        claim = _claim(run_, eid, sched, who)
+        if claim:
+            found += claim
+            continue
+        if digest != run_.model.messages[key[0]].digest:
+            found.append(("C6", f"{who} read entry {key} with other bytes than committed"))
+        run_.apply(Op.SEND_DONE, key)
+        run_.apply(Op.CLEANUP, key)
+    return found
 
 
 def _judge_open(run_: Run, seen: dict[str, Any], child: dict[str, Any] | None) -> Problems:

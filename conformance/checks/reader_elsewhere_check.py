@@ -149,6 +149,7 @@ def _steps(backend: Backend, root: str, stats: dict[str, int]) -> list[tuple[str
             if "read" in msg or "crashed" in msg or "end" in msg:
                 got = msg.get("read", {})
                 break
+        child.drain(60.0)  # the reader closes its queue and ends before the reopen below
         for m in holding:
             seen = got.get(m)
             if seen is None:

@@ -362,6 +362,31 @@ def kv_mid_log_damage_as_torn_tail(root: str, io: IO | None = None) -> Storage:
     return KvQueue.open_log(root, io, engine=TornTailEngine)
 
 
+def kv_last_record_as_torn_tail(root: str, io: IO | None = None) -> Storage:
+    """The KV queue (log engine) that takes a damaged last record of its log for a torn
+    tail, whole in length or not, and cuts it off without a word (the project's log
+    engine did until damage-at-rest's killed template): after a crash no clean-close
+    record names what it held, so a flipped bit in the last, acknowledged commit loses
+    that message silently, body and all.  Only the killed template fails it (C6)::
+
+        queue-ref certify conformance.examples.broken_backends:kv_last_record_as_torn_tail \\
+            --only damage-at-rest
+    """
+
+    from queue_ref.kv.kv_queue import KvQueue
+    from queue_ref.kv.logengine import LogEngine, wal
+
+    def tail_as_torn(io: IO, path: str, apply: Callable[[list[wal.Op]], None]) -> wal.Replayed:
+        out = wal.replay(io, path, apply)
+        out.bad = [r for r in out.bad if not r.last]  # the bug: a whole last record is torn
+        return out
+
+    class TornLastEngine(LogEngine):
+        _replay = staticmethod(tail_as_torn)
+
+    return KvQueue.open_log(root, io, engine=TornLastEngine)
+
+
 def kv_fresh_over_missing_current(root: str, io: IO | None = None) -> Storage:
     """The KV queue (log engine) that, finding no ``CURRENT``, creates a new database in
     the directory, as LevelDB does with ``create_if_missing`` (its log and manifest
@@ -1128,6 +1153,47 @@ def fs_spare_reused_under_reader(root: str, io: IO | None = None) -> Storage:
     if io is None:
         return Unlocked(root)
     return deterministic_fs(Unlocked)(root, io)
+
+
+def fs_live_commit_refs_swept(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue whose recovery, finding a dead owner's message under
+    construction, removes every per-recipient hard link whose message file is missing,
+    not only that message's (mutant ``8d5cdbe6``'s class of the mutation run): a live
+    owner's commit has made its hard links and not yet renamed its file into place, so
+    a process that opens the queue then takes them; the commit returns with a link count
+    of one, and delivering its first entry frees the file the second still needs.  An
+    exclusive recovery later would give the links back, so only a delivery beside the
+    live owner shows it: the lifecycle-edges check, whose observer delivers what is left
+    while the actor still has the queue open (C1)::
+
+        queue-ref certify conformance.examples.broken_backends:fs_live_commit_refs_swept \\
+            --only lifecycle-edges
+    """
+    from conformance.crashexplore.explored_backends import deterministic_fs
+    from queue_ref.fsqueue import FsQueue
+    from queue_ref.fsqueue.diskutil import if_exists, listdir_or_empty
+    from queue_ref.fsqueue.fs_recovery import Recovery
+    from queue_ref.fsqueue.layout import DATA_RE
+
+    class SweepsRefs(Recovery):
+        def _remove_refs_of(self, msgids: set[str]) -> bool:
+            if not msgids:
+                return False
+            changed = False
+            for n in listdir_or_empty(self.io, self.lay.data):
+                m = DATA_RE.match(n)
+                # the bug: any hard link whose message file is missing, a live commit's too
+                if m is not None and m["index"] is not None and not m["sched"] and (
+                        not self.io.exists(self.lay.msg_file(m["msgid"]))):
+                    changed |= if_exists(self.io.unlink, os.path.join(self.lay.data, n))
+            return changed
+
+    class Sweeping(FsQueue):
+        recovery = SweepsRefs
+
+    if io is None:
+        return Sweeping(root)
+    return deterministic_fs(Sweeping)(root, io)
 
 
 def fs_adopted_schedule_reset(root: str, io: IO | None = None) -> Storage:

@@ -53,7 +53,7 @@ class Profile:
     #: lifecycle edges: stop points tried per operation (None: every one), on both
     #: targets (one- and two-recipient messages) or one chosen by the seed, and SIGSTOP
     #: trials per operation for a backend without the I/O seam
-    edges_stops: int | None = 3
+    edges_stops: int | None = 5
     edges_all_targets: bool = False
     edges_signal_trials: int = 3
     #: black-box power loss (strace): traced workloads, their length, crash points in

@@ -532,12 +532,13 @@ class FsQueue(FsMetadata, Storage):
         still names it; else close ``fd``: False.  Another process may have delivered the
         message meanwhile and kept its file as a spare (``spares.py``); it writes a new
         message into a spare only under an exclusive lock, which it does not get while
-        this one is held, and it waits for none: it takes a new file instead.  A spare
-        being written into makes this wait until its writer closes it, and then no
-        longer be the message's file."""
+        this one is held, and it waits for none: it takes a new file instead.  A file
+        whose exclusive lock is held is a spare being written into: no longer the
+        message's file (False at once)."""
         try:
-            self.io.lock_file(fd, shared=True, blocking=True)
-            if self.io.same_file(fd, path):
+            # without waiting: only a writer of a spare holds it exclusively, and a spare
+            # is no message's file any more (waiting would wait on a slow client's body)
+            if self.io.lock_file(fd, shared=True) and self.io.same_file(fd, path):
                 return True
         except BaseException:
             self.io.close(fd)

@@ -437,9 +437,10 @@ class Recovery:
                     self.problems.append(
                         f"entry {entry} lost: its hard link data/{n} is left but no link "
                         "names the entry (its link was removed, or a power cut cut its "
-                        "cleanup short); removed" + (
-                            f", the body its other entries hold copied to quarantine/"
-                            f"{os.path.basename(copy)}" if copy else ""))
+                        "cleanup short: then it was delivered); removed" + (
+                            f"; the body, which its message's other entries still hold, "
+                            f"copied to quarantine/{os.path.basename(copy)} in case it was "
+                            "not delivered" if copy else ""))
                 path = join(self.lay.data, n)
                 if n.endswith(".sched") and (
                         self.io.exists(self.lay.quarantined(f"{entry}.note"))

@@ -19,6 +19,7 @@ piece; recovery finishes a half-done quarantine (see fs_recovery.py).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import itertools
@@ -29,7 +30,13 @@ import time
 from collections import OrderedDict
 from os.path import basename, join
 
-from queue_ref.fsqueue.diskutil import copy_whole, if_exists, lstat_or_none, write_whole
+from queue_ref.fsqueue.diskutil import (
+    copy_whole,
+    if_exists,
+    listdir_or_empty,
+    lstat_or_none,
+    write_whole,
+)
 from queue_ref.fsqueue.fs_records import (
     TRAILER_LEN,
     Envelope,
@@ -312,11 +319,10 @@ class FsMetadata(FsSteps):
         path."""
         self._write_note(e.entry_id, f"entry {e.entry_id}: {reason}")
         dest = self.layout.quarantined(f"{e.entry_id}.sched")
-        copied = self._copy_body_aside(e)
+        self._copy_body_aside(e)  # kept even if the link moved on meanwhile: another
+        # quarantiner of the entry may have found this copy there and made none of its own
         if not self._move_link(link, self.layout.quarantined(f"{basename(link)}.link")):
-            if copied is not None:  # the entry moved on meanwhile: whoever holds it now
-                if_exists(self.io.unlink, copied)  # sees the same, and copies again
-            return dest
+            return dest  # the entry moved on meanwhile: whoever holds it now sees the same
         self._sync_dirs(os.path.dirname(link), self.layout.quarantine)
         if self._move_link(self.layout.sched(e), dest):
             self._sync_dirs(self.layout.data, self.layout.quarantine)
@@ -331,8 +337,11 @@ class FsMetadata(FsSteps):
         other entries still hold its message file (their cleanup frees it later, and the
         entry's recipient would have nothing left to be sent from): durably, before the
         entry's link moves, so that a crash in between leaves the entry to quarantine
-        again.  The path of the copy made, or None (this entry is the file's last holder:
-        its release keeps the file itself, see ``_body_keeper``; or a copy is there)."""
+        again.  Another entry of the message set aside before has its copy there already:
+        this one is a hard link to it.  The path of the copy made, or None (this entry is
+        the file's last holder: its release keeps the file itself, see ``_body_keeper``;
+        a copy is there; or the copy failed, a full disk, which leaves things as they
+        were without one, and the report says so)."""
         src, dest = self.layout.msg_file(e.msgid), self._body_keeper(e)
         st, own = lstat_or_none(self.io, src), lstat_or_none(self.io, self.layout.ref(e))
         if dest is None or st is None or self.io.exists(dest):
@@ -341,15 +350,32 @@ class FsMetadata(FsSteps):
         if st.st_nlink - 1 - mine < 1:
             return None
         tmp = f"{dest}.{self.owner}.tmp"
-        if_exists(self.io.unlink, tmp)
         try:
-            copy_whole(self.io, src, tmp, self._sync_file)
-        except FileNotFoundError:
             if_exists(self.io.unlink, tmp)
+            earlier = self._copy_of(e.msgid)
+            if earlier is not None:
+                self.io.link(earlier, tmp)
+            else:
+                copy_whole(self.io, src, tmp, self._sync_file)
+            self.io.rename(tmp, dest)
+            self._sync_dirs(self.layout.quarantine)
+        except FileNotFoundError:
+            with contextlib.suppress(OSError):
+                if_exists(self.io.unlink, tmp)
             return None  # freed meanwhile: the entry moved on
-        self.io.rename(tmp, dest)
-        self._sync_dirs(self.layout.quarantine)
+        except OSError:
+            with contextlib.suppress(OSError):
+                if_exists(self.io.unlink, tmp)
+            return None
         return dest
+
+    def _copy_of(self, msgid: str) -> str | None:
+        """A body copy an earlier entry of ``msgid`` left in quarantine/, if any."""
+        prefix = msgid + "."
+        for n in sorted(listdir_or_empty(self.io, self.layout.quarantine)):
+            if n.startswith(prefix) and n.endswith(".msg") and n.count(".") == 2:
+                return self.layout.quarantined(n)
+        return None
 
     def _body_keeper(self, e: EntryName) -> str | None:
         """Where the message file goes when the quarantined entry ``e`` was the last to

@@ -4,7 +4,10 @@ LevelDB replays, at open, every log file it finds whose number is at least the l
 its manifest names, and says nothing about a log it does not find: a log removed after a
 crash (no clean close recorded what the store held) loses every write acknowledged since
 the last table was written, without a word.  So the LevelDB engine reads the manifest
-first and refuses to open when the log it names is missing (``missing_log``).
+first and refuses to open when the log it names is missing (``missing_log``).  A newer
+log (LevelDB starts one when its memtable fills, and names it in the manifest only once
+the old memtable is a table) is not named anywhere LevelDB keeps: its removal in that
+window is not seen here.
 
 The manifest (``CURRENT`` names it) is a LevelDB log file: 32 KiB blocks of records, each
 with a 7-byte header (masked CRC32C, length, type: 1 full, 2 first, 3 middle, 4 last; a
@@ -147,7 +150,7 @@ def missing_log(path: str) -> str | None:
     """The name of a log file the current manifest says holds writes not yet in a table,
     if it is missing from ``path``; else None."""
     got = log_numbers(path)
-    if got is None or not got[0]:  # 0: a store just created, before its first open
-        return None
+    if got is None or not got[0]:  # 0: a store created, or written by RepairDB, not
+        return None  # opened since: no log holds writes yet
     name = log_name(got[0])
     return None if os.path.exists(os.path.join(path, name)) else name

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import struct
 import zlib
 from collections.abc import Callable, Iterator
@@ -296,7 +297,7 @@ def salvage_log_files(io: IO, path: str, actions: list[str]) -> list[Damage]:
             got = replay(io, p, apply)
             found += [(i, f"log {name}: bytes {r.start} to {r.end} hold no intact record",
                        r.sample) for r in got.bad]
-            if got.valid < got.size:
+            if got.valid < got.size and not any(r.last for r in got.bad):
                 actions.append(f"log {name}: a torn tail of {got.size - got.valid} bytes "
                                "(the last write, cut short) was left out")
         touched.append(keys)
@@ -385,8 +386,12 @@ def repair_leveldb(path: str, reopen: Callable[[], Reopened]) -> Repaired:
         rest, problems, kept = atrest.take(io, path)
         if rest is not None:
             actions.append("compared with the record of the last clean close")
-        # a log the manifest names that is gone: what it held is lost, ids unknown
-        gone = missing_log(path)
+        # a log the manifest names that is gone: what it held is lost, ids unknown.
+        # RepairDB writes a manifest that names no log, so a repair killed after it would
+        # not see the loss again: it is recorded first, and forgotten once reported
+        gone = missing_log(path) or _recorded_lost_log(path)
+        if gone is not None:
+            write_file_durable(io, os.path.join(path, LOST_LOG), gone.encode("ascii") + b"\n")
         damage = [] if gone is None else [Damage(
             os.path.join(path, gone), f"{gone}, which the store's manifest names as its "
             "log, is missing")]
@@ -404,4 +409,21 @@ def repair_leveldb(path: str, reopen: Callable[[], Reopened]) -> Repaired:
         kept = kept + [os.path.join("lost", n) for n in archived]
     finally:
         os.close(fd)
-    return _finish(reopen, path, damage, problems, kept, actions)
+    done = _finish(reopen, path, damage, problems, kept, actions)
+    with contextlib.suppress(FileNotFoundError):
+        io.unlink(os.path.join(path, LOST_LOG))
+        io.fsync_dir(path)
+    return done
+
+
+#: Names the log a LevelDB repair found missing, from before ``RepairDB`` until reported.
+LOST_LOG = "queue-ref.lost-log"
+
+
+def _recorded_lost_log(path: str) -> str | None:
+    try:
+        with open(os.path.join(path, LOST_LOG), encoding="ascii") as f:
+            name = f.read(64).strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return name if re.fullmatch(r"[0-9]{6,}\.log", name) else None

@@ -259,8 +259,8 @@ class LogEngine(KV):
         valid, size = replayed.valid, replayed.size
         fd = io.open_create(log_path, exclusive=False, append=True)
         self._log = LogWriter(io, log_path, fd, valid)
-        if valid < size:
-            io.ftruncate(fd, valid)
+        if valid < size and not replayed.bad:
+            io.ftruncate(fd, valid)  # a torn tail (damage is kept: the log is set aside)
             io.fsync(fd)
         keep = {current, fmt.log_name(manifest.log_number)}
         keep |= {fmt.table_name(n) for n, _ in manifest.tables}
@@ -286,7 +286,9 @@ class LogEngine(KV):
         for region in replayed.bad:
             self.damage.append(Damage(
                 kept, f"log {os.path.basename(damaged)}: bytes {region.start} to {region.end} "
-                "hold no intact record (intact records follow them and were kept)",
+                + ("are its last record, whole in length but failing its checksum "
+                   "(damaged at rest, or a write a power cut tore)" if region.last else
+                   "hold no intact record (intact records follow them and were kept)"),
                 region.sample, frozenset(replayed.later_keys)))
 
     def _keep_aside(self, path: str) -> str:

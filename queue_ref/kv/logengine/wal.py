@@ -4,7 +4,10 @@ A record is one WriteBatch (framing in ``format.py``).  When replay meets a reco
 is short, fails its CRC or does not parse, it looks for the next intact record after it
 (resynchronises).  If there is none, the bad bytes are a torn tail: the last write, cut
 short by a crash or a failed write, which no synced write covers, so nothing in it was
-acknowledged; the caller truncates the log there.  If intact records follow, the bad
+acknowledged; the caller truncates the log there.  Unless they are one whole record of
+the length its header gives that fails its check: that write reached the disk whole, and
+was damaged since (after a crash no clean-close record can tell what it held), so it is
+reported as damage like the regions in the middle.  If intact records follow, the bad
 bytes are damage in the middle of the log (a flipped bit, a lost block): replay keeps
 every intact record after them and reports the bad region, so the caller can say what
 was lost and keep the file aside.
@@ -81,11 +84,12 @@ _COUNT_KIND = struct.Struct("<IB")
 @dataclass(frozen=True)
 class BadRegion:
     """Bytes ``[start, end)`` of a log that hold no intact record; ``sample`` is (a prefix
-    of) them."""
+    of) them.  ``last``: the log's last record, whole in length but failing its check."""
 
     start: int
     end: int
     sample: bytes
+    last: bool = False
 
 
 @dataclass
@@ -125,6 +129,25 @@ def _intact_at(reader: _Reader, pos: int) -> tuple[list[Op], int] | None:
     return ops, pos + HEADER.size + length
 
 
+def _whole_length(reader: _Reader, pos: int) -> bool:
+    """Whether the bad bytes from ``pos`` to the end are one record of the length its
+    header gives, with a plausible count and kind: a write that reached the disk whole and
+    then changed (damage at rest), not one a crash cut short.  A power cut that kept the
+    length and lost some of the record's blocks looks the same: its message was never
+    acknowledged, and naming it is the lesser mistake (silence would be the worse one)."""
+    header = reader.take(pos, HEADER.size)
+    if header is None:
+        return False
+    length, _crc = HEADER.unpack(header)
+    if length < _COUNT_KIND.size or pos + HEADER.size + length != reader.size:
+        return False
+    head = reader.take(pos + HEADER.size, _COUNT_KIND.size)
+    if head is None:
+        return False
+    count, kind = _COUNT_KIND.unpack(head)
+    return bool(kind <= 1 and 0 < count <= length // 5)
+
+
 def _resync(reader: _Reader, pos: int) -> int | None:
     """The start of the first intact record after ``pos``, or None (a torn tail)."""
     for q in range(pos + 1, reader.size - HEADER.size + 1):
@@ -149,7 +172,10 @@ def replay(io: IO, path: str, apply: Callable[[list[Op]], None]) -> Replayed:
             if got is None:
                 nxt = _resync(reader, pos)
                 if nxt is None:
-                    break  # a torn tail
+                    if _whole_length(reader, pos):
+                        out.bad.append(BadRegion(pos, reader.size, reader.take(
+                            pos, min(reader.size - pos, SAMPLE_LIMIT)) or b"", last=True))
+                    break  # a torn tail, or a damaged last record
                 sample = reader.take(pos, min(nxt - pos, SAMPLE_LIMIT)) or b""
                 out.bad.append(BadRegion(pos, nxt, sample))
                 pos = nxt
