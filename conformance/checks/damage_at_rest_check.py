@@ -59,8 +59,9 @@ with the queue open (plans ``killed`` and ``deep-killed``; ``damage_templates.py
 store that compares what it finds with the record of its last clean close has none to
 compare with, so damage meets a store recovering from a crash (a log removed then must
 still be named: LevelDB replays the logs it finds and says nothing of one that is gone).
-The small one has nothing damaged, then every file once and ``EXTRA_FLIPS`` bit flips of
-each; the deep one is read back undamaged.
+The small one has nothing damaged, then a framing flip and a removal of every file, then
+every file once more (flipped or removed: not cut short, which after a crash is what a torn write
+leaves too) and ``EXTRA_FLIPS`` bit flips of each; the deep one is read back undamaged.
 """
 
 from __future__ import annotations
@@ -118,6 +119,11 @@ DEEP_FLIPS = 64
 DEEP_QUICK_TRIALS = 72
 #: Most trials on the killed template in the quick profile (its first, undamaged, included).
 KILLED_QUICK_TRIALS = 40
+#: The ways the killed template is damaged.  Not a file cut short: after a crash that is
+#: what a write torn by a power cut leaves too, and a log-structured store cannot tell one
+#: from the other without a record of what it held, which only a clean close leaves (the
+#: cleanly closed templates are cut short every way).
+KILLED_KINDS = ("bit flip", "framing flip", "removal")
 
 
 QUICK_TRIALS = 160
@@ -177,13 +183,18 @@ def _deep_plan(files: list[str], known: set[str], thorough: bool,
 
 
 def _killed_plan(files: list[str], thorough: bool, rng: random.Random) -> list[tuple[str, str]]:
-    """The killed template's trials: nothing damaged, then every file once (in a random
-    way), then ``EXTRA_FLIPS`` bit flips of each; all of it when ``thorough``, else the
-    first ``KILLED_QUICK_TRIALS``."""
-    first = [(f, rng.choice(KINDS)) for f in files]
+    """The killed template's trials: nothing damaged, then a framing flip and a removal of
+    every file (its last bytes: a log's last record, the commit no clean-close record
+    names after a crash; and a log LevelDB would open without), then every file once more
+    in a random way (``KILLED_KINDS``), then ``EXTRA_FLIPS`` bit flips of each; all of it when
+    ``thorough``, else the first ``KILLED_QUICK_TRIALS``."""
+    order = list(files)
+    rng.shuffle(order)
+    each = [(f, k) for f in order for k in ("framing flip", "removal")]
+    first = [(f, rng.choice(KILLED_KINDS)) for f in files]
     extra = [(f, "bit flip") for f in files for _ in range(EXTRA_FLIPS)]
     rng.shuffle(extra)
-    plan = [("", NOTHING), *first, *extra]
+    plan = [("", NOTHING), *each, *first, *extra]
     return plan if thorough else plan[:KILLED_QUICK_TRIALS]
 
 
