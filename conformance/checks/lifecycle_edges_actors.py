@@ -78,30 +78,32 @@ def actor(ch: Channel, backend: Backend, seam: bool) -> None:
 
 def _leave(ch: Channel, backend: Backend, cmd: dict[str, Any], kept: list[object]) -> None:
     """An owner that goes away mid-work: an inflight entry, a pending cleanup and an
-    enqueue it never committed (closed without finishing, as a killed owner would)."""
+    enqueue it never committed (``_abandon_enqueue``)."""
     store = backend.open(cmd["root"])
     listed = {h.entry_id: h for h in store.list_queue()}
     f = store.send_start(listed[cmd["inflight"]])
     g = store.send_start(listed[cmd["pending"]])
     p = store.send_done(g) if g is not None else None
-    enq = store.enqueue("gone@edges.example")
-    enq.write(b"Subject: never\r\n\r\n" + b"y" * 70_000)
-    kept.append(enq)
+    _abandon_enqueue(store, kept)
     kept.append(store)
-    store.close()
     ch.send({"left": [f is not None, p is not None]})
 
 
-def _leave_enqueue(backend: Backend, root: str, kept: list[object]) -> None:
-    """Beside the actor's open queue, another owner starts an enqueue and goes away
-    without committing it (closed without finishing, as a killed owner would): its
-    message is left for a recovery to remove, and only one that runs with no other owner
-    alive could have removed it before the observer's."""
-    store = backend.open(root)
+def _abandon_enqueue(store: Storage, kept: list[object]) -> None:
+    """Start an enqueue on ``store`` and close it without finishing, as a killed owner
+    would: its message is left for a recovery to remove (the enqueue is kept, never
+    closed)."""
     enq = store.enqueue("gone@edges.example")
-    enq.write(b"Subject: never\r\n\r\n" + b"z" * 70_000)
+    enq.write(b"Subject: never\r\n\r\n" + b"y" * 70_000)
     kept.append(enq)
     store.close()
+
+
+def _leave_enqueue(backend: Backend, root: str, kept: list[object]) -> None:
+    """Beside the actor's open queue, another owner leaves an enqueue it never committed
+    (``_abandon_enqueue``): only a recovery that runs with no other owner alive could have
+    removed it before the observer's."""
+    _abandon_enqueue(backend.open(root), kept)
 
 
 def _act(ch: Channel, backend: Backend, seam: bool, cmd: dict[str, Any],

@@ -94,6 +94,7 @@ class Recovery:
         self.cleanup: dict[EntryName, str] = {}
         self.held: dict[EntryName, str] = {}
         self.index_paths: dict[str, str] = {}  # entry id -> its index link (verified entries)
+        self.msg_stats: dict[str, os.stat_result | None] = {}  # message id -> its file's
 
     def alive(self, owner: str) -> bool:
         return self.q._owners.alive(owner)
@@ -538,7 +539,9 @@ class Recovery:
         entry a link names, so a missing one is damage at rest: reported, and mended.
         True if a link was made."""
         ref, msg = self.lay.ref(e), self.lay.msg_file(e.msgid)
-        have, want = lstat_or_none(self.io, ref), lstat_or_none(self.io, msg)
+        if e.msgid not in self.msg_stats:  # one lstat per message, not per entry
+            self.msg_stats[e.msgid] = lstat_or_none(self.io, msg)
+        have, want = lstat_or_none(self.io, ref), self.msg_stats[e.msgid]
         if want is None or (have is not None and (have.st_dev, have.st_ino)
                             == (want.st_dev, want.st_ino)):
             return False
@@ -546,7 +549,7 @@ class Recovery:
             self.junk(ref, "not a hard link of its message file")
         try:
             self.io.link(msg, ref)
-        except FileExistsError:
+        except (FileExistsError, FileNotFoundError):  # mended or gone meanwhile
             return False
         self.problems.append(f"entry {e.entry_id}: its hard link data/{e.entry_id} was "
                              "missing (its message's link count was one short); restored")

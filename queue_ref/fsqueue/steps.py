@@ -161,13 +161,13 @@ class FsSteps:
         the delivered message the file held (``FsQueue.inspect_entry``).  The lock goes
         when the message file is closed, before its commit publishes it."""
         try:
-            if self.io.lock_file(fd, shared=False):
-                return True
-        except OSError:
-            pass
-        with suppress(OSError):
-            self.io.close(fd)
-        return False
+            locked = self.io.lock_file(fd, shared=False)
+        except OSError:  # no lock to be had: the spare is given up as if a reader held it
+            locked = False
+        if not locked:
+            with suppress(OSError):
+                self.io.close(fd)
+        return locked
 
     def _write_body(self, tx: MessageTx, chunk: bytes) -> None:
         """Append a chunk to the message and to its running sha256.  Bytes are held back

@@ -105,8 +105,9 @@ class Replayed:
     later_keys: set[bytes] = field(default_factory=set)
 
 
-def _intact_at(reader: _Reader, pos: int) -> tuple[list[Op], int] | None:
-    """The operations of an intact record starting at ``pos`` and its end, or None."""
+def _framed(reader: _Reader, pos: int) -> tuple[bytes, int] | None:
+    """The header and length of a record at ``pos`` that fits in the file, with a
+    plausible count and kind (cheap filters before the CRC); else None."""
     header = reader.take(pos, HEADER.size)
     if header is None:
         return None
@@ -116,10 +117,19 @@ def _intact_at(reader: _Reader, pos: int) -> tuple[list[Op], int] | None:
     head = reader.take(pos + HEADER.size, min(length, _COUNT_KIND.size))
     if head is None:
         return None
-    if length >= _COUNT_KIND.size:  # cheap filters before the CRC: a count and a kind
+    if length >= _COUNT_KIND.size:
         count, kind = _COUNT_KIND.unpack(head)
         if kind > 1 or count == 0 or count > length // 5:
             return None
+    return header, length
+
+
+def _intact_at(reader: _Reader, pos: int) -> tuple[list[Op], int] | None:
+    """The operations of an intact record starting at ``pos`` and its end, or None."""
+    framed = _framed(reader, pos)
+    if framed is None:
+        return None
+    header, length = framed
     payload = reader.take(pos + HEADER.size, length)
     if payload is None or not check_record(header, payload):
         return None
@@ -135,17 +145,9 @@ def _whole_length(reader: _Reader, pos: int) -> bool:
     then changed (damage at rest), not one a crash cut short.  A power cut that kept the
     length and lost some of the record's blocks looks the same: its message was never
     acknowledged, and naming it is the lesser mistake (silence would be the worse one)."""
-    header = reader.take(pos, HEADER.size)
-    if header is None:
-        return False
-    length, _crc = HEADER.unpack(header)
-    if length < _COUNT_KIND.size or pos + HEADER.size + length != reader.size:
-        return False
-    head = reader.take(pos + HEADER.size, _COUNT_KIND.size)
-    if head is None:
-        return False
-    count, kind = _COUNT_KIND.unpack(head)
-    return bool(kind <= 1 and 0 < count <= length // 5)
+    framed = _framed(reader, pos)
+    return (framed is not None and framed[1] >= _COUNT_KIND.size
+            and pos + HEADER.size + framed[1] == reader.size)
 
 
 def _resync(reader: _Reader, pos: int) -> int | None:
