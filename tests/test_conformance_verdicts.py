@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import errno
 import itertools
 import shutil
 import tempfile
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 
 from conformance.certify.scenario_replay import replay
-from conformance.checks import io_errors_check, process_kill_check
+from conformance.checks import crash_exploration_check, io_errors_check, process_kill_check
 from conformance.crashexplore.explored_backends import BackendSpec
 from conformance.crashexplore.recovered_queue import inspect, to_views
 from conformance.crashexplore.traced_runs import run_workload
@@ -202,6 +204,36 @@ def test_one_trial_in_eight_fails_a_call_of_a_shared_enqueue() -> None:
     assert met >= 4
 
 
+def test_the_sweep_fails_every_call_of_a_wide_enqueue_and_replays() -> None:
+    """The sweep fails each mutating call of a three-recipient enqueue in turn, EIO and
+    ENOSPC alternately, on every seed: the queue that undoes a failed commit's hard links
+    only when all were made leaves one behind exactly when the fault lands between two of
+    them, a C8 finding of the sweep alone whose id replays it; the real queue passes."""
+    fs = Backend.from_factory(FS)
+    trials = io_errors_check.sweep_trials(fs)
+    for w, workload in enumerate(io_errors_check.SWEEPS):
+        inside, unfaulted = io_errors_check._last_call_calls(fs, workload)
+        assert unfaulted == ("", "") and len(inside) >= 10
+        mine = [t for t, _ in trials if t.sweep is not None and t.sweep[0] == w]
+        assert [t.fail_at for t in mine] == list(inside)
+        assert {t.errno_ for t in mine} == {errno.EIO, errno.ENOSPC}
+    assert all(io_errors_check.run_trial(fs, t, wl) == [] for t, wl in trials)
+    broken = Backend.from_factory(f"{BROKEN}:fs_failed_commit_links_kept")
+    found = [f for t, wl in io_errors_check.sweep_trials(broken)
+             for f in io_errors_check.run_trial(broken, t, wl)]
+    assert {f.clause for f in found} == {"C8"}
+    assert {f.scenario.split(":")[2] for f in found} == {"0", "1"}, found
+    res = io_errors_check.run(broken, QUICK, 1)  # seed 1 draws no trial that finds it
+    assert {f.clause for f in res.findings} == {"C8"}
+    assert all(f.scenario.startswith("io-errors:sweep:") for f in res.findings), res.findings
+    first = found[0]
+    assert "the failed enqueue left storage behind" in first.detail
+    again = replay(broken, first.scenario)
+    assert [(f.clause, f.detail) for f in again] == [(first.clause, first.detail)]
+    with pytest.raises(ValueError, match="mutating calls on this backend"):
+        replay(fs, "io-errors:sweep:0:999")
+
+
 IDS_REPEAT = "conformance.examples.broken_backends:fs_ids_repeat_on_a_stalled_clock"
 
 
@@ -227,6 +259,58 @@ def test_a_call_that_fails_with_no_fault_injected_is_a_finding_not_a_note() -> N
     assert "no fault was injected" in findings[0].detail
     assert "File exists" in findings[0].detail
     real = crash_exploration_check.run_all(Backend.from_factory(FS), ["process-kill"],
+                                           narrow, 3, 2)
+    assert [f for r in real for f in r.findings] == []
+
+
+def test_a_recovery_report_counts_no_more_than_the_crash_left() -> None:
+    """After a crash with no failed call, at most the interrupted enqueue is removed
+    uncommitted, and at most the model's INFLIGHT entries and the interrupted call's
+    entry are requeued (C10); more is a report that sends an operator looking for mail
+    that never was in progress."""
+    from conformance.crashexplore.crash_judge import overstated_counts
+    from conformance.crashexplore.recovered_queue import Recovered
+    from queue_ref.storage import RecoveryReport
+    from spec.model import Model, Schedule
+
+    def counted(report: RecoveryReport, before: Model, call: Call | None) -> list[str]:
+        return [d for _, d in overstated_counts(Recovered((), report=report), before, call)]
+
+    empty = Model()
+    one = enqueue_call(0, 2)
+    queued, _ = empty.enqueue(one.mail_from, one.body, one.rcpts)
+    claimed, _ = queued.apply(Op.SEND_START, (0, 0), None)
+    assert counted(RecoveryReport(), empty, None) == []
+    assert counted(RecoveryReport(), empty, one) == []  # a backend may keep no report
+    assert counted(RecoveryReport(uncommitted_removed=1), empty, one) == []
+    assert "at most 1 can have" in counted(RecoveryReport(uncommitted_removed=2), empty, one)[0]
+    assert "at most 0 can have" in counted(RecoveryReport(uncommitted_removed=1), queued,
+                                           None)[0]
+    assert counted(RecoveryReport(requeued=1), claimed, None) == []
+    assert "at most 1 claimed" in counted(RecoveryReport(requeued=2), claimed, None)[0]
+    move = Call(Op.RESCHEDULE, (0, 1), schedule=Schedule(at=900))  # may claim its entry
+    assert counted(RecoveryReport(requeued=2), claimed, move) == []
+    assert counted(RecoveryReport(requeued=3), claimed, move)
+    assert Recovered((), report=RecoveryReport(requeued=5)) == Recovered(())
+
+
+def test_spares_counted_as_uncommitted_fail_crash_exploration_and_replay() -> None:
+    """The queue whose recovery counts a dead owner's spare files as uncommitted
+    enqueues fails crash exploration on C10 under every model and process-kill too; the
+    real queue passes the same exploration."""
+    narrow = replace(QUICK, crash_bound=2, crash_random=0)
+    broken = Backend.from_factory(f"{BROKEN}:fs_spares_counted_uncommitted")
+    results = crash_exploration_check.run_all(broken, ["process-kill", "weak"], narrow, 3, 2)
+    assert [r.status.value for r in results] == ["fail", "fail"]
+    findings = [f for r in results for f in r.findings]
+    assert {f.clause for f in findings} == {"C10"}
+    first = findings[0]
+    assert "uncommitted enqueue(s) removed; at most" in first.detail
+    again = crash_exploration_check.replay(broken, first.scenario)
+    assert [(f.clause, f.detail) for f in again] == [(first.clause, first.detail)]
+    killed = process_kill_check.run_check(broken, "process-kill", 26, 8, 40)
+    assert {f.clause for f in killed.findings} == {"C10"}, killed.findings
+    real = crash_exploration_check.run_all(Backend.from_factory(FS), ["process-kill", "weak"],
                                            narrow, 3, 2)
     assert [f for r in real for f in r.findings] == []
 

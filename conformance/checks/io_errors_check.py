@@ -24,9 +24,12 @@ call is judged by its *outcome* against the model, never by whether it raised:
 Later calls may raise ``StorageIOError`` too (a queue that stops trusting itself until
 it is reopened); the first such call is the one judged as failed.
 
+Besides the trials drawn from the seed, a *sweep* fails an enqueue of three recipients at
+each of its mutating calls in turn, on every seed (``SWEEPS``).
+
 Scenario ``io-errors:<seed>:<trial>``: workload seed, failing call index and errno, all
-drawn from (seed, trial); ``queue-ref certify FACTORY --scenario ID`` runs it again
-exactly.
+drawn from (seed, trial); ``io-errors:sweep:<workload>:<call>`` for the sweep;
+``queue-ref certify FACTORY --scenario ID`` runs it again exactly.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from conformance.crashexplore.traced_runs import (
     run_workload,
     scratch_dir,
 )
-from conformance.crashexplore.workloads import Workload, random_workload
+from conformance.crashexplore.workloads import LIFE, Workload, enqueue_call, random_workload
 from conformance.harness.backend_factory import Backend
 from conformance.harness.check_catalog import NO_CRASH
 from conformance.harness.check_results import CheckResult, Finding, finished
@@ -86,9 +89,13 @@ class FaultTrial:
     written: int
     #: (clause, how) the same workload failed with no fault (``CallCount.unfaulted``)
     unfaulted: tuple[str, str] = ("", "")
+    #: a sweep trial's (workload, call) (``SWEEPS``); None for a trial drawn by the seed
+    sweep: tuple[int, int] | None = None
 
     @property
     def scenario(self) -> str:
+        if self.sweep is not None:
+            return f"io-errors:sweep:{self.sweep[0]}:{self.sweep[1]}"
         return f"io-errors:{self.seed}:{self.number}"
 
 
@@ -146,17 +153,21 @@ def _count_calls(backend: Backend, workload: Workload) -> CallCount:
                 stream = [m for m in unsynced if m < run.commit_starts.get(i, run.op_ends[i])]
             elif len(call.rcpts) >= 2:
                 shared.extend(unsynced)
-    unfaulted: tuple[str, str] = ("", "")
-    if run.stopped_in is not None and run.error is not None:
-        unfaulted = ("C9", f"{_call_name(run.stopped_in, workload)} raised "
-                           f"{type(run.error).__name__}: {run.error}")
-    elif run.stopped_in is not None and run.divergence is not None:
-        unfaulted = (run.divergence.clause, f"{_call_name(run.stopped_in, workload)} "
-                                            f"diverged from the model: {run.divergence}")
     return CallCount(run.mutating_total,
                      tuple(m for m, e in enumerate(mutating) if e.name in SYNCS),
                      tuple((op, tuple(ms)) for op, ms in sorted(inside.items())),
-                     tuple(shared), tuple(large), tuple(stream), unfaulted)
+                     tuple(shared), tuple(large), tuple(stream), _unfaulted(run, workload))
+
+
+def _unfaulted(run: Run, workload: Workload) -> tuple[str, str]:
+    """(clause, how) a fault-free run failed, or ("", "")."""
+    if run.stopped_in is not None and run.error is not None:
+        return ("C9", f"{_call_name(run.stopped_in, workload)} raised "
+                      f"{type(run.error).__name__}: {run.error}")
+    if run.stopped_in is not None and run.divergence is not None:
+        return (run.divergence.clause, f"{_call_name(run.stopped_in, workload)} "
+                                       f"diverged from the model: {run.divergence}")
+    return ("", "")
 
 
 #: One trial in eight (``number % 8 == 4``) gives its first two enqueues bodies of this
@@ -237,6 +248,47 @@ class _Outcome:
     wrong_class: tuple[tuple[str, str], ...] = ()
 
 
+#: The sweep: the last call of each of these workloads, an enqueue of three recipients, is
+#: failed at each of its mutating calls in turn (EIO, and ENOSPC with a short write at
+#: every other one), on every seed.  What a failed commit must undo grows call by call
+#: (a hard link per recipient, a link, an index link): a store that forgets one of them
+#: only when the fault lands between two of them is met at that call, not on the few
+#: seeds whose random draw lands there.  The second workload first takes a message
+#: through its whole life, so that a store that reuses what a finished message left (the
+#: filesystem queue's spare files) fails there too.
+SWEEPS: tuple[Workload, ...] = (
+    (enqueue_call(0, 1), enqueue_call(1, 3)),
+    (*LIFE, enqueue_call(1, 3)),
+)
+
+
+def sweep_trials(backend: Backend) -> list[tuple[FaultTrial, Workload]]:
+    """Every trial of the sweep (``SWEEPS``): one per mutating call of each workload's
+    last call, found by a fault-free run of it."""
+    out = []
+    for w, workload in enumerate(SWEEPS):
+        inside, unfaulted = _last_call_calls(backend, workload)
+        if unfaulted[1]:  # reported once, as the trial of its first call
+            inside = range(1)
+        out += [(_sweep_trial(w, k, m, unfaulted), workload) for k, m in enumerate(inside)]
+    return out
+
+
+def _last_call_calls(backend: Backend, workload: Workload) -> tuple[range, tuple[str, str]]:
+    """The mutating calls (positions in the run) a fault-free run makes inside the
+    workload's last call, and how that run failed if it did."""
+    run = run_workload(_spec(backend), workload)
+    last = len(workload) - 1
+    if last >= len(run.op_ends):
+        return range(0), _unfaulted(run, workload)
+    return range(run.op_starts[last], run.op_ends[last]), _unfaulted(run, workload)
+
+
+def _sweep_trial(w: int, k: int, fail_at: int, unfaulted: tuple[str, str]) -> FaultTrial:
+    errno_, written = (errno.EIO, 0) if k % 2 == 0 else (errno.ENOSPC, 1)
+    return FaultTrial(0, k, 0, fail_at, errno_, written, unfaulted, sweep=(w, k))
+
+
 def _outcome(run: Run, workload: Workload, name: str) -> _Outcome | None:
     ev = next((e for e in run.events if e.injected), None)
     if ev is None:
@@ -287,8 +339,9 @@ def _error_class(error: StorageIOError, call: str, name: str, what: str,
 
 def _steps(trial: FaultTrial, workload: Workload, run: Run, out: _Outcome) -> list[str]:
     name = errno.errorcode[trial.errno_]
-    steps = [f"workload seed {trial.workload_seed}; mutating call #{trial.fail_at} fails "
-             f"with {name}: {out.site}"]
+    source = (f"sweep workload {trial.sweep[0]}" if trial.sweep is not None
+              else f"workload seed {trial.workload_seed}")
+    steps = [f"{source}; mutating call #{trial.fail_at} fails with {name}: {out.site}"]
     for i, call in enumerate(workload[:run.returned() + 1]):
         mark = ""
         if i == out.failed:
@@ -455,8 +508,20 @@ def replay(backend: Backend, scenario: str) -> list[Finding]:
     parts = scenario.split(":")
     if len(parts) == 4 and parts[1] == "read" and parts[3].isdigit():
         return replay_read(backend, parts[2], int(parts[3]))
+    if (len(parts) == 4 and parts[1] == "sweep" and parts[2].isdigit()
+            and int(parts[2]) < len(SWEEPS) and parts[3].isdigit()):
+        w, k = int(parts[2]), int(parts[3])
+        workload = SWEEPS[w]
+        inside, unfaulted = _last_call_calls(backend, workload)
+        if unfaulted[1]:
+            inside = range(1)
+        if k >= len(inside):
+            raise ValueError(f"{scenario!r}: the last call of sweep workload {w} makes "
+                             f"{len(inside)} mutating calls on this backend")
+        return run_trial(backend, _sweep_trial(w, k, inside[k], unfaulted), workload)
     if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
-        raise ValueError(f"{scenario!r}: expected io-errors:<seed>:<trial> or "
+        raise ValueError(f"{scenario!r}: expected io-errors:<seed>:<trial>, "
+                         f"io-errors:sweep:<0-{len(SWEEPS) - 1}>:<call> or "
                          "io-errors:read:<operation>:<n>")
     seed, number = int(parts[1]), int(parts[2])
     workload = workload_of(seed, number, _max_body(backend))
@@ -475,9 +540,15 @@ def run(backend: Backend, profile: Profile, seed: int) -> CheckResult:
         got = run_trial(backend, trial, workload)
         failed += bool(got)
         findings += got
+    sweep = sweep_trials(backend)
+    for trial, workload in sweep:
+        got = run_trial(backend, trial, workload)
+        failed += bool(got)
+        findings += got
     reads, found = run_reads(backend)
     findings += found
     return finished("io-errors", NO_CRASH, findings, seconds=time.perf_counter() - start,
-                    seed=seed, stats={"trials": profile.fault_trials, "failed_trials": failed,
+                    seed=seed, stats={"trials": profile.fault_trials,
+                                      "sweep_trials": len(sweep), "failed_trials": failed,
                                       "read_trials": reads,
                                       "failed_read_trials": len({f.scenario for f in found})})

@@ -45,6 +45,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from conformance.crashexplore.crash_judge import overstated_counts
 from conformance.crashexplore.recovered_queue import inspect, to_views
 from conformance.crashexplore.workload_driver import drive_and_report, model_before
 from conformance.crashexplore.workloads import Workload, random_workload
@@ -247,6 +248,9 @@ def judge_trial(backend: Backend, root: str, trial: Trial, state: _Run) -> list[
     found = [Finding(v.clause, v.detail, trial.scenario, PROCESS_KILL, steps)
              for v in judge(before, pending, views)]
     found += [Finding(c, d, trial.scenario, PROCESS_KILL, steps) for c, d in rec.problems]
+    if not found:  # counts are judged in a state that is right (crash_judge.judge_crashed)
+        found = [Finding(c, d, trial.scenario, PROCESS_KILL, steps)
+                 for c, d in overstated_counts(rec, before, pending)]
     return found
 
 

@@ -31,7 +31,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from conformance.crashexplore.backend_registry import resolve
-from conformance.crashexplore.crash_judge import as_recovery_violations, judge_recovered
+from conformance.crashexplore.crash_judge import (
+    as_recovery_violations,
+    judge_crashed,
+    judge_recovered,
+)
 from conformance.crashexplore.crash_scenario import (
     AT_REST,
     NO_CRASH,
@@ -320,7 +324,7 @@ def rest_check(backend: BackendSpec, workload: Workload
                                 "although no fault was injected (the model has it succeed)"),
                          ), "", None
         rec = inspect(lambda: backend.open(d, ScratchIO()))
-    return run, judge_recovered(rec, run, run.models[-1], None), "", rec
+    return run, judge_crashed(rec, run, run.models[-1], None), "", rec
 
 
 def _op_at(ref: Run, m: int) -> str:
@@ -378,8 +382,8 @@ class _Judge:
             sampled = _sample(len(states), task.recovery_sample)
             for pos, st in enumerate(states):
                 digest = image_digest(st.image)
-                found = judge_recovered(recover_image(self.backend, st.image), run, before,
-                                        call)
+                found = judge_crashed(recover_image(self.backend, st.image), run, before,
+                                      call)
                 if found:
                     case = replace(self.base, kind="crash", model=model, index=index,
                                    when=when, state_key=st.key)
@@ -404,7 +408,7 @@ class _Judge:
                                   f"cannot be replayed: {e}")
                 self.recovery_cache[ck] = []
         for second in self.recovery_cache[ck]:
-            found2 = judge_recovered(second.recovered, run, before, call)
+            found2 = judge_crashed(second.recovered, run, before, call)
             if not found2:
                 out.count(model, second.digest, "recovery")
                 continue

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from queue_ref.storage import (
     Capability,
@@ -26,6 +26,7 @@ from queue_ref.storage import (
     MailReader,
     PendingCleanupMail,
     QueuedMail,
+    RecoveryReport,
     Storage,
 )
 from spec.model import Call, EntryKey, EntryView, Model, Schedule
@@ -53,6 +54,8 @@ class Recovered:
     quarantined: tuple[str, ...] = ()  # entry ids that raised CorruptionError
     leftover_objects: int = 0
     leftover_bytes: int = 0
+    #: the opening's ``Storage.last_recovery`` (not compared: the entries are the state)
+    report: RecoveryReport | None = field(default=None, compare=False)
 
     def describe(self) -> list[str]:
         out = [f"{e.state.value:15} msg {e.message_id} rcpt[{e.rcpt_index}] {e.rcpt} "
@@ -78,6 +81,9 @@ def inspect(open_storage: Callable[[], Storage], *, drain: bool = True) -> Recov
         storage = open_storage()
     except Exception as e:
         return Recovered((), (("C10", f"recovery failed: {_describe_exc(e)}"),))
+    report = getattr(storage, "last_recovery", None)
+    if not isinstance(report, RecoveryReport):
+        report = None
     entries: list[RecoveredEntry] = []
     quarantined: list[str] = []
     claimed: list[InflightMail] = []
@@ -122,7 +128,8 @@ def inspect(open_storage: Callable[[], Storage], *, drain: bool = True) -> Recov
         except Exception as e:
             problems.append(("C10", f"close after recovery failed: {_describe_exc(e)}"))
     entries.sort(key=lambda e: (e.message_id, e.rcpt_index, e.entry_id, e.state.value))
-    return Recovered(tuple(entries), tuple(problems), tuple(sorted(quarantined)), *left)
+    return Recovered(tuple(entries), tuple(problems), tuple(sorted(quarantined)), *left,
+                     report=report)
 
 
 def _read_queued(storage: Storage, q: QueuedMail, claimed: list[InflightMail],

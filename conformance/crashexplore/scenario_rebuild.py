@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from conformance.crashexplore.backend_registry import resolve
-from conformance.crashexplore.crash_judge import as_recovery_violations, judge_recovered
+from conformance.crashexplore.crash_judge import as_recovery_violations, judge_crashed
 from conformance.crashexplore.crash_scenario import AT_REST, WHENS, CaseInput, CaseOutcome
 from conformance.crashexplore.crash_task import eio_judge, eio_run, rest_check
 from conformance.crashexplore.disk_recovery import recover_image, recovery_trace
@@ -103,7 +103,7 @@ def _build(case: CaseInput, sid: str) -> Built:
     state = crash_state(run.initial, run.events[:cut], case.model, case.state_key)
     rec = recover_image(backend, state.image)
     if case.kind == "crash":
-        found = judge_recovered(rec, run, before, call)
+        found = judge_crashed(rec, run, before, call)
         return Built(CaseOutcome(case, sid, found, run.trace_hash, image_digest(state.image),
                                  state.description), run, interrupted, state,
                      recovered=rec, at_rest=at_rest)
@@ -115,7 +115,7 @@ def _build(case: CaseInput, sid: str) -> Built:
             interrupted, state, at_rest=at_rest)
     second = crash_state(initial, events, case.model, case.recovery_key)
     rec2 = recover_image(backend, second.image)
-    found = as_recovery_violations(judge_recovered(rec2, run, before, call),
+    found = as_recovery_violations(judge_crashed(rec2, run, before, call),
                                    case.recovery_index)
     return Built(CaseOutcome(case, sid, found, run.trace_hash, image_digest(second.image),
                              f"first crash: {state.description}; crash in recovery: "

@@ -1196,6 +1196,67 @@ def fs_live_commit_refs_swept(root: str, io: IO | None = None) -> Storage:
     return deterministic_fs(Sweeping)(root, io)
 
 
+def fs_spares_counted_uncommitted(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue whose recovery counts every file it removes from a dead
+    owner's ``tmp/<owner>/`` as an uncommitted enqueue, its spare files (kept for reuse
+    from delivered messages) too (mutant ``63f9bdd0``'s class of the mutation run): the
+    report of a restart after a crash says enqueues were lost in progress that never
+    were, and an operator goes looking for mail that was delivered.  Crash exploration
+    and process-kill bound the report by what the crash can have left (C10)::
+
+        queue-ref certify conformance.examples.broken_backends:fs_spares_counted_uncommitted \\
+            --only crash-exploration
+    """
+    from conformance.crashexplore.explored_backends import deterministic_fs
+    from queue_ref.fsqueue import FsQueue
+    from queue_ref.fsqueue.diskutil import listdir_or_empty
+    from queue_ref.fsqueue.fs_recovery import Recovery
+
+    class CountsSpares(Recovery):
+        def _remove_tmp_of(self, owner: str) -> set[str]:
+            names = set(listdir_or_empty(self.io, self.lay.tmp_owner(owner)))
+            super()._remove_tmp_of(owner)
+            return names  # the bug: spare files counted as messages under construction
+
+    class Counting(FsQueue):
+        recovery = CountsSpares
+
+    if io is None:
+        return Counting(root)
+    return deterministic_fs(Counting)(root, io)
+
+
+def fs_failed_commit_links_kept(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue counting a commit's per-recipient hard links ``data/<m>.<i>``
+    only once all of them are made (mutant ``bae744b6``'s class of the mutation run): a
+    commit that fails between two of them (EIO, a full disk) undoes none, and the open
+    queue keeps a hard link, a whole message file, for every such failure until the next
+    restart's recovery.  Only io-errors' sweep, which fails a three-recipient enqueue at
+    each of its calls, meets the failure between two links on every seed (C8)::
+
+        queue-ref certify conformance.examples.broken_backends:fs_failed_commit_links_kept \\
+            --only io-errors
+    """
+    from conformance.crashexplore.explored_backends import deterministic_fs
+    from queue_ref.fsqueue import FsQueue
+    from queue_ref.fsqueue.layout import EntryName
+    from queue_ref.fsqueue.steps import MessageTx
+
+    class CountsAtEnd(FsQueue):
+        def _create_refs(self, tx: MessageTx, count: int) -> None:
+            own = self.layout.tmp_msg(self.owner, tx.msgid)
+            if tx.path != own:
+                self.io.rename(tx.path, own)
+                tx.path = own
+            for i in range(tx.refs, count):
+                self.io.link(tx.path, self.layout.ref(EntryName(tx.msgid, i)))
+            tx.refs = count  # the bug: counted after the loop, not link by link
+
+    if io is None:
+        return CountsAtEnd(root)
+    return deterministic_fs(CountsAtEnd)(root, io)
+
+
 def fs_adopted_schedule_reset(root: str, io: IO | None = None) -> Storage:
     """The filesystem queue (``fsync`` mode) whose ``find_inflight`` hands a dead owner's
     entry back with a fresh schedule (due now, no attempt counted) instead of the stored
