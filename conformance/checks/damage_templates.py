@@ -21,6 +21,7 @@ a crash.  ``Template`` is what the filler acknowledged, by which trials are judg
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -49,6 +50,12 @@ LARGE_BODY = 2_200_000
 DEEP_RCPTS = 200
 DEEP_BODY = 5 << 20
 DEEP_DELIVERED = 3
+#: The ESMTP parameters of the deep template's first message: 24 KiB of hex digits (a
+#: compressing store keeps them nearly as they are), so that its message record fills
+#: table blocks of its own, apart from its entries' records, and damage there takes the
+#: record and leaves the entries (a store must then not serve entries whose message
+#: record is gone, and name the message).
+DEEP_PARAMS = {"ENVID": "".join(hashlib.sha256(b"%d" % k).hexdigest() for k in range(375))}
 
 
 def body_of(i: int) -> bytes:
@@ -101,9 +108,10 @@ class Template:
             return self.outside[rel]
         return ranges
 
-    def enqueue(self, store: Storage, i: int, body: bytes, rcpts: int) -> str:
+    def enqueue(self, store: Storage, i: int, body: bytes, rcpts: int,
+                params: dict[str, str] | None = None) -> str:
         addrs = [Recipient(f"r{i}.{k}@{DOMAIN}", Schedule(i)) for k in range(rcpts)]
-        with store.enqueue(f"s{i}@example.org") as enq:
+        with store.enqueue(f"s{i}@example.org", params) as enq:
             enq.write(body)
             handles = enq.commit(addrs)
         self.want[handles[0].message_id] = body
@@ -189,7 +197,7 @@ def _fill_open(store: Storage, deep: bool) -> Template:
     """Fill the open ``store`` as the template (the deep one when ``deep``)."""
     t = Template()
     if deep:
-        first = t.enqueue(store, 0, fill_body(0, deep), DEEP_RCPTS)
+        first = t.enqueue(store, 0, fill_body(0, deep), DEEP_RCPTS, DEEP_PARAMS)
         t.enqueue(store, 1, fill_body(1, deep), 1)
         t.deliver(store, first, DEEP_DELIVERED)
         t.enqueue(store, 2, fill_body(2, deep), 1)
