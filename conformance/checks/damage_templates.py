@@ -8,7 +8,7 @@ Two templates, each filled once per run and copied for every trial:
   ``RESCHEDULED`` others rescheduled (a store that keeps schedules apart has them
   damaged too), and a last message enqueued after all that (a log's last record is a
   commit);
-* the deep one: a message of ``DEEP_RCPTS`` recipients, a ``DEEP_BODY`` body,
+* the deep one: a message of ``DEEP_RCPTS`` recipients and ``DEEP_PARAMS``, a ``DEEP_BODY`` body,
   ``DEEP_DELIVERED`` entries of the first delivered, another ``DEEP_BODY`` body: a
   buffered store goes past its write buffer twice.
 
