@@ -511,14 +511,12 @@ def replay(backend: Backend, scenario: str) -> list[Finding]:
     if (len(parts) == 4 and parts[1] == "sweep" and parts[2].isdigit()
             and int(parts[2]) < len(SWEEPS) and parts[3].isdigit()):
         w, k = int(parts[2]), int(parts[3])
-        workload = SWEEPS[w]
-        inside, unfaulted = _last_call_calls(backend, workload)
-        if unfaulted[1]:
-            inside = range(1)
-        if k >= len(inside):
+        trials = {t.sweep: (t, wl) for t, wl in sweep_trials(backend)}
+        if (w, k) not in trials:
+            made = sum(1 for s in trials if s is not None and s[0] == w)
             raise ValueError(f"{scenario!r}: the last call of sweep workload {w} makes "
-                             f"{len(inside)} mutating calls on this backend")
-        return run_trial(backend, _sweep_trial(w, k, inside[k], unfaulted), workload)
+                             f"{made} mutating calls on this backend")
+        return run_trial(backend, *trials[(w, k)])
     if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
         raise ValueError(f"{scenario!r}: expected io-errors:<seed>:<trial>, "
                          f"io-errors:sweep:<0-{len(SWEEPS) - 1}>:<call> or "
