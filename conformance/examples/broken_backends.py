@@ -26,6 +26,15 @@ def swallow_eio(root: str, io: IO | None = None) -> Storage:
     return deterministic_fs(SwallowFsyncError)(root, io if io is not None else OsIO())
 
 
+def _fs_variant(cls: Any, root: str, io: IO | None) -> Storage:
+    """The FsQueue subclass ``cls`` at ``root``: on the real disk with a random owner
+    token when no I/O seam is given, else opened as crash exploration opens it (owner
+    and message ids from the directory: ``deterministic_fs``)."""
+    from conformance.crashexplore.explored_backends import deterministic_fs
+
+    return cls(root) if io is None else deterministic_fs(cls)(root, io)
+
+
 # ---- limits -----------------------------------------------------------------------------
 
 class SmallLinksIO(OsIO):
@@ -591,7 +600,6 @@ def fs_envelope_length_unbounded(root: str, io: IO | None = None) -> Storage:
             --only damage-at-rest
     """
     from conformance.crashexplore.broken_fs_variants import _Fsync
-    from conformance.crashexplore.explored_backends import deterministic_fs
     from queue_ref.fsqueue.metadata import MAX_ENVELOPE
 
     class LengthUnbounded(_Fsync):
@@ -599,9 +607,7 @@ def fs_envelope_length_unbounded(root: str, io: IO | None = None) -> Storage:
         def _envelope_fits(n: int, size: int) -> bool:
             return n <= MAX_ENVELOPE  # the bug: not bounded by the file's size
 
-    if io is None:
-        return LengthUnbounded(root)
-    return deterministic_fs(LengthUnbounded)(root, io)
+    return _fs_variant(LengthUnbounded, root, io)
 
 
 def fs_recipient_limit_off_by_one(root: str, io: IO | None = None) -> Storage:
@@ -617,7 +623,6 @@ def fs_recipient_limit_off_by_one(root: str, io: IO | None = None) -> Storage:
     from dataclasses import replace as _replace
 
     from conformance.crashexplore.broken_fs_variants import _Fsync
-    from conformance.crashexplore.explored_backends import deterministic_fs
     from queue_ref.storage import Limits
 
     class OffByOne(_Fsync):
@@ -627,9 +632,7 @@ def fs_recipient_limit_off_by_one(root: str, io: IO | None = None) -> Storage:
             assert lim.max_recipients is not None
             return _replace(lim, max_recipients=lim.max_recipients + 1)
 
-    if io is None:
-        return OffByOne(root)
-    return deterministic_fs(OffByOne)(root, io)
+    return _fs_variant(OffByOne, root, io)
 
 
 def fs_read_all_returns_nothing(root: str, io: IO | None = None) -> Storage:
@@ -643,7 +646,6 @@ def fs_read_all_returns_nothing(root: str, io: IO | None = None) -> Storage:
             --only lockstep
     """
     from conformance.crashexplore.broken_fs_variants import _Fsync
-    from conformance.crashexplore.explored_backends import deterministic_fs
     from queue_ref.fsqueue.reader import FsMailReader
     from queue_ref.storage import InflightMail, MailReader
 
@@ -658,9 +660,7 @@ def fs_read_all_returns_nothing(root: str, io: IO | None = None) -> Storage:
             r.__class__ = EmptyReadAll
             return r
 
-    if io is None:
-        return ReadAllEmpty(root)
-    return deterministic_fs(ReadAllEmpty)(root, io)
+    return _fs_variant(ReadAllEmpty, root, io)
 
 
 def fs_entry_lost_silently(root: str, io: IO | None = None) -> Storage:
@@ -674,7 +674,6 @@ def fs_entry_lost_silently(root: str, io: IO | None = None) -> Storage:
             --only damage-at-rest
     """
     from conformance.crashexplore.broken_fs_variants import _OwnRecovery
-    from conformance.crashexplore.explored_backends import deterministic_fs
     from queue_ref.fsqueue.fs_recovery import Recovery
 
     class _Silent(Recovery):
@@ -688,9 +687,7 @@ def fs_entry_lost_silently(root: str, io: IO | None = None) -> Storage:
     class EntryLostSilently(_OwnRecovery):
         recovery_class = _Silent
 
-    if io is None:
-        return EntryLostSilently(root)
-    return deterministic_fs(EntryLostSilently)(root, io)
+    return _fs_variant(EntryLostSilently, root, io)
 
 
 def fs_index_not_rebuilt(root: str, io: IO | None = None) -> Storage:
@@ -704,11 +701,8 @@ def fs_index_not_rebuilt(root: str, io: IO | None = None) -> Storage:
             --only damage-at-rest
     """
     from conformance.crashexplore.broken_fs_variants import IndexNotRebuilt
-    from conformance.crashexplore.explored_backends import deterministic_fs
 
-    if io is None:
-        return IndexNotRebuilt(root)
-    return deterministic_fs(IndexNotRebuilt)(root, io)
+    return _fs_variant(IndexNotRebuilt, root, io)
 
 
 def kv_leveldb_names_unsynced(root: str) -> Storage:
@@ -881,7 +875,6 @@ def fs_unclaimed_reschedule(root: str, io: IO | None = None) -> Storage:
         queue-ref certify conformance.examples.broken_backends:fs_unclaimed_reschedule \\
             --only linearizable
     """
-    from conformance.crashexplore.explored_backends import deterministic_fs
     from queue_ref.fsqueue import FsQueue
     from queue_ref.fsqueue.fs_queue import _check_schedule
     from queue_ref.storage import QueuedMail, Schedule
@@ -897,9 +890,7 @@ def fs_unclaimed_reschedule(root: str, io: IO | None = None) -> Storage:
                 self._write_schedule(e, schedule)  # ... then act: the entry may be claimed
             return self._issue(QueuedMail, h.entry_id, h.message_id, schedule)
 
-    if io is None:
-        return UnclaimedReschedule(root)
-    return deterministic_fs(UnclaimedReschedule)(root, io)
+    return _fs_variant(UnclaimedReschedule, root, io)
 
 
 # ---- lifecycle edges -------------------------------------------------------------------
@@ -951,7 +942,6 @@ def fs_reschedule_hides_entry(root: str, io: IO | None = None) -> Storage:
             --only io-errors
     """
     from conformance.crashexplore.broken_fs_variants import _Fsync
-    from conformance.crashexplore.explored_backends import deterministic_fs
     from queue_ref.fsqueue.fs_queue import _CLAIMED
     from queue_ref.fsqueue.layout import EntryName
     from queue_ref.storage import QueuedMail
@@ -960,9 +950,7 @@ def fs_reschedule_hides_entry(root: str, io: IO | None = None) -> Storage:
         def _put_back(self, h: QueuedMail, e: EntryName) -> None:
             h._extra = _CLAIMED  # the bug: the claim stays, out of every listing
 
-    if io is None:
-        return HidesEntry(root)
-    return deterministic_fs(HidesEntry)(root, io)
+    return _fs_variant(HidesEntry, root, io)
 
 
 def fs_orphans_live_claims(root: str, io: IO | None = None) -> Storage:
@@ -978,7 +966,6 @@ def fs_orphans_live_claims(root: str, io: IO | None = None) -> Storage:
             --only restart
     """
     from conformance.crashexplore.broken_fs_variants import _OwnRecovery
-    from conformance.crashexplore.explored_backends import deterministic_fs
     from queue_ref.fsqueue.diskutil import listdir_or_empty
     from queue_ref.fsqueue.fs_recovery import Recovery
     from queue_ref.fsqueue.layout import EntryName
@@ -993,9 +980,7 @@ def fs_orphans_live_claims(root: str, io: IO | None = None) -> Storage:
     class OrphansLiveClaims(_OwnRecovery):
         recovery_class = _ForgetsInflight
 
-    if io is None:
-        return OrphansLiveClaims(root)
-    return deterministic_fs(OrphansLiveClaims)(root, io)
+    return _fs_variant(OrphansLiveClaims, root, io)
 
 
 def fs_quarantine_drops_body(root: str, io: IO | None = None) -> Storage:
@@ -1009,7 +994,6 @@ def fs_quarantine_drops_body(root: str, io: IO | None = None) -> Storage:
         queue-ref certify conformance.examples.broken_backends:fs_quarantine_drops_body \\
             --only damage-at-rest
     """
-    from conformance.crashexplore.explored_backends import deterministic_fs
     from queue_ref.fsqueue import FsQueue
     from queue_ref.fsqueue.layout import EntryName
 
@@ -1017,9 +1001,7 @@ def fs_quarantine_drops_body(root: str, io: IO | None = None) -> Storage:
         def _body_keeper(self, e: EntryName) -> str | None:
             return None  # the bug: the last entry's release deletes the body
 
-    if io is None:
-        return DropsBody(root)
-    return deterministic_fs(DropsBody)(root, io)
+    return _fs_variant(DropsBody, root, io)
 
 
 def fs_stray_link_trusted(root: str, io: IO | None = None) -> Storage:
@@ -1032,7 +1014,6 @@ def fs_stray_link_trusted(root: str, io: IO | None = None) -> Storage:
         queue-ref certify conformance.examples.broken_backends:fs_stray_link_trusted \\
             --only damage-at-rest
     """
-    from conformance.crashexplore.explored_backends import deterministic_fs
     from queue_ref.fsqueue import FsQueue
     from queue_ref.fsqueue.fs_records import Envelope
     from queue_ref.fsqueue.layout import EntryName
@@ -1043,9 +1024,7 @@ def fs_stray_link_trusted(root: str, io: IO | None = None) -> Storage:
             env.rcpts[e.index]  # the bug: the index a link's name gives, unchecked
             return super()._entry_schedule(e, env)
 
-    if io is None:
-        return TrustsLinks(root)
-    return deterministic_fs(TrustsLinks)(root, io)
+    return _fs_variant(TrustsLinks, root, io)
 
 
 def fs_damaged_body_released(root: str, io: IO | None = None) -> Storage:
@@ -1060,7 +1039,6 @@ def fs_damaged_body_released(root: str, io: IO | None = None) -> Storage:
         queue-ref certify conformance.examples.broken_backends:fs_damaged_body_released \\
             --only damage-at-rest
     """
-    from conformance.crashexplore.explored_backends import deterministic_fs
     from queue_ref.fsqueue import FsQueue
     from queue_ref.fsqueue.layout import EntryName
     from queue_ref.fsqueue.metadata import Corrupt
@@ -1071,9 +1049,7 @@ def fs_damaged_body_released(root: str, io: IO | None = None) -> Storage:
             with self._rw.shared():
                 return self._corruption(e, link, Corrupt(why, False))  # the bug: the entry
 
-    if io is None:
-        return ReleasesBody(root)
-    return deterministic_fs(ReleasesBody)(root, io)
+    return _fs_variant(ReleasesBody, root, io)
 
 
 def fs_ref_count_trusted(root: str, io: IO | None = None) -> Storage:
@@ -1087,7 +1063,6 @@ def fs_ref_count_trusted(root: str, io: IO | None = None) -> Storage:
         queue-ref certify conformance.examples.broken_backends:fs_ref_count_trusted \\
             --only damage-at-rest
     """
-    from conformance.crashexplore.explored_backends import deterministic_fs
     from queue_ref.fsqueue import FsQueue
     from queue_ref.fsqueue.fs_recovery import Recovery
     from queue_ref.fsqueue.layout import EntryName
@@ -1099,9 +1074,7 @@ def fs_ref_count_trusted(root: str, io: IO | None = None) -> Storage:
     class TrustingQueue(FsQueue):
         recovery = TrustsCount
 
-    if io is None:
-        return TrustingQueue(root)
-    return deterministic_fs(TrustingQueue)(root, io)
+    return _fs_variant(TrustingQueue, root, io)
 
 
 def fs_shared_body_not_kept(root: str, io: IO | None = None) -> Storage:
@@ -1115,7 +1088,6 @@ def fs_shared_body_not_kept(root: str, io: IO | None = None) -> Storage:
         queue-ref certify conformance.examples.broken_backends:fs_shared_body_not_kept \\
             --only damage-at-rest
     """
-    from conformance.crashexplore.explored_backends import deterministic_fs
     from queue_ref.fsqueue import FsQueue
     from queue_ref.fsqueue.layout import EntryName
 
@@ -1123,9 +1095,7 @@ def fs_shared_body_not_kept(root: str, io: IO | None = None) -> Storage:
         def _copy_body_aside(self, e: EntryName) -> str | None:
             return None  # the bug: the shared body goes with the other entries' cleanup
 
-    if io is None:
-        return DropsCopy(root)
-    return deterministic_fs(DropsCopy)(root, io)
+    return _fs_variant(DropsCopy, root, io)
 
 
 def fs_spare_reused_under_reader(root: str, io: IO | None = None) -> Storage:
@@ -1140,7 +1110,6 @@ def fs_spare_reused_under_reader(root: str, io: IO | None = None) -> Storage:
         queue-ref certify conformance.examples.broken_backends:fs_spare_reused_under_reader \\
             --only reader-elsewhere
     """
-    from conformance.crashexplore.explored_backends import deterministic_fs
     from queue_ref.fsqueue import FsQueue
 
     class Unlocked(FsQueue):
@@ -1150,9 +1119,7 @@ def fs_spare_reused_under_reader(root: str, io: IO | None = None) -> Storage:
         def _exclusive_spare(self, fd: int) -> bool:
             return True  # the bug: written into whoever reads it
 
-    if io is None:
-        return Unlocked(root)
-    return deterministic_fs(Unlocked)(root, io)
+    return _fs_variant(Unlocked, root, io)
 
 
 def fs_live_commit_refs_swept(root: str, io: IO | None = None) -> Storage:
@@ -1169,7 +1136,6 @@ def fs_live_commit_refs_swept(root: str, io: IO | None = None) -> Storage:
         queue-ref certify conformance.examples.broken_backends:fs_live_commit_refs_swept \\
             --only lifecycle-edges
     """
-    from conformance.crashexplore.explored_backends import deterministic_fs
     from queue_ref.fsqueue import FsQueue
     from queue_ref.fsqueue.diskutil import if_exists, listdir_or_empty
     from queue_ref.fsqueue.fs_recovery import Recovery
@@ -1191,9 +1157,7 @@ def fs_live_commit_refs_swept(root: str, io: IO | None = None) -> Storage:
     class Sweeping(FsQueue):
         recovery = SweepsRefs
 
-    if io is None:
-        return Sweeping(root)
-    return deterministic_fs(Sweeping)(root, io)
+    return _fs_variant(Sweeping, root, io)
 
 
 def fs_spares_counted_uncommitted(root: str, io: IO | None = None) -> Storage:
@@ -1207,7 +1171,6 @@ def fs_spares_counted_uncommitted(root: str, io: IO | None = None) -> Storage:
         queue-ref certify conformance.examples.broken_backends:fs_spares_counted_uncommitted \\
             --only crash-exploration
     """
-    from conformance.crashexplore.explored_backends import deterministic_fs
     from queue_ref.fsqueue import FsQueue
     from queue_ref.fsqueue.diskutil import listdir_or_empty
     from queue_ref.fsqueue.fs_recovery import Recovery
@@ -1221,9 +1184,7 @@ def fs_spares_counted_uncommitted(root: str, io: IO | None = None) -> Storage:
     class Counting(FsQueue):
         recovery = CountsSpares
 
-    if io is None:
-        return Counting(root)
-    return deterministic_fs(Counting)(root, io)
+    return _fs_variant(Counting, root, io)
 
 
 def fs_failed_commit_links_kept(root: str, io: IO | None = None) -> Storage:
@@ -1237,24 +1198,19 @@ def fs_failed_commit_links_kept(root: str, io: IO | None = None) -> Storage:
         queue-ref certify conformance.examples.broken_backends:fs_failed_commit_links_kept \\
             --only io-errors
     """
-    from conformance.crashexplore.explored_backends import deterministic_fs
     from queue_ref.fsqueue import FsQueue
-    from queue_ref.fsqueue.layout import EntryName
     from queue_ref.fsqueue.steps import MessageTx
 
     class CountsAtEnd(FsQueue):
         def _create_refs(self, tx: MessageTx, count: int) -> None:
-            own = self.layout.tmp_msg(self.owner, tx.msgid)
-            if tx.path != own:
-                self.io.rename(tx.path, own)
-                tx.path = own
-            for i in range(tx.refs, count):
-                self.io.link(tx.path, self.layout.ref(EntryName(tx.msgid, i)))
-            tx.refs = count  # the bug: counted after the loop, not link by link
+            start = tx.refs
+            try:
+                super()._create_refs(tx, count)
+            except OSError:
+                tx.refs = start  # the bug: the links made before the failure are forgotten
+                raise
 
-    if io is None:
-        return CountsAtEnd(root)
-    return deterministic_fs(CountsAtEnd)(root, io)
+    return _fs_variant(CountsAtEnd, root, io)
 
 
 def fs_adopted_schedule_reset(root: str, io: IO | None = None) -> Storage:
@@ -1271,7 +1227,6 @@ def fs_adopted_schedule_reset(root: str, io: IO | None = None) -> Storage:
     from collections.abc import Iterator
 
     from conformance.crashexplore.broken_fs_variants import _Fsync
-    from conformance.crashexplore.explored_backends import deterministic_fs
     from queue_ref.storage import InflightMail, Schedule
 
     class ResetsAdopted(_Fsync):
@@ -1280,9 +1235,7 @@ def fs_adopted_schedule_reset(root: str, io: IO | None = None) -> Storage:
                 yield self._issue(InflightMail, f.entry_id, f.message_id, Schedule(0),
                                   f._extra)
 
-    if io is None:
-        return ResetsAdopted(root)
-    return deterministic_fs(ResetsAdopted)(root, io)
+    return _fs_variant(ResetsAdopted, root, io)
 
 
 def fs_failed_commit_keeps_refs(root: str, io: IO | None = None) -> Storage:
@@ -1298,7 +1251,6 @@ def fs_failed_commit_keeps_refs(root: str, io: IO | None = None) -> Storage:
             --only io-errors
     """
     from conformance.crashexplore.broken_fs_variants import _Fsync
-    from conformance.crashexplore.explored_backends import deterministic_fs
     from queue_ref.fsqueue.steps import MessageTx
 
     class KeepsRefs(_Fsync):
@@ -1306,9 +1258,7 @@ def fs_failed_commit_keeps_refs(root: str, io: IO | None = None) -> Storage:
             tx.refs = 0  # the bug: the hard links are forgotten, not removed
             super()._discard_message(tx)
 
-    if io is None:
-        return KeepsRefs(root)
-    return deterministic_fs(KeepsRefs)(root, io)
+    return _fs_variant(KeepsRefs, root, io)
 
 
 def fs_dead_commit_refs_kept(root: str, io: IO | None = None) -> Storage:
@@ -1324,7 +1274,6 @@ def fs_dead_commit_refs_kept(root: str, io: IO | None = None) -> Storage:
             --only process-kill
     """
     from conformance.crashexplore.broken_fs_variants import _OwnRecovery
-    from conformance.crashexplore.explored_backends import deterministic_fs
     from queue_ref.fsqueue.fs_recovery import Recovery
 
     class _KeepsRefs(Recovery):
@@ -1334,9 +1283,7 @@ def fs_dead_commit_refs_kept(root: str, io: IO | None = None) -> Storage:
     class DeadCommitRefsKept(_OwnRecovery):
         recovery_class = _KeepsRefs
 
-    if io is None:
-        return DeadCommitRefsKept(root)
-    return deterministic_fs(DeadCommitRefsKept)(root, io)
+    return _fs_variant(DeadCommitRefsKept, root, io)
 
 
 def sqlite_unchecked_root(root: str) -> Storage:
