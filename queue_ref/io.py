@@ -13,6 +13,8 @@ Rules for backends:
 
 ``OsIO`` makes the calls that take microseconds without releasing the GIL (see
 ``nogil.py``); ``OsIO(release_gil=True)`` releases it around every call, as ``os`` does.
+Creating a file or a symlink always releases it: it may allocate an inode, which can
+take a millisecond (``nogil.py`` says why).
 """
 
 from __future__ import annotations
@@ -307,9 +309,9 @@ NOGIL_MAX_WRITE = 1 << 16
 class OsIO(IO):
     """The real seam: every call goes straight to the operating system.
 
-    Opening, closing, small writes, rename, link, symlink and unlink keep the GIL where
-    ``nogil.AVAILABLE`` (``holds_gil``); everything else, and all of it with
-    ``release_gil=True``, goes through ``os``.
+    Opening for reading, closing, small writes, rename, link and unlink keep the GIL
+    where ``nogil.AVAILABLE`` (``holds_gil``); everything else (creating a file or a
+    symlink among them), and all of it with ``release_gil=True``, goes through ``os``.
     """
 
     holds_gil: bool = nogil.AVAILABLE
@@ -317,11 +319,6 @@ class OsIO(IO):
     def __init__(self, *, release_gil: bool = False) -> None:
         if release_gil:
             self.holds_gil = False
-
-    def open_create(self, path: str, *, exclusive: bool = True, append: bool = False) -> int:
-        if not self.holds_gil:
-            return super().open_create(path, exclusive=exclusive, append=append)
-        return nogil.open(path, create_flags(exclusive=exclusive, append=append), 0o640)
 
     def open_read(self, path: str) -> int:
         if not self.holds_gil:
@@ -354,12 +351,6 @@ class OsIO(IO):
             nogil.link(src, dst)
         else:
             super().link(src, dst)
-
-    def symlink(self, target: str, path: str) -> None:
-        if self.holds_gil:
-            nogil.symlink(target, path)
-        else:
-            super().symlink(target, path)
 
     def unlink(self, path: str) -> None:
         if self.holds_gil:

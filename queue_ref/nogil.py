@@ -4,12 +4,19 @@ Every ``os`` function releases the GIL around its system call.  With many thread
 release hands the interpreter to another thread, and each return waits to get it back:
 two context switches for one call.  A message's lifecycle in the filesystem queue makes
 about a dozen calls that each take a few microseconds (open, a small write into the page
-cache, close, rename, symlink, unlink), and with 16 producer threads on 2 cores the
+cache, close, rename, link, unlink), and with 16 producer threads on 2 cores the
 handovers cost more than the calls: a third of the CPU time went to switching tasks.
 These functions make the same calls through libc with ``ctypes.PyDLL``, which keeps the
 GIL, as numpy does for small arrays; calls that wait for the device (fsync, fdatasync,
 syncfs, reads, flock) keep going through ``os`` and release it.  In paired runs this
 raised the filesystem queue's 16-producer lifecycle rate by about a fifth in syncfs mode.
+
+Calls that may allocate an inode (creating a file, a symlink) are not here: they can take
+a millisecond, during which no other thread (a relay's event loop) could run.  ext4
+without a journal skips every recently deleted inode of the block group when it looks
+for a free one (``recently_deleted`` in ``fs/ext4/ialloc.c``): on this machine, after a
+benchmark run, a symlink took 560-690 us against 19 us for a rename.  ``OsIO`` makes
+them through ``os``.
 
 Each function behaves as its ``os`` namesake: same arguments, the same ``OSError``
 subclass for the same errno (``FileNotFoundError``, ``FileExistsError``...), with the
@@ -45,7 +52,6 @@ def _load() -> dict[str, Fn] | None:
             "write": (ctypes.c_ssize_t, [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]),
             "rename": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_char_p]),
             "link": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_char_p]),
-            "symlink": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_char_p]),
             "unlink": (ctypes.c_int, [ctypes.c_char_p]),
         }
         out: dict[str, Fn] = {}
@@ -106,10 +112,6 @@ def rename(src: str, dst: str) -> None:
 def link(src: str, dst: str) -> None:
     """A hard link to ``src`` itself, not to what it points to (Linux ``link(2)``)."""
     _call("link", _path(src), _path(dst), names=(src, None, dst))
-
-
-def symlink(target: str, path: str) -> None:
-    _call("symlink", _path(target), _path(path), names=(target, None, path))
 
 
 def unlink(path: str) -> None:

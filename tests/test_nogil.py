@@ -2,7 +2,8 @@
 
 They must behave as their ``os`` namesakes (results, error classes, file names in the
 errors, NUL bytes refused, EINTR retried), and ``OsIO`` must route exactly the short calls
-through them, and nothing with ``release_gil=True``.
+through them (not the ones that may allocate an inode), and nothing with
+``release_gil=True``.
 """
 
 from __future__ import annotations
@@ -31,8 +32,7 @@ def test_results_are_those_of_os(tmp_path: Path) -> None:
     assert os.stat(f"{d}/f").st_mode & 0o777 == 0o640 & ~_umask()
     nogil.link(f"{d}/f", f"{d}/g")
     assert os.stat(f"{d}/f").st_nlink == 2
-    nogil.symlink("f", f"{d}/s")
-    assert os.readlink(f"{d}/s") == "f"
+    os.symlink("f", f"{d}/s")
     nogil.link(f"{d}/s", f"{d}/s2")  # the link itself, as os.link(follow_symlinks=False)
     assert os.path.islink(f"{d}/s2") and os.readlink(f"{d}/s2") == "f"
     nogil.rename(f"{d}/g", f"{d}/h")
@@ -59,7 +59,6 @@ def _same_error(a: BaseException, b: BaseException) -> None:
     ("unlink", ("missing",)),
     ("rename", ("missing", "x")),
     ("link", ("missing", "x")),
-    ("symlink", ("t", "exists")),
     ("open", ("exists", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)),
     ("open", ("missing", os.O_RDONLY)),
     ("open", ("link", os.O_RDONLY | os.O_NOFOLLOW)),
@@ -141,10 +140,11 @@ def test_osio_routes_the_short_calls_and_only_those(tmp_path: Path, monkeypatch:
     fd = io.open_read(f"{d}/f")
     io.close(fd)
     short = ["open", "write", "close", "link", "symlink", "rename", "unlink", "open", "close"]
-    assert used == (short if release else [])
+    # creating a file or a symlink (it may allocate an inode) releases the GIL always
+    assert used == (short if release else ["open", "symlink"])
     used.clear()
     fd = io.open_create(f"{d}/big")
     io.write(fd, b"x" * (NOGIL_MAX_WRITE + 1))  # a large write releases the GIL
     io.close(fd)
-    assert used == (["open", "write", "close"] if release else ["write"])
+    assert used == (["open", "write", "close"] if release else ["open", "write"])
     assert os.path.getsize(f"{d}/big") == NOGIL_MAX_WRITE + 1

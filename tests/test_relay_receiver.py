@@ -7,9 +7,13 @@ import email.policy
 import smtplib
 
 import pytest
+from aiosmtpd.smtp import SMTP
+from hypothesis import given
+from hypothesis import strategies as st
 
 from queue_ref.opener import open_queue
 from queue_ref.relay.relay_config import ConfigError, load_config
+from queue_ref.relay.smtp_receiver import RelaySMTP, fast_path_address
 from tests.relay_support import RelayThread, Sink, relay_config
 
 BODY = b"From: alice@example.org\r\nTo: bob@example.net\r\nSubject: hi\r\n\r\nHello.\r\n"
@@ -151,3 +155,51 @@ def test_a_session_finds_every_verb_hook_and_mechanism_aiosmtpd_would(tmp_path):
             assert inspect.getmembers(ours)  # still answers, from the names that matter
         finally:
             loop.close()
+
+
+_ATEXT_CHARS = "abcXYZ019!#$%&'*+/=?^_`{|}~-"
+_atom = st.text(_ATEXT_CHARS, min_size=1, max_size=6)
+_label = st.text("aZ09-", min_size=1, max_size=6)
+_path = st.builds(lambda local, domain: f"<{'.'.join(local)}@{'.'.join(domain)}>",
+                  st.lists(_atom, min_size=1, max_size=3), st.lists(_label, min_size=1,
+                                                                      max_size=3))
+_tail = st.sampled_from(["", " SIZE=100", "  SIZE=1", " ", "\tX", " (c) X", "X", "\u00a0X",
+                         " BODY=8BITMIME SMTPUTF8", ">", "@x", " <y@z>"])
+
+
+def _outcome(getaddr, arg):
+    """What a ``_getaddr`` returns, or the type of what it raises (the email package's
+    parser raises IndexError and AttributeError on some broken paths)."""
+    try:
+        return getaddr(arg)
+    except Exception as e:
+        return type(e)
+
+
+@given(st.one_of(st.builds(str.__add__, _path, _tail),
+                 st.text("<>@.aZ0 -(\t\u00e9\"[]", max_size=20),
+                 st.builds(lambda p, i, c: p[:i] + c + p[i:], _path,
+                           st.integers(0, 20), st.sampled_from(list(".@<> (\"\\\u00e9[")))))
+def test_the_fast_path_reads_an_address_as_aiosmtpd_does(arg):
+    """Every path the receiver's fast parser takes, aiosmtpd's own parser reads the same
+    way; and the receiver's answer equals aiosmtpd's on every input."""
+    session = RelaySMTP.__new__(RelaySMTP)
+    session.local_part_limit = 0
+    fast = fast_path_address(arg)
+    slow = _outcome(lambda a: SMTP._getaddr(session, a), arg)
+    if fast is not None:
+        assert fast == slow
+    assert _outcome(session._getaddr, arg) == slow
+
+
+def test_the_fast_path_takes_the_common_forms_and_keeps_the_local_part_limit():
+    assert fast_path_address("<alice.b+tag@mail.example.org> SIZE=4096") == (
+        "alice.b+tag@mail.example.org", "SIZE=4096")
+    assert fast_path_address("<bob@example.net>") == ("bob@example.net", "")
+    for other in ("<>", "<a..b@c>", "<a@b.c.>", "<a@[127.0.0.1]>", "bob@example.net",
+                  " <a@b>", "<\u00e9@b>", '<"a b"@c>', "<a@b> ", "<a@b>  SIZE=1"):
+        assert fast_path_address(other) is None, other
+    session = RelaySMTP.__new__(RelaySMTP)
+    session.local_part_limit = 5
+    assert session._getaddr("<abcdef@b.c>") == (None, None)
+    assert session._getaddr("<abcde@b.c> X=1") == ("abcde@b.c", "X=1")

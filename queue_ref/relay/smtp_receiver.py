@@ -55,6 +55,25 @@ _LABEL = r"[A-Za-z0-9\u0080-\U0010ffff](?:[A-Za-z0-9\u0080-\U0010ffff-]*[A-Za-z0
 _DOMAIN = rf"(?:{_LABEL}\.)*{_LABEL}"
 _ADDRESS = re.compile(r"[^\s@<>()\[\],;:\\\"\x00-\x1f\x7f]+@(?:" + _DOMAIN + r"|\[[0-9A-Fa-f:.]+\])")
 
+# A reverse or forward path in its common form: ``<dot-atom@domain>``, ASCII, then nothing
+# or one space and the parameters.  aiosmtpd parses every path with the email package's
+# header parser and builds a typing.Protocol class on each call (34 us per MAIL or RCPT
+# on this machine; this match takes 0.4 us).  What it matches, that parser reads the same
+# way (tests/test_relay_receiver.py compares them); anything else still goes to it.
+_ATEXT = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+"
+_FAST_PATH = re.compile(rf"<((?:{_ATEXT}\.)*{_ATEXT}@(?:[A-Za-z0-9-]+\.)*[A-Za-z0-9-]+)>"
+                        r"(?:$| (?=[^\s(]))")
+
+
+def fast_path_address(arg: str) -> tuple[str, str] | None:
+    """``(address, rest)`` as aiosmtpd's ``_getaddr`` gives them, for a path in its common
+    form; None for anything else."""
+    m = _FAST_PATH.match(arg)
+    if m is None:
+        return None
+    return m.group(1), arg[m.end():]
+
+
 # aiosmtpd's own replies, with the enhanced status codes (RFC 3463) Postfix gives them.
 _REWRITES = {
     "500 Command line too long": "500 5.5.2 Error: command line too long",
@@ -116,6 +135,14 @@ class RelaySMTP(SMTP):
         self.raw_pushes = 0  # replies (EHLO/HELO lines) that take no enhanced code
         self.errors = 0
         self.hung_up = False  # 421 sent: what the client still sends is read and dropped
+
+    def _getaddr(self, arg: str) -> tuple[str | None, str | None]:
+        fast = fast_path_address(arg)
+        if fast is None:
+            return super()._getaddr(arg)
+        if self.local_part_limit and len(fast[0].rpartition("@")[0]) > self.local_part_limit:
+            return None, None
+        return fast
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
