@@ -13,9 +13,13 @@ import time
 from collections import Counter
 
 import pytest
+from aiosmtplib.email import quote_address
+from hypothesis import given
+from hypothesis import strategies as st
 
 from queue_ref.opener import open_queue
 from queue_ref.relay.mx_routing import Router
+from queue_ref.relay.smtp_address import PLAIN_ADDRESS, plain_quoted
 from tests.relay_support import DnsServer, RelayThread, Sink, relay_config
 
 ZONE = {
@@ -275,3 +279,22 @@ def test_undeliverable_bounces_go_to_the_double_bounce_recipient(tmp_path):
     block = list(_dsn(got).iter_parts())[1].get_payload()[1]
     assert block["Final-Recipient"] == "rfc822; reject-sender@ok.test"
     assert len(sink.state.messages) == 1
+
+
+_local = st.lists(st.text("abcXYZ019!#$%&'*+/=?^_`{|}~-", min_size=1, max_size=5), min_size=1,
+                  max_size=3).map(".".join)
+_domain = st.lists(st.text("aZ09-", min_size=1, max_size=5), min_size=1, max_size=3).map(".".join)
+
+
+@given(st.one_of(st.builds("{}@{}".format, _local, _domain),
+                 st.text("a@.-\"<> \u00e9()", max_size=12)))
+def test_plain_addresses_are_quoted_as_aiosmtplib_quotes_them(address):
+    """The delivery client's own quoting (no email package) gives what aiosmtplib's
+    ``quote_address`` gives, wherever it applies; elsewhere aiosmtplib still quotes."""
+    ours = plain_quoted(address)
+    if ours is not None:
+        assert ours == quote_address(address).encode("ascii")
+    if PLAIN_ADDRESS.fullmatch(address) is not None or not address:
+        assert ours is not None
+    else:
+        assert ours is None

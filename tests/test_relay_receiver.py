@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from queue_ref.opener import open_queue
 from queue_ref.relay.relay_config import ConfigError, load_config
-from queue_ref.relay.smtp_receiver import RelaySMTP, fast_path_address
+from queue_ref.relay.smtp_address import fast_path_address
+from queue_ref.relay.smtp_receiver import RelaySMTP
 from tests.relay_support import RelayThread, Sink, relay_config
 
 BODY = b"From: alice@example.org\r\nTo: bob@example.net\r\nSubject: hi\r\n\r\nHello.\r\n"

@@ -20,6 +20,7 @@ import aiosmtplib
 
 from queue_ref.relay.mx_routing import Nexthop
 from queue_ref.relay.relay_config import RelayConfig
+from queue_ref.relay.smtp_address import plain_quoted
 
 __all__ = ["RcptResult", "SmtpDeliverer", "dsn_of", "wire_body"]
 
@@ -183,7 +184,7 @@ class SmtpDeliverer:
         stage = "MAIL FROM"
         try:
             try:
-                await smtp.mail(mail_from, options=options, encoding=encoding)
+                await _mail(smtp, mail_from, options, encoding)
             except aiosmtplib.SMTPSenderRefused as e:
                 r = RcptResult(e.code, dsn_of(e.code, e.message), _reply(e.code, e.message), relay)
                 await _rset(smtp)
@@ -196,7 +197,7 @@ class SmtpDeliverer:
             accepted = []
             for i, rcpt in enumerate(rcpts):
                 try:
-                    await smtp.rcpt(rcpt, encoding=encoding)
+                    await _rcpt(smtp, rcpt, encoding)
                     accepted.append(i)
                 except aiosmtplib.SMTPRecipientRefused as e:
                     results[i] = RcptResult(e.code, dsn_of(e.code, e.message),
@@ -273,6 +274,31 @@ async def _data(smtp: aiosmtplib.SMTP, body: bytes) -> aiosmtplib.SMTPResponse:
         raise
     if resp.code != aiosmtplib.SMTPStatus.completed:
         raise aiosmtplib.SMTPDataError(resp.code, resp.message)
+    return resp
+
+
+async def _mail(smtp: aiosmtplib.SMTP, sender: str, options: list[str], encoding: str
+                ) -> aiosmtplib.SMTPResponse:
+    """``smtp.mail(sender, options=options, encoding=encoding)`` on a connection that has
+    greeted, without the email package for an address in its common form."""
+    quoted = plain_quoted(sender)
+    if quoted is None:
+        return await smtp.mail(sender, options=options, encoding=encoding)
+    resp = await smtp.execute_command(b"MAIL", b"FROM:" + quoted,
+                                      *(o.encode("ascii") for o in options))
+    if resp.code != aiosmtplib.SMTPStatus.completed:
+        raise aiosmtplib.SMTPSenderRefused(resp.code, resp.message, sender)
+    return resp
+
+
+async def _rcpt(smtp: aiosmtplib.SMTP, rcpt: str, encoding: str) -> aiosmtplib.SMTPResponse:
+    """``smtp.rcpt(rcpt, encoding=encoding)``, as ``_mail`` is ``smtp.mail``."""
+    quoted = plain_quoted(rcpt)
+    if quoted is None:
+        return await smtp.rcpt(rcpt, encoding=encoding)
+    resp = await smtp.execute_command(b"RCPT", b"TO:" + quoted)
+    if resp.code not in (aiosmtplib.SMTPStatus.completed, aiosmtplib.SMTPStatus.will_forward):
+        raise aiosmtplib.SMTPRecipientRefused(resp.code, resp.message, rcpt)
     return resp
 
 
