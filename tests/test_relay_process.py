@@ -37,6 +37,12 @@ def test_check_config_prints_the_effective_configuration(tmp_path):
     assert cfg["maximal_queue_lifetime"] == 259200 and cfg["minimal_backoff_time"] == 300
     r = cli("--queue", str(tmp_path), "--check-config")
     assert r.returncode == 0 and "maximal_backoff_time = 4000.0" in r.stdout
+    assert 'event_loop = "auto"' in r.stdout
+    f.write_text('queue = "/var/spool/x"\nevent_loop = "twisted"\n')
+    r = cli("--config", str(f), "--check-config")
+    assert r.returncode == 2
+    assert r.stderr.strip() == ("queue-ref relay: event_loop: expected one of auto, uvloop, "
+                                "asyncio, not 'twisted'")
     f.write_text("queue = 3\n")
     r = cli("--config", str(f), "--check-config")
     assert r.returncode == 2
@@ -54,10 +60,12 @@ def test_check_config_prints_the_effective_configuration(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("swaks") is None, reason="swaks (Debian) is not installed")
-def test_swaks_mail_arrives_and_sigterm_stops_in_order(tmp_path):
+@pytest.mark.parametrize("event_loop", ["uvloop", "asyncio"])
+def test_swaks_mail_arrives_and_sigterm_stops_in_order(tmp_path, event_loop):
     queue = str(tmp_path / "q")
     with Sink() as sink, relay_process(["--queue", queue, "--listen", "127.0.0.1:0",
-                                        "--relayhost", f"[127.0.0.1]:{sink.port}"]) as (proc, port):
+                                        "--relayhost", f"[127.0.0.1]:{sink.port}",
+                                        "--event-loop", event_loop]) as (proc, port):
         assert os.path.exists(os.path.join(queue, PID_FILE))
         out = subprocess.run(["swaks", "--server", f"127.0.0.1:{port}", "--from", "a@example.org",
                               "--to", "b@example.net", "--header", "Subject: via swaks",

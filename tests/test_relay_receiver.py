@@ -204,3 +204,16 @@ def test_the_fast_path_takes_the_common_forms_and_keeps_the_local_part_limit():
     session.local_part_limit = 5
     assert session._getaddr("<abcdef@b.c>") == (None, None)
     assert session._getaddr("<abcde@b.c> X=1") == ("abcde@b.c", "X=1")
+
+
+def test_an_event_loop_that_is_not_installed_is_refused(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "uvloop" else real(name, *a))
+    with pytest.raises(ConfigError, match="uvloop is not installed"):
+        load_config(None, {"queue": str(tmp_path), "event_loop": "uvloop"})
+    assert load_config(None, {"queue": str(tmp_path), "event_loop": "asyncio"}).event_loop == (
+        "asyncio")
+    assert load_config(None, {"queue": str(tmp_path)}).event_loop == "auto"

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 from typing import Any
 
-from queue_ref.relay.relay_config import ConfigError, RelayConfig, load_config
+from queue_ref.relay.relay_config import (
+    EVENT_LOOPS,
+    ConfigError,
+    RelayConfig,
+    load_config,
+    run_relay,
+)
 
 __all__ = ["register"]
 
@@ -17,7 +22,7 @@ def _config(args: argparse.Namespace) -> RelayConfig:
     overrides: dict[str, Any] = {
         "queue": args.queue, "backend": args.backend, "listen": args.listen,
         "relayhost": args.relayhost, "log_json": True if args.log_json else None,
-        "processes": args.processes,
+        "processes": args.processes, "event_loop": args.event_loop,
     }
     return load_config(args.config, overrides)
 
@@ -57,7 +62,7 @@ def _cmd(args: argparse.Namespace) -> int:
             return 1
     relay = Relay(config)
     try:
-        asyncio.run(relay.run())
+        run_relay(config, relay.run())
     except RelayStartError as e:
         print(f"queue-ref relay: {e}", file=sys.stderr)
         return 1
@@ -83,6 +88,9 @@ def register(sub: Any) -> None:
     p.add_argument("--processes", type=int, metavar="N",
                    help="relay processes sharing the queue and the port (SO_REUSEPORT); "
                         "the backend must allow several processes (fs, fs-fsync)")
+    p.add_argument("--event-loop", choices=EVENT_LOOPS,
+                   help="the event loop of each relay process: uvloop, asyncio, or auto "
+                        "(uvloop where it is installed; the default)")
     p.add_argument("--check-config", action="store_true",
                    help="validate and print the effective configuration, then exit")
     p.add_argument("--json", action="store_true", help="with --check-config: one JSON object")

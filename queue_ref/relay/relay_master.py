@@ -26,7 +26,6 @@ Worker i serves its metrics on the configured port plus i (port 0: each its own)
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ctypes
 import dataclasses
@@ -41,7 +40,7 @@ from typing import IO, Any
 
 from queue_ref.opener import open_queue, read_relay_pid, remove_relay_pid, write_relay_pid
 from queue_ref.relay.delivery_log import DeliveryLog
-from queue_ref.relay.relay_config import RelayConfig
+from queue_ref.relay.relay_config import RelayConfig, run_relay
 from queue_ref.relay.relay_server import Relay, RelayStartError
 from queue_ref.storage import Capability
 
@@ -84,7 +83,7 @@ def _worker_main(config: RelayConfig, index: int, conn: Connection) -> None:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     relay = Relay(config, worker=index, ready_stream=_ReadyPipe(conn))  # type: ignore[arg-type]
     try:
-        asyncio.run(relay.run())
+        run_relay(config, relay.run())
     except RelayStartError as e:
         conn.send(("error", str(e)))
         sys.exit(1)
