@@ -11,12 +11,11 @@ GIL, as numpy does for small arrays; calls that wait for the device (fsync, fdat
 syncfs, reads, flock) keep going through ``os`` and release it.  In paired runs this
 raised the filesystem queue's 16-producer lifecycle rate by about a fifth in syncfs mode.
 
-Calls that may allocate an inode (creating a file, a symlink) are not here: they can take
-a millisecond, during which no other thread (a relay's event loop) could run.  ext4
-without a journal skips every recently deleted inode of the block group when it looks
-for a free one (``recently_deleted`` in ``fs/ext4/ialloc.c``): on this machine, after a
-benchmark run, a symlink took 560-690 us against 19 us for a rename.  ``OsIO`` makes
-them through ``os``.
+``OsIO`` does not make the calls that may allocate an inode (creating a file, a symlink)
+through here: they can take a millisecond, during which no other thread (a relay's event
+loop) could run.  ext4 without a journal skips every recently deleted inode of the block
+group when it looks for a free one (``recently_deleted`` in ``fs/ext4/ialloc.c``): on this machine, after a
+benchmark run, a symlink took 560-690 us against 19 us for a rename.
 
 Each function behaves as its ``os`` namesake: same arguments, the same ``OSError``
 subclass for the same errno (``FileNotFoundError``, ``FileExistsError``...), with the

@@ -27,7 +27,7 @@ from dnslib import MX, QTYPE, RCODE, RR, A, DNSRecord
 from dnslib.dns import DNSError
 from dnslib.server import BaseResolver, DNSLogger, DNSServer
 
-from queue_ref.relay.relay_config import RelayConfig
+from queue_ref.relay.relay_config import RelayConfig, new_event_loop
 from queue_ref.relay.relay_server import Relay
 
 # ---- DNS ----
@@ -229,7 +229,7 @@ class RelayThread:
         self.log_lines: list[str] = []
         self._log = _ListStream(self.log_lines)
         self.relay = Relay(config, log_stream=self._log)
-        self._loop = asyncio.new_event_loop()
+        self._loop = new_event_loop(config)
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
 
     def __enter__(self) -> RelayThread:

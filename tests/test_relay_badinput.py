@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import smtplib
 import socket
+import threading
 import time
+
+import pytest
 
 from queue_ref.opener import open_queue
 from tests.relay_support import RelayThread, Sink, relay_config
@@ -168,3 +171,43 @@ def test_clients_that_stall_or_disconnect_in_data(tmp_path):
         assert len(r.events("received")) == 1
         assert not r.events("error")
     _empty_queue(str(tmp_path / "q"))
+
+
+@pytest.mark.parametrize("event_loop", ["uvloop", "asyncio"])
+def test_a_slow_reader_cut_off_for_errors_gets_every_reply_then_the_421(tmp_path, event_loop):
+    """A pipelining client that makes too many errors and reads its replies slowly still
+    gets every reply, the 421 last, and then an orderly end of the stream: the session
+    sends FIN after its replies and drops what the client still sends, on both event
+    loops (closing with unread input would make the kernel reset the connection and
+    throw the unread replies away)."""
+    with RelayThread(relay_config(str(tmp_path / "q"), relayhost="[127.0.0.1]:9",
+                                  event_loop=event_loop)) as r:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.settimeout(20)
+        s.connect(("127.0.0.1", r.port))
+        errors = []
+
+        def send() -> None:
+            try:
+                s.sendall(b"EHLO x\r\n" + b"NOOP\r\n" * 3000
+                          + b"RCPT TO:<r@example.net>\r\n" * 25 + b"NOOP\r\n" * 200_000)
+            except OSError as e:  # the relay may stop reading once it has hung up
+                errors.append(e)
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        got = b""
+        while True:
+            chunk = s.recv(512)  # a reset raises here
+            if not chunk:
+                break
+            got += chunk
+            time.sleep(0.001)
+        sender.join(30)
+        s.close()
+    replies = [line for line in got.split(b"\r\n") if line]
+    assert replies[0].startswith(b"220 ")
+    assert sum(1 for line in replies if line.startswith(b"250 2.0.0")) == 3000  # the NOOPs
+    assert sum(1 for line in replies if line.startswith(b"503 ")) == 20  # RCPT before MAIL
+    assert replies[-1] == b"421 4.7.0 Error: too many errors"

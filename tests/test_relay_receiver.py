@@ -159,7 +159,9 @@ def test_a_session_finds_every_verb_hook_and_mechanism_aiosmtpd_would(tmp_path):
 
 
 _ATEXT_CHARS = "abcXYZ019!#$%&'*+/=?^_`{|}~-"
-_atom = st.text(_ATEXT_CHARS, min_size=1, max_size=6)
+_atom = st.one_of(st.text(_ATEXT_CHARS, min_size=1, max_size=12),
+                  st.sampled_from(["=?utf-8?q?bob?=", "=?us-ascii?q?x=40y?=", "=?x?q??=",
+                                   "a=?utf-8?q?b?=", "=?", "?="]))
 _label = st.text("aZ09-", min_size=1, max_size=6)
 _path = st.builds(lambda local, domain: f"<{'.'.join(local)}@{'.'.join(domain)}>",
                   st.lists(_atom, min_size=1, max_size=3), st.lists(_label, min_size=1,
@@ -198,6 +200,7 @@ def test_the_fast_path_takes_the_common_forms_and_keeps_the_local_part_limit():
         "alice.b+tag@mail.example.org", "SIZE=4096")
     assert fast_path_address("<bob@example.net>") == ("bob@example.net", "")
     for other in ("<>", "<a..b@c>", "<a@b.c.>", "<a@[127.0.0.1]>", "bob@example.net",
+                  "<=?utf-8?q?bob?=@example.net>",
                   " <a@b>", "<\u00e9@b>", '<"a b"@c>', "<a@b> ", "<a@b>  SIZE=1"):
         assert fast_path_address(other) is None, other
     session = RelaySMTP.__new__(RelaySMTP)

@@ -106,6 +106,7 @@ class DeliveryScheduler:
         self._seq = itertools.count()
         self._event = asyncio.Event()
         self._rescan = True
+        self.scanned = asyncio.Event()  # set once the first listing of the queue is done
         self._stopping = False
         self._jobs: set[asyncio.Task[None]] = set()
         self._global = asyncio.Semaphore(config.max_deliveries)
@@ -173,6 +174,7 @@ class DeliveryScheduler:
             return
         finally:
             self._scanning = False
+            self.scanned.set()
         latest = {h.entry_id: h for h in listed if h.entry_id not in self._claimed}
         for h in self._added_in_scan:
             latest[h.entry_id] = h

@@ -66,6 +66,9 @@ def _cmd(args: argparse.Namespace) -> int:
     except RelayStartError as e:
         print(f"queue-ref relay: {e}", file=sys.stderr)
         return 1
+    except ConfigError as e:  # the event loop named cannot be had
+        print(f"queue-ref relay: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 0
     return 0

@@ -40,7 +40,7 @@ from typing import IO, Any
 
 from queue_ref.opener import open_queue, read_relay_pid, remove_relay_pid, write_relay_pid
 from queue_ref.relay.delivery_log import DeliveryLog
-from queue_ref.relay.relay_config import RelayConfig, run_relay
+from queue_ref.relay.relay_config import ConfigError, RelayConfig, loop_kind, run_relay
 from queue_ref.relay.relay_server import Relay, RelayStartError
 from queue_ref.storage import Capability
 
@@ -84,7 +84,7 @@ def _worker_main(config: RelayConfig, index: int, conn: Connection) -> None:
     relay = Relay(config, worker=index, ready_stream=_ReadyPipe(conn))  # type: ignore[arg-type]
     try:
         run_relay(config, relay.run())
-    except RelayStartError as e:
+    except (RelayStartError, ConfigError) as e:
         conn.send(("error", str(e)))
         sys.exit(1)
     sys.exit(0)
@@ -215,7 +215,7 @@ class RelayMaster:
                    if f.startswith("metrics=")]
         line = (f"queue-ref relay ready: smtp={bound.replace('[', '').replace(']', '')} "
                 f"queue={self.queue_dir} backend={self.config.backend} pid={os.getpid()} "
-                f"processes={len(self._workers)}")
+                f"processes={len(self._workers)} loop={loop_kind(self.config)}")
         if metrics:
             line += f" metrics={','.join(metrics)}"
         return line

@@ -32,7 +32,7 @@ from queue_ref.opener import open_queue, read_relay_pid, remove_relay_pid, write
 from queue_ref.relay.delivery_log import DeliveryLog, LogStream
 from queue_ref.relay.delivery_scheduler import DeliveryScheduler
 from queue_ref.relay.mx_routing import Router
-from queue_ref.relay.relay_config import RelayConfig, parse_hostport
+from queue_ref.relay.relay_config import RelayConfig, loop_kind, parse_hostport
 from queue_ref.relay.relay_metrics import RelayMetrics
 from queue_ref.relay.smtp_delivery import SmtpDeliverer
 from queue_ref.relay.smtp_receiver import SmtpReceiver
@@ -155,6 +155,9 @@ class Relay:
             await start(self)
             self._started_services.append(stop)
         self._scheduler_task = loop.create_task(self.scheduler.run())
+        # ready once the queue's mail is known: what is committed from now on (by this
+        # relay or by another process, which then wakes it) comes after that first listing
+        await self.scheduler.scanned.wait()
         self.log.emit("relay", what="started", smtp=f"{host}:{self.smtp_address[1]}",
                       queue=self.queue_dir, backend=self.config.backend, worker=self.worker)
 
@@ -253,7 +256,8 @@ class Relay:
     def ready_line(self) -> str:
         assert self.smtp_address is not None
         line = (f"queue-ref relay ready: smtp={self.smtp_address[0]}:{self.smtp_address[1]} "
-                f"queue={self.queue_dir} backend={self.config.backend} pid={os.getpid()}")
+                f"queue={self.queue_dir} backend={self.config.backend} pid={os.getpid()} "
+                f"loop={loop_kind(self.config)}")
         if self.metrics_port is not None:
             line += f" metrics={self.metrics_port}"
         return line
@@ -318,3 +322,4 @@ class Relay:
             for sig in handlers:
                 loop.remove_signal_handler(sig)
             await self.stop()
+

@@ -159,8 +159,10 @@ class RelaySMTP(SMTP):
         transport = self.transport
         assert transport is not None
         self.hung_up = True
-        if isinstance(transport, asyncio.WriteTransport) and transport.can_write_eof():
-            transport.write_eof()
+        # uvloop's transports are no asyncio.WriteTransport: ask for the methods themselves
+        can_write_eof = getattr(transport, "can_write_eof", None)
+        if can_write_eof is not None and can_write_eof():
+            transport.write_eof()  # type: ignore[attr-defined]
             asyncio.get_running_loop().call_later(LINGER, transport.close)
         else:
             transport.close()
