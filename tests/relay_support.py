@@ -26,6 +26,7 @@ from aiosmtpd.smtp import SMTP, Envelope, Session
 from dnslib import MX, QTYPE, RCODE, RR, A, DNSRecord
 from dnslib.dns import DNSError
 from dnslib.server import BaseResolver, DNSLogger, DNSServer
+from hypothesis import strategies as st
 
 from queue_ref.relay.relay_config import RelayConfig, new_event_loop
 from queue_ref.relay.relay_server import Relay
@@ -361,3 +362,14 @@ def wait_ready(rp: RelayProcess, timeout: float = 30.0) -> int:
         raise RuntimeError(f"relay did not get ready: {line!r} {rp.stderr()[-2000:]}")
     field_ = next(f for f in line.split() if f.startswith("smtp="))
     return int(field_.rsplit(":", 1)[1])
+
+
+def plain_addresses() -> st.SearchStrategy[str]:
+    """Addresses of the common form ``dot-atom@domain`` (``queue_ref.relay.smtp_address``),
+    with local parts that begin as RFC 2047 encoded words among them."""
+    atom = st.one_of(st.text("abcXYZ019!#$%&'*+/=?^_`{|}~-", min_size=1, max_size=12),
+                     st.sampled_from(["=?utf-8?q?bob?=", "=?us-ascii?q?x=40y?=", "=?x?q??=",
+                                      "a=?utf-8?q?b?=", "=?", "?="]))
+    label = st.text("aZ09-", min_size=1, max_size=6)
+    return st.builds("{}@{}".format, st.lists(atom, min_size=1, max_size=3).map(".".join),
+                     st.lists(label, min_size=1, max_size=3).map(".".join))

@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["EVENT_LOOPS", "ConfigError", "RelayConfig", "load_config", "loop_kind",
-           "new_event_loop",
-           "parse_duration", "parse_hostport", "run_relay"]
+           "new_event_loop", "parse_duration", "parse_hostport", "run_relay"]
 
 #: the event loops a relay process can run on (``event_loop``)
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")

@@ -322,4 +322,3 @@ class Relay:
             for sig in handlers:
                 loop.remove_signal_handler(sig)
             await self.stop()
-

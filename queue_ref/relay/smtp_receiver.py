@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import email.utils
+import functools
 import ipaddress
 import re
 import ssl
@@ -249,7 +250,8 @@ class SmtpReceiver:
         self.shutting_down = False
         self.commits = 0  # commits in progress
         self._networks = [ipaddress.ip_network(n, strict=False) for n in config.mynetworks]
-        self._trusted: dict[str, bool] = {}  # client address -> in mynetworks
+        # client address -> in mynetworks (ipaddress parsing per RCPT cost 2 us)
+        self._trusted = functools.lru_cache(maxsize=4096)(self._in_mynetworks)
         self._stamp = (0, "")  # (second, its date for a Received header)
         self._domains = [d.lower() for d in config.relay_domains]
         self._tls: ssl.SSLContext | None = None
@@ -287,12 +289,7 @@ class SmtpReceiver:
     def client_trusted(self, session: Session) -> bool:
         peer = session.peer
         host = peer[0] if isinstance(peer, tuple) else ""
-        trusted = self._trusted.get(host)
-        if trusted is None:
-            if len(self._trusted) >= 4096:
-                self._trusted.clear()
-            trusted = self._trusted[host] = self._in_mynetworks(host)
-        return trusted
+        return self._trusted(host)
 
     def _in_mynetworks(self, host: str) -> bool:
         try:
