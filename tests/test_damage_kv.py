@@ -66,6 +66,36 @@ def newest(path: str, suffix: str) -> Path:
     return sorted(Path(path).glob(f"*{suffix}"))[-1]
 
 
+def test_a_lost_commit_whose_entry_was_rescheduled_later_is_named(tmp_path: Path) -> None:
+    """The commit of message 1 is damaged in the middle of the log; a later, intact
+    record rescheduled its entry, so the damaged bytes name a message that later records
+    touched.  Recovery removes the rescheduled entry, whose message has no records left
+    (the commit wrote them in one batch), and must name the message lost: no clean-close
+    record names it after a crash."""
+    path = str(tmp_path / "q")
+    ids = fill(path, KvQueue.open_log, 3)
+    q = KvQueue.open_log(path)
+    h = next(h for h in q.list_queue() if h.message_id == ids[1])
+    q.reschedule(h, Schedule(3600))
+    q.close()
+    os.unlink(os.path.join(path, "queue-ref.closed"))  # as after a crash: no record at rest
+    log = newest(path, ".log")
+    data = bytearray(log.read_bytes())
+    at = data.find(b"message %020d #" % int(ids[1]))
+    data[at + 3] ^= 0x01  # the commit record of message 1 fails its CRC
+    log.write_bytes(bytes(data))
+
+    q = KvQueue.open_log(path)
+    try:
+        report = q.last_recovery
+        assert report is not None and report.lost == (ids[1],)
+        assert any(f"message {int(ids[1])}, whose records are gone, is lost" in p
+                   for p in report.problems)
+        assert sorted(drain(q)) == sorted([ids[0], ids[2]])
+    finally:
+        q.close()
+
+
 @pytest.mark.parametrize("engine", list(OPENERS))
 @pytest.mark.parametrize("damage", ["cut", "flip-last"])
 def test_damaged_log_tail_at_rest_is_reported_by_id(

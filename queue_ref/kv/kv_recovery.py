@@ -166,6 +166,15 @@ class _Run:
         b.delete(k)
         self.write(b)
 
+    def orphan_entry(self, k: bytes, mid: int) -> None:
+        """An entry of a message with no records: the commit wrote them in the entry's
+        batch, so damage took them (the commit's record, with a later state change of
+        the entry intact).  The message was acknowledged and cannot be delivered: it is
+        named lost (C6), and the entry removed."""
+        self.lost.add(mid)
+        self.orphan(k, f"entry of no committed message (message {mid}, whose records are "
+                       "gone, is lost)")
+
     def inflight(self, k: bytes, v: bytes) -> None:
         try:
             mid, idx = keys.parse_entry(k)
@@ -181,7 +190,7 @@ class _Run:
             self.orphan(k, "entry is also pending cleanup")
             return
         if mid not in self.committed:
-            self.orphan(k, "entry of no committed message")
+            self.orphan_entry(k, mid)
             return
         try:
             rec = EntryRec.decode(v, mid, idx, kv_records.INFLIGHT)
@@ -208,7 +217,7 @@ class _Run:
             self.orphan(k, "entry is also pending cleanup")
             return
         if mid not in self.committed:
-            self.orphan(k, "entry of no committed message")
+            self.orphan_entry(k, mid)
             return
         try:
             EntryRec.decode(v, mid, idx, kv_records.HELD)
@@ -236,7 +245,7 @@ class _Run:
                 continue
             self.top = max(self.top, mid)
             if mid not in self.committed:
-                self.orphan(k, "entry of no committed message")
+                self.orphan_entry(k, mid)
                 continue
             if (mid, idx) in self.retired:
                 self.orphan(k, "entry is also pending cleanup")
