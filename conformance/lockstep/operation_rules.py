@@ -82,6 +82,13 @@ class Operations(MachineBase):
             raise ClauseViolation("API", "commit returned handles with repeated entry ids or "
                                          "different message ids")
         if got[0].message_id in self.mids:
+            old = self.mids[got[0].message_id]
+            if self.model.entries_of(old):
+                # The store no longer knows the message it gave that id: a commit it
+                # acknowledged is gone (after a crash that left it undurable, say).
+                raise ClauseViolation("C1", f"commit reused message id {got[0].message_id!r} "
+                                            f"of message {old}, acknowledged and still queued "
+                                            "in the model: the store lost it")
             raise ClauseViolation("API", f"commit reused message id {got[0].message_id!r}")
         self.mids[got[0].message_id] = mid
         self.params[mid] = params
