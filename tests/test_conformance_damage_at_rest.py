@@ -5,13 +5,14 @@ delivered mail; a removed SQLite database started an empty queue)."""
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 
 import pytest
 
 from conformance.checks import damage_at_rest_check
 from conformance.checks.damage_at_rest_check import _plan
-from conformance.checks.file_damage import held_whole
+from conformance.checks.file_damage import damage, held_whole, ids_readable
 from conformance.harness.backend_factory import Backend
 from conformance.harness.check_results import Finding, Status
 from conformance.harness.suite_profiles import QUICK, THOROUGH
@@ -180,7 +181,6 @@ def test_memory_backend_is_unsupported_not_passed() -> None:
 
 
 def test_plan_damages_every_file_and_every_way_when_thorough() -> None:
-    import random
     files = [f"f{i}" for i in range(40)]
     quick = _plan(files, False, random.Random(1))
     assert {f for f, _ in quick} == set(files) and len(quick) == 160
@@ -404,7 +404,6 @@ def test_a_repair_that_leaves_a_store_that_cannot_open_is_c6(seed: int) -> None:
 
 
 def test_a_stray_link_is_added_beside_one_link_of_each_kind_early_in_the_plan() -> None:
-    import random
 
     from conformance.checks.file_damage import STRAY, stray_name
 
@@ -541,3 +540,77 @@ def test_a_log_engine_that_cuts_a_damaged_last_record_loses_mail_after_a_crash()
     assert any("neither delivered nor named lost" in f.detail for f in res.findings)
     first = res.findings[0]
     assert damage_at_rest_check.replay(Backend.from_factory(KV), first.scenario) == []
+
+
+def test_ids_readable_finds_an_id_as_a_word_of_its_own_leading_zeros_aside() -> None:
+    data = b"\x07message 00000000000000000042\x00live 17 00000000000000000005\xffx9y"
+    ids = {"42", "5", "17", "9", "7"}
+    # "17" is a word too (a schedule here): the rule asks what is readable, not where
+    assert ids_readable(data, ids) == {"42", "5", "17"}
+    assert ids_readable(b"message 0000000000000000004\x032", {"42"}) == set()
+
+
+def test_a_deep_plan_sweeps_the_end_of_every_file_of_a_new_kind() -> None:
+    """Every file of a kind the small template has none of gets the end flips its
+    footer asks for, right after the first files' other ways (in the quick plan too)."""
+    files = ["000003.tbl", "000006.tbl", "000007.log", "CURRENT"]
+    def ends(rel: str) -> list[int]:
+        return [int(rel[:6]), 30]
+
+    plan = damage_at_rest_check._deep_plan(files, {"#.log", "CURRENT"}, False,
+                                          random.Random(1), ends)
+    sweeps = [(f, k) for f, k in plan if k.startswith("end flip")]
+    assert sorted(sweeps) == sorted((f, f"end flip {k}") for f in files[:2]
+                                    for k in ends(f))
+    assert plan[0] == ("", "none")
+    thorough = damage_at_rest_check._deep_plan(files, {"#.log", "CURRENT"}, True,
+                                              random.Random(1), ends)
+    assert thorough[:len(plan)] == plan  # the quick plan is the thorough one cut short
+
+
+def test_a_store_that_counts_damaged_bytes_whose_ids_it_could_read_is_c6() -> None:
+    """After a crash (the killed template) no clean-close record names what a damaged
+    log record held: the store must read the ids out of the damaged bytes.  A store that
+    keeps 20 bytes of them counts the record in ``lost_unknown`` and names nobody; the
+    ids were readable, so that is C6.  The project's engine names them."""
+    broken = Backend.from_factory(f"{BROKEN}:kv_damage_sample_cut")
+    res = damage_at_rest_check.run(broken, QUICK, 1)
+    assert res.status is Status.FAIL and {f.clause for f in res.findings} == {"C6"}
+    assert all(":killed=" in f.scenario for f in res.findings)
+    assert all("only counted in lost_unknown" in f.detail for f in res.findings)
+    assert damage_at_rest_check.replay(Backend.from_factory(KV), res.findings[0].scenario) == []
+
+
+def test_a_store_that_never_checks_its_table_footers_keeps_dead_tables_for_good() -> None:
+    """A table footer's entry count, unchecked and flipped high, keeps the table out of
+    every merge: the store serves every message whole and reports nothing, but once used
+    again it keeps the table's dead messages on the disk (C8).  The end-flip sweep of the
+    deep template reaches the count; the drain after the unseen damage shows it."""
+    broken = Backend.from_factory(f"{BROKEN}:kv_footer_unchecked")
+    res = damage_at_rest_check.run(broken, QUICK, 2)
+    assert res.status is Status.FAIL and {f.clause for f in res.findings} == {"C8"}
+    assert all(":deep=" in f.scenario and ":end flip " in f.scenario for f in res.findings)
+    first = res.findings[0]
+    assert "once used again" in first.detail
+    assert damage_at_rest_check.replay(Backend.from_factory(KV), first.scenario) == []
+
+
+def test_the_end_flip_sweep_flips_the_first_zero_of_each_run_outside_bodies(
+        tmp_path: Path) -> None:
+    from conformance.checks.damage_at_rest_check import _footer
+    from conformance.checks.damage_templates import Template
+
+    body = b"B" * 2048
+    footer = b"\x07\x01\x00\x00\x00\x00\x09\x00\x00" + b"\xff" * 3  # 12 bytes
+    (tmp_path / "t").write_bytes(b"\x00" * 40 + body + footer)
+    filled = Template()
+    filled.want["m"] = body
+    # zeros start 10 and 6 bytes from the end; the zeros before the body are not its last 32
+    assert _footer(str(tmp_path), filled, "t") == [10, 5]
+    (tmp_path / "b").write_bytes(b"x" * 10 + b"\x00" * 5000)  # a body of zeros ends it
+    filled.want["z"] = b"\x00" * 5000
+    assert _footer(str(tmp_path), filled, "b") == [32]  # the piece left over, past 4 KiB
+    path = tmp_path / "t"
+    got = damage(path, "end flip 10", random.Random(0))
+    assert got.flipped == len(path.read_bytes()) - 10
+    assert path.read_bytes()[-10] == 0x80

@@ -68,7 +68,7 @@ def test_every_variant_keeps_a_footprint_of_zero() -> None:
             for _ in range(3):
                 store = backend.open(root)
                 disk_growth_check._enqueue(store, 5, "x")
-                disk_growth_check._drain(store)
+                disk_growth_check.drain(store)
                 fp = store.footprint()
                 store.close()
                 assert (fp.objects, fp.bytes) == (0, 0), variant

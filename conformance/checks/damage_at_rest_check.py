@@ -18,7 +18,9 @@ the copy and delivers everything it lists. C6 requires, for every trial:
   the store never committed (C6);
 * every acknowledged message not delivered is named: in the recovery report of the open
   (``Storage.last_recovery``: ``lost``, or counted in ``lost_unknown``), or by a typed
-  error (``CorruptionError``) when its body is read (C6);
+  error (``CorruptionError``) when its body is read (C6); counted only when its id is
+  unreadable: a flipped bit changes one byte, so a message whose id lies readable in the
+  file a flip damaged (a word of its own there, leading zeros aside) must be named;
 * the undamaged rest is still served: every message not named is delivered (C6), and a
   flipped bit takes out no message whose body lies whole after it in the same file
   beyond the next body (intact records after damage in the middle of a log are kept: a
@@ -50,9 +52,14 @@ tables (LevelDB's 4 MiB write buffer, the log engine's memtable) then holds two 
 whose key ranges overlap, the older one with many small keys.  Its first trial damages
 nothing: every message must read back whole (a store that takes a key missing from the
 newer table for a deletion loses the older table's messages).  Then every file whose
-kind the first template has none of (a table, say) is damaged every way, then flipped
-``DEEP_FLIPS`` times outside every body (a *structure flip*: in keys, lengths, headers,
-where no body digest can see it), with the same requirements.
+kind the first template has none of (a table, say) is damaged every way, then swept at
+its end (an *end flip* of the first zero byte of each run of zeros among its last
+``FRAMING`` bytes outside every body: a footer's count or offset, small for its field,
+made large), then flipped ``DEEP_FLIPS`` times outside every body (a *structure flip*: in
+keys, lengths, headers, where no body digest can see it), with the same requirements.
+A store that serves every message whole over such damage (but a structure flip's) and
+reports nothing is used once more and must drain as the undamaged template does
+(``unseen_damage_drain``, C8): bytes it never checks may steer what it keeps.
 
 Both templates are filled once more by a child process that is then killed (SIGKILL)
 with the queue open (plans ``killed`` and ``deep-killed``; ``damage_templates.py``): a
@@ -67,6 +74,7 @@ leaves too) and ``EXTRA_FLIPS`` bit flips of each; the deep one is read back und
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import re
@@ -84,7 +92,10 @@ from conformance.checks.damage_templates import (
     Template,
     fill,
 )
+from conformance.checks.disk_growth_check import Tree
 from conformance.checks.file_damage import (
+    END_FLIP,
+    FRAMING,
     KINDS,
     NOTHING,
     STRAY,
@@ -95,8 +106,10 @@ from conformance.checks.file_damage import (
     damage,
     files_of,
     held_whole,
+    ids_readable,
     outside_bodies,
 )
+from conformance.checks.unseen_damage_drain import baseline, judge
 from conformance.harness.backend_factory import Backend
 from conformance.harness.check_catalog import NO_CRASH
 from conformance.harness.check_results import CheckResult, Finding, Status, finished
@@ -158,14 +171,15 @@ def _plan(files: list[str], thorough: bool, rng: random.Random,
     return plan if thorough else plan[:max(QUICK_TRIALS, len(files) + len(strays))]
 
 
-def _deep_plan(files: list[str], known: set[str], thorough: bool,
-               rng: random.Random) -> list[tuple[str, str]]:
+def _deep_plan(files: list[str], known: set[str], thorough: bool, rng: random.Random,
+               ends: Callable[[str], list[int]]) -> list[tuple[str, str]]:
     """The deep template's trials: nothing damaged; then one file of each kind the first
-    template has none of, every way, and ``DEEP_FLIPS`` structure flips of each (outside
-    every body, where only the store's own checks can see them); then the same for the
-    other files of those kinds.  All of it when ``thorough``, else the first
-    DEEP_QUICK_TRIALS (the quick plan is the start of the thorough one, so that a
-    replay finds its trial)."""
+    template has none of, every way, then the end flips ``ends`` gives for every file of
+    those kinds, then ``DEEP_FLIPS`` structure flips of each first file (outside every
+    body, where only the store's own checks can see them); then the same for the other
+    files of those kinds.  All of it when ``thorough``, else the first DEEP_QUICK_TRIALS
+    and the end flips (the quick plan is the start of the thorough one, so that a replay
+    finds its trial)."""
     by_kind: dict[str, list[str]] = {}
     for f in files:
         if _kind(f) not in known:
@@ -173,13 +187,33 @@ def _deep_plan(files: list[str], known: set[str], thorough: bool,
     firsts = [rng.choice(fs) for _, fs in sorted(by_kind.items())]
     others = [f for fs in by_kind.values() for f in fs if f not in firsts]
     plan: list[tuple[str, str]] = [("", NOTHING)]
+    sweep = [(f, f"{END_FLIP} {k}") for f in sorted(firsts + others) for k in ends(f)]
     for group in (firsts, others):
         ways = [(f, k) for f in group for k in KINDS]
         extra = [(f, STRUCTURE) for f in group for _ in range(DEEP_FLIPS)]
         rng.shuffle(ways)
         rng.shuffle(extra)
-        plan += ways + extra
-    return plan if thorough else plan[:DEEP_QUICK_TRIALS]
+        plan += ways + (sweep if group is firsts else []) + extra
+    return plan if thorough else plan[:DEEP_QUICK_TRIALS + len(sweep)]
+
+
+def _footer(template: str, filled: Template, rel: str) -> list[int]:
+    """Where the end-flip sweep flips a top bit in ``rel`` (``k``: the k-th byte from the
+    end): the first byte of every run of zero bytes among its last FRAMING bytes that lie
+    outside every body.  A count or offset small for its field has zero high bytes, so
+    that flip makes the field large whichever its byte order; the other bytes are
+    framing flips' and structure flips' to damage."""
+    path = Path(template, rel)
+    if path.is_symlink() or not path.is_file():
+        return []
+    data = path.read_bytes()
+    ranges = filled.structure(rel)(data)
+    ks = []
+    for i in range(max(0, len(data) - FRAMING), len(data)):
+        if (data[i] == 0 and (i == 0 or data[i - 1] != 0 or i == len(data) - FRAMING)
+                and any(a <= i < b for a, b in ranges)):
+            ks.append(len(data) - i)
+    return ks
 
 
 def _killed_plan(files: list[str], thorough: bool, rng: random.Random) -> list[tuple[str, str]]:
@@ -206,7 +240,10 @@ def _kind(rel: str) -> str:
 
 def _trial(backend: Backend, template: str, rel: str, kind: str, rng: random.Random,
            filled: Template, fill_steps: str, fail: list[Finding], stats: dict[str, int],
-           scenario: str) -> None:
+           scenario: str, undamaged: Callable[[], Tree] | None = None) -> None:
+    """One trial (the module's rules); ``undamaged``: the tree of the undamaged template
+    once used again (``unseen_damage_drain``), to judge a store served over damage it did
+    not see by."""
     work = tempfile.mkdtemp(prefix="queue-ref-atrest-")
     root = os.path.join(work, "q")
     try:
@@ -216,6 +253,7 @@ def _trial(backend: Backend, template: str, rel: str, kind: str, rng: random.Ran
         steps = (fill_steps, f"{kind}: {hit.what}", "open the queue and deliver what it lists")
         damaged = "no damage" if kind == NOTHING else f"{kind} of {rel}"
         whole = held_whole(root, filled.want)  # what salvage could still find
+        flipped = Path(root, rel).read_bytes() if hit.flipped is not None else None
 
         def finding(clause: str, detail: str) -> None:
             fail.append(Finding(clause, f"{damaged}: {detail}", scenario, NO_CRASH, steps))
@@ -252,8 +290,19 @@ def _trial(backend: Backend, template: str, rel: str, kind: str, rng: random.Ran
             finding("C9", f"opening raised {type(e).__name__} ({e}), not DamagedStoreError "
                           "(the store's files are damaged, not the disk)")
             return
-        delivered = _serve(store, filled, repaired, later, hit, kind == NOTHING, finding, stats)
+        seen = getattr(store, "last_recovery", None)
+        failed = len(fail)
+        delivered = _serve(store, filled, repaired, later, hit, kind == NOTHING, finding, stats,
+                           flipped)
         kept(set(delivered), "once the queue was opened, served and closed")
+        if (undamaged is not None and kind not in (NOTHING, STRUCTURE) and repaired is None
+                and len(fail) == failed
+                and not (seen is not None and seen.damage_found)
+                and set(delivered) == set(filled.want)):
+            stats["unseen"] += 1
+            wrong = judge(backend, root, undamaged())
+            if wrong is not None:
+                finding(*wrong)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -289,10 +338,11 @@ def _repair(backend: Backend, root: str, refused: DamagedStoreError,
 
 def _serve(store: Storage, filled: Template, repaired: RecoveryReport | None, later: dict[str, int],
            hit: Damage, undamaged: bool, finding: Callable[[str, str], None],
-           stats: dict[str, int]) -> dict[str, bytes]:
+           stats: dict[str, int], flipped: bytes | None = None) -> dict[str, bytes]:
     """Deliver everything the open ``store`` lists and judge it (the module's rules);
     ``repaired`` is the report of a repair run before the open (its names count as named);
-    ``undamaged``: the trial damaged nothing.
+    ``undamaged``: the trial damaged nothing; ``flipped``: the bytes of a file a bit flip
+    damaged, as the store found them.
     Closes the store; returns the messages delivered whole to every entry still queued
     at the damage (a message delivered to some only must still lie whole somewhere, or be
     named)."""
@@ -407,6 +457,17 @@ def _serve(store: Storage, filled: Template, repaired: RecoveryReport | None, la
             finding("C6", f"{after}{len(missing)} acknowledged entries of messages "
                           "delivered to their other recipients were neither delivered nor "
                           f"named lost (first: {missing[0]}, to {rcpt_of[missing[0]]!r})")
+        counted = set(silent) | {msg_of[e] for e in missing}
+        readable = (ids_readable(flipped, counted) if flipped is not None and lost_unknown
+                    and counted else set())
+        if readable:
+            m = min(readable)
+            finding("C6", f"{after}{len(readable)} acknowledged messages not delivered were "
+                          f"only counted in lost_unknown ({lost_unknown}), not named, though "
+                          f"their ids lie readable in the file the bit flip damaged (first: "
+                          f"{m}): a flipped bit changes one byte, so a store that reads the "
+                          "damaged bytes names every id they hold; `lost_unknown` counts "
+                          "records whose ids are unreadable")
         stats["delivered"] += len(delivered)
         stats["named_lost"] += len(named & set(want))
         if report.damage_found or named:
@@ -467,7 +528,8 @@ def _trials(backend: Backend, seed: int, every_way: bool, only: tuple[str, int] 
             filled = fill(backend, template, deep, killed=plan_name.endswith("killed"))
             files = files_of(template)
             if plan_name == "deep":
-                plan = _deep_plan(files, known, thorough, random.Random(f"{seed}:deep"))
+                plan = _deep_plan(files, known, thorough, random.Random(f"{seed}:deep"),
+                                  functools.partial(_footer, template, filled))
                 stats["deep_files"] = len({f for f, _ in plan[1:]})
             elif plan_name == "trial":
                 known = {_kind(f) for f in files}
@@ -490,6 +552,8 @@ def _trials(backend: Backend, seed: int, every_way: bool, only: tuple[str, int] 
                     raise ValueError(f"{plan_name} {n} of seed {seed} is a {kind} of {rel} "
                                      f"for this backend, not a {expect[0]} of {expect[1]}: "
                                      "the scenario comes from another backend or version")
+            undamaged = (functools.cache(functools.partial(baseline, backend, template))
+                         if plan_name == "deep" else None)
             for n, (rel, kind) in enumerate(plan):
                 if only is not None and n != only[1]:
                     continue
@@ -497,7 +561,7 @@ def _trials(backend: Backend, seed: int, every_way: bool, only: tuple[str, int] 
                 rng = random.Random(f"{seed}:{n}" if plan_name == "trial"
                                     else f"{seed}:{plan_name}:{n}")
                 _trial(backend, template, rel, kind, rng, filled, STEPS_OF[plan_name],
-                       findings, stats, scenario_id(seed, n, kind, rel, plan_name))
+                       findings, stats, scenario_id(seed, n, kind, rel, plan_name), undamaged)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
@@ -505,7 +569,7 @@ def _trials(backend: Backend, seed: int, every_way: bool, only: tuple[str, int] 
 def _stats() -> dict[str, int]:
     return {"files": 0, "trials": 0, "deep_files": 0, "deep_trials": 0, "killed_trials": 0,
             "refused": 0,
-            "repaired": 0, "refused_later": 0, "detected": 0, "delivered": 0, "named_lost": 0}
+            "unseen": 0, "repaired": 0, "refused_later": 0, "detected": 0, "delivered": 0, "named_lost": 0}
 
 
 def run(backend: Backend, profile: Profile, seed: int) -> CheckResult:

@@ -90,7 +90,7 @@ def _enqueue(store: Storage, n: int, tag: str) -> None:
             enq.commit([Recipient(f"r{i}@example.net", Schedule(i))])
 
 
-def _drain(store: Storage) -> None:
+def drain(store: Storage) -> None:
     """Deliver and clean up everything the queue holds (claims of dead owners too)."""
     claimed = [*store.find_inflight()]
     claimed += [f for f in (store.send_start(h) for h in store.list_queue()) if f is not None]
@@ -128,12 +128,12 @@ def _at_once(backend: Backend, root: str, batches: tuple[int, ...],
         pool = store.limits.pool_files
         for i in range(4):
             _enqueue(store, 1, f"warm{i}.")
-            _drain(store)
+            drain(store)
         base = measure(root)
         after: list[tuple[int, Tree]] = []
         for n in (min(pool, MAX_BURST_POOL) + b for b in batches):
             _enqueue(store, n, f"batch{n}.")
-            _drain(store)
+            drain(store)
             after.append((n, measure(root)))
     finally:
         store.close()
@@ -152,7 +152,7 @@ def _open_drain_close(backend: Backend, root: str, enqueue: int, tag: str) -> Tr
     store = backend.open(root)
     try:
         _enqueue(store, enqueue, tag)
-        _drain(store)
+        drain(store)
     finally:
         store.close()
     return measure(root)

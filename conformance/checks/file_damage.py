@@ -23,6 +23,10 @@ FRAMING = 32  # a framing flip hits one of the last FRAMING bytes of a file
 #: message never had).  Stores link only what they wrote, so a name they did not write is
 #: damage too; it must not be served as an entry.
 STRAY = "stray link"
+#: ``end flip <k>``: the top bit of the k-th byte from a file's end flipped, for each k up
+#: to FRAMING outside every body: a footer's fields (counts, offsets) each get a flip that
+#: makes them large.
+END_FLIP = "end flip"
 
 
 def copy_tree(src: str, dst: str) -> None:
@@ -144,7 +148,12 @@ def damage(path: Path, kind: str, rng: random.Random,
         path.write_bytes(b"\x01")
         return Damage(f"wrote a byte into the empty {path.name}")
     flipped: int | None = None
-    if kind == STRUCTURE:
+    if kind.startswith(END_FLIP + " "):
+        i = max(0, len(data) - int(kind[len(END_FLIP) + 1:]))
+        data[i] ^= 0x80
+        what = f"flipped the top bit of byte {i} of {path.name} ({len(data)} bytes)"
+        flipped = i
+    elif kind == STRUCTURE:
         ranges = outside(bytes(data)) if outside is not None else [(0, len(data))]
         total = sum(b - a for a, b in ranges)
         pick = rng.randrange(total) if total else rng.randrange(len(data))
@@ -201,6 +210,23 @@ def held_whole(root: str, bodies: dict[str, bytes]) -> dict[str, str]:
         for m, body in bodies.items():
             if m not in found and body and data.find(body) >= 0:
                 found[m] = rel
+    return found
+
+
+def ids_readable(data: bytes, ids: set[str]) -> set[str]:
+    """The ids of ``ids`` (message ids as the store gives them) that ``data`` holds as a
+    word of their own: a run of letters and digits bounded by other bytes, leading zeros
+    aside (a KV store writes ``message 00000000000000000042`` for message ``42``).  A
+    flipped bit changes one byte, so the ids of a damaged record's other keys stay
+    readable there, and a store that reads the damaged bytes for ids names them."""
+    want = {i.encode().lstrip(b"0") or b"0": i for i in ids}
+    found: set[str] = set()
+    for word in re.findall(rb"[0-9A-Za-z]+", data):
+        got = want.get(word.lstrip(b"0") or b"0")
+        if got is not None:
+            found.add(got)
+            if len(found) == len(want):
+                break
     return found
 
 

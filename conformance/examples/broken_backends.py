@@ -396,6 +396,60 @@ def kv_last_record_as_torn_tail(root: str, io: IO | None = None) -> Storage:
     return KvQueue.open_log(root, io, engine=TornLastEngine)
 
 
+def kv_damage_sample_cut(root: str, io: IO | None = None) -> Storage:
+    """The KV queue (log engine) that keeps only the first 20 bytes of a damaged region of
+    its log for its report (the record's header and the start of its first key), so no
+    message id is read out of it: the region is counted in ``lost_unknown`` and the
+    messages whose commit it held, their ids plain in the damaged bytes, go unnamed.
+    After a clean close the clean-close record names them anyway; after a crash nothing
+    does.  Only damage-at-rest's rule that a flipped bit names the messages whose ids it
+    leaves readable fails it (C6)::
+
+        queue-ref certify conformance.examples.broken_backends:kv_damage_sample_cut \\
+            --only damage-at-rest
+    """
+    import dataclasses
+
+    from queue_ref.kv.kv_queue import KvQueue
+    from queue_ref.kv.logengine import LogEngine, wal
+
+    def cut_samples(io: IO, path: str, apply: Callable[[list[wal.Op]], None]) -> wal.Replayed:
+        out = wal.replay(io, path, apply)
+        out.bad = [dataclasses.replace(r, sample=r.sample[:20]) for r in out.bad]  # the bug
+        return out
+
+    class CutSampleEngine(LogEngine):
+        _replay = staticmethod(cut_samples)
+
+    return KvQueue.open_log(root, io, engine=CutSampleEngine)
+
+
+def kv_footer_unchecked(root: str, io: IO | None = None) -> Storage:
+    """The KV queue (log engine) that never checks its tables' footer checksum.  The
+    magic, the index's place and its checksum are checked apart, so only the entry and
+    tombstone counts go unchecked, and they only steer compaction: a count flipped high
+    keeps the table out of every merge, so a drained queue holds its dead messages on
+    the disk for good.  Nothing is lost or altered; only damage-at-rest's rule that a
+    store served over damage it did not see drains as the undamaged one does fails it
+    (C8, after a flip near a table's end)::
+
+        queue-ref certify conformance.examples.broken_backends:kv_footer_unchecked \\
+            --only damage-at-rest
+    """
+    from queue_ref.kv.kv_queue import KvQueue
+    from queue_ref.kv.logengine import LogEngine
+    from queue_ref.kv.logengine.table import FOOTER_SIZE, Table
+
+    class UncheckedFooter(Table):
+        def _footer_fields(self) -> bytes:
+            return self._read(self.size - FOOTER_SIZE, FOOTER_SIZE)[:-4]  # the bug: no crc
+
+    class UncheckedFooterEngine(LogEngine):
+        _table = UncheckedFooter
+
+    return KvQueue.open_log(root, io, engine=UncheckedFooterEngine)
+
+
 def kv_fresh_over_missing_current(root: str, io: IO | None = None) -> Storage:
     """The KV queue (log engine) that, finding no ``CURRENT``, creates a new database in
     the directory, as LevelDB does with ``create_if_missing`` (its log and manifest

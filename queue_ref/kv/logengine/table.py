@@ -154,10 +154,7 @@ class Table:
         self.size = io.fsize(fd)
         if self.size < FOOTER_SIZE:
             raise DatabaseCorruptError(path, "table shorter than its footer")
-        footer = self._read(self.size - FOOTER_SIZE, FOOTER_SIZE)
-        fields = footer[:-4]
-        if _U32.unpack(footer[-4:])[0] != zlib.crc32(fields):
-            raise DatabaseCorruptError(path, "footer checksum mismatch")
+        fields = self._footer_fields()
         magic, index_off, index_len, index_crc, entries, tombstones = _FOOTER_FIELDS.unpack(fields)
         if magic != _MAGIC or index_off + index_len != self.size - FOOTER_SIZE:
             raise DatabaseCorruptError(path, "bad footer")
@@ -167,6 +164,16 @@ class Table:
         if zlib.crc32(index) != index_crc:
             raise DatabaseCorruptError(path, "index checksum mismatch")
         self.first_key, self.last_keys, self._blocks = self._parse_index(index)
+
+    def _footer_fields(self) -> bytes:
+        """The footer's fields, checked against their crc: the entry and tombstone counts
+        steer compaction and nothing else checks them (a count flipped high keeps the
+        table out of every merge, and its dead keys on the disk for good)."""
+        footer = self._read(self.size - FOOTER_SIZE, FOOTER_SIZE)
+        fields = footer[:-4]
+        if _U32.unpack(footer[-4:])[0] != zlib.crc32(fields):
+            raise DatabaseCorruptError(self.path, "footer checksum mismatch")
+        return fields
 
     def _parse_index(self, index: bytes) -> tuple[bytes, list[bytes], list[tuple[int, int]]]:
         try:
