@@ -173,12 +173,18 @@ class Limits:
 
     ``pool_files``: how many files of released storage one open queue may keep for reuse
     after its messages are cleaned up (C8: the filesystem queue's spare files); a drained
-    queue holds no more than that beyond what it held with nothing queued."""
+    queue holds no more than that beyond what it held with nothing queued.
+
+    ``drains_full_disk``: whether delivering and cleaning up work while the disk is full
+    (C9).  False for a store whose every change needs free space first (LevelDB's
+    compactions write new tables before freeing the old ones): delivering then raises
+    ``NoSpaceError``, loses nothing, and works again once space is freed."""
 
     max_recipients: int | None = None
     max_address: int = MAX_ADDRESS
     max_body_bytes: int | None = None
     pool_files: int = 0
+    drains_full_disk: bool = True
 
 
 @dataclass(frozen=True)

@@ -235,7 +235,7 @@ def test_check_ids_are_stable() -> None:
                            "io-errors", "second-open", "multi-process", "reader-elsewhere", "streaming",
                            "damage-at-rest", "hold",
                            "group-commit", "linearizable",
-                           "lifecycle-edges", "bounded-disk", "blackbox-power-loss"]
+                           "lifecycle-edges", "bounded-disk", "full-disk", "blackbox-power-loss"]
 
 
 def _child_echo(ch: object, value: object) -> None:

@@ -133,6 +133,9 @@ class StorageSuite:
     def test_second_open(self, request: pytest.FixtureRequest) -> None:
         self._run(request, "second-open")
 
+    def test_full_disk(self, request: pytest.FixtureRequest) -> None:
+        self._run(request, "full-disk")
+
     def test_reader_elsewhere(self, request: pytest.FixtureRequest) -> None:
         self._run(request, "reader-elsewhere")
 

@@ -14,7 +14,7 @@ Scenario ids start with the check that found them:
   traced again, the named crash state of its first ``point`` calls recovered;
 * ``bad-input:<case>``, ``limits:<case>``, ``many-recipients:<n>``, ``threads:<seed>``,
   ``multi-process:<seed>``, ``second-open``, ``reader-elsewhere``, ``streaming:<bytes>``,
-  ``bounded-disk:<rounds>``: that check again;
+  ``bounded-disk:<rounds>``, ``full-disk:<seed>``: that check again;
 * ``lifecycle-edges:<op>:<target>:<stop>``: that trial again (the same stop point, or
   the same SIGSTOP delay);
 * anything else is handed to the crash explorer (``conformance.checks.crash_exploration_check``).
@@ -30,6 +30,7 @@ from conformance.checks import (
     blackbox_power_loss_check,
     damage_at_rest_check,
     disk_growth_check,
+    full_disk_check,
     io_errors_check,
     lifecycle_edges_check,
     limits_check,
@@ -76,6 +77,8 @@ def replay(backend: Backend, scenario: str) -> list[Finding]:
         return scale_checks.threads(backend, QUICK, int(rest)).findings
     if head == "second-open":
         return second_open_check.replay(backend)
+    if head == "full-disk":
+        return full_disk_check.replay(backend, scenario)
     if head == "reader-elsewhere":
         return reader_elsewhere_check.replay(backend)
     if head == "multi-process":

@@ -22,6 +22,7 @@ from conformance.checks import (
     crash_exploration_check,
     damage_at_rest_check,
     disk_growth_check,
+    full_disk_check,
     group_commit_check,
     hold_check,
     io_errors_check,
@@ -101,6 +102,8 @@ def _run_one(spec: CheckSpec, model: str, backend: Backend, probe: Probe, profil
         return damage_at_rest_check.run(backend, profile, s)
     if spec.id == "bounded-disk":
         return disk_growth_check.run(backend, profile)
+    if spec.id == "full-disk":
+        return full_disk_check.run(backend, s)
     if spec.id == "hold":
         return hold_check.run(backend)
     if spec.id == "linearizable":

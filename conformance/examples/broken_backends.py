@@ -1372,3 +1372,41 @@ def sqlite_sync_off(root: str) -> Storage:
     from conformance.examples.sqlite_backend import SqliteStorage
 
     return SqliteStorage(root, journal="wal", synchronous="OFF")
+
+
+# ---- a full disk ------------------------------------------------------------------------
+
+def kv_log_reserve_too_small(root: str, io: IO | None = None) -> Storage:
+    """The KV queue (log engine) whose disk reserve is 4 KiB, whatever the file system:
+    on a disk its own mail filled, releasing the reserve frees too little for the log
+    records and the table flush that delivering writes, so a full queue cannot be
+    drained (mutant ``aebf07b4`` of the mutation run shrank the reserve's size).  With the
+    I/O seam (crash exploration) the queue keeps no reserve either way.  Only the
+    full-disk check fails it (C9)::
+
+        queue-ref certify conformance.examples.broken_backends:kv_log_reserve_too_small \\
+            --only full-disk
+    """
+    from queue_ref.kv.kv_queue import KvQueue
+
+    return KvQueue.open_log(root, io, reserve=None if io is not None else 4096)
+
+
+def kv_log_reserve_kept_at_open(root: str, io: IO | None = None) -> Storage:
+    """The KV queue (log engine) that keeps its disk reserve when it opens on a disk
+    another file filled: recovery and delivering then have no room, and the queue
+    cannot be drained until the operator frees space (mutant ``c0851f7a`` of the
+    mutation run removed the release at the open).  Only the full-disk check fails it
+    (C9)::
+
+        queue-ref certify conformance.examples.broken_backends:kv_log_reserve_kept_at_open \\
+            --only full-disk
+    """
+    from queue_ref.kv.kv_queue import KvQueue
+
+    class ReserveKept(KvQueue):
+        @staticmethod
+        def _reserve_for_recovery(path: str, reserve: int) -> None:
+            return None  # the bug: the reserve stays however full the disk is
+
+    return ReserveKept.open_log(root, io)

@@ -41,8 +41,8 @@ whose lock can be taken (or whose file is gone) is dead; opening the queue reque
 its inflight entries, finishes its cleanups and deletes its uncommitted messages, so
 several processes can share a queue (``Capability.MULTI_PROCESS``).
 
-What holds after a failure: a ``sqlite3.Error`` (disk full, I/O error, a lock held too
-long) is raised as ``StorageIOError`` with the handle given back; the transaction was
+What holds after a failure: a ``sqlite3.Error`` (I/O error, a lock held too long) is
+raised as ``StorageIOError`` (a full disk as ``NoSpaceError``) with the handle given back; the transaction was
 rolled back, so the entry is in its old state.
 """
 
@@ -71,7 +71,9 @@ from queue_ref.storage import (
     Footprint,
     InflightMail,
     InvalidInputError,
+    Limits,
     MailReader,
+    NoSpaceError,
     PendingCleanupMail,
     QueuedMail,
     Recipient,
@@ -176,6 +178,8 @@ def _storage_error(e: sqlite3.Error | UnicodeDecodeError) -> StorageIOError:
     is damaged, else StorageIOError."""
     if _damaged(e):
         return DamagedStoreError(f"sqlite: the database is damaged: {e}")
+    if getattr(e, "sqlite_errorcode", 0) & 0xFF == sqlite3.SQLITE_FULL:
+        return NoSpaceError(f"sqlite: the disk is full: {e}")
     return StorageIOError(f"sqlite: {e}")
 
 
@@ -220,6 +224,12 @@ def _check_schema(db: sqlite3.Connection, db_path: str) -> None:
 class SqliteStorage(Storage):
     capabilities = frozenset({Capability.ZONE_LISTING, Capability.DOMAIN_INDEX,
                               Capability.STREAMING_BODIES, Capability.MULTI_PROCESS})
+
+    @property
+    def limits(self) -> Limits:
+        """A delete writes the pages it changes to the rollback journal first: on a full
+        disk SQLite cannot deliver (SQLITE_FULL) until space is freed."""
+        return Limits(drains_full_disk=False)
 
     def __init__(self, root: str, *, journal: str = "wal", synchronous: str | None = None
                  ) -> None:
@@ -311,7 +321,7 @@ class SqliteStorage(Storage):
             try:
                 db.execute("BEGIN IMMEDIATE")
             except sqlite3.Error as e:
-                raise StorageIOError(f"sqlite: {e}") from e
+                raise _storage_error(e) from e
             try:
                 yield db
                 db.execute("COMMIT")

@@ -165,6 +165,11 @@ CHECKS: tuple[CheckSpec, ...] = (
               "drained: many messages at once (no more than the declared pool left), "
               "repeated restarts, repeated killed owners: it does not grow with use",
               Kind.SCALE, ("C8",)),
+    CheckSpec("full-disk", "a real 4 MiB file system (a tmpfs in a mount namespace of a "
+              "child) fills up: every refusal is NoSpaceError, the queue goes on once space "
+              "is freed, opens on a disk another file filled, and (unless it declares it "
+              "cannot) delivers while its own mail fills the disk; nothing is lost",
+              Kind.FAULTS, ("C9", "C1", "C8")),
     CheckSpec("blackbox-power-loss", "a backend outside the I/O seam runs a workload in a "
               "child traced by strace; the disks a power cut may leave at each "
               "acknowledgement and inside operations are rebuilt from its system calls "

@@ -46,6 +46,9 @@ class WriteBatch:
 
 
 class KV(abc.ABC):
+    #: Whether deleting keys works while the disk is full (``Limits.drains_full_disk``).
+    drains_full_disk = True
+
     @abc.abstractmethod
     def get(self, key: bytes) -> bytes | None:
         """The value of ``key``, or None."""

@@ -156,6 +156,15 @@ class KvQueue(Storage):
                          sync_all=sync_all, clock=clock, at=(OsIO(), path, "kv-leveldb"),
                          reserve=auto if reserve is None else reserve)
 
+    @staticmethod
+    def _reserve_for_recovery(path: str, reserve: int) -> None:
+        """Before opening on a full disk (another file filled it), remove the reserve:
+        recovery needs the room to write."""
+        if os.path.exists(os.path.join(path, RESERVE_NAME)):
+            size = reserve if reserve > 0 else default_size(path)
+            if free_bytes(path) < size:
+                Reserve(path, size).release()
+
     @classmethod
     def _open(cls, make: Callable[[], KV], *, recover: bool, sync_all: bool,
               clock: Callable[[], int], at: tuple[IO, str, str], reserve: int) -> KvQueue:
@@ -166,10 +175,8 @@ class KvQueue(Storage):
         _check_path(path)
         if not isinstance(reserve, int) or isinstance(reserve, bool) or reserve < -1:
             raise InvalidInputError(f"reserve must be a size in bytes, got {reserve!r}")
-        if reserve and os.path.exists(os.path.join(path, RESERVE_NAME)):
-            size = reserve if reserve > 0 else default_size(path)
-            if free_bytes(path) < size:  # a full disk: recovery needs the room
-                Reserve(path, size).release()
+        if reserve:
+            cls._reserve_for_recovery(path, reserve)
         try:
             rest, problems, kept = atrest.take(io, path)
         except OSError as e:
@@ -263,8 +270,10 @@ class KvQueue(Storage):
 
     @property
     def limits(self) -> Limits:
-        """Recipients per message: what the keys' index field holds."""
-        return Limits(max_recipients=keys.MAX_RCPTS + 1)
+        """Recipients per message: what the keys' index field holds; whether the engine
+        drains a full disk (LevelDB does not)."""
+        return Limits(max_recipients=keys.MAX_RCPTS + 1,
+                      drains_full_disk=self._kv.drains_full_disk)
 
     # ---- listing --------------------------------------------------------------------
 

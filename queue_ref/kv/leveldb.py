@@ -118,6 +118,12 @@ class LevelDBEngine(KV):
     decides at its next open); LevelDB itself refuses writes after a failed log sync.
     """
 
+    #: A compaction writes its new tables before it frees the ones it merges, and a
+    #: failed one stops later writes: on a disk its own data filled, LevelDB cannot
+    #: delete (deliver) until space is freed (measured on a 4 MiB tmpfs; the reserve,
+    #: released at the first NoSpaceError, covers a memtable flush, not a compaction).
+    drains_full_disk = False
+
     def __init__(self, path: str, *, write_buffer_size: int | None = None) -> None:
         """``write_buffer_size``: LevelDB's memtable size (default: LevelDB's, 4 MiB);
         reopening writes up to that much, so a full disk's reserve must hold it."""
