@@ -15,7 +15,11 @@ ways, each repeated:
   killed (SIGKILL); the queue is opened again (recovery), drained and closed.  With the
   I/O seam the child first enqueues a message of three recipients and dies inside it,
   right after one of its mutating disk calls (a different one each round), so what a
-  commit makes per recipient is left half made.
+  commit makes per recipient is left half made; every other such child runs on a file
+  system of ``FEW_NAMES`` names per file, so what a store makes when a file is full of
+  names (the filesystem queue's fresh domain anchor) is left half made too.  A killed
+  round's drained tree may hold no *kind* of name (its path, ids masked) that no clean
+  restart round's holds: a leftover that the slack on counts would hide is a new kind.
 
 After each round of the last two the queue is closed and its tree measured.  The tree
 may change from round to round (a log-structured store writes new tables and logs), but
@@ -26,7 +30,9 @@ steady climb.  Scenario ``bounded-disk:<rounds>``.
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import stat
 import time
 from collections.abc import Callable
@@ -39,6 +45,7 @@ from conformance.harness.check_results import CheckResult, Finding, Status, fini
 from conformance.harness.child_process import Channel, Child
 from conformance.harness.stop_gate_io import killing_io
 from conformance.harness.suite_profiles import Profile
+from queue_ref.io import OsIO
 from queue_ref.storage import Recipient, Schedule, Storage
 
 BODY = b"Subject: bounded disk\r\n\r\n" + b"a line of the body\r\n" * 12
@@ -60,6 +67,9 @@ MAX_BURST_POOL = 4096
 class Tree:
     names: int
     bytes: int
+    #: the kinds of name the tree holds: paths with their ids (runs of digits and of hex
+    #: digits) masked, ``domains/#/anchor.#`` for ``domains/3f/anchor.18eb...``
+    kinds: frozenset[str] = frozenset()
 
     def __str__(self) -> str:
         return f"{self.names} names, {self.bytes} bytes"
@@ -70,9 +80,11 @@ def measure(root: str) -> Tree:
     each file once however many names it has."""
     names, size = 0, 0
     seen: set[tuple[int, int]] = set()
+    kinds: set[str] = set()
     for top, dirs, files in os.walk(root):
         for n in (*dirs, *files):
             names += 1
+            kinds.add(name_kind(os.path.relpath(os.path.join(top, n), root)))
             try:
                 st = os.lstat(os.path.join(top, n))
             except FileNotFoundError:
@@ -80,7 +92,13 @@ def measure(root: str) -> Tree:
             if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) not in seen:
                 seen.add((st.st_dev, st.st_ino))
                 size += st.st_size
-    return Tree(names, size)
+    return Tree(names, size, frozenset(kinds))
+
+
+def name_kind(rel: str) -> str:
+    """``rel`` with its ids masked: runs of hex digits that hold a digit, and runs of
+    digits (``domains/3f/anchor.18ebc1769b02a4f8`` -> ``domains/#/anchor.#``)."""
+    return re.sub(r"[0-9a-f]*[0-9][0-9a-f]*", "#", rel)
 
 
 def _enqueue(store: Storage, n: int, tag: str) -> None:
@@ -179,13 +197,32 @@ def _restarts(backend: Backend, root: str, rounds: int,
 #: made, and a dead owner's leftovers that recovery never removes climb round by round.
 WIDE_RCPTS = 3
 KILL_STOPS = (4, 7, 10, 13, 5, 8, 11, 14, 6, 9, 12, 3)
+#: Every other doomed owner runs on a file system of this many names per file (as some
+#: are): what a store makes when a file is full of names (the filesystem queue's fresh
+#: domain anchor, replacing a full one) is met half made too; at 4, the anchor's fresh
+#: copy is mutating call 7 of the wide enqueue, round 1's stop.
+FEW_NAMES = 4
 
 
-def _doomed_owner(ch: Channel, backend: Backend, root: str, tag: str, stop: int) -> None:
+class FewNamesIO(OsIO):
+    """The real disk, holding at most ``FEW_NAMES`` names per file."""
+
+    def link_max(self, path: str) -> int:
+        return FEW_NAMES
+
+    def link(self, src: str, dst: str) -> None:
+        if os.lstat(src).st_nlink >= FEW_NAMES:
+            raise OSError(errno.EMLINK, os.strerror(errno.EMLINK), dst)
+        super().link(src, dst)
+
+
+def _doomed_owner(ch: Channel, backend: Backend, root: str, tag: str, stop: int,
+                  few_names: bool = False) -> None:
     """Open, enqueue, claim one entry, say so, and wait to be killed; with the I/O seam
     (``stop`` > 0), first die right after mutating call ``stop`` of an enqueue of
-    ``WIDE_RCPTS`` recipients (or say so if it finishes before)."""
-    io = killing_io() if stop else None
+    ``WIDE_RCPTS`` recipients (or say so if it finishes before), on a file system of
+    ``FEW_NAMES`` names per file when ``few_names``."""
+    io = killing_io(FewNamesIO() if few_names else OsIO()) if stop else None
     store = backend.open(root, io) if io is not None else backend.open(root)
     _enqueue(store, 2, tag)
     for h in store.list_queue():
@@ -208,7 +245,7 @@ def _killed_owners(backend: Backend, root: str, rounds: int,
     series = []
     for r in range(rounds):
         stop = KILL_STOPS[r % len(KILL_STOPS)] if backend.takes_io else 0
-        with Child(_doomed_owner, backend, root, f"killed{r}.", stop) as child:
+        with Child(_doomed_owner, backend, root, f"killed{r}.", stop, r % 2 == 1) as child:
             for msg in child.messages():  # ends early when the child killed itself
                 if "crashed" in msg:
                     fail("C9", f"round {r}: the child failed before it was killed: "
@@ -231,6 +268,15 @@ def _judge_killed(restarted: list[Tree], killed: list[Tree],
     openers' do, reuses a leftover's names, so a leak need not climb)."""
     if not restarted or not killed:
         return
+    known = frozenset().union(*(t.kinds for t in restarted))
+    for r, t in enumerate(killed):
+        new_kinds = sorted(t.kinds - known)
+        if new_kinds:
+            fail("C8", f"after a process was killed inside its enqueue (round {r}) and the "
+                       "queue opened, drained and closed, its tree holds names of a kind no "
+                       f"clean restart round leaves: {', '.join(new_kinds[:5])}: the dead "
+                       "owner's leftovers were kept")
+            break
     top = max(t.names for t in restarted)
     over = [(r, t) for r, t in enumerate(killed) if t.names > top + KILLED_SLACK]
     if over:

@@ -118,3 +118,44 @@ def fs_dead_index_links_kept(root: str, io: IO | None = None) -> Storage:
     if io is None:
         return DeadIndexKept(root)
     return deterministic_fs(DeadIndexKept)(root, io)
+
+
+def fs_dead_anchor_kept(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue whose recovery prunes every unreferenced name of the domain
+    index but the anchor's own name and the ones that start with it: the fresh anchor
+    ``anchor.<owner>`` of an owner that died while replacing a full anchor (a file system
+    of few names per file) stays for good, one name per such death.  Nothing is listed
+    wrongly and ``footprint()`` does not count the index; the name count stays within
+    bounded-disk's slack, so only its rule on kinds of names, with killed owners on a file
+    system of 4 names per file, sees it (C8; mutant ``c3d0be12`` of the mutation run kept
+    such anchors too)::
+
+        queue-ref certify conformance.examples.broken_disk_growth:fs_dead_anchor_kept \\
+            --only bounded-disk
+    """
+    from conformance.crashexplore.explored_backends import deterministic_fs
+    from queue_ref.fsqueue import FsQueue
+    from queue_ref.fsqueue.diskutil import if_exists, listdir_or_empty
+    from queue_ref.fsqueue.fs_recovery import Recovery
+    from queue_ref.fsqueue.layout import DOMAIN_ANCHOR, DOMAIN_DIR_RE
+
+    class KeepsAnchors(Recovery):
+        def prune_index(self) -> None:
+            refs = self._referenced()
+            for d in listdir_or_empty(self.io, self.lay.domains):
+                path = os.path.join(self.lay.domains, d)
+                if not DOMAIN_DIR_RE.match(d) or not self.io.is_dir(path):
+                    continue
+                for n in listdir_or_empty(self.io, path):
+                    link = os.path.join(path, n)
+                    if n.startswith(DOMAIN_ANCHOR):  # the bug: anchor.<owner> is kept too
+                        continue
+                    if n not in refs or self.index_paths.get(n, link) != link:
+                        if_exists(self.io.unlink, link)
+
+    class DeadAnchorKept(FsQueue):
+        recovery = KeepsAnchors
+
+    if io is None:
+        return DeadAnchorKept(root)
+    return deterministic_fs(DeadAnchorKept)(root, io)

@@ -37,10 +37,11 @@ def kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def killing_io() -> StopGateIO:
-    """The real disk, through a gate that SIGKILLs this process at its stop point (inside
-    the call, right after mutating call ``stop - 1``)."""
-    return StopGateIO(OsIO(), lambda point, name, when: kill_self())
+def killing_io(inner: IO | None = None) -> StopGateIO:
+    """The real disk (or ``inner``), through a gate that SIGKILLs this process at its stop
+    point (inside the call, right after mutating call ``stop - 1``)."""
+    return StopGateIO(inner if inner is not None else OsIO(),
+                      lambda point, name, when: kill_self())
 
 
 class StopGateIO(IO):
