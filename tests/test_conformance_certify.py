@@ -129,3 +129,37 @@ def test_fail_fast_stops_at_the_first_failing_check(capsys: pytest.CaptureFixtur
     assert ran == ["lockstep", "restart"]
     assert cert["checks"][-1]["status"] == "fail"
     assert cell(cert, "C1", "process-kill")["status"] == "not-run"
+
+
+@pytest.mark.skipif(__import__("shutil").which("chromium") is None,
+                    reason="Debian chromium not installed")
+def test_the_certificate_page_renders_in_a_headless_browser(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """The HTML certificate as a person sees it: the LevelDB queue's, with the full-disk
+    check's note on the limit it declares, and "not certified" with its reason (no crash
+    model was checked)."""
+    import os
+    import shutil
+    import subprocess
+
+    code, cert, _ = certify(capsys, "conformance.examples.backends:kv_leveldb", "--only",
+                            "bad-input,full-disk,second-open", "--seed", "5", "--out",
+                            str(tmp_path))
+    assert code == 1  # no crash model was checked: not certified, and the page says why
+    full = next(r for r in cert["checks"] if r["check"] == "full-disk")
+    assert full["status"] == "pass" and "cannot drain a full disk" in full["note"]
+    page = tmp_path / "report.html"
+    html = page.read_text()
+    assert "full-disk" in html and "cannot drain a full disk" in html
+    shot = tmp_path / "certificate.png"
+    done = subprocess.run(
+        ["chromium", "--headless", "--no-sandbox", "--disable-gpu", f"--screenshot={shot}",
+         "--window-size=1200,1600", page.as_uri()],
+        capture_output=True, text=True, timeout=120, check=False,
+        env={**os.environ, "HOME": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    png = shot.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 50_000
+    keep = os.environ.get("QUEUE_REF_SCREENSHOT")  # make certificate-screenshot keeps it
+    if keep:
+        shutil.copy(shot, keep)
