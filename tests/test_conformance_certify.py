@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from conformance.checks.full_disk_check import namespace_problem
 from conformance.cli import main
 
 
@@ -131,17 +135,13 @@ def test_fail_fast_stops_at_the_first_failing_check(capsys: pytest.CaptureFixtur
     assert cell(cert, "C1", "process-kill")["status"] == "not-run"
 
 
-@pytest.mark.skipif(__import__("shutil").which("chromium") is None,
-                    reason="Debian chromium not installed")
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian chromium not installed")
+@pytest.mark.skipif(namespace_problem() is not None, reason=f"full-disk: {namespace_problem()}")
 def test_the_certificate_page_renders_in_a_headless_browser(
         capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """The HTML certificate as a person sees it: the LevelDB queue's, with the full-disk
     check's note on the limit it declares, and "not certified" with its reason (no crash
     model was checked)."""
-    import os
-    import shutil
-    import subprocess
-
     code, cert, _ = certify(capsys, "conformance.examples.backends:kv_leveldb", "--only",
                             "bad-input,full-disk,second-open", "--seed", "5", "--out",
                             str(tmp_path))

@@ -12,7 +12,7 @@ import pytest
 
 from conformance.checks import damage_at_rest_check
 from conformance.checks.damage_at_rest_check import _plan
-from conformance.checks.file_damage import damage, held_whole, ids_readable
+from conformance.checks.file_damage import ID_WINDOW, damage, held_whole, ids_readable
 from conformance.harness.backend_factory import Backend
 from conformance.harness.check_results import Finding, Status
 from conformance.harness.suite_profiles import QUICK, THOROUGH
@@ -542,12 +542,16 @@ def test_a_log_engine_that_cuts_a_damaged_last_record_loses_mail_after_a_crash()
     assert damage_at_rest_check.replay(Backend.from_factory(KV), first.scenario) == []
 
 
-def test_ids_readable_finds_an_id_as_a_word_of_its_own_leading_zeros_aside() -> None:
+def test_ids_readable_finds_an_id_as_a_long_word_of_its_own_near_the_flip() -> None:
     data = b"\x07message 00000000000000000042\x00live 17 00000000000000000005\xffx9y"
     ids = {"42", "5", "17", "9", "7"}
-    # "17" is a word too (a schedule here): the rule asks what is readable, not where
-    assert ids_readable(data, ids) == {"42", "5", "17"}
-    assert ids_readable(b"message 0000000000000000004\x032", {"42"}) == set()
+    # "17" and "x9y" are words too, but short: anything holds such numbers
+    assert ids_readable(data, ids, 10) == {"42", "5"}
+    assert ids_readable(b"message 0000000000000000004\x032", {"42"}, 0) == set()
+    assert ids_readable(b"SQLite format 3\x00 line 0000042", {"3", "42"}, 0) == set()
+    far = b"message 00000000000000000042" + bytes(ID_WINDOW + 100)
+    assert ids_readable(far, {"42"}, len(far) - 1) == set()  # another record, far away
+    assert ids_readable(far, {"42"}, 40) == {"42"}
 
 
 def test_a_deep_plan_sweeps_the_end_of_every_file_of_a_new_kind() -> None:
@@ -591,13 +595,13 @@ def test_a_store_that_never_checks_its_table_footers_keeps_dead_tables_for_good(
     assert res.status is Status.FAIL and {f.clause for f in res.findings} == {"C8"}
     assert all(":deep=" in f.scenario and ":end flip " in f.scenario for f in res.findings)
     first = res.findings[0]
-    assert "once used again" in first.detail
+    assert "used again twice" in first.detail
     assert damage_at_rest_check.replay(Backend.from_factory(KV), first.scenario) == []
 
 
 def test_the_end_flip_sweep_flips_the_first_zero_of_each_run_outside_bodies(
         tmp_path: Path) -> None:
-    from conformance.checks.damage_at_rest_check import _footer
+    from conformance.checks.damage_at_rest_check import _end_flips
     from conformance.checks.damage_templates import Template
 
     body = b"B" * 2048
@@ -606,10 +610,10 @@ def test_the_end_flip_sweep_flips_the_first_zero_of_each_run_outside_bodies(
     filled = Template()
     filled.want["m"] = body
     # zeros start 10 and 6 bytes from the end; the zeros before the body are not its last 32
-    assert _footer(str(tmp_path), filled, "t") == [10, 5]
+    assert _end_flips(str(tmp_path), filled, "t") == [10, 5]
     (tmp_path / "b").write_bytes(b"x" * 10 + b"\x00" * 5000)  # a body of zeros ends it
     filled.want["z"] = b"\x00" * 5000
-    assert _footer(str(tmp_path), filled, "b") == [32]  # the piece left over, past 4 KiB
+    assert _end_flips(str(tmp_path), filled, "b") == [32]  # the piece left over, past 4 KiB
     path = tmp_path / "t"
     got = damage(path, "end flip 10", random.Random(0))
     assert got.flipped == len(path.read_bytes()) - 10

@@ -1,6 +1,9 @@
 """A full disk, on a real size-limited tmpfs: every backend raises NoSpaceError, loses no
-acknowledged message, and goes on without a restart once space is freed; the KV queue on
-its log engine also drains and reopens while the disk is still full (its reserve)."""
+acknowledged message, and goes on without a restart once space is freed (with these
+compressible bodies LevelDB's compactions find room too: with incompressible ones it may
+need a restart, as it declares; see the certifier's full-disk check); the filesystem
+queue and the KV queue on its log engine also drain and reopen while the disk is still
+full (the KV queue's reserve)."""
 
 from __future__ import annotations
 

@@ -19,8 +19,9 @@ the copy and delivers everything it lists. C6 requires, for every trial:
 * every acknowledged message not delivered is named: in the recovery report of the open
   (``Storage.last_recovery``: ``lost``, or counted in ``lost_unknown``), or by a typed
   error (``CorruptionError``) when its body is read (C6); counted only when its id is
-  unreadable: a flipped bit changes one byte, so a message whose id lies readable in the
-  file a flip damaged (a word of its own there, leading zeros aside) must be named;
+  unreadable: a flipped bit changes one byte, so a message whose id lies readable within
+  ``ID_WINDOW`` bytes of the flip (a word of its own of at least ``ID_WORD`` characters,
+  leading zeros aside) must be named;
 * the undamaged rest is still served: every message not named is delivered (C6), and a
   flipped bit takes out no message whose body lies whole after it in the same file
   beyond the next body (intact records after damage in the middle of a log are kept: a
@@ -96,6 +97,7 @@ from conformance.checks.disk_growth_check import Tree
 from conformance.checks.file_damage import (
     END_FLIP,
     FRAMING,
+    ID_WINDOW,
     KINDS,
     NOTHING,
     STRAY,
@@ -197,7 +199,7 @@ def _deep_plan(files: list[str], known: set[str], thorough: bool, rng: random.Ra
     return plan if thorough else plan[:DEEP_QUICK_TRIALS + len(sweep)]
 
 
-def _footer(template: str, filled: Template, rel: str) -> list[int]:
+def _end_flips(template: str, filled: Template, rel: str) -> list[int]:
     """Where the end-flip sweep flips a top bit in ``rel`` (``k``: the k-th byte from the
     end): the first byte of every run of zero bytes among its last FRAMING bytes that lie
     outside every body.  A count or offset small for its field has zero high bytes, so
@@ -240,10 +242,10 @@ def _kind(rel: str) -> str:
 
 def _trial(backend: Backend, template: str, rel: str, kind: str, rng: random.Random,
            filled: Template, fill_steps: str, fail: list[Finding], stats: dict[str, int],
-           scenario: str, undamaged: Callable[[], Tree] | None = None) -> None:
-    """One trial (the module's rules); ``undamaged``: the tree of the undamaged template
-    once used again (``unseen_damage_drain``), to judge a store served over damage it did
-    not see by."""
+           scenario: str, undamaged: Callable[[int], Tree] | None = None) -> None:
+    """One trial (the module's rules); ``undamaged(n)``: the tree of the undamaged
+    template used again ``n`` times (``unseen_damage_drain``), to judge a store served
+    over damage it did not see by."""
     work = tempfile.mkdtemp(prefix="queue-ref-atrest-")
     root = os.path.join(work, "q")
     try:
@@ -300,7 +302,7 @@ def _trial(backend: Backend, template: str, rel: str, kind: str, rng: random.Ran
                 and not (seen is not None and seen.damage_found)
                 and set(delivered) == set(filled.want)):
             stats["unseen"] += 1
-            wrong = judge(backend, root, undamaged())
+            wrong = judge(backend, root, undamaged)
             if wrong is not None:
                 finding(*wrong)
     finally:
@@ -458,16 +460,18 @@ def _serve(store: Storage, filled: Template, repaired: RecoveryReport | None, la
                           "delivered to their other recipients were neither delivered nor "
                           f"named lost (first: {missing[0]}, to {rcpt_of[missing[0]]!r})")
         counted = set(silent) | {msg_of[e] for e in missing}
-        readable = (ids_readable(flipped, counted) if flipped is not None and lost_unknown
+        readable = (ids_readable(flipped, counted, hit.flipped)
+                    if flipped is not None and hit.flipped is not None and lost_unknown
                     and counted else set())
         if readable:
             m = min(readable)
             finding("C6", f"{after}{len(readable)} acknowledged messages not delivered were "
                           f"only counted in lost_unknown ({lost_unknown}), not named, though "
-                          f"their ids lie readable in the file the bit flip damaged (first: "
-                          f"{m}): a flipped bit changes one byte, so a store that reads the "
-                          "damaged bytes names every id they hold; `lost_unknown` counts "
-                          "records whose ids are unreadable")
+                          f"their ids lie readable next to the flipped bit (first: {m}, "
+                          f"within {ID_WINDOW} bytes of byte {hit.flipped}): a flipped bit "
+                          "changes one byte, so a store that reads the damaged bytes names "
+                          "every id they hold; `lost_unknown` counts records whose ids are "
+                          "unreadable")
         stats["delivered"] += len(delivered)
         stats["named_lost"] += len(named & set(want))
         if report.damage_found or named:
@@ -529,7 +533,7 @@ def _trials(backend: Backend, seed: int, every_way: bool, only: tuple[str, int] 
             files = files_of(template)
             if plan_name == "deep":
                 plan = _deep_plan(files, known, thorough, random.Random(f"{seed}:deep"),
-                                  functools.partial(_footer, template, filled))
+                                  functools.partial(_end_flips, template, filled))
                 stats["deep_files"] = len({f for f, _ in plan[1:]})
             elif plan_name == "trial":
                 known = {_kind(f) for f in files}

@@ -30,7 +30,6 @@ steady climb.  Scenario ``bounded-disk:<rounds>``.
 
 from __future__ import annotations
 
-import errno
 import os
 import re
 import stat
@@ -43,6 +42,7 @@ from conformance.harness.backend_factory import Backend
 from conformance.harness.check_catalog import NO_CRASH
 from conformance.harness.check_results import CheckResult, Finding, Status, finished
 from conformance.harness.child_process import Channel, Child
+from conformance.harness.few_names_io import FewNamesIO
 from conformance.harness.stop_gate_io import killing_io
 from conformance.harness.suite_profiles import Profile
 from queue_ref.io import OsIO
@@ -204,25 +204,13 @@ KILL_STOPS = (4, 7, 10, 13, 5, 8, 11, 14, 6, 9, 12, 3)
 FEW_NAMES = 4
 
 
-class FewNamesIO(OsIO):
-    """The real disk, holding at most ``FEW_NAMES`` names per file."""
-
-    def link_max(self, path: str) -> int:
-        return FEW_NAMES
-
-    def link(self, src: str, dst: str) -> None:
-        if os.lstat(src).st_nlink >= FEW_NAMES:
-            raise OSError(errno.EMLINK, os.strerror(errno.EMLINK), dst)
-        super().link(src, dst)
-
-
 def _doomed_owner(ch: Channel, backend: Backend, root: str, tag: str, stop: int,
                   few_names: bool = False) -> None:
     """Open, enqueue, claim one entry, say so, and wait to be killed; with the I/O seam
     (``stop`` > 0), first die right after mutating call ``stop`` of an enqueue of
     ``WIDE_RCPTS`` recipients (or say so if it finishes before), on a file system of
     ``FEW_NAMES`` names per file when ``few_names``."""
-    io = killing_io(FewNamesIO() if few_names else OsIO()) if stop else None
+    io = killing_io(FewNamesIO(FEW_NAMES) if few_names else OsIO()) if stop else None
     store = backend.open(root, io) if io is not None else backend.open(root)
     _enqueue(store, 2, tag)
     for h in store.list_queue():

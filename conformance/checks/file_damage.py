@@ -23,9 +23,9 @@ FRAMING = 32  # a framing flip hits one of the last FRAMING bytes of a file
 #: message never had).  Stores link only what they wrote, so a name they did not write is
 #: damage too; it must not be served as an entry.
 STRAY = "stray link"
-#: ``end flip <k>``: the top bit of the k-th byte from a file's end flipped, for each k up
-#: to FRAMING outside every body: a footer's fields (counts, offsets) each get a flip that
-#: makes them large.
+#: ``end flip <k>``: the top bit of the k-th byte from a file's end flipped (the sweep
+#: picks the first zero byte of each run of zeros among the last FRAMING bytes outside
+#: every body): a footer's fields (counts, offsets), small for their width, made large.
 END_FLIP = "end flip"
 
 
@@ -213,15 +213,24 @@ def held_whole(root: str, bodies: dict[str, bytes]) -> dict[str, str]:
     return found
 
 
-def ids_readable(data: bytes, ids: set[str]) -> set[str]:
-    """The ids of ``ids`` (message ids as the store gives them) that ``data`` holds as a
-    word of their own: a run of letters and digits bounded by other bytes, leading zeros
-    aside (a KV store writes ``message 00000000000000000042`` for message ``42``).  A
-    flipped bit changes one byte, so the ids of a damaged record's other keys stay
-    readable there, and a store that reads the damaged bytes for ids names them."""
+#: How far from a flipped bit an id is looked for (the damaged record's other keys), and
+#: how long a word must be to be taken for an id: a store writes ids padded or long
+#: (``message 00000000000000000042``, hex names), where a short number is anything.
+ID_WINDOW = 64 * 1024
+ID_WORD = 8
+
+
+def ids_readable(data: bytes, ids: set[str], at: int) -> set[str]:
+    """The ids of ``ids`` (message ids as the store gives them) that ``data`` holds within
+    ``ID_WINDOW`` bytes of byte ``at`` (a flipped bit) as a word of their own: a run of
+    letters and digits of at least ``ID_WORD`` characters, bounded by other bytes, that is
+    the id, leading zeros aside.  A flipped bit changes one byte, so the ids of a damaged
+    record's other keys stay readable there, and a store that reads the damaged bytes for
+    ids names them."""
     want = {i.encode().lstrip(b"0") or b"0": i for i in ids}
     found: set[str] = set()
-    for word in re.findall(rb"[0-9A-Za-z]+", data):
+    near = data[max(0, at - ID_WINDOW):at + ID_WINDOW]
+    for word in re.findall(rb"[0-9A-Za-z]{%d,}" % ID_WORD, near):
         got = want.get(word.lstrip(b"0") or b"0")
         if got is not None:
             found.add(got)

@@ -9,8 +9,9 @@ template the store is used once more as it will be in service: opened, one messa
 ``DEEP_BODY`` bytes (past a buffered store's write buffer again) enqueued, delivered
 and cleaned up, closed.  The bytes its directory then holds are compared with those of
 the undamaged template treated the same way (``baseline``): more than ``SLACK_RATIO``
-times them plus ``SLACK_BYTES`` is C8 (nothing outside the footprint grows with use;
-here it stays for good).
+times them plus ``SLACK_BYTES``, still after the store is used a second time (against
+the template used twice), is C8 (nothing outside the footprint grows with use; here it
+stays for good).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 
 from conformance.checks.damage_templates import DEEP_BODY, DOMAIN, deep_body
 from conformance.checks.disk_growth_check import Tree, drain, measure
@@ -50,34 +52,48 @@ def used_again(backend: Backend, root: str) -> Tree:
     return measure(root)
 
 
-def baseline(backend: Backend, template: str) -> Tree:
-    """The tree the undamaged ``template`` leaves once drained and used again."""
+def baseline(backend: Backend, template: str, times: int = 1) -> Tree:
+    """The tree the undamaged ``template`` leaves once drained and used again ``times``
+    times."""
     work = tempfile.mkdtemp(prefix="queue-ref-atrest-baseline-")
     try:
         root = os.path.join(work, "q")
         copy_tree(template, root)
-        return used_again(backend, root)
+        tree = used_again(backend, root)
+        for _ in range(times - 1):
+            tree = used_again(backend, root)
+        return tree
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def judge(backend: Backend, root: str, undamaged: Tree) -> tuple[str, str] | None:
+def _over(got: Tree, undamaged: Tree) -> bool:
+    return got.bytes > undamaged.bytes * SLACK_RATIO + SLACK_BYTES
+
+
+def judge(backend: Backend, root: str, undamaged: Callable[[int], Tree]
+          ) -> tuple[str, str] | None:
     """Use the served store at ``root`` again (``used_again``); the clause and what is
-    wrong with the tree it leaves next to the ``undamaged`` one, or None.  A typed error
-    meanwhile is the store seeing the damage after all (a merge reading a damaged block),
-    which it may."""
+    wrong with the tree it leaves next to the undamaged one (``undamaged(n)``: the
+    template used ``n`` times), or None.  An excess must last: a store whose background
+    work (LevelDB's compactions, abandoned at a close) left more this time is used once
+    more, and judged against the template used twice.  A typed error meanwhile is the
+    store seeing the damage after all (a merge reading a damaged block), which it may."""
     try:
         got = used_again(backend, root)
+        if _over(got, undamaged(1)):
+            got = used_again(backend, root)
     except QueueError:
         return None
     except Exception as e:
         return "C9", (f"using the served store again raised {type(e).__name__} ({e}), not a "
                       "QueueError")
-    if got.bytes <= undamaged.bytes * SLACK_RATIO + SLACK_BYTES:
+    base = undamaged(2)
+    if not _over(got, base):
         return None
-    return "C8", (f"the store reported no damage and served every message whole, but once used "
-            f"again (a message of {len(AGAIN)} bytes enqueued, delivered and cleaned up) "
-            f"its drained directory holds {got.bytes} bytes, where the undamaged template "
-            f"so used holds {undamaged.bytes}: damage it did not check for steers what it "
-            "keeps (a count that decides what a merge takes), and dead data stays on the "
-            "disk for good")
+    return "C8", (f"the store reported no damage and served every message whole, but used "
+                  f"again twice (each time a message of {len(AGAIN)} bytes enqueued, "
+                  f"delivered and cleaned up) its drained directory holds {got.bytes} "
+                  f"bytes, where the undamaged template so used holds {base.bytes}: damage "
+                  "it did not check for steers what it keeps (a count that decides what a "
+                  "merge takes), and dead data stays on the disk for good")

@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from conformance.harness.few_names_io import FewNamesIO
 from queue_ref.io import IO, OsIO
 from queue_ref.storage import Storage
 
@@ -37,19 +38,8 @@ def _fs_variant(cls: Any, root: str, io: IO | None) -> Storage:
 
 # ---- limits -----------------------------------------------------------------------------
 
-class SmallLinksIO(OsIO):
-    """A file system that holds at most ``LINKS`` names per file (as some do; the
-    filesystem queue gives a message of n recipients n + 1 names)."""
-
-    LINKS = 200
-
-    def link_max(self, path: str) -> int:
-        return self.LINKS
-
-    def link(self, src: str, dst: str) -> None:
-        if os.lstat(src).st_nlink >= self.LINKS:
-            raise OSError(errno.EMLINK, os.strerror(errno.EMLINK), dst)
-        super().link(src, dst)
+#: Names per file of the small file system the limits variants run on.
+SMALL_LINKS = 200
 
 
 class FullDiskAsEIO(IO):
@@ -200,7 +190,7 @@ def fs_small_links(root: str) -> Storage:
     recipients per message and refuses more before anything is stored."""
     from queue_ref.fsqueue import FsQueue
 
-    return FsQueue(root, SmallLinksIO())
+    return FsQueue(root, FewNamesIO(SMALL_LINKS))
 
 
 def fs_unchecked_recipients(root: str) -> Storage:
@@ -213,7 +203,7 @@ def fs_unchecked_recipients(root: str) -> Storage:
         def _check_recipient_count(self, n: int) -> None:
             return None
 
-    return UncheckedRecipients(root, SmallLinksIO())
+    return UncheckedRecipients(root, FewNamesIO(SMALL_LINKS))
 
 
 def kv_unchecked_schedule(root: str, io: IO | None = None) -> Storage:
@@ -1406,7 +1396,7 @@ def kv_log_reserve_kept_at_open(root: str, io: IO | None = None) -> Storage:
 
     class ReserveKept(KvQueue):
         @staticmethod
-        def _reserve_for_recovery(path: str, reserve: int) -> None:
+        def _release_reserve_for_recovery(path: str, reserve: int) -> None:
             return None  # the bug: the reserve stays however full the disk is
 
     return ReserveKept.open_log(root, io)

@@ -169,7 +169,7 @@ CHECKS: tuple[CheckSpec, ...] = (
               "child) fills up: every refusal is NoSpaceError, the queue goes on once space "
               "is freed, opens on a disk another file filled, and (unless it declares it "
               "cannot) delivers while its own mail fills the disk; nothing is lost",
-              Kind.FAULTS, ("C9", "C1", "C8")),
+              Kind.FAULTS, ("C9", "C1", "C6", "C8")),
     CheckSpec("blackbox-power-loss", "a backend outside the I/O seam runs a workload in a "
               "child traced by strace; the disks a power cut may leave at each "
               "acknowledgement and inside operations are rebuilt from its system calls "

@@ -84,11 +84,14 @@ class Operations(MachineBase):
         if got[0].message_id in self.mids:
             old = self.mids[got[0].message_id]
             if self.model.entries_of(old):
-                # The store no longer knows the message it gave that id: a commit it
-                # acknowledged is gone (after a crash that left it undurable, say).
+                # The store gave a live message's id again: it no longer knows that
+                # message (a commit it acknowledged is gone, after a crash that left it
+                # undurable, say), or it hands out ids twice; either way the message
+                # acknowledged under that id can no longer be told apart.
                 raise ClauseViolation("C1", f"commit reused message id {got[0].message_id!r} "
-                                            f"of message {old}, acknowledged and still queued "
-                                            "in the model: the store lost it")
+                                            f"of message {old}, acknowledged and not finished "
+                                            "in the model: the store lost it, or its ids "
+                                            "repeat")
             raise ClauseViolation("API", f"commit reused message id {got[0].message_id!r}")
         self.mids[got[0].message_id] = mid
         self.params[mid] = params

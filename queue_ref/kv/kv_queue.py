@@ -157,7 +157,7 @@ class KvQueue(Storage):
                          reserve=auto if reserve is None else reserve)
 
     @staticmethod
-    def _reserve_for_recovery(path: str, reserve: int) -> None:
+    def _release_reserve_for_recovery(path: str, reserve: int) -> None:
         """Before opening on a full disk (another file filled it), remove the reserve:
         recovery needs the room to write."""
         if os.path.exists(os.path.join(path, RESERVE_NAME)):
@@ -176,7 +176,7 @@ class KvQueue(Storage):
         if not isinstance(reserve, int) or isinstance(reserve, bool) or reserve < -1:
             raise InvalidInputError(f"reserve must be a size in bytes, got {reserve!r}")
         if reserve:
-            cls._reserve_for_recovery(path, reserve)
+            cls._release_reserve_for_recovery(path, reserve)
         try:
             rest, problems, kept = atrest.take(io, path)
         except OSError as e:

@@ -15,7 +15,9 @@ process is using (entries it holds inflight, enqueues still open).  In order:
    an entry also pending cleanup loses its held key);
 4. pending cleanups are finished (rule 5): their keys go, step 7 does the rest;
 5. queued entries are checked: corrupt ones quarantined, those of no committed message
-   removed, missing domain-index keys added;
+   removed and their message named lost (a commit writes a message's records and its
+   entries in one batch: only damage leaves an entry without them; steps 3 and 4 do the
+   same for inflight and held entries), missing domain-index keys added;
 6. domain-index keys that point at no queued entry are removed;
 7. live counts are recounted and fixed, a message with no entry left is removed;
 8. the id high-water mark is raised above every id in use (one synced write, which
