@@ -54,7 +54,7 @@ def test_one_line_opt_in_reports_memory_as_not_durable(pytester: pytest.Pytester
     pytester.makepyfile(test_mine=THIRD_PARTY)
     result = pytester.runpytest_subprocess("--storage-models=process-kill", "-rfs",
                                            "-p", "no:randomly")
-    result.assert_outcomes(passed=6, failed=3, skipped=6)
+    result.assert_outcomes(passed=6, failed=3, skipped=7)
     out = result.stdout.str()
     for name in ("test_restart", "test_process_kill", "test_recovery_rerun"):
         assert f"FAILED test_mine.py::TestMemory::{name}" in out
@@ -63,6 +63,7 @@ def test_one_line_opt_in_reports_memory_as_not_durable(pytester: pytest.Pytester
     for cap in ("io-seam", "multi-process", "streaming-bodies"):
         assert f"unsupported: the backend does not declare {cap}" in out
     assert "every open is a new queue" in out  # second-open: no location to open twice
+    assert "nothing on a disk to fill" in out  # full-disk: no directory to put on a tmpfs
 
 
 def test_storage_option_runs_the_suite_on_a_factory(pytester: pytest.Pytester) -> None:
