@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from conformance.cli import main
 from conformance.crashexplore.exploration import ExploreConfig, explore
 from conformance.crashexplore.reproduction import reproduce
 from conformance.crashexplore.traced_runs import Limits
+from tests.browser_support import screenshot
 
 ROOT = Path(__file__).resolve().parents[1]
 TOTAL_KEYS = ("workloads", "crash_points", "rest_points", "eio_points", "states",
@@ -206,18 +206,8 @@ def test_the_report_page_renders_in_a_headless_browser(
         broken: tuple[Path, int, dict[str, Any]], tmp_path: Path) -> None:
     assert main(["campaign", "report", str(broken[0]), "--html",
                  str(tmp_path / "page.html")]) == 0
-    shot = tmp_path / "page.png"
-    done = subprocess.run(
-        ["chromium", "--headless", "--no-sandbox", "--disable-gpu", f"--screenshot={shot}",
-         "--window-size=1200,1600", (tmp_path / "page.html").as_uri()],
-        capture_output=True, text=True, timeout=120, check=False,
-        env={**os.environ, "HOME": str(tmp_path)})
-    assert done.returncode == 0, done.stderr[-2000:]
-    png = shot.read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 50_000
-    keep = os.environ.get("QUEUE_REF_SCREENSHOT")  # make campaign-screenshot keeps it
-    if keep:
-        shutil.copy(shot, keep)
+    # make campaign-screenshot keeps it
+    assert len(screenshot(tmp_path / "page.html", tmp_path)) > 50_000
 
 
 def test_limits_reach_the_rows_of_a_factory_backend(spark: Any, tmp_path: Path,

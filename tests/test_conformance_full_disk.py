@@ -5,6 +5,8 @@ with C9; a backend whose errors on a full disk are not NoSpaceError fails it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from conformance.checks import full_disk_check
@@ -13,9 +15,6 @@ from conformance.harness.check_results import Status
 from queue_ref.memory import MemoryStorage
 
 BROKEN = "conformance.examples.broken_backends"
-
-pytestmark = pytest.mark.skipif(full_disk_check.namespace_problem() is not None,
-                                reason=f"{full_disk_check.namespace_problem()}")
 
 
 @pytest.mark.parametrize(("factory", "drains"), [
@@ -58,6 +57,15 @@ def test_a_full_disk_reported_as_another_error_is_c9() -> None:
 def test_a_backend_with_nothing_on_disk_is_unsupported() -> None:
     res = full_disk_check.run(Backend.from_factory(MemoryStorage), 1)
     assert res.status is Status.UNSUPPORTED
+
+
+def test_without_unshare_the_check_is_an_error_that_says_why(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No tmpfs can be mounted: the check is not run, and says so; never a pass."""
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty PATH: no unshare, no mount
+    res = full_disk_check.run(Backend.from_factory("conformance.examples.backends:fs"), 1)
+    assert res.status is Status.ERROR
+    assert res.note == "not run: `unshare` (util-linux) is not installed"
 
 
 def test_a_replay_names_its_scenario() -> None:

@@ -66,6 +66,17 @@ def newest(path: str, suffix: str) -> Path:
     return sorted(Path(path).glob(f"*{suffix}"))[-1]
 
 
+def damage_commit_after_a_crash(path: str, mid: str) -> None:
+    """Remove the clean-close record (as after a crash: no record at rest) and flip a bit
+    of message ``mid``'s commit record in the newest log, so it fails its CRC."""
+    os.unlink(os.path.join(path, "queue-ref.closed"))
+    log = newest(path, ".log")
+    data = bytearray(log.read_bytes())
+    at = data.find(b"message %020d #" % int(mid))
+    data[at + 3] ^= 0x01
+    log.write_bytes(bytes(data))
+
+
 def test_a_lost_commit_whose_entry_was_rescheduled_later_is_named(tmp_path: Path) -> None:
     """The commit of message 1 is damaged in the middle of the log; a later, intact
     record rescheduled its entry, so the damaged bytes name a message that later records
@@ -78,12 +89,7 @@ def test_a_lost_commit_whose_entry_was_rescheduled_later_is_named(tmp_path: Path
     h = next(h for h in q.list_queue() if h.message_id == ids[1])
     q.reschedule(h, Schedule(3600))
     q.close()
-    os.unlink(os.path.join(path, "queue-ref.closed"))  # as after a crash: no record at rest
-    log = newest(path, ".log")
-    data = bytearray(log.read_bytes())
-    at = data.find(b"message %020d #" % int(ids[1]))
-    data[at + 3] ^= 0x01  # the commit record of message 1 fails its CRC
-    log.write_bytes(bytes(data))
+    damage_commit_after_a_crash(path, ids[1])
 
     q = KvQueue.open_log(path)
     try:
@@ -147,12 +153,7 @@ def test_damaged_log_tail_at_rest_is_reported_by_id(
 def test_log_engine_keeps_the_records_after_a_damaged_one(tmp_path: Path) -> None:
     path = str(tmp_path / "q")
     ids = fill(path, KvQueue.open_log)
-    os.unlink(os.path.join(path, "queue-ref.closed"))  # as after a crash: no record at rest
-    log = newest(path, ".log")
-    data = bytearray(log.read_bytes())
-    at = data.find(b"message %020d #" % int(ids[2]))
-    data[at + 3] ^= 0x01  # the commit record of message 2 fails its CRC
-    log.write_bytes(bytes(data))
+    damage_commit_after_a_crash(path, ids[2])
 
     q = KvQueue.open_log(path)
     try:

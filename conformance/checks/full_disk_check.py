@@ -180,6 +180,24 @@ class _Round:
             raise _Stop from e
         return got
 
+    def drain(self, q: Storage, backend: Backend, when: str, again: str,
+              free: Callable[[], None] | None = None) -> Storage:
+        """Deliver everything and require it all delivered and the queue empty.  A backend
+        that declares it cannot drain a full disk and refuses a delivery for one is given
+        room (``free``), restarted and drained again (``again``: when that is).  The
+        open queue, to close."""
+        try:
+            got = self.deliver(q, None, when)
+        except _NeedsRestart as e:
+            got = set(e.args[0])
+            if free is not None:
+                free()
+            q = self.restart(q, backend, again.removeprefix("reopened "))
+            got |= self.deliver(q, None, again, restarted=True)
+        self.all_delivered(got, when)
+        self.empty(q, when)
+        return q
+
     def restart(self, q: Storage, backend: Backend, when: str) -> Storage:
         """Close and reopen a queue that declares it cannot drain a full disk, once space
         is freed; it must take new mail again (C9: it "works again once space is freed,
@@ -239,20 +257,11 @@ def _space_freed(r: _Round, backend: Backend) -> None:
             r.fail("C9", f"only {len(r.bodies)} messages of {BODY_BYTES} bytes were taken "
                          f"on a {DISK} file system with 3 MiB free")
         os.unlink(ballast)
-        got: set[str] = set()
-        try:
-            if r.enqueue(q) is None and r.drains:
-                r.fail("C9", "with a megabyte freed, a new message is still refused for a "
-                             "full disk: the queue goes on without a restart once space is "
-                             "freed")
-            got = r.deliver(q, None, "after space was freed")
-        except _NeedsRestart as e:
-            # declared: after a full disk the store writes again only once reopened
-            got = set(e.args[0])
-            q = r.restart(q, backend, "after space was freed")
-            got |= r.deliver(q, None, "reopened after space was freed", restarted=True)
-        r.all_delivered(got, "after space was freed")
-        r.empty(q, "after space was freed")
+        if r.enqueue(q) is None and r.drains:
+            r.fail("C9", "with a megabyte freed, a new message is still refused for a full "
+                         "disk: the queue goes on without a restart once space is freed")
+        # declared non-draining: after a full disk it writes again only once reopened
+        q = r.drain(q, backend, "after space was freed", "reopened after space was freed")
     finally:
         q.close()
 
@@ -274,17 +283,9 @@ def _filled_by_another(r: _Round, backend: Backend) -> None:
                      f"{type(e).__name__} ({e}): reopening works on a full disk (a store "
                      "that keeps room aside gives it back at the open, for recovery)")
         raise _Stop from e
-    try:
-        try:
-            got = r.deliver(q, None, "reopened on a disk another file filled")
-        except _NeedsRestart as e:  # declared: delivering needs free space
-            got = set(e.args[0])
-            os.unlink(ballast)
-            q = r.restart(q, backend, "once the other file was removed")
-            got |= r.deliver(q, None, "reopened once the other file was removed",
-                             restarted=True)
-        r.all_delivered(got, "reopened on a disk another file filled")
-        r.empty(q, "reopened on a disk another file filled")
+    try:  # declared non-draining: delivering needs the other file removed first
+        q = r.drain(q, backend, "reopened on a disk another file filled",
+                    "reopened once the other file was removed", lambda: os.unlink(ballast))
     finally:
         q.close()
 

@@ -10,6 +10,7 @@ mail.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from queue_ref.io import IO
 from queue_ref.storage import Storage
@@ -80,6 +81,36 @@ def kv_log_set_aside_every_open(root: str, io: IO | None = None) -> Storage:
     return KvQueue.open_log(root, io, engine=SetsAsideEveryLog)
 
 
+def _pruning_fs(root: str, io: IO | None,
+                removes: Callable[[str, str, set[str], dict[str, str]], bool]) -> Storage:
+    """The filesystem queue whose recovery prunes a name ``n`` (at ``link``) of a domain's
+    index directory when ``removes(n, link, referenced names, index paths)``."""
+    from conformance.crashexplore.explored_backends import deterministic_fs
+    from queue_ref.fsqueue import FsQueue
+    from queue_ref.fsqueue.diskutil import if_exists, listdir_or_empty
+    from queue_ref.fsqueue.fs_recovery import Recovery
+    from queue_ref.fsqueue.layout import DOMAIN_DIR_RE
+
+    class Pruning(Recovery):
+        def prune_index(self) -> None:
+            refs = self._referenced()
+            for d in listdir_or_empty(self.io, self.lay.domains):
+                path = os.path.join(self.lay.domains, d)
+                if not DOMAIN_DIR_RE.match(d) or not self.io.is_dir(path):
+                    continue
+                for n in listdir_or_empty(self.io, path):
+                    link = os.path.join(path, n)
+                    if removes(n, link, refs, self.index_paths):
+                        if_exists(self.io.unlink, link)
+
+    class PruningFs(FsQueue):
+        recovery = Pruning
+
+    if io is None:
+        return PruningFs(root)
+    return deterministic_fs(PruningFs)(root, io)
+
+
 def fs_dead_index_links_kept(root: str, io: IO | None = None) -> Storage:
     """The filesystem queue whose recovery prunes a domain index link only when it is
     both unreferenced and misplaced (``and`` for ``or``, mutant ``24c04ffb`` of the
@@ -92,32 +123,13 @@ def fs_dead_index_links_kept(root: str, io: IO | None = None) -> Storage:
         queue-ref certify conformance.examples.broken_disk_growth:fs_dead_index_links_kept \\
             --only bounded-disk
     """
-    from conformance.crashexplore.explored_backends import deterministic_fs
-    from queue_ref.fsqueue import FsQueue
-    from queue_ref.fsqueue.diskutil import if_exists, listdir_or_empty
-    from queue_ref.fsqueue.fs_recovery import Recovery
-    from queue_ref.fsqueue.layout import DOMAIN_ANCHOR, DOMAIN_DIR_RE
+    from queue_ref.fsqueue.layout import DOMAIN_ANCHOR
 
-    class KeepsIndex(Recovery):
-        def prune_index(self) -> None:
-            refs = self._referenced()
-            for d in listdir_or_empty(self.io, self.lay.domains):
-                path = os.path.join(self.lay.domains, d)
-                if not DOMAIN_DIR_RE.match(d) or not self.io.is_dir(path):
-                    continue
-                for n in listdir_or_empty(self.io, path):
-                    link = os.path.join(path, n)
-                    # the bug: ``and`` where either reason is enough
-                    if n != DOMAIN_ANCHOR and n not in refs \
-                            and self.index_paths.get(n, link) != link:
-                        if_exists(self.io.unlink, link)
+    def removes(n: str, link: str, refs: set[str], paths: dict[str, str]) -> bool:
+        # the bug: ``and`` where either reason is enough
+        return n != DOMAIN_ANCHOR and n not in refs and paths.get(n, link) != link
 
-    class DeadIndexKept(FsQueue):
-        recovery = KeepsIndex
-
-    if io is None:
-        return DeadIndexKept(root)
-    return deterministic_fs(DeadIndexKept)(root, io)
+    return _pruning_fs(root, io, removes)
 
 
 def fs_dead_anchor_kept(root: str, io: IO | None = None) -> Storage:
@@ -133,29 +145,11 @@ def fs_dead_anchor_kept(root: str, io: IO | None = None) -> Storage:
         queue-ref certify conformance.examples.broken_disk_growth:fs_dead_anchor_kept \\
             --only bounded-disk
     """
-    from conformance.crashexplore.explored_backends import deterministic_fs
-    from queue_ref.fsqueue import FsQueue
-    from queue_ref.fsqueue.diskutil import if_exists, listdir_or_empty
-    from queue_ref.fsqueue.fs_recovery import Recovery
-    from queue_ref.fsqueue.layout import DOMAIN_ANCHOR, DOMAIN_DIR_RE
+    from queue_ref.fsqueue.layout import DOMAIN_ANCHOR
 
-    class KeepsAnchors(Recovery):
-        def prune_index(self) -> None:
-            refs = self._referenced()
-            for d in listdir_or_empty(self.io, self.lay.domains):
-                path = os.path.join(self.lay.domains, d)
-                if not DOMAIN_DIR_RE.match(d) or not self.io.is_dir(path):
-                    continue
-                for n in listdir_or_empty(self.io, path):
-                    link = os.path.join(path, n)
-                    if n.startswith(DOMAIN_ANCHOR):  # the bug: anchor.<owner> is kept too
-                        continue
-                    if n not in refs or self.index_paths.get(n, link) != link:
-                        if_exists(self.io.unlink, link)
+    def removes(n: str, link: str, refs: set[str], paths: dict[str, str]) -> bool:
+        if n.startswith(DOMAIN_ANCHOR):  # the bug: anchor.<owner> is kept too
+            return False
+        return n not in refs or paths.get(n, link) != link
 
-    class DeadAnchorKept(FsQueue):
-        recovery = KeepsAnchors
-
-    if io is None:
-        return DeadAnchorKept(root)
-    return deterministic_fs(DeadAnchorKept)(root, io)
+    return _pruning_fs(root, io, removes)
