@@ -25,6 +25,17 @@ order and is recorded when it got the lock.
 ``pause_at(N)`` stops the caller of mutating call N *before* it, alive, until the gate it
 returns is released (``faultinject.pause.PauseGate``): the other callers' calls go on
 meanwhile, so a harness can run a competing operation inside the paused one.
+
+A sync call (``fsync``, ``fdatasync``, ``fsync_dir``, ``syncfs``) is *held open* when
+``sync_hold`` > 0 (it lasts that many seconds, as on a disk) or when ``pause_in_sync(K)``
+names it (the K-th sync call from now stops *inside* it, after it began, until the gate is
+released): it begins under the lock (its event takes its place in the trace then), the
+lock is let go while it is open, so other threads' calls go on and come after it in the
+trace, and it is performed, and ends, under the lock again.  So the trace says what a real
+sync can promise: nothing about changes made after it began.  Every event records its
+thread and the counter values at its entry and exit (``TraceEvent.began``/``ended``);
+``operation(name)`` brackets one Storage operation of the calling thread on the same
+counter (``operations``), for the sync-cover rule (``conformance.concurrency.sync_cover``).
 """
 
 from __future__ import annotations
@@ -35,7 +46,8 @@ import os
 import stat as stat_mod
 import sys
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import TypeVar
@@ -44,7 +56,7 @@ import queue_ref.io as qio
 from faultinject.disk import DiskImage, snapshot
 from faultinject.fault_errors import Crash
 from faultinject.pause import PauseGate
-from faultinject.trace import TraceEvent, trace_hash
+from faultinject.trace import SYNC_CALLS, OperationSpan, TraceEvent, trace_hash
 from queue_ref.io import IO, MUTATING, OsIO
 
 T = TypeVar("T")
@@ -112,10 +124,15 @@ class FaultyIO(IO):
 
     Attributes: ``events`` (the trace), ``mutating_count``, ``crashed``, ``crash`` (the first
     ``Crash`` raised, or ``None``), ``initial`` (snapshot of ``root`` taken at construction,
-    the disk before the workload), ``root``, ``plan``, ``inner``.
+    the disk before the workload), ``root``, ``plan``, ``inner``, ``sync_hold`` (seconds a
+    sync call is held open), ``sync_count`` (sync calls begun), ``operations`` (the
+    ``OperationSpan`` of every ``operation``).
     """
 
-    def __init__(self, root: str, plan: FaultPlan | None = None, inner: IO | None = None) -> None:
+    def __init__(self, root: str, plan: FaultPlan | None = None, inner: IO | None = None,
+                 *, sync_hold: float = 0.0) -> None:
+        if sync_hold < 0:
+            raise ValueError(f"sync_hold must be >= 0 seconds, not {sync_hold}")
         self.root = os.path.abspath(root)
         if not os.path.isdir(self.root):
             raise ValueError(f"FaultyIO root {root!r} is not a directory")
@@ -132,6 +149,11 @@ class FaultyIO(IO):
         self._append: set[int] = set()
         self._pinned: list[str] = []
         self._gate: PauseGate | None = None
+        self._sync_gate: PauseGate | None = None
+        self.sync_hold = sync_hold
+        self.sync_count = 0
+        self.operations: list[OperationSpan] = []
+        self._seq = 0
 
     # ---- bookkeeping -----------------------------------------------------------------
 
@@ -186,6 +208,40 @@ class FaultyIO(IO):
             old.release()
         return gate
 
+    def pause_in_sync(self, at: int) -> PauseGate:
+        """Stop the caller of sync call ``at`` (0-based over ``sync_count``) inside it,
+        after it began and before it is performed, until the gate is released (replaces a
+        gate armed earlier, which is released)."""
+        gate = PauseGate(at)
+        with self._mutex:
+            old, self._sync_gate = self._sync_gate, gate
+        if old is not None:
+            old.release()
+        return gate
+
+    def _tick(self) -> int:
+        """The next value of the counter that orders entries and exits (under the lock)."""
+        self._seq += 1
+        return self._seq
+
+    @contextlib.contextmanager
+    def operation(self, name: str) -> Iterator[OperationSpan]:
+        """Bracket one Storage operation of the calling thread: its span on the seam's
+        counter and its outcome (``"ok"``, or the name of the exception it raised)."""
+        with self._mutex:
+            span = OperationSpan(name, threading.get_ident(), self._tick())
+            self.operations.append(span)
+        outcome = "ok"
+        try:
+            yield span
+        except BaseException as e:
+            outcome = type(e).__name__
+            raise
+        finally:
+            with self._mutex:
+                span.ended = self._tick()
+                span.outcome = outcome
+
     def _pause_point(self, name: str) -> None:
         """Stop here if the armed gate names this call (waits outside the lock)."""
         gate = self._gate
@@ -216,9 +272,42 @@ class FaultyIO(IO):
         ``(data, applied)``; ``on_error()`` works out the same after a real failure.
         """
         self._pause_point(name)
+        if name in SYNC_CALLS and (self.sync_hold > 0 or self._sync_gate is not None):
+            slot = self._begin_sync(name, args)
+            gate = self._sync_gate
+            hit = False
+            if gate is not None:
+                with self._mutex:
+                    hit = self._sync_gate is gate and gate.at == slot[2] and gate.fire(name)
+                    if hit:
+                        self._sync_gate = None
+            if hit:
+                gate.stop()  # type: ignore[union-attr]
+            if self.sync_hold > 0:
+                time.sleep(self.sync_hold)
+            with self._mutex:
+                return self._call_locked(name, args, run, data=data, record=record,
+                                         inject=inject, on_error=on_error, slot=slot)
         with self._mutex:
+            if name in SYNC_CALLS:
+                self.sync_count += 1
             return self._call_locked(name, args, run, data=data, record=record, inject=inject,
                                      on_error=on_error)
+
+    def _begin_sync(self, name: str, args: tuple[object, ...]) -> tuple[int, int, int, int]:
+        """Begin a held-open sync: its place in the trace (an event that says it has not
+        ended) and its mutating index, sync number and entry count, as ``slot``."""
+        with self._mutex:
+            if self.crashed:
+                raise self._dead()
+            index, m, k = len(self.events), self.mutating_count, self.sync_count
+            self.sync_count += 1
+            began = self._tick()
+            self.events.append(TraceEvent(index, name, args, None, None, None, call_site(),
+                                          name in MUTATING, False,
+                                          thread=threading.get_ident(), began=began))
+            self.mutating_count += name in MUTATING
+            return index, m, k, began
 
     def _call_locked(
         self,
@@ -230,20 +319,32 @@ class FaultyIO(IO):
         record: Callable[[T], object],
         inject: Callable[[OSError], tuple[bytes | None, bool]] | None,
         on_error: Callable[[], tuple[bytes | None, bool]] | None,
+        slot: tuple[int, int, int, int] | None = None,
     ) -> T:
+        """``slot``: the place a held-open sync took when it began (``_begin_sync``)."""
         if self.crashed:
             raise self._dead()
-        index = len(self.events)
         mutating = name in MUTATING
-        m = self.mutating_count
-        if mutating:
-            self.mutating_count += 1
+        thread = threading.get_ident()
+        if slot is None:
+            index, m, began = len(self.events), self.mutating_count, self._tick()
+            if mutating:
+                self.mutating_count += 1
+        else:
+            index, m, _, began = slot
         site = call_site()
         plan = self.plan
         crash_here = mutating and plan.crash_at == m
+
+        def put(event: TraceEvent) -> None:
+            if slot is None:
+                self.events.append(event)
+            else:
+                self.events[index] = event
+
         if crash_here and plan.crash_when == "before":
-            self.events.append(TraceEvent(index, name, args, data, None, None, site,
-                                          mutating, False, crash="before"))
+            put(TraceEvent(index, name, args, data, None, None, site, mutating, False,
+                           crash="before", thread=thread, began=began, ended=self._tick()))
             raise self._die(m, "before", name, index)
         exc: OSError | None = None
         injected = False
@@ -261,9 +362,10 @@ class FaultyIO(IO):
                 data, applied = on_error() if on_error is not None else (data, False)
         crash = "after" if crash_here else None
         shown = record(result) if exc is None else None  # type: ignore[arg-type]
-        self.events.append(TraceEvent(
+        put(TraceEvent(
             index, name, args, data, shown, None if exc is None else error_text(exc), site,
-            mutating, applied, crash=crash, injected=injected,
+            mutating, applied, crash=crash, injected=injected, thread=thread, began=began,
+            ended=self._tick(),
         ))
         if crash_here:
             raise self._die(m, "after", name, index)

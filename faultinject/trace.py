@@ -37,6 +37,15 @@ link_max            (path,)                      int
 ``rename_noreplace`` is recorded as the ``link`` and ``unlink`` it is made of.  The seam
 itself never records ``pwrite``; traces read from outside the process do
 (strace).
+
+When calls come from several threads, each event also says which thread made it
+(``thread``) and when it began and ended (``began``, ``ended``: numbers of one counter the
+seam takes under its lock at the entry and the exit of every call, not times).  A sync the
+seam holds open (``FaultyIO.sync_hold``, ``pause_in_sync``) sits in the trace where it
+*began*, so the persistence models count as covered only what came before its start; calls
+of other threads made while it was open come after it.  ``OperationSpan`` records one
+Storage operation of one thread the same way (``FaultyIO.operation``).  None of these enter
+``trace_hash``: they change from run to run.
 """
 
 from __future__ import annotations
@@ -73,6 +82,9 @@ class TraceEvent:
     applied: bool
     crash: str | None = None
     injected: bool = False
+    thread: int = 0
+    began: int = -1
+    ended: int = -1  # -1 while a held-open sync has not ended (or never will: a crash)
 
     def short(self) -> str:
         """A one-line label such as ``#7 rename(queue/a.tmp, queue/a)``."""
@@ -85,6 +97,22 @@ class TraceEvent:
         if self.crash is not None:
             text += f" [crash {self.crash}]"
         return text
+
+
+@dataclass
+class OperationSpan:
+    """One Storage operation (``commit``, ``send_done``...) of thread ``thread``, from
+    ``began`` to ``ended`` on the seam's counter (``TraceEvent.began``); ``outcome`` is
+    ``"ok"`` when it returned, else the name of what it raised (``""`` while it runs)."""
+
+    name: str
+    thread: int
+    began: int
+    ended: int = -1
+    outcome: str = ""
+
+    def short(self) -> str:
+        return f"{self.name} [{self.began}..{self.ended}] {self.outcome or 'running'}"
 
 
 def canonical(value: object) -> str:
