@@ -5,8 +5,9 @@ in this process (a thread with its own event loop) or as a ``queue-ref relay`` p
 Sink behaviour by the recipient's local part: ``defer...`` gets 450 at RCPT, ``reject...``
 550 at RCPT, ``flaky...`` 451 at RCPT the first time it is seen and 250 afterwards,
 ``drop...`` has the connection closed at the end of DATA (no reply), ``slow...`` waits a
-minute before it answers DATA, ``datafail...`` gets a 554 reply to DATA; anything else is
-accepted.
+minute before it answers DATA, ``datafail...`` gets a 554 reply to DATA, ``datadefer...``
+a 452 reply to DATA; anything else is accepted.  ``SinkState.script`` names the behaviour
+of an address (one of ``BEHAVIOURS``) and wins over its local part.
 """
 
 from __future__ import annotations
@@ -93,6 +94,10 @@ class DnsServer:
 
 # ---- SMTP sinks ----
 
+#: What a sink can do to a recipient (``SinkState.script``): 250; 450 4.2.0 or 550 5.1.1
+#: at RCPT; 452 4.3.1 or 554 5.6.0 after DATA; the connection closed at the end of DATA.
+BEHAVIOURS = ("accept", "defer", "reject", "datadefer", "datafail", "drop")
+
 
 @dataclass
 class Received:
@@ -101,6 +106,7 @@ class Received:
     data: bytes
     peer: str
     tls: bool
+    mail_options: list[str] = field(default_factory=list)  # upper case: SMTPUTF8, BODY=...
 
 
 @dataclass
@@ -109,6 +115,13 @@ class SinkState:
     seen: dict[str, int] = field(default_factory=dict)
     connections: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    script: dict[str, str] = field(default_factory=dict)  # address -> one of BEHAVIOURS
+
+    def behaviour(self, address: str) -> str:
+        """What the sink does to ``address``: its script, else by its local part."""
+        with self.lock:
+            scripted = self.script.get(address)
+        return scripted or address.split("@")[0].lower()
 
     def rcpts(self) -> list[str]:
         with self.lock:
@@ -121,7 +134,7 @@ class _SinkHandler:
 
     async def handle_RCPT(self, server: SMTP, session: Session, envelope: Envelope, address: str,
                           options: list[str]) -> str:
-        local = address.split("@")[0].lower()
+        local = self.state.behaviour(address)
         with self.state.lock:
             n = self.state.seen.get(address, 0)
             self.state.seen[address] = n + 1
@@ -135,7 +148,7 @@ class _SinkHandler:
         return "250 2.1.5 Ok"
 
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
-        local = envelope.rcpt_tos[0].split("@")[0].lower()
+        local = self.state.behaviour(envelope.rcpt_tos[0])
         if local.startswith("drop"):
             assert server.transport is not None
             server.transport.abort()
@@ -144,11 +157,14 @@ class _SinkHandler:
             await asyncio.sleep(60)
         if local.startswith("datafail"):
             return "554 5.6.0 Content rejected"
+        if local.startswith("datadefer"):
+            return "452 4.3.1 Insufficient system storage"
         with self.state.lock:
             self.state.messages.append(Received(
                 "" if envelope.mail_from in (None, "<>") else envelope.mail_from,
                 list(envelope.rcpt_tos), envelope.original_content or b"",
-                str(session.peer[0]), bool(session.ssl)))
+                str(session.peer[0]), bool(session.ssl),
+                [o.upper() for o in envelope.mail_options]))
         return "250 2.0.0 Ok: kept"
 
 

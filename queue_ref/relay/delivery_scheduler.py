@@ -18,8 +18,17 @@ every outcome finished in one more hop:
 * 5xx: a bounce.
 
 A bounce is enqueued and committed *before* its failed entries are finished, so a crash in
-between can duplicate a bounce but never lose one.  If the bounce cannot be committed, the
-failed entries go back to the queue instead (tried again later, never lost).
+between can duplicate a bounce but never lose one.  If the bounce cannot be built or
+committed, the failed entries go back to the queue instead (tried again later, never lost).
+
+Nothing a job claims stays claimed.  An unexpected error at any step (routing, the SMTP
+client, building a bounce, a backend call that raises what it should not) is logged with
+the message's queue id (``error``, ``what=delivery job: STEP``), counted
+(``queue_ref_relay_job_errors``), and the entries it concerns are deferred like a failed
+attempt: back in the queue with the next retry time, so the queue lifetime still ends
+them with a bounce.  A transition that cannot be made at all (its call keeps failing) is
+remembered and tried again at every scan of the queue (``queue_scan_interval``, or a
+wake), so an entry is never left inflight until a restart.
 """
 
 from __future__ import annotations
@@ -28,13 +37,14 @@ import asyncio
 import contextlib
 import heapq
 import itertools
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from queue_ref.relay.delivery_log import DeliveryLog
-from queue_ref.relay.dsn_bounce import FailedRecipient, build_dsn
+from queue_ref.relay.dsn_bounce import FailedRecipient, build_dsn, dsn_params, needs_smtputf8
 from queue_ref.relay.mx_routing import Router
 from queue_ref.relay.relay_config import RelayConfig
 from queue_ref.relay.relay_metrics import RelayMetrics
@@ -73,6 +83,8 @@ class _Job:
     params: dict[str, str]
     body: bytes
     entries: list[_Entry] = field(default_factory=list)
+    #: entry ids whose outcome was handed to the queue (finished, or put back)
+    settled: set[str] = field(default_factory=set)
 
     @property
     def arrival(self) -> float:
@@ -114,6 +126,10 @@ class DeliveryScheduler:
         self._started = self.clock()
         self.held: int | None = None  # held entries at the last scan (Capability.HOLD)
         self.counts = {"sent": 0, "deferred": 0, "bounced": 0, "expired": 0}
+        self.job_errors = 0  # unexpected errors met by delivery jobs
+        # transitions that could not be made: (what, call, args), tried again at each scan
+        self._unfinished: list[tuple[str, Callable[..., object], tuple[object, ...]]] = []
+        self._unfinished_lock = threading.Lock()
 
     # ---- what others call ----
 
@@ -131,7 +147,7 @@ class DeliveryScheduler:
     def sizes(self) -> dict[str, int]:
         """Entries by state: queued and inflight as the scheduler holds them now, held as
         its last scan of the queue found them (backends with Capability.HOLD)."""
-        out = {"queued": len(self._latest), "inflight": len(self._claimed)}
+        out = {"queued": len(self._latest), "inflight": len(self._claimed) + self.unfinished()}
         if self.held is not None:
             out["held"] = self.held
         return out
@@ -184,7 +200,8 @@ class DeliveryScheduler:
         heapq.heapify(self._heap)
 
     def _list(self) -> list[QueuedMail]:
-        found = list(self.store.list_queue())
+        found = self._retry_unfinished()
+        found += self.store.list_queue()
         if Capability.HOLD in self.store.capabilities:
             self.held = sum(1 for _ in self.store.list_held())
         try:  # entries of other processes of a shared queue that died holding them
@@ -209,8 +226,8 @@ class DeliveryScheduler:
             del self._latest[entry_id]
             self._claimed.add(entry_id)
             due.setdefault(h.message_id, []).append(h)
-        for handles in due.values():
-            task = asyncio.get_running_loop().create_task(self._job(handles))
+        for message_id, handles in due.items():
+            task = asyncio.get_running_loop().create_task(self._job(handles), name=message_id)
             self._jobs.add(task)
             task.add_done_callback(self._job_done)
 
@@ -218,7 +235,8 @@ class DeliveryScheduler:
         self._jobs.discard(task)
         if not task.cancelled() and task.exception() is not None:
             exc = task.exception()
-            self.log.emit("error", what="delivery job", reason=f"{type(exc).__name__}: {exc}")
+            self.log.emit("error", task.get_name(), what="delivery job",
+                          reason=f"{type(exc).__name__}: {exc}")
         self._event.set()
 
     async def stop(self, timeout: float) -> None:
@@ -275,6 +293,9 @@ class DeliveryScheduler:
                               reason=f"{type(e).__name__}: {e}")
                 self._queue_error(e)
                 continue
+            except Exception as e:  # the claim's outcome is unknown: the scan takes it back
+                self._job_error("claim", h.message_id, e, h.entry_id)
+                continue
             if mail is None:
                 continue  # another worker took it, or an operator changed it
             try:
@@ -294,6 +315,11 @@ class DeliveryScheduler:
                 self._retrying("send_cancel", self.store.send_cancel, mail,
                                Schedule(int(self.clock()) + 60, mail.schedule.attempts))
                 continue
+            except Exception as e:
+                self._job_error("claim", mail.message_id, e, mail.entry_id)
+                self._retrying("send_cancel", self.store.send_cancel, mail,
+                               self._retry_schedule(mail.schedule, self.clock()))
+                continue
             job.entries.append(_Entry(mail, meta.rcpt, mail.schedule))
         return job if job is not None and job.entries else None
 
@@ -307,6 +333,16 @@ class DeliveryScheduler:
 
     async def _deliver_domain(self, job: _Job, domain: str, entries: list[_Entry]
                               ) -> list[tuple[_Entry, RcptResult]]:
+        """The outcome of each entry; an unexpected error defers them all (logged)."""
+        try:
+            return await self._send_domain(job, domain, entries)
+        except Exception as e:  # CancelledError (a shutdown) is no Exception: it goes on up
+            self._job_error("deliver", job.message_id, e)
+            text = f"internal error in the relay: {type(e).__name__}: {e}"
+            return [(en, RcptResult(0, "4.3.0", text, "none")) for en in entries]
+
+    async def _send_domain(self, job: _Job, domain: str, entries: list[_Entry]
+                           ) -> list[tuple[_Entry, RcptResult]]:
         route = await self.router.route(domain)
         if route.failed:
             code = 550 if route.dsn.startswith("5") else 0
@@ -332,6 +368,18 @@ class DeliveryScheduler:
         return out
 
     def _finish(self, job: _Job, outcomes: list[tuple[_Entry, RcptResult]]) -> list[QueuedMail]:
+        """Hand every outcome to the queue; the handles of entries queued again.  Whatever
+        raises on the way, the entries not yet handed over go back to the queue."""
+        requeued: list[QueuedMail] = []
+        try:
+            self._settle(job, outcomes, requeued)
+        except Exception as e:
+            self._job_error("finish", job.message_id, e)
+            requeued.extend(self._return_unsettled(job, e))
+        return requeued
+
+    def _settle(self, job: _Job, outcomes: list[tuple[_Entry, RcptResult]],
+                requeued: list[QueuedMail]) -> None:
         now = self.clock()
         arrival = job.arrival or self._started
         null_sender = not job.mail_from
@@ -347,7 +395,6 @@ class DeliveryScheduler:
                 failed.append((e, r, "expired"))
             else:
                 deferred.append((e, r))
-        requeued: list[QueuedMail] = []
         if failed:
             bounce = self._bounce(job, failed, now)
             if bounce is None:  # not committed: keep the entries, try them again later
@@ -361,17 +408,51 @@ class DeliveryScheduler:
             requeued.extend(warn)
         for e, r, status in done + failed:
             self._record(job, e, r, status, now, arrival)
+            job.settled.add(e.mail.entry_id)
             pending = self._retrying("send_done", self.store.send_done, e.mail)
             if isinstance(pending, PendingCleanupMail):
                 self._retrying("cleanup", self.store.cleanup, pending)
         for e, r in deferred:
-            attempts = e.schedule.attempts + 1
-            schedule = Schedule(self.retry.next_try(now, attempts), attempts)
+            retry = self._retry_schedule(e.schedule, now)
+            schedule = Schedule(retry.at, retry.attempts, r.text)  # the reason goes with it
             self._record(job, e, r, "deferred", now, arrival)
+            job.settled.add(e.mail.entry_id)
             queued = self._retrying("send_cancel", self.store.send_cancel, e.mail, schedule)
             if isinstance(queued, QueuedMail):
                 requeued.append(queued)
-        return requeued
+
+    def _retry_schedule(self, schedule: Schedule, now: float) -> Schedule:
+        """The schedule after one more failed attempt."""
+        attempts = schedule.attempts + 1
+        return Schedule(self.retry.next_try(now, attempts), attempts)
+
+    def _return_unsettled(self, job: _Job, error: BaseException) -> list[QueuedMail]:
+        """Every entry of ``job`` not yet handed to the queue, deferred as after a failed
+        attempt (logged as such, with the error for its reason)."""
+        out = []
+        now = self.clock()
+        text = f"internal error in the relay: {type(error).__name__}: {error}"
+        for e in job.entries:
+            if e.mail.entry_id in job.settled:
+                continue
+            job.settled.add(e.mail.entry_id)
+            schedule = self._retry_schedule(e.schedule, now)
+            with contextlib.suppress(Exception):  # the log and metrics must not stop this
+                self._record(job, e, RcptResult(0, "4.3.0", text, "none"), "deferred", now,
+                             job.arrival or self._started)
+            queued = self._retrying("send_cancel", self.store.send_cancel, e.mail, schedule)
+            if isinstance(queued, QueuedMail):
+                out.append(queued)
+        return out
+
+    def _job_error(self, step: str, message_id: str, e: BaseException,
+                   entry_id: str | None = None) -> None:
+        """Log and count an unexpected error of a delivery job."""
+        self.job_errors += 1
+        if self.metrics is not None:
+            self.metrics.job_errors.labels(step=step).inc()
+        self.log.emit("error", message_id, what=f"delivery job: {step}", entry_id=entry_id,
+                      reason=f"{type(e).__name__}: {e}")
 
     def _record(self, job: _Job, e: _Entry, r: RcptResult, status: str, now: float,
                 arrival: float) -> None:
@@ -402,20 +483,32 @@ class DeliveryScheduler:
         recipients = [FailedRecipient(e.rcpt, r.dsn if r.dsn[0] in "45" else "5.0.0", r.text,
                                       r.relay.split("[", 1)[0] if r.relay != "none" else "", now)
                       for e, r, _ in failed]
-        message = build_dsn(reporting_mta=self.config.myhostname, queue_id=job.message_id,
-                            sender=job.mail_from or "MAILER-DAEMON", arrival=job.arrival or now,
-                            recipients=recipients, original=job.body, now=now)
+        try:
+            message = build_dsn(reporting_mta=self.config.myhostname, queue_id=job.message_id,
+                                sender=job.mail_from or "MAILER-DAEMON",
+                                arrival=job.arrival or now, recipients=recipients,
+                                original=job.body, now=now,
+                                size_limit=self.config.bounce_size_limit,
+                                smtputf8=self._smtputf8(job, to))
+        except Exception as e:  # not built: the failed entries are tried again later
+            self._job_error("bounce", job.message_id, e)
+            return None
         kind = "double" if not job.mail_from or job.params.get("dsn") else "bounce"
-        handles = self._enqueue_dsn(job, to, message, kind, now)
+        handles = self._enqueue_dsn(job, to, message, kind, now, recipients)
         if handles is not None:
             self.log.emit("bounce", job.message_id, bounce_id=handles[0].message_id, to=to,
                           nrcpt=len(failed))
         return handles
 
-    def _enqueue_dsn(self, job: _Job, to: str, message: bytes, kind: str, now: float
-                     ) -> list[QueuedMail] | None:
+    def _smtputf8(self, job: _Job, to: str) -> bool:
+        """Whether a DSN of ``job`` sent to ``to`` is internationalized mail."""
+        return job.params.get("smtputf8") == "yes" or not to.isascii()
+
+    def _enqueue_dsn(self, job: _Job, to: str, message: bytes, kind: str, now: float,
+                     recipients: list[FailedRecipient]) -> list[QueuedMail] | None:
+        utf8 = needs_smtputf8(job.mail_from, recipients, self._smtputf8(job, to))
         params = {"arrival": f"{now:.3f}", "dsn": kind, "client": "localhost",
-                  "helo": self.config.myhostname}
+                  "helo": self.config.myhostname, **dsn_params(message, utf8)}
         try:
             with self.store.enqueue("", params) as enq:
                 enq.write(message)
@@ -424,6 +517,9 @@ class DeliveryScheduler:
             self.log.emit("error", job.message_id, what=f"enqueue {kind}",
                           reason=f"{type(e).__name__}: {e}")
             self._queue_error(e)
+            return None
+        except Exception as e:  # not committed (the Enqueuer aborted): tried again later
+            self._job_error("bounce", job.message_id, e)
             return None
 
     def _delay_warning(self, job: _Job, deferred: list[tuple[_Entry, RcptResult]], now: float,
@@ -443,10 +539,16 @@ class DeliveryScheduler:
         if not late:
             return []
         until = arrival + self.retry.lifetime(False)
-        message = build_dsn(reporting_mta=self.config.myhostname, queue_id=job.message_id,
-                            sender=job.mail_from, arrival=arrival, recipients=late,
-                            original=job.body, now=now, action="delayed", retry_until=until)
-        handles = self._enqueue_dsn(job, job.mail_from, message, "delay", now)
+        try:
+            message = build_dsn(reporting_mta=self.config.myhostname, queue_id=job.message_id,
+                                sender=job.mail_from, arrival=arrival, recipients=late,
+                                original=job.body, now=now, action="delayed",
+                                retry_until=until, size_limit=self.config.bounce_size_limit,
+                                smtputf8=self._smtputf8(job, job.mail_from))
+        except Exception as e:  # a warning only: the entries go on being retried
+            self._job_error("bounce", job.message_id, e)
+            return []
+        handles = self._enqueue_dsn(job, job.mail_from, message, "delay", now, late)
         if handles:
             self.log.emit("delayed", job.message_id, bounce_id=handles[0].message_id,
                           to=job.mail_from, nrcpt=len(late))
@@ -459,21 +561,58 @@ class DeliveryScheduler:
 
     def _retrying(self, what: str, call: Callable[..., object], *args: object) -> object:
         """Run a transition, trying again after an I/O error (StorageIOError leaves the
-        entry in its old state).  Gives up after a few tries: the entry then stays
-        inflight and is queued again when the queue is next opened (at least once)."""
+        entry in its old state).  When it cannot be made (the error persists, or the call
+        raises what no backend should), it is remembered and made at the next scan of the
+        queue: the entry is not left inflight until a restart.  After ReopenRequiredError
+        the relay reopens the queue, whose recovery puts the entry back."""
+        mail = args[0]
+        message_id = getattr(mail, "message_id", "")
+        entry_id = getattr(mail, "entry_id", None)
         for wait in (*FINISH_RETRIES, None):
             try:
                 return call(*args)
             except StorageIOError as e:
                 if isinstance(e, ReopenRequiredError):  # no retry can succeed on this queue
-                    self.log.emit("error", what=what, reason=f"{type(e).__name__}: {e}")
+                    self.log.emit("error", message_id, what=what, entry_id=entry_id,
+                                  reason=f"{type(e).__name__}: {e}")
                     self._queue_error(e)
                     return e
                 if wait is None:
-                    self.log.emit("error", what=what, reason=f"gave up: {e}")
+                    self.log.emit("error", message_id, what=what, entry_id=entry_id,
+                                  reason=f"gave up until the next queue scan: {e}")
+                    self._remember(what, call, args)
                     return e
                 time.sleep(wait)
-            except QueueError as e:
-                self.log.emit("error", what=what, reason=f"{type(e).__name__}: {e}")
+            except QueueError as e:  # the entry changed under us: nothing left to do
+                self.log.emit("error", message_id, what=what, entry_id=entry_id,
+                              reason=f"{type(e).__name__}: {e}")
+                return e
+            except Exception as e:
+                self._job_error(what, message_id, e, entry_id)
+                self._remember(what, call, args)
                 return e
         return None
+
+    def _remember(self, what: str, call: Callable[..., object], args: tuple[object, ...]
+                  ) -> None:
+        with self._unfinished_lock:
+            self._unfinished.append((what, call, args))
+
+    def _retry_unfinished(self) -> list[QueuedMail]:
+        """Make the transitions that could not be made before (a storage thread, at each
+        scan); the handles of the entries they queued again."""
+        with self._unfinished_lock:
+            pending, self._unfinished = self._unfinished, []
+        found: list[QueuedMail] = []
+        for what, call, args in pending:
+            result = self._retrying(what, call, *args)
+            if isinstance(result, QueuedMail):
+                found.append(result)
+            elif isinstance(result, PendingCleanupMail):
+                self._retrying("cleanup", self.store.cleanup, result)
+        return found
+
+    def unfinished(self) -> int:
+        """Transitions waiting for the next scan (entries held inflight meanwhile)."""
+        with self._unfinished_lock:
+            return len(self._unfinished)

@@ -115,6 +115,7 @@ class RelayConfig:
     bounce_queue_lifetime: float = 5 * 86400.0
     delay_warning_time: float = 0.0  # 0: no "delayed" DSN
     double_bounce_recipient: str = ""  # where undeliverable bounces go; "": dropped
+    bounce_size_limit: int = 50_000  # the returned message is attached up to this size
     # -- the process --
     processes: int = 1  # relay processes on the queue (receivers and schedulers; SO_REUSEPORT)
     event_loop: str = "auto"  # uvloop, asyncio, or auto: uvloop where it is installed
@@ -161,6 +162,8 @@ class RelayConfig:
                      "smtp_mx_address_limit", "processes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1")
+        if self.bounce_size_limit < 0:
+            raise ConfigError("bounce_size_limit: must be at least 0 (0: headers only)")
         if not 1 <= self.dns_port <= 65535 or not 1 <= self.smtp_port <= 65535:
             raise ConfigError("dns_port and smtp_port must be from 1 to 65535")
         if self.processes > 256:

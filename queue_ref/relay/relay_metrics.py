@@ -100,6 +100,11 @@ class RelayMetrics:
                             "ETRN commands that reached the queue, by outcome (started: mail "
                             "was waiting; empty: none was; failed: the queue failed)",
                             ["outcome"], registry=r)
+        self.job_errors = Counter(
+            "queue_ref_relay_job_errors",
+            "Unexpected errors in a delivery job, by step (claim, route, deliver, bounce, "
+            "finish, return); the entries concerned went back to the queue with a retry",
+            ["step"], registry=r)
         r.register(_QueueSizeCollector(queue_sizes))
         self._group_commit = _GroupCommitCollector(store)
         r.register(self._group_commit)

@@ -1,0 +1,90 @@
+"""A filesystem queue for ``queue-ref relay --backend tests.relay_faulty_steps:fs`` whose
+chosen call raises an unexpected error (``RuntimeError``, what no backend should raise),
+once, when the file ``<queue>.fail-<call>`` exists: a bug in a backend or in the relay,
+met at a moment the test chooses.  Calls: send_start, read_inflight, send_done, cleanup,
+send_cancel, and enqueue and commit of a message with the null sender (the relay's own
+bounces: the receiver's commits of the test's mail are not touched)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from queue_ref.fsqueue import FsQueue
+from queue_ref.storage import Enqueuer, QueuedMail, Recipient
+
+CALLS = ("send_start", "read_inflight", "send_done", "cleanup", "send_cancel", "enqueue",
+         "commit")
+
+
+def trigger_of(path: str, call: str) -> str:
+    return os.path.abspath(path).rstrip("/") + f".fail-{call}"
+
+
+class InjectedError(RuntimeError):
+    pass
+
+
+class _Enqueuer:
+    """The queue's Enqueuer, whose commit may raise first."""
+
+    def __init__(self, q: FaultyStepsQueue, inner: Enqueuer, null_sender: bool) -> None:
+        self._q = q
+        self._inner = inner
+        self._null_sender = null_sender
+
+    def write(self, data: bytes) -> None:
+        self._inner.write(data)
+
+    def commit(self, rcpts: Sequence[Recipient]) -> list[QueuedMail]:
+        if self._null_sender:
+            self._q.maybe_fail("commit")
+        return self._inner.commit(rcpts)
+
+    def abort(self) -> None:
+        self._inner.abort()
+
+    def __enter__(self) -> _Enqueuer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._inner.__exit__(*exc)  # type: ignore[arg-type]
+
+
+class FaultyStepsQueue(FsQueue):
+    def maybe_fail(self, call: str) -> None:
+        try:
+            os.unlink(trigger_of(self.root, call))
+        except FileNotFoundError:
+            return
+        raise InjectedError(f"injected failure of {call}")
+
+    def enqueue(self, mail_from: str, params: Mapping[str, str] | None = None) -> Any:
+        if not mail_from:
+            self.maybe_fail("enqueue")
+        return _Enqueuer(self, super().enqueue(mail_from, params), not mail_from)
+
+    def send_start(self, mail: Any) -> Any:
+        self.maybe_fail("send_start")
+        return super().send_start(mail)
+
+    def read_inflight(self, mail: Any) -> Any:
+        self.maybe_fail("read_inflight")
+        return super().read_inflight(mail)
+
+    def send_done(self, mail: Any) -> Any:
+        self.maybe_fail("send_done")
+        return super().send_done(mail)
+
+    def cleanup(self, mail: Any) -> Any:
+        self.maybe_fail("cleanup")
+        return super().cleanup(mail)
+
+    def send_cancel(self, mail: Any, schedule: Any) -> Any:
+        self.maybe_fail("send_cancel")
+        return super().send_cancel(mail, schedule)
+
+
+def fs(path: str) -> FaultyStepsQueue:
+    return FaultyStepsQueue(path)
