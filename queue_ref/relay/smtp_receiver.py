@@ -48,8 +48,12 @@ from queue_ref.storage import (
     Storage,
 )
 
-__all__ = ["RelaySMTP", "SmtpReceiver", "valid_address"]
+__all__ = ["NULL_PATH", "RelaySMTP", "SmtpReceiver", "valid_address"]
 
+#: The null reverse-path ``MAIL FROM:<>`` (RFC 5321 4.5.5: bounces and other notifications),
+#: as aiosmtpd's parser gives it and as the envelope keeps it until the message is queued
+#: (aiosmtpd takes an empty ``mail_from`` for "no MAIL yet"); the queue stores "".
+NULL_PATH = "<>"
 HARD_ERROR_LIMIT = 20  # Postfix's smtpd_hard_error_limit
 LINGER = 5.0  # seconds a hung-up session's input is still read (and dropped)
 
@@ -122,7 +126,10 @@ class RelaySMTP(SMTP):
     def _getaddr(self, arg: str) -> tuple[str | None, str | None]:
         fast = fast_path_address(arg)
         if fast is None:
-            return super()._getaddr(arg)
+            address, rest = super()._getaddr(arg)
+            if address == NULL_PATH and not (rest or " ").startswith(" "):
+                return None, None  # ``<>x``: no path of RFC 5321
+            return address, rest
         if self.local_part_limit and len(fast[0].rpartition("@")[0]) > self.local_part_limit:
             return None, None
         return fast
@@ -331,7 +338,7 @@ class SmtpReceiver:
                           address: str, mail_options: list[str]) -> str:
         if self.shutting_down:
             return "421 4.3.2 Service shutting down"
-        if address and not valid_address(address):
+        if address != NULL_PATH and not valid_address(address):
             return "501 5.1.7 Bad sender address syntax"
         envelope.mail_from = address
         envelope.mail_options.extend(mail_options)
@@ -364,7 +371,7 @@ class SmtpReceiver:
         # first: the substitution costs 17 ms per MB even when there is nothing to change.
         if body.count(b"\n") != body.count(b"\r\n"):
             body = _BARE_LF.sub(b"\r\n", body)
-        mail_from = envelope.mail_from or ""
+        mail_from = "" if envelope.mail_from == NULL_PATH else envelope.mail_from or ""
         rcpts = list(envelope.rcpt_tos)
         peer = session.peer
         client = peer[0] if isinstance(peer, tuple) else "unknown"
