@@ -87,6 +87,13 @@ class MemoryStorage(Storage):
         self._check_open()
         return iter(())
 
+    def inflight_entries(self) -> Iterator[EntryMeta]:
+        for k, e in self._list("inflight"):
+            m = self._msgs[e.message_id]
+            r = m.rcpts[e.index]
+            yield EntryMeta(e.message_id, k, m.mail_from, r.address, e.index, r.zone,
+                            dict(m.params), e.schedule, len(m.body), e.arrival_ns)
+
     def find_pending_cleanup(self) -> Iterator[PendingCleanupMail]:
         for k, e in self._list("cleanup"):
             yield self._issue(PendingCleanupMail, k, e.message_id, e.schedule)

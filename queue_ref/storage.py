@@ -43,11 +43,12 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TypeVar
 
-from spec import Schedule
+from spec import MAX_REASON, Schedule
 from spec.contract_errors import InvalidInputError, MisuseError, QueueError, ScheduleError
 
 __all__ = [
     "MAX_ADDRESS",
+    "MAX_REASON",
     "BufferedEnqueuer",
     "BytesReader",
     "Capability",
@@ -278,8 +279,9 @@ def validate_params(params: object) -> dict[str, str]:
 
 
 def validate_schedule(value: object, what: str = "schedule") -> Schedule:
-    """A Schedule whose time and attempt count are ints in 0..MAX_SCHEDULE (a Schedule
-    forged past its own checks, with a negative, float or NaN field, is refused too)."""
+    """A Schedule whose time and attempt count are ints in 0..MAX_SCHEDULE and whose
+    reason is a str of at most MAX_REASON octets of UTF-8 (a Schedule forged past its own
+    checks, with a negative, float or NaN field, is refused too)."""
     if not isinstance(value, Schedule):
         raise InvalidInputError(f"{what} must be a Schedule, got {type(value).__name__}")
     for name in ("at", "attempts"):
@@ -287,6 +289,16 @@ def validate_schedule(value: object, what: str = "schedule") -> Schedule:
         if type(v) is not int or not 0 <= v <= MAX_SCHEDULE:
             raise InvalidInputError(f"{what}: {name} must be an int from 0 to {MAX_SCHEDULE}, "
                                     f"got {v!r}")
+    reason = getattr(value, "reason", None)
+    if type(reason) is not str:
+        raise InvalidInputError(f"{what}: reason must be a str, got {type(reason).__name__}")
+    try:
+        size = len(reason.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        raise InvalidInputError(f"{what}: reason is not encodable as UTF-8: {e}") from None
+    if size > MAX_REASON:
+        raise InvalidInputError(f"{what}: reason is {size} octets of UTF-8, more than "
+                                f"{MAX_REASON}")
     return value
 
 
@@ -541,6 +553,13 @@ class Storage(abc.ABC):
         """Every HELD entry, each once (Capability.HOLD)."""
         raise UnsupportedError(f"{type(self).__name__} does not support holding mail")
 
+    def inflight_entries(self) -> Iterator[EntryMeta]:
+        """Every INFLIGHT entry now, whichever sender holds it (a live one included), as
+        its metadata: for operators' tools (``mailq`` marks them ``*``).  No handle, so
+        nothing can take an entry from its sender; an entry that moves meanwhile may be
+        left out.  UnsupportedError where a backend cannot list them."""
+        raise UnsupportedError(f"{type(self).__name__} cannot list entries in delivery")
+
     # -- writing and reading mail --
 
     @abc.abstractmethod
@@ -567,7 +586,8 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def reschedule(self, mail: QueuedMail, schedule: Schedule) -> QueuedMail | None:
-        """Give a QUEUED entry a new schedule, atomically (C5)."""
+        """Give a QUEUED entry a new schedule, atomically (C5).  ``schedule.reason``
+        replaces the reason stored with the old one (pass the old reason to keep it)."""
 
     @abc.abstractmethod
     def send_start(self, mail: QueuedMail) -> InflightMail | None:
@@ -579,7 +599,9 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def send_cancel(self, mail: InflightMail, schedule: Schedule) -> QueuedMail | None:
-        """Put an INFLIGHT entry back in the queue with its new schedule, atomically."""
+        """Put an INFLIGHT entry back in the queue with its new schedule, atomically.
+        ``schedule.reason`` is why the attempt failed; it is stored with the schedule in
+        the same durable step (C5) and every listing hands it back in ``handle.schedule``."""
 
     @abc.abstractmethod
     def drop(self, mail: QueuedMail) -> PendingCleanupMail | None:

@@ -22,7 +22,8 @@ class InvalidInputError(MisuseError, ValueError):
 
 
 class ScheduleError(InvalidInputError):
-    """A schedule time or attempt count that is not a non-negative int."""
+    """A schedule time or attempt count that is not a non-negative int, or a reason that
+    is not a str with a UTF-8 form."""
 
 
 __all__ = ["InvalidInputError", "MisuseError", "QueueError", "ScheduleError"]

@@ -22,15 +22,25 @@ from spec.states import LIVE_STATES, TABLE, EntryState, Op, Outcome, after_resta
 EntryKey = tuple[int, int]
 
 
+#: The most octets of UTF-8 a schedule's ``reason`` keeps; a longer one is cut (at a
+#: character boundary) when the Schedule is made.
+MAX_REASON = 1000
+
+
 @dataclass(frozen=True, order=True)
 class Schedule:
-    """When an entry is next due, and how many delivery attempts it has had.
+    """When an entry is next due, how many delivery attempts it has had, and why the
+    last one failed (``reason``, "" when none was recorded: a new entry's, or one whose
+    caller gave none).  The reason is part of the schedule: it is stored, changed and
+    recovered with it, atomically (C5), and cut to MAX_REASON octets of UTF-8.
 
     inv: self.at >= 0 and self.attempts >= 0
+    inv: len(self.reason.encode("utf-8")) <= MAX_REASON
     """
 
     at: int
     attempts: int = 0
+    reason: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.at, int) or isinstance(self.at, bool) or self.at < 0:
@@ -41,6 +51,14 @@ class Schedule:
             or self.attempts < 0
         ):
             raise ScheduleError(f"attempts must be a non-negative int, got {self.attempts!r}")
+        if not isinstance(self.reason, str):
+            raise ScheduleError(f"reason must be a str, got {type(self.reason).__name__}")
+        try:
+            raw = self.reason.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ScheduleError(f"reason is not encodable as UTF-8: {e}") from None
+        if len(raw) > MAX_REASON:  # cut, whole characters only
+            object.__setattr__(self, "reason", raw[:MAX_REASON].decode("utf-8", "ignore"))
 
 
 @dataclass(frozen=True)
@@ -212,6 +230,8 @@ class Call:
         args = [f"{self.key}"]
         if self.schedule is not None:
             args.append(f"at={self.schedule.at}, attempts={self.schedule.attempts}")
+            if self.schedule.reason:
+                args.append(f"reason={self.schedule.reason!r}")
         return f"{self.op.value}({', '.join(args)})"
 
 

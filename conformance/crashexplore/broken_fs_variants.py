@@ -14,7 +14,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from conformance.crashexplore.workloads import LIFE, Workload, enqueue_call
 from queue_ref.fsqueue import FsQueue
@@ -201,6 +201,17 @@ class NoScheduleDirFsync(_Fsync):
     def _write_schedule(self, e: EntryName, schedule: Schedule) -> None:
         tmp = self._write_schedule_temp(e, schedule)
         self._install_schedule(e, tmp)
+
+
+class ReasonApart(_Fsync):
+    """A schedule with a reason is written as two records: the new time and attempt
+    count first, then the same with the reason ("the reason is only for operators").  A
+    crash between them recovers the new time without the attempt's reason."""
+
+    def _write_schedule(self, e: EntryName, schedule: Schedule) -> None:
+        if schedule.reason:
+            super()._write_schedule(e, replace(schedule, reason=""))
+        super()._write_schedule(e, schedule)
 
 
 class CleanupSharedData(_Fsync):
@@ -405,6 +416,8 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("fs-broken-nosync-schedule", NoScheduleFsync, "C1", (_E1, _RESCHED, _START)),
     Variant("fs-broken-nosync-schedule-dir", NoScheduleDirFsync, "C5",
             (_E1, _RESCHED, _START)),
+    Variant("fs-broken-reason-apart", ReasonApart, "C5",
+            (_E1, _START, Call(Op.SEND_CANCEL, _K, Schedule(1100, 1, "451 4.4.1 deferred")))),
     Variant("fs-broken-cleanup-shared", CleanupSharedData, "C1",
             (_E2, Call(Op.DROP, _K), Call(Op.CLEANUP, _K))),
     Variant("fs-broken-spare-not-cut", SpareNotCut, "C1", (*LIFE, enqueue_call(1, 1))),

@@ -65,8 +65,10 @@ class ScenarioError(ValueError):
 
 # ---- workload ids ----------------------------------------------------------------------
 
-def _sched(s: Schedule | None) -> list[int] | None:
-    return None if s is None else [s.at, s.attempts]
+def _sched(s: Schedule | None) -> list[int | str] | None:
+    if s is None:
+        return None
+    return [s.at, s.attempts, s.reason] if s.reason else [s.at, s.attempts]
 
 
 def encode_workload(workload: Workload) -> str:

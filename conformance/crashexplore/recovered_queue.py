@@ -60,7 +60,8 @@ class Recovered:
     def describe(self) -> list[str]:
         out = [f"{e.state.value:15} msg {e.message_id} rcpt[{e.rcpt_index}] {e.rcpt} "
                f"at={e.schedule.at} attempts={e.schedule.attempts} "
-               f"body sha256 {e.body_digest[:12]}" for e in self.entries]
+               + (f"reason={e.schedule.reason!r} " if e.schedule.reason else "")
+               + f"body sha256 {e.body_digest[:12]}" for e in self.entries]
         out += [f"quarantined: {q}" for q in self.quarantined]
         if self.leftover_objects or self.leftover_bytes:
             out.append(f"after draining: {self.leftover_objects} objects, "

@@ -94,7 +94,9 @@ def _view_lines(views: frozenset[EntryView]) -> list[str]:
     for v in sorted(views, key=lambda v: (v.msg, v.index)):
         state = "" if v.state is EntryState.QUEUED else f" ({v.state.value})"
         out.append(f"m{v.msg}[{v.index}] {v.rcpt} at={v.schedule.at} "
-                   f"attempts={v.schedule.attempts} body {v.body_digest[:8]}{state}")
+                   f"attempts={v.schedule.attempts} "
+                   + (f"reason={v.schedule.reason!r} " if v.schedule.reason else "")
+                   + f"body {v.body_digest[:8]}{state}")
     return out
 
 

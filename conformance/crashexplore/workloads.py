@@ -56,10 +56,15 @@ def _schedule(mid: int, index: int) -> Schedule:
 
 
 def _bumped(model: Model, key: EntryKey, *, attempt: bool) -> Schedule:
-    """A schedule the entry never had: later than any it had (times only grow)."""
+    """A schedule the entry never had: later than any it had (times only grow).  A failed
+    attempt (``send_cancel``) records its reason, which names the new time, so a backend
+    that stores the reason apart from the time is caught between the two (C5)."""
     e = model.entries.get(key)
     base = e.schedule if e is not None else Schedule(0)
-    return Schedule(at=base.at + 1000, attempts=base.attempts + (1 if attempt else 0))
+    at = base.at + 1000
+    if attempt:
+        return Schedule(at, base.attempts + 1, f"451 4.4.1 deferred until {at}")
+    return Schedule(at, base.attempts, base.reason)
 
 #: One message's whole life, the start of the ``after`` family of ``enumerate_steps``.
 #: Its body is longer than those of the messages that follow, so that what a backend

@@ -9,7 +9,11 @@ Certify it::
 Layout (``root/queue.sqlite3``): ``messages`` (one row per message; ``owner`` is set
 while the message is being received and cleared by the commit), ``chunks`` (the body
 in pieces of 256 KiB, so bodies of any size stream), ``entries`` (one row per
-recipient with its state, schedule and, while inflight or pending cleanup, the owner).
+recipient with its state, schedule and, while inflight or pending cleanup, the owner),
+``reasons`` (the reason of an entry's schedule, when it has one: a row keyed by the
+entry's id, written in the transaction that writes the schedule and deleted with the
+entry by a trigger; a database made before reasons gets the empty table when opened, and
+its entries have the reason "").
 
 Durability comes from SQLite: ``PRAGMA synchronous=FULL`` in WAL mode, ``EXTRA`` in
 rollback-journal mode, makes every committed transaction durable before ``COMMIT``
@@ -20,7 +24,7 @@ and roll the acknowledged transaction back (the black-box power-loss check finds
 under ``weak``: C5, C3).
 
 Damage at rest: SQLite keeps no checksum of the values in its rows, so each row of
-``messages`` and ``entries`` carries one (``crc``, SQL function ``qr_crc``), kept by
+``messages``, ``entries`` and ``reasons`` carries one (``crc``, SQL function ``qr_crc``), kept by
 triggers on every insert and update.  Opening checks the database (``PRAGMA
 integrity_check``: a damaged index is rebuilt, other damage refuses the open with
 ``DamagedStoreError``) and every row: a damaged entry, the entries of a damaged message
@@ -123,6 +127,11 @@ CREATE INDEX IF NOT EXISTS entries_by_state ON entries (state, msg_id, idx);
 CREATE INDEX IF NOT EXISTS entries_by_zone ON entries (zone, state, msg_id, idx);
 CREATE INDEX IF NOT EXISTS entries_by_domain ON entries (domain, state);
 CREATE INDEX IF NOT EXISTS entries_by_msg ON entries (msg_id);
+CREATE TABLE IF NOT EXISTS reasons (
+    id INTEGER PRIMARY KEY,
+    reason TEXT NOT NULL,
+    crc INTEGER
+);
 """
 
 
@@ -132,8 +141,13 @@ ROWS = {
     "messages": ("id", "mail_from", "params", "owner", "chunks", "body_size", "body_sha256"),
     "entries": ("id", "msg_id", "idx", "rcpt", "zone", "domain", "state", "at", "attempts",
                 "owner"),
+    "reasons": ("id", "reason"),
 }
-TEXT = {"mail_from", "params", "owner", "body_sha256", "rcpt", "zone", "domain", "state"}
+TEXT = {"mail_from", "params", "owner", "body_sha256", "rcpt", "zone", "domain", "state",
+        "reason"}
+
+#: An entry's schedule: its reason, "" when it has no ``reasons`` row.
+_SCHEDULE = "at, attempts, COALESCE((SELECT reason FROM reasons WHERE reasons.id = entries.id), '')"
 
 
 def _crc_args(table: str, prefix: str = "") -> str:
@@ -152,6 +166,8 @@ def _triggers() -> list[str]:
         out.append(f"CREATE TRIGGER IF NOT EXISTS {table}_crc_set AFTER UPDATE OF "
                    f"{', '.join(cols[1:])} ON {table} "
                    f"BEGIN UPDATE {table} SET crc = qr_crc({crc}) WHERE id = NEW.id; END")
+    out.append("CREATE TRIGGER IF NOT EXISTS entries_reason_gone AFTER DELETE ON entries "
+               "BEGIN DELETE FROM reasons WHERE id = OLD.id; END")
     return out
 
 
@@ -355,10 +371,10 @@ class SqliteStorage(Storage):
     # ---- listing ---------------------------------------------------------------------
 
     def _queued(self, where: str = "", args: Sequence[object] = ()) -> Iterator[QueuedMail]:
-        rows = self._query("SELECT id, msg_id, at, attempts FROM entries WHERE state='queued'"
+        rows = self._query(f"SELECT id, msg_id, {_SCHEDULE} FROM entries WHERE state='queued'"
                            f"{where} ORDER BY msg_id, idx", args)
-        return iter([self._issue(QueuedMail, str(i), str(m), Schedule(a, n))  # type: ignore[arg-type]
-                     for i, m, a, n in rows])
+        return iter([self._issue(QueuedMail, str(i), str(m), Schedule(a, n, w))  # type: ignore[arg-type]
+                     for i, m, a, n, w in rows])
 
     def list_queue(self) -> Iterator[QueuedMail]:
         return self._queued()
@@ -379,15 +395,16 @@ class SqliteStorage(Storage):
                 rows = list(db.execute(
                     "UPDATE entries SET owner=? WHERE state='inflight' AND owner=? "
                     "RETURNING id, msg_id, at, attempts", (self.owner, token)))
-            out += [self._issue(InflightMail, str(i), str(m), Schedule(a, n))
-                    for i, m, a, n in rows]
+                out += [self._issue(InflightMail, str(i), str(m),
+                                    Schedule(a, n, self._reason(db, int(i))))
+                        for i, m, a, n in rows]
         return iter(out)
 
     def find_pending_cleanup(self) -> Iterator[PendingCleanupMail]:
-        rows = self._query("SELECT id, msg_id, at, attempts FROM entries "
+        rows = self._query(f"SELECT id, msg_id, {_SCHEDULE} FROM entries "
                            "WHERE state='cleanup' ORDER BY msg_id, idx")
-        return iter([self._issue(PendingCleanupMail, str(i), str(m), Schedule(a, n))  # type: ignore[arg-type]
-                     for i, m, a, n in rows])
+        return iter([self._issue(PendingCleanupMail, str(i), str(m), Schedule(a, n, w))  # type: ignore[arg-type]
+                     for i, m, a, n, w in rows])
 
     # ---- mail ------------------------------------------------------------------------
 
@@ -399,15 +416,17 @@ class SqliteStorage(Storage):
     def read_inflight(self, mail: InflightMail) -> MailReader:
         h = self._peek(mail, InflightMail)
         rows = self._query(
-            "SELECT e.msg_id, e.idx, e.rcpt, e.zone, e.at, e.attempts, m.mail_from, m.params, "
-            "m.chunks, m.body_size, m.body_sha256 FROM entries e JOIN messages m "
+            "SELECT e.msg_id, e.idx, e.rcpt, e.zone, e.at, e.attempts, "
+            "COALESCE((SELECT reason FROM reasons r WHERE r.id = e.id), ''), m.mail_from, "
+            "m.params, m.chunks, m.body_size, m.body_sha256 FROM entries e JOIN messages m "
             "ON m.id = e.msg_id WHERE e.id=? AND e.state='inflight' AND e.owner=?",
             (int(h.entry_id), self.owner))
         if not rows:
             raise ClosedError(f"entry {h.entry_id} is no longer inflight here")
-        mid, idx, rcpt, zone, at, attempts, mail_from, params, chunks, size, digest = rows[0]
+        (mid, idx, rcpt, zone, at, attempts, why, mail_from, params, chunks, size,
+         digest) = rows[0]
         meta = EntryMeta(str(mid), h.entry_id, str(mail_from), str(rcpt), int(idx),  # type: ignore[call-overload]
-                         str(zone), json.loads(str(params)), Schedule(at, attempts),  # type: ignore[arg-type]
+                         str(zone), json.loads(str(params)), Schedule(at, attempts, why),  # type: ignore[arg-type]
                          int(size))  # type: ignore[call-overload]
         return _SqliteReader(self, meta, int(mid), int(chunks), str(digest))  # type: ignore[call-overload]
 
@@ -417,30 +436,45 @@ class SqliteStorage(Storage):
 
     # ---- transitions -----------------------------------------------------------------
 
+    @staticmethod
+    def _reason(db: sqlite3.Connection, entry_id: int) -> str:
+        rows = list(db.execute("SELECT reason FROM reasons WHERE id=?", (entry_id,)))
+        return str(rows[0][0]) if rows else ""
+
     def _move(self, h: QueuedMail | InflightMail | PendingCleanupMail, sql: str,
-              args: Sequence[object]) -> tuple[int, int] | None:
+              args: Sequence[object], reason: str | None = None) -> Schedule | None:
+        """Run the update ``sql`` of one entry; with ``reason``, store it (its ``reasons``
+        row, none for "") in the same transaction.  The entry's schedule after it."""
+        eid = int(h.entry_id)
         try:
             with self._tx() as db:
                 rows = list(db.execute(sql + " RETURNING at, attempts", args))
+                if rows and reason is not None:
+                    if reason:
+                        db.execute("INSERT INTO reasons (id, reason) VALUES (?, ?) ON CONFLICT "
+                                   "(id) DO UPDATE SET reason=excluded.reason", (eid, reason))
+                    else:
+                        db.execute("DELETE FROM reasons WHERE id=?", (eid,))
+                why = self._reason(db, eid) if rows else ""
         except StorageIOError as e:
             e.handle = self._give_back(h)
             raise
-        return (int(rows[0][0]), int(rows[0][1])) if rows else None
+        return Schedule(int(rows[0][0]), int(rows[0][1]), why) if rows else None
 
     def reschedule(self, mail: QueuedMail, schedule: Schedule) -> QueuedMail | None:
         validate_schedule(schedule)
         h = self._take(mail, QueuedMail)
         got = self._move(h, "UPDATE entries SET at=?, attempts=? WHERE id=? AND state='queued'",
-                         (schedule.at, schedule.attempts, int(h.entry_id)))
+                         (schedule.at, schedule.attempts, int(h.entry_id)), schedule.reason)
         return None if got is None else self._issue(QueuedMail, h.entry_id, h.message_id,
-                                                    Schedule(*got))
+                                                    got)
 
     def send_start(self, mail: QueuedMail) -> InflightMail | None:
         h = self._take(mail, QueuedMail)
         got = self._move(h, "UPDATE entries SET state='inflight', owner=? "
                             "WHERE id=? AND state='queued'", (self.owner, int(h.entry_id)))
         return None if got is None else self._issue(InflightMail, h.entry_id, h.message_id,
-                                                    Schedule(*got))
+                                                    got)
 
     def send_done(self, mail: InflightMail) -> PendingCleanupMail | None:
         h = self._take(mail, InflightMail)
@@ -448,23 +482,24 @@ class SqliteStorage(Storage):
                             "WHERE id=? AND state='inflight' AND owner=?",
                          (int(h.entry_id), self.owner))
         return None if got is None else self._issue(PendingCleanupMail, h.entry_id,
-                                                    h.message_id, Schedule(*got))
+                                                    h.message_id, got)
 
     def send_cancel(self, mail: InflightMail, schedule: Schedule) -> QueuedMail | None:
         validate_schedule(schedule)
         h = self._take(mail, InflightMail)
         got = self._move(h, "UPDATE entries SET state='queued', owner=NULL, at=?, attempts=? "
                             "WHERE id=? AND state='inflight' AND owner=?",
-                         (schedule.at, schedule.attempts, int(h.entry_id), self.owner))
+                         (schedule.at, schedule.attempts, int(h.entry_id), self.owner),
+                         schedule.reason)
         return None if got is None else self._issue(QueuedMail, h.entry_id, h.message_id,
-                                                    Schedule(*got))
+                                                    got)
 
     def drop(self, mail: QueuedMail) -> PendingCleanupMail | None:
         h = self._take(mail, QueuedMail)
         got = self._move(h, "UPDATE entries SET state='cleanup', owner=? "
                             "WHERE id=? AND state='queued'", (self.owner, int(h.entry_id)))
         return None if got is None else self._issue(PendingCleanupMail, h.entry_id,
-                                                    h.message_id, Schedule(*got))
+                                                    h.message_id, got)
 
     def cleanup(self, mail: PendingCleanupMail) -> bool:
         h = self._take(mail, PendingCleanupMail)
@@ -506,6 +541,10 @@ class SqliteStorage(Storage):
             bad_entries = [(r[0], r[1]) for r in db.execute(
                 f"SELECT id, msg_id FROM entries WHERE state != 'quarantined' AND "
                 f"crc IS NOT qr_crc({_crc_args('entries')})")]
+            bad_entries += [(r[0], r[1]) for r in db.execute(
+                f"SELECT id, (SELECT msg_id FROM entries WHERE entries.id = reasons.id) "
+                f"FROM reasons WHERE crc IS NOT qr_crc({_crc_args('reasons')}) AND id IN "
+                "(SELECT id FROM entries WHERE state != 'quarantined')")]
             orphans = [(r[0], r[1]) for r in db.execute(
                 "SELECT id, msg_id FROM entries WHERE state != 'quarantined' AND msg_id NOT IN "
                 "(SELECT id FROM messages)")]
@@ -649,6 +688,9 @@ class _SqliteEnqueuer(Enqueuer):
                     (self.mid, i, r.address, r.zone, r.address.rpartition("@")[2].lower(),
                      r.schedule.at, r.schedule.attempts)).fetchone()[0])
                     for i, r in enumerate(checked)]
+                db.executemany("INSERT INTO reasons (id, reason) VALUES (?, ?)",
+                               [(e, r.schedule.reason) for e, r in zip(ids, checked, strict=True)
+                                if r.schedule.reason])
         except StorageIOError:
             self._drop()
             raise

@@ -169,7 +169,8 @@ class Operations(MachineBase):
         """``op`` on the entry ``key`` through the handle ``h``, on the backend and the
         model, the answers compared."""
         stale = self.model.state_of(key) is not TABLE[op].source
-        to = "" if schedule is None else f" to at={schedule.at}, attempts={schedule.attempts}"
+        to = "" if schedule is None else (f" to at={schedule.at}, attempts={schedule.attempts}, "
+                                          f"reason={schedule.reason[:40]!r}")
         self.log.append(f"{op.value}{key}{to}" + (" through a stale handle" if stale else ""))
         fn = getattr(self.store, op.value)
         got = self._call(op.value, lambda: fn(h) if schedule is None else fn(h, schedule))

@@ -397,6 +397,28 @@ class FsQueue(FsMetadata, Storage):
             sched = got[1] if got is not None else Schedule(0)
             yield self._issue(PendingCleanupMail, e.entry_id, e.msgid, sched)
 
+    def inflight_entries(self) -> Iterator[EntryMeta]:
+        """Every link in inflight/, whichever process holds it, as its metadata (read
+        only: an entry that moves or fails its checks meanwhile is left out, and damage
+        stays for recovery to quarantine)."""
+        self._check_open()
+        for name in sorted(listdir_or_empty(self.io, self.layout.inflight)):
+            parsed = parse_inflight(name)
+            if parsed is None:
+                continue
+            e = parsed[0]
+            try:
+                with self._rw.shared():
+                    got = self._load_entry(e)
+            except (OSError, Corrupt):
+                continue
+            if got is None or e.index >= len(got[0].rcpts):
+                continue
+            env, sched = got
+            r = env.rcpts[e.index]
+            yield EntryMeta(e.msgid, e.entry_id, env.mail_from, r.address, e.index, r.zone,
+                            dict(env.params), sched, env.body_size, int(e.msgid[:16], 16))
+
     # ---- enqueue ---------------------------------------------------------------------
 
     def enqueue(self, mail_from: str, params: Mapping[str, str] | None = None) -> Enqueuer:

@@ -91,9 +91,9 @@ def _str(obj: Mapping[str, Any], key: str) -> str:
     return v
 
 
-def _schedule(at: object, attempts: object) -> Schedule:
+def _schedule(at: object, attempts: object, reason: object = "") -> Schedule:
     try:
-        return Schedule(at, attempts)  # type: ignore[arg-type]
+        return Schedule(at, attempts, reason)  # type: ignore[arg-type]
     except ValueError as e:
         raise RecordError(str(e)) from e
 
@@ -117,6 +117,7 @@ class Envelope:
             "body_size": self.body_size,
             "body_sha256": self.body_sha256,
             "rcpts": [[r.address, r.zone, r.schedule.at, r.schedule.attempts]
+                      + ([r.schedule.reason] if r.schedule.reason else [])
                       for r in self.rcpts],
         })
 
@@ -134,10 +135,10 @@ class Envelope:
             raise RecordError("envelope has no recipients")
         rcpts = []
         for r in raw:
-            if (not isinstance(r, list) or len(r) != 4 or not isinstance(r[0], str)
-                    or not isinstance(r[1], str)):
+            if (not isinstance(r, list) or len(r) not in (4, 5) or not isinstance(r[0], str)
+                    or not isinstance(r[1], str) or (len(r) == 5 and not isinstance(r[4], str))):
                 raise RecordError("malformed recipient in envelope")
-            rcpts.append(Recipient(r[0], _schedule(r[2], r[3]), r[1]))
+            rcpts.append(Recipient(r[0], _schedule(*r[2:]), r[1]))
         sha = _str(obj, "body_sha256")
         if len(sha) != 64:
             raise RecordError("envelope body_sha256 is not a sha256")
@@ -146,12 +147,20 @@ class Envelope:
 
 
 def encode_schedule(entry_id: str, schedule: Schedule) -> bytes:
-    return encode("schedule", {"entry": entry_id, "at": schedule.at,
-                               "attempts": schedule.attempts})
+    """The schedule record: its reason is a field of the same record (written only when
+    not empty, so a record without one is also what the format wrote before reasons)."""
+    fields: dict[str, object] = {"entry": entry_id, "at": schedule.at,
+                                 "attempts": schedule.attempts}
+    if schedule.reason:
+        fields["reason"] = schedule.reason
+    return encode("schedule", fields)
 
 
 def decode_schedule(data: bytes, entry_id: str) -> Schedule:
     obj = decode(data, "schedule")
     if obj.get("entry") != entry_id:
         raise RecordError(f"schedule record belongs to {obj.get('entry')!r}, not {entry_id}")
-    return _schedule(_int(obj, "at"), _int(obj, "attempts"))
+    reason = obj.get("reason", "")
+    if not isinstance(reason, str):
+        raise RecordError("field 'reason' is not a string")
+    return _schedule(_int(obj, "at"), _int(obj, "attempts"), reason)

@@ -57,7 +57,7 @@ def _seal_body(body: bytes) -> bytes:
 # encoder above gives (sorted keys, no spaces, ASCII), which skips building a dict and
 # the encoder's per-call setup.  _q is json's C string quoting.
 _ENTRY_FMT = ('{"addr":%s,"at":%d,"e":"%d.%d","k":"entry","n":%d,"owner":%s,"state":%s,'
-              '"zone":%s}')
+              '%s"zone":%s}')  # the optional "why":<reason>, field, in sorted place
 _DOMAIN_FMT = '{"e":"%d.%d","k":"domain","zone":%s}'
 _LIVE_FMT = '{"id":%d,"k":"live","n":%d}'
 _CREATED_FMT = '{"at":%d,"id":%d,"k":"created"}'
@@ -92,8 +92,11 @@ def _get(obj: Mapping[str, Any], name: str, typ: type) -> Any:
 
 
 def _schedule(obj: Mapping[str, Any]) -> Schedule:
+    why = obj.get("why", "")  # absent: no reason (and every record written before reasons)
+    if not isinstance(why, str):
+        raise BadRecord("field 'why' is not a str")
     try:
-        return Schedule(_get(obj, "at", int), _get(obj, "n", int))
+        return Schedule(_get(obj, "at", int), _get(obj, "n", int), why)
     except ValueError as e:
         raise BadRecord(str(e)) from None
 
@@ -114,10 +117,13 @@ class EntryRec:
     owner: str = ""
 
     def encode(self) -> bytes:
-        """``seal`` of {k: entry, e, state, addr, zone, at, n, owner}, formatted directly."""
+        """``seal`` of {k: entry, e, state, addr, zone, at, n, owner} and, when the
+        schedule has a reason, ``why``: formatted directly."""
+        why = self.schedule.reason
         return _seal_body((_ENTRY_FMT % (
             _q(self.address), self.schedule.at, self.mid, self.idx, self.schedule.attempts,
-            _q(self.owner), _q(self.state), _q(self.zone))).encode("ascii"))
+            _q(self.owner), _q(self.state), f'"why":{_q(why)},' if why else "",
+            _q(self.zone))).encode("ascii"))
 
     def moved(self, state: str, *, owner: str = "", schedule: Schedule | None = None) -> EntryRec:
         """The same entry in ``state`` (with ``owner``, and ``schedule`` if given)."""

@@ -61,7 +61,8 @@ class ChasquidQueue(PeerQueue):
         self._write(mid, {
             "from": mail_from, "params": params, "data": base64.b64encode(body).decode(),
             "rcpts": [{"rcpt": r.address, "zone": r.zone, "state": QUEUED,
-                       "at": r.schedule.at, "attempts": r.schedule.attempts} for r in rcpts]})
+                       "at": r.schedule.at, "attempts": r.schedule.attempts,
+                       "reason": r.schedule.reason} for r in rcpts]})
 
     def _entries(self) -> list[Entry]:
         out = []
@@ -72,12 +73,14 @@ class ChasquidQueue(PeerQueue):
                 continue  # chasquid logs and skips an unreadable item
             for i, r in enumerate(doc["rcpts"]):
                 if r["state"] != GONE:
-                    out.append(Entry(mid, i, r["state"], Schedule(r["at"], r["attempts"])))
+                    out.append(Entry(mid, i, r["state"], Schedule(r["at"], r["attempts"],
+                                                                 r.get("reason", ""))))
         return out
 
     def _set(self, e: Entry, state: str, schedule: Schedule) -> None:
         doc = self._doc(e.mid)
-        doc["rcpts"][e.index].update(state=state, at=schedule.at, attempts=schedule.attempts)
+        doc["rcpts"][e.index].update(state=state, at=schedule.at, attempts=schedule.attempts,
+                                     reason=schedule.reason)
         self._write(e.mid, doc)
 
     def _release(self, e: Entry) -> None:

@@ -4,7 +4,7 @@ Layout::
 
     data/<mail>/contents              the body
     data/<mail>/<dest>/metadata       JSON: sender, recipient, index, zone, params
-    data/<mail>/<dest>/schedule       JSON: at, attempts (replaced by temp + rename)
+    data/<mail>/<dest>/schedule       JSON: at, attempts, reason (replaced by temp + rename)
     queue/<id>    -> ../data/<mail>/<dest>   relative symlinks: the entry's state is
     inflight/<id> -> ...                     the directory its link is in
     cleanup/<id>  -> ...
@@ -75,7 +75,8 @@ class KannaderQueue(PeerQueue):
                     sched = json.loads(read_all(self.io, self.path("data", mid, idx,
                                                                    "schedule")))
                     out.append(Entry(int(mid), int(idx), state,
-                                     Schedule(sched["at"], sched["attempts"])))
+                                     Schedule(sched["at"], sched["attempts"],
+                                              sched.get("reason", ""))))
                 except (OSError, ValueError, KeyError):
                     continue  # a dangling or half-written link: Kannader skips it too
         return sorted(out, key=lambda e: (e.mid, e.index))
@@ -138,7 +139,7 @@ class KannaderQueue(PeerQueue):
 
 
 def _sched(s: Schedule) -> bytes:
-    return json.dumps({"at": s.at, "attempts": s.attempts}).encode()
+    return json.dumps({"at": s.at, "attempts": s.attempts, "reason": s.reason}).encode()
 
 
 def factory(root: str, io: IO | None = None) -> KannaderQueue:

@@ -61,7 +61,8 @@ class MaddyQueue(PeerQueue):
             io.write(fd, body)
             meta = json.dumps({"from": mail_from, "params": params, "rcpts": [
                 {"rcpt": r.address, "zone": r.zone, "at": r.schedule.at,
-                 "attempts": r.schedule.attempts} for r in rcpts]}).encode()
+                 "attempts": r.schedule.attempts, "reason": r.schedule.reason}
+                for r in rcpts]}).encode()
             self._durable(f"{mid}.meta", meta)  # the message is visible from here...
             io.fsync(fd)  # ...and its body durable only from here
         finally:
@@ -76,11 +77,11 @@ class MaddyQueue(PeerQueue):
         assert isinstance(rcpts, list)
         out = []
         for i, r in enumerate(rcpts):
-            state, sched = QUEUED, Schedule(r["at"], r["attempts"])
+            state, sched = QUEUED, Schedule(r["at"], r["attempts"], r.get("reason", ""))
             name = f"{mid}.{i}.state"
             if self.io.exists(self._m(name)):
                 d = json.loads(read_all(self.io, self._m(name)))
-                state, sched = d["state"], Schedule(d["at"], d["attempts"])
+                state, sched = d["state"], Schedule(d["at"], d["attempts"], d.get("reason", ""))
             out.append((state, sched))
         return out
 
@@ -96,7 +97,8 @@ class MaddyQueue(PeerQueue):
 
     def _set(self, e: Entry, state: str, schedule: Schedule) -> None:
         self._durable(f"{e.mid}.{e.index}.state", json.dumps(
-            {"state": state, "at": schedule.at, "attempts": schedule.attempts}).encode())
+            {"state": state, "at": schedule.at, "attempts": schedule.attempts,
+             "reason": schedule.reason}).encode())
 
     def _release(self, e: Entry) -> None:
         states = self._states(e.mid)
