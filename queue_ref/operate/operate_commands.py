@@ -102,8 +102,17 @@ def _fmt_at(at: int) -> str:
 # ---- the commands ---------------------------------------------------------------------
 
 
+def _one_line(text: str) -> str:
+    """A reason on one line: control characters (a multi-line reply's CR LF) as spaces."""
+    return "".join(" " if ord(c) < 32 or ord(c) == 127 else c for c in text)
+
+
 def _mailq(store: Storage, args: argparse.Namespace) -> int:
-    msgs = qa.group_messages(info for _, info in qa.listing(store))
+    # An entry claimed between the two listings is in both: the later one (in delivery) wins.
+    latest = {i.entry_id: i for i in [info for _, info in qa.listing(store)]
+              + qa.in_delivery(store)}
+    infos = sorted(latest.values(), key=lambda i: (i.arrival_ns, i.message_id, i.rcpt_index))
+    msgs = qa.group_messages(infos)
     nrcpt = sum(len(m.entries) for m in msgs)
     size = sum(m.size for m in msgs)
     if args.json:
@@ -117,12 +126,14 @@ def _mailq(store: Storage, args: argparse.Namespace) -> int:
     print(f"{'-Queue ID-':<42} {'--Size--':>8} {'----Arrival Time----':<20} "
           "-Sender/Recipient-------")
     for m in msgs:
-        mark = "!" if m.held else " "
+        mark = "*" if m.in_delivery else "!" if m.held else " "
         print(f"{m.message_id + mark:<42} {m.size:>8} {_fmt_time(m.arrival_ns):<20} "
               f"{m.mail_from or 'MAILER-DAEMON'}")
         for e in m.entries:
-            how = "held" if e.state == "held" else (
+            how = {"held": "held", "inflight": "in delivery"}.get(e.state) or (
                 f"attempts {e.schedule.attempts}, next {_fmt_at(e.schedule.at)}")
+            if e.schedule.reason:
+                print(f"({_one_line(e.schedule.reason)})")
             print(f"{'':<72} {e.rcpt}  ({e.entry_id}: {how})")
         print()
     print(f"-- {(size + 1023) // 1024} Kbytes in {len(msgs)} Request"
@@ -181,8 +192,10 @@ def _show(store: Storage, args: argparse.Namespace) -> int:
     listed = qa.listing(store)
     chosen = qa.select(listed, ids=[args.id])
     msg_id = chosen[0][1].message_id
-    entries = [x for x in listed if x[1].message_id == msg_id]
-    h = entries[0][0]
+    entries: list[tuple[object, qa.EntryInfo]] = [x for x in listed if x[1].message_id == msg_id]
+    entries += [(None, i) for i in qa.in_delivery(store) if i.message_id == msg_id]
+    entries.sort(key=lambda x: x[1].rcpt_index)
+    h = next(x[0] for x in entries if x[0] is not None)
     reader = store.inspect_entry(h)  # type: ignore[arg-type]
     if reader is None:
         raise InvalidInputError(f"{args.id} moved while it was read; run show again")
@@ -207,9 +220,11 @@ def _show(store: Storage, args: argparse.Namespace) -> int:
     for k, v in sorted(info.params.items()):
         print(f"named_attribute: {k}={v}")
     for _, e in entries:
-        state = "held" if e.state == "held" else "queued"
+        state = {"held": "held", "inflight": "in delivery"}.get(e.state, "queued")
         print(f"recipient: {e.rcpt} ({e.entry_id}, {state}, attempts {e.schedule.attempts}, "
               f"next attempt {_fmt_at(e.schedule.at)}, zone {e.zone})")
+        if e.schedule.reason:
+            print(f"delay_reason: {_one_line(e.schedule.reason)}")
     print("*** MESSAGE CONTENTS ***")
     sys.stdout.write(head.decode("utf-8", "replace") + "\n")
     if args.body:
@@ -300,7 +315,8 @@ def register(subparsers: Any) -> None:
         p.set_defaults(func=lambda a, n=name, f=fn: _run(n, f, a))
         return p
 
-    add("mailq", "list queued and held mail with envelopes (postqueue -p / -j)", _mailq)
+    add("mailq", "list queued, held and in-delivery mail with envelopes and the reason of "
+                 "each deferred recipient's last attempt (postqueue -p / -j)", _mailq)
     p = add("qshape", "domains x age buckets of the queue (Postfix qshape)", _qshape)
     p.add_argument("--by", choices=("recipient", "sender"), default="recipient")
     p.add_argument("--held", action="store_true", help="held entries only")

@@ -31,8 +31,8 @@ from queue_ref.storage import (
 
 __all__ = [
     "AGE_BUCKETS", "ActionResult", "EntryInfo", "MessageInfo", "check_domain", "delete",
-    "domain_of", "flush", "group_messages", "hold", "listing", "qshape", "release",
-    "requeue", "select",
+    "domain_of", "flush", "group_messages", "hold", "in_delivery", "listing", "qshape",
+    "release", "requeue", "select",
 ]
 
 #: Postfix qshape's age columns, in minutes: an entry younger than 5 minutes counts
@@ -63,11 +63,12 @@ def domain_of(address: str) -> str:
 
 @dataclass(frozen=True)
 class EntryInfo:
-    """One QUEUED or HELD entry as an operator sees it."""
+    """One QUEUED, HELD or INFLIGHT entry as an operator sees it; ``schedule.reason`` is
+    why its last attempt failed ("" when none is recorded)."""
 
     entry_id: str
     message_id: str
-    state: str  # "queued" | "held"
+    state: str  # "queued" | "held" | "inflight"
     rcpt: str
     rcpt_index: int
     zone: str
@@ -80,7 +81,8 @@ class EntryInfo:
     def to_json(self) -> dict[str, Any]:
         return {"entry_id": self.entry_id, "recipient": self.rcpt, "state": self.state,
                 "index": self.rcpt_index, "zone": self.zone,
-                "next_attempt": self.schedule.at, "attempts": self.schedule.attempts}
+                "next_attempt": self.schedule.at, "attempts": self.schedule.attempts,
+                **({"delay_reason": self.schedule.reason} if self.schedule.reason else {})}
 
 
 @dataclass
@@ -96,10 +98,25 @@ class MessageInfo:
     def held(self) -> bool:
         return all(e.state == "held" for e in self.entries)
 
+    @property
+    def in_delivery(self) -> bool:
+        """Whether a sender holds one of its entries INFLIGHT now."""
+        return any(e.state == "inflight" for e in self.entries)
+
+    @property
+    def queue_name(self) -> str:
+        """Postfix's queue of the message: ``active`` while in delivery, ``hold`` when
+        every entry is held, ``deferred`` once an attempt failed, else ``active``."""
+        if self.in_delivery:
+            return "active"
+        if self.held:
+            return "hold"
+        return "deferred" if any(e.schedule.attempts for e in self.entries) else "active"
+
     def to_json(self) -> dict[str, Any]:
-        """The shape of ``postqueue -j``: one object per message."""
-        return {"queue_name": "hold" if self.held else "deferred" if any(
-                    e.schedule.attempts for e in self.entries) else "active",
+        """The shape of ``postqueue -j``: one object per message (a recipient's
+        ``delay_reason`` when its last attempt failed)."""
+        return {"queue_name": self.queue_name,
                 "queue_id": self.message_id, "arrival_time": self.arrival_ns // 10**9,
                 "message_size": self.size, "sender": self.mail_from,
                 "params": dict(self.params),
@@ -135,6 +152,18 @@ def listing(store: Storage) -> list[tuple[Handle, EntryInfo]]:
     return out
 
 
+def in_delivery(store: Storage) -> list[EntryInfo]:
+    """The entries a sender holds INFLIGHT now (``Storage.inflight_entries``; none where
+    the backend cannot list them).  Never selectable for an action: no handle."""
+    try:
+        metas = list(store.inflight_entries())
+    except UnsupportedError:
+        return []
+    return [EntryInfo(m.entry_id, m.message_id, "inflight", m.rcpt, m.rcpt_index, m.zone,
+                      m.mail_from, dict(m.params), m.schedule, m.body_size, m.arrival_ns)
+            for m in metas]
+
+
 def group_messages(infos: Iterable[EntryInfo]) -> list[MessageInfo]:
     by_id: dict[str, MessageInfo] = {}
     for e in infos:
@@ -143,6 +172,8 @@ def group_messages(infos: Iterable[EntryInfo]) -> list[MessageInfo]:
             m = by_id[e.message_id] = MessageInfo(e.message_id, e.mail_from, e.size,
                                                   e.arrival_ns, e.params)
         m.entries.append(e)
+    for m in by_id.values():
+        m.entries.sort(key=lambda e: e.rcpt_index)
     return list(by_id.values())
 
 
@@ -224,7 +255,7 @@ def delete(store: Storage, chosen: Iterable[tuple[Handle, EntryInfo]]) -> Action
 
 def requeue(store: Storage, chosen: Iterable[tuple[Handle, EntryInfo]],
             now: int | None = None) -> ActionResult:
-    """Make queued entries due now (their attempt count kept); held ones are skipped
+    """Make queued entries due now (their attempt count and last reason kept); held ones are skipped
     (release them first)."""
     at = int(time.time()) if now is None else now
     res = ActionResult("requeue")
@@ -232,7 +263,7 @@ def requeue(store: Storage, chosen: Iterable[tuple[Handle, EntryInfo]],
         if not isinstance(h, QueuedMail):
             res.skipped.append(h.entry_id)
             continue
-        got = store.reschedule(h, Schedule(at, h.schedule.attempts))
+        got = store.reschedule(h, Schedule(at, h.schedule.attempts, h.schedule.reason))
         (res.changed if got is not None else res.vanished).append(h.entry_id)
     return res
 
@@ -256,7 +287,7 @@ def flush(store: Storage, domain: str | None = None, now: int | None = None) -> 
         if h.schedule.at <= at:
             res.skipped.append(h.entry_id)  # due already
             continue
-        got = store.reschedule(h, Schedule(at, h.schedule.attempts))
+        got = store.reschedule(h, Schedule(at, h.schedule.attempts, h.schedule.reason))
         (res.changed if got is not None else res.vanished).append(h.entry_id)
     return res
 
