@@ -13,10 +13,13 @@ import importlib.util
 import ipaddress
 import re
 import socket
+import ssl
 import tomllib
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
+
+from queue_ref.relay.relay_access import canonical_domain, parse_network
 
 __all__ = ["EVENT_LOOPS", "ConfigError", "RelayConfig", "load_config", "loop_kind",
            "new_event_loop", "parse_duration", "parse_hostport", "run_relay"]
@@ -91,6 +94,12 @@ class RelayConfig:
     smtpd_timeout: float = 300.0
     smtpd_tls_cert_file: str = ""
     smtpd_tls_key_file: str = ""
+    smtpd_tls_security_level: str = "may"  # none, may (STARTTLS with a certificate), encrypt
+    smtpd_sasl_auth_enable: bool = False  # AUTH PLAIN and LOGIN; authenticated clients relay
+    smtpd_sasl_password_file: str = ""  # user:$scrypt$... lines (smtpd_sasl_auth)
+    smtpd_tls_auth_only: bool = True  # AUTH offered only after STARTTLS
+    smtpd_auth_failure_limit: int = 5  # failed AUTHs per client within anvil_rate_time_unit
+    anvil_rate_time_unit: float = 60.0
     # -- routing --
     relayhost: str = ""
     transport_maps: dict[str, str] = field(default_factory=dict)
@@ -102,7 +111,13 @@ class RelayConfig:
     # -- delivery (smtp client) --
     smtp_connect_timeout: float = 30.0
     smtp_timeout: float = 300.0
-    smtp_tls_security_level: str = "may"  # may: STARTTLS when offered; none: never
+    smtp_tls_security_level: str = "may"  # none, may, encrypt, verify, secure (smtp_tls_policy)
+    smtp_tls_CAfile: str = ""  # verify, secure: the CAs trusted (PEM); "": the system's
+    smtp_tls_verify_cert_match: str = "hostname"
+    smtp_tls_secure_cert_match: str = "nexthop:dot-nexthop"
+    smtp_tls_policy_maps: dict[str, Any] = field(default_factory=dict)  # nexthop -> level
+    smtp_sasl_auth_enable: bool = False
+    smtp_sasl_password_maps: dict[str, str] = field(default_factory=dict)  # nexthop -> user:pw
     smtp_connection_cache_time_limit: float = 2.0
     default_destination_concurrency_limit: int = 20
     max_deliveries: int = 100  # Postfix's default_process_limit
@@ -133,9 +148,14 @@ class RelayConfig:
         self.listen_address()
         for net in self.mynetworks:
             try:
-                ipaddress.ip_network(net, strict=False)
+                parse_network(net)
             except ValueError as e:
                 raise ConfigError(f"mynetworks: {e}") from None
+        for dom in self.relay_domains:
+            try:
+                canonical_domain(dom.strip().removeprefix("."))
+            except ValueError as e:
+                raise ConfigError(f"relay_domains: {e}") from None
         if self.relayhost:
             parse_hostport(self.relayhost, "relayhost", self.smtp_port)
         for dom, nexthop in self.transport_maps.items():
@@ -153,10 +173,9 @@ class RelayConfig:
         if self.event_loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
             raise ConfigError("event_loop: uvloop is not installed (pip install uvloop, or "
                               "set event_loop = \"asyncio\")")
-        if self.smtp_tls_security_level not in ("may", "none"):
-            raise ConfigError("smtp_tls_security_level: expected \"may\" or \"none\"")
         if bool(self.smtpd_tls_cert_file) != bool(self.smtpd_tls_key_file):
             raise ConfigError("smtpd_tls_cert_file and smtpd_tls_key_file go together")
+        self._validate_tls_and_auth()
         for name in ("message_size_limit", "smtpd_recipient_limit",
                      "default_destination_concurrency_limit", "max_deliveries",
                      "smtp_mx_address_limit", "processes"):
@@ -182,13 +201,53 @@ class RelayConfig:
         host, port, _ = parse_hostport(self.listen, "listen", 25)
         return host, port
 
+    def _validate_tls_and_auth(self) -> None:
+        """The TLS policy and SMTP AUTH settings (the client's tables parsed, the CA
+        file and the password file read)."""
+        from queue_ref.relay.smtp_tls_policy import TlsPolicies
+        from queue_ref.relay.smtpd_sasl_auth import load_password_file
+
+        policies = TlsPolicies(self)
+        if self.smtp_tls_CAfile:
+            try:
+                ssl.create_default_context(cafile=self.smtp_tls_CAfile)
+            except (OSError, ssl.SSLError) as e:
+                raise ConfigError(f"smtp_tls_CAfile: cannot load {self.smtp_tls_CAfile}: "
+                                  f"{getattr(e, 'strerror', None) or e}") from None
+        if policies.passwords and not self.smtp_sasl_auth_enable:
+            raise ConfigError("smtp_sasl_password_maps is set but smtp_sasl_auth_enable is not")
+        if self.smtpd_tls_security_level not in ("none", "may", "encrypt"):
+            raise ConfigError("smtpd_tls_security_level: expected none, may or encrypt, "
+                              f"not {self.smtpd_tls_security_level!r}")
+        if self.smtpd_tls_security_level == "encrypt" and not self.smtpd_tls_cert_file:
+            raise ConfigError("smtpd_tls_security_level = encrypt needs smtpd_tls_cert_file")
+        if self.smtpd_sasl_auth_enable:
+            if not self.smtpd_sasl_password_file:
+                raise ConfigError("smtpd_sasl_auth_enable needs smtpd_sasl_password_file")
+            load_password_file(self.smtpd_sasl_password_file)
+            if self.smtpd_tls_auth_only and (not self.smtpd_tls_cert_file
+                                             or self.smtpd_tls_security_level == "none"):
+                raise ConfigError("smtpd_sasl_auth_enable with smtpd_tls_auth_only needs "
+                                  "STARTTLS (smtpd_tls_cert_file, smtpd_tls_security_level)")
+        elif self.smtpd_sasl_password_file:
+            raise ConfigError("smtpd_sasl_password_file is set but smtpd_sasl_auth_enable is not")
+        if self.smtpd_auth_failure_limit < 1:
+            raise ConfigError("smtpd_auth_failure_limit: must be at least 1")
+        if self.anvil_rate_time_unit <= 0:
+            raise ConfigError("anvil_rate_time_unit: must be above 0")
+
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The configuration as plain data, passwords shown as ``(hidden)``."""
+        out = dataclasses.asdict(self)
+        out["smtp_sasl_password_maps"] = {
+            k: v.partition(":")[0] + ":(hidden)" for k, v in self.smtp_sasl_password_maps.items()}
+        return out
 
 
 _DURATIONS = {f.name for f in dataclasses.fields(RelayConfig) if f.type == "float"}
 _INTS = {f.name for f in dataclasses.fields(RelayConfig) if f.type == "int"}
 _STRS = {f.name for f in dataclasses.fields(RelayConfig) if f.type == "str"}
+_BOOLS = {f.name for f in dataclasses.fields(RelayConfig) if f.type == "bool"}
 _STR_LISTS = {"mynetworks", "relay_domains", "dns_nameservers"}
 
 
@@ -215,7 +274,15 @@ def _coerce(key: str, value: object) -> object:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a table of domain = \"[host]:port\"")
         return {str(k).lower(): v for k, v in value.items()}
-    if key == "log_json":
+    if key in ("smtp_tls_policy_maps", "smtp_sasl_password_maps"):
+        what = "level or { level, match }" if key == "smtp_tls_policy_maps" else "\"user:password\""
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a table of nexthop = {what}")
+        for k, v in value.items():
+            if key == "smtp_sasl_password_maps" and not isinstance(v, str):
+                raise ConfigError(f"{key}.{k}: expected a string {what}")
+        return dict(value)
+    if key in _BOOLS:
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true or false")
         return value

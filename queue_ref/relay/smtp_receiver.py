@@ -21,8 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import email.utils
-import functools
-import ipaddress
 import re
 import ssl
 import time
@@ -34,9 +32,11 @@ from aiosmtpd.smtp import MISSING, SMTP, Envelope, Session, syntax
 
 from queue_ref.operate.queue_actions import check_domain, flush
 from queue_ref.relay.delivery_log import DeliveryLog
+from queue_ref.relay.relay_access import RelayAccess
 from queue_ref.relay.relay_config import RelayConfig
 from queue_ref.relay.smtp_address import fast_path_address
 from queue_ref.relay.smtp_data_reader import read_data
+from queue_ref.relay.smtpd_sasl_auth import SaslAuthenticator
 from queue_ref.storage import (
     MAX_ADDRESS,
     InvalidInputError,
@@ -192,7 +192,8 @@ class RelaySMTP(SMTP):
             return
         await self.push("354 End data with <CR><LF>.<CR><LF>")
         try:
-            got = await read_data(self._reader, self.data_size_limit, self.line_length_limit)
+            # lines of any length, as Postfix's smtpd: delivery folds them (smtp_delivery)
+            got = await read_data(self._reader, self.data_size_limit, None)
         except asyncio.CancelledError:  # the connection went away during DATA
             self._writer.close()
             raise
@@ -208,6 +209,25 @@ class RelaySMTP(SMTP):
         status = await self._call_handler_hook("DATA")
         self._set_post_data_state()  # type: ignore[no-untyped-call]
         await self.push("250 OK" if status is MISSING else status)
+
+    @syntax("AUTH <mechanism>")
+    async def smtp_AUTH(self, arg: str) -> None:
+        """aiosmtpd's AUTH when ``smtpd_sasl_auth_enable`` is on; a client address with
+        ``smtpd_auth_failure_limit`` recent failures gets 421 and is hung up on."""
+        auth = self.receiver.auth
+        if auth is None:
+            await self.push("503 5.5.1 Error: authentication not enabled")
+            return
+        peer = self.session.peer if self.session is not None else None
+        client = peer[0] if isinstance(peer, tuple) else "unknown"
+        if not auth.blocked(client):
+            await super().smtp_AUTH(arg)
+        if auth.blocked(client) and self.transport is not None and not self.hung_up:
+            auth.log.emit("auth", client=client, status="blocked",
+                          reason=f"{auth.failures(client)} failed attempts within "
+                                 f"{auth.window:g} s")
+            await super().push("421 4.7.0 Error: too many failed authentication attempts")
+            self._hang_up()
 
     @syntax("ETRN domain")
     async def smtp_ETRN(self, arg: str | None) -> None:
@@ -256,15 +276,14 @@ class SmtpReceiver:
         self.sessions: set[RelaySMTP] = set()
         self.shutting_down = False
         self.commits = 0  # commits in progress
-        self._networks = [ipaddress.ip_network(n, strict=False) for n in config.mynetworks]
-        # client address -> in mynetworks (ipaddress parsing per RCPT cost 2 us)
-        self._trusted = functools.lru_cache(maxsize=4096)(self._in_mynetworks)
+        self.access = RelayAccess(config.mynetworks, config.relay_domains)
         self._stamp = (0, "")  # (second, its date for a Received header)
-        self._domains = [d.lower() for d in config.relay_domains]
         self._tls: ssl.SSLContext | None = None
-        if config.smtpd_tls_cert_file:
+        if config.smtpd_tls_cert_file and config.smtpd_tls_security_level != "none":
             self._tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             self._tls.load_cert_chain(config.smtpd_tls_cert_file, config.smtpd_tls_key_file)
+        #: SMTP AUTH (smtpd_sasl_auth_enable): aiosmtpd's authenticator, None when off
+        self.auth = SaslAuthenticator(config, log) if config.smtpd_sasl_auth_enable else None
 
     # ---- the server ----
 
@@ -272,6 +291,8 @@ class SmtpReceiver:
         return RelaySMTP(
             self, data_size_limit=self.config.message_size_limit, enable_SMTPUTF8=True,
             hostname=self.config.myhostname, ident="ESMTP queue-ref", tls_context=self._tls,
+            require_starttls=self.config.smtpd_tls_security_level == "encrypt",
+            authenticator=self.auth, auth_require_tls=self.config.smtpd_tls_auth_only,
             timeout=self.config.smtpd_timeout, loop=asyncio.get_running_loop())
 
     async def close_sessions(self, timeout: float) -> None:
@@ -296,33 +317,15 @@ class SmtpReceiver:
     def client_trusted(self, session: Session) -> bool:
         peer = session.peer
         host = peer[0] if isinstance(peer, tuple) else ""
-        return self._trusted(host)
-
-    def _in_mynetworks(self, host: str) -> bool:
-        try:
-            addr = ipaddress.ip_address(host.split("%", 1)[0])
-        except ValueError:
-            return False
-        if addr.version == 6 and addr.ipv4_mapped is not None:
-            addr = addr.ipv4_mapped
-        return any(addr in n for n in self._networks if n.version == addr.version)
-
-    def relay_domain(self, domain: str) -> bool:
-        domain = domain.lower().rstrip(".")
-        for d in self._domains:
-            if d.startswith("."):
-                if domain.endswith(d):
-                    return True
-            elif domain == d:
-                return True
-        return False
+        return self.access.trusted(host)
 
     # ---- aiosmtpd hooks ----
 
     async def handle_EHLO(self, server: RelaySMTP, session: Session, envelope: Envelope,
                           hostname: str, responses: list[str]) -> list[str]:
         session.host_name = hostname
-        out = [r for r in responses if not r.endswith(" HELP") and not r.endswith("-HELP")]
+        out = [r for r in responses if not r.endswith(" HELP") and not r.endswith("-HELP")
+               and (self.auth is not None or not r[4:].startswith("AUTH"))]
         out = [r.replace("250 ", "250-", 1) for r in out]
         out += ["250-PIPELINING", "250-ETRN", "250 ENHANCEDSTATUSCODES"]
         server.raw_pushes = len(out)
@@ -354,8 +357,9 @@ class SmtpReceiver:
             return "452 4.5.3 Error: too many recipients"
         if not valid_address(address):
             return "501 5.1.3 Bad recipient address syntax"
-        domain = address.rpartition("@")[2]
-        if not self.client_trusted(session) and not self.relay_domain(domain):
+        peer = session.peer  # permit_sasl_authenticated, then the relay access rules
+        if not session.authenticated and not self.access.permits(
+                peer[0] if isinstance(peer, tuple) else "", address):
             return f"554 5.7.1 <{address}>: Relay access denied"
         envelope.rcpt_tos.append(address)
         envelope.rcpt_options.extend(rcpt_options)
