@@ -321,7 +321,15 @@ class DeliveryScheduler:
                                self._retry_schedule(mail.schedule, self.clock()))
                 continue
             job.entries.append(_Entry(mail, meta.rcpt, mail.schedule))
-        return job if job is not None and job.entries else None
+        if job is None or not job.entries:
+            return None
+        if job.arrival < self._started and any(e.schedule.attempts == 0 for e in job.entries):
+            # queued before this relay started and never tried: a message committed just
+            # before a crash or a stop has no ``received`` line of ours; this is its first
+            # (Postfix's qmgr: "from=<...>, size=..., nrcpt=... (queue active)")
+            self.log.emit("active", job.message_id, **{"from": job.mail_from},
+                          size=len(job.body), nrcpt=len(job.entries))
+        return job
 
     async def _deliver(self, job: _Job) -> list[tuple[_Entry, RcptResult]]:
         by_domain: dict[str, list[_Entry]] = {}

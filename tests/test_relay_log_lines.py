@@ -1,0 +1,51 @@
+"""The log a reader can follow: every message has a line before its delivery lines, even
+one committed right before a crash (no ``received`` line of the relay that took it)."""
+
+from __future__ import annotations
+
+import json
+import smtplib
+import time
+
+from queue_ref.opener import open_queue
+from queue_ref.storage import Recipient, Schedule
+from tests.relay_support import DnsServer, RelayThread, Sink, relay_config
+
+ZONE = {"ok.test": [("MX", (10, "mx.ok.test"))], "mx.ok.test": [("A", "127.0.0.1")]}
+
+
+def test_mail_found_on_the_queue_at_start_gets_a_line_before_its_delivery(tmp_path):
+    q = str(tmp_path / "q")
+    body = b"Subject: left behind\r\n\r\nhello\r\n"
+    store = open_queue(q)
+    try:  # what a relay killed right after commit leaves: queued, never logged
+        with store.enqueue("alice@ok.test", {"arrival": f"{time.time() - 5:.3f}"}) as enq:
+            enq.write(body)
+            [h1, _] = enq.commit([Recipient("bob@ok.test", Schedule(0)),
+                                  Recipient("carol@ok.test", Schedule(0))])
+    finally:
+        store.close()
+    with DnsServer(ZONE) as dns, Sink() as sink, RelayThread(relay_config(
+            q, dns_nameservers=["127.0.0.1"], dns_port=dns.port, smtp_port=sink.port,
+            log_json=True)) as rt:
+        sink.wait_for(2)
+        rt.wait_events(2, status="sent")
+        records = [json.loads(line) for line in list(rt.log_lines)]
+        records = [r for r in records if r["event"] in ("active", "delivery")]
+        text = rt.relay.log.text(rt.events("active")[0])
+    [active] = [e for e in records if e["event"] == "active"]
+    assert active["queue_id"] == h1.message_id
+    assert (active["from"], active["size"], active["nrcpt"]) == ("alice@ok.test", len(body), 2)
+    assert [r["event"] for r in records] == ["active", "delivery", "delivery"]
+    assert f"{h1.message_id}: active, from=<alice@ok.test>, size={len(body)}, nrcpt=2" in text
+
+
+def test_mail_received_by_the_running_relay_gets_no_second_line(tmp_path):
+    with DnsServer(ZONE) as dns, Sink() as sink, RelayThread(relay_config(
+            str(tmp_path / "q"), dns_nameservers=["127.0.0.1"], dns_port=dns.port,
+            smtp_port=sink.port, log_json=True)) as rt:
+        with smtplib.SMTP("127.0.0.1", rt.port, timeout=10) as c:
+            c.sendmail("alice@ok.test", ["bob@ok.test"], b"Subject: x\r\n\r\nhi\r\n")
+        sink.wait_for(1)
+        rt.wait_events(1, status="sent")
+        assert rt.events("received") and not rt.events("active")
