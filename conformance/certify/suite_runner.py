@@ -35,6 +35,7 @@ from conformance.checks import (
     scale_checks,
     second_open_check,
     streaming_check,
+    sync_rounds_check,
 )
 from conformance.harness.backend_factory import Backend, Factory, Probe
 from conformance.harness.check_catalog import BY_ID, CHECKS, NO_CRASH, PROCESS_KILL, CheckSpec
@@ -96,6 +97,8 @@ def _run_one(spec: CheckSpec, model: str, backend: Backend, probe: Probe, profil
         return streaming_check.run(backend, profile)
     if spec.id == "group-commit":
         return group_commit_check.run(backend, profile, s)
+    if spec.id == "sync-rounds":
+        return sync_rounds_check.run(backend, s, probe.capabilities)
     if spec.id == "lifecycle-edges":
         return lifecycle_edges_check.run(backend, profile, s, probe.capabilities)
     if spec.id == "damage-at-rest":

@@ -15,6 +15,7 @@ streaming_check            streaming
 damage_at_rest_check       damage-at-rest (the ways a file is damaged: ``file_damage``)
 disk_growth_check          bounded-disk
 group_commit_check         group-commit
+sync_rounds_check          sync-rounds (the rule it judges by: ``concurrency.sync_cover``)
 linearizability_check      linearizable (the search: ``concurrency.linearizability``)
 lifecycle_edges_check      lifecycle-edges (the children: ``lifecycle_edges_actors``;
                            the judge: ``lifecycle_edges_judge``)

@@ -7,8 +7,11 @@ one).  In each trial one sync call (``fsync``, ``fdatasync``, ``fsync_dir`` or
 the ``weak`` model (states built from the trace): at the end of the run, and at the
 moment each of some acknowledgements was given (``cut_points`` of them per trial, all in
 the thorough profile), while the other threads' commits were still on their way, so that
-a caller acknowledged by a round that did not cover it is seen.  Every state is
-recovered.  Each commit is judged by its outcome at that moment:
+a caller acknowledged by a round that did not cover it is seen.  Each sync is held open
+for ``SYNC_SECONDS`` (``FaultyIO.sync_hold``), as on a disk, so callers arrive while it
+runs; it sits in the trace where it began, and a power cut at an acknowledgement counts
+only the syncs that had ended by then.  Every state is recovered.  Each commit is judged
+by its outcome at that moment:
 
 * a commit that **returned** (acknowledged) must be in every recovered state with all
   its recipients and its exact body: C1 (a round whose sync failed acknowledged a caller
@@ -17,6 +20,10 @@ recovered.  Each commit is judged by its outcome at that moment:
 * a commit that **raised** ``StorageIOError`` may be there or not (its id is unknown to
   the caller; atomicity of enqueue is the crash exploration's to judge);
 * any other exception breaks C9.
+
+The whole trace is also judged by the sync-cover rule (``conformance.concurrency.
+sync_cover``): a commit acknowledged although no sync covering its change began after it
+(it rode a round already syncing) is C1 even when no power cut state shows the loss.
 
 Scenario ``group-commit:<seed>:<trial>``: the failing sync's number is drawn from
 (seed, trial); thread interleavings are not replayable, so a finding says what each
@@ -31,7 +38,9 @@ import hashlib
 import random
 import threading
 import time
+from dataclasses import replace
 
+from conformance.concurrency.sync_cover import uncovered_acks
 from conformance.crashexplore.disk_recovery import recover_image
 from conformance.crashexplore.explored_backends import BackendSpec
 from conformance.crashexplore.traced_runs import ScratchIO, scratch_dir
@@ -42,6 +51,7 @@ from conformance.harness.suite_profiles import Profile
 from faultinject.fault_errors import ModelError
 from faultinject.models import crash_states
 from faultinject.seam import FaultPlan, FaultyIO
+from faultinject.trace import SYNC_CALLS, TraceEvent
 from queue_ref.storage import QueueError, Recipient, Schedule, Storage, StorageIOError
 
 THREADS = 4
@@ -54,34 +64,27 @@ SYNC_SECONDS = 0.003
 
 class _SyncFaultIO(FaultyIO):
     """FaultyIO whose ``fail_sync``-th sync call (0-based, any kind) fails with EIO, and
-    whose syncs take SYNC_SECONDS."""
+    whose syncs are held open for SYNC_SECONDS: callers that arrive meanwhile queue up for
+    the next round, so rounds are shared (without it, scratch syncs are instant)."""
 
     def __init__(self, root: str, fail_sync: int | None) -> None:
-        super().__init__(root, FaultPlan(), inner=ScratchIO())
+        super().__init__(root, FaultPlan(), inner=ScratchIO(), sync_hold=SYNC_SECONDS)
         self.fail_sync = fail_sync
-        self.syncs = 0
 
-    def _sync(self, name: str, *args: object) -> None:
-        # A sync takes a moment, as on a disk: callers that arrive meanwhile queue up for
-        # the next round, so rounds are shared (without it, scratch syncs are instant).
-        time.sleep(SYNC_SECONDS)
-        with self._mutex:  # re-entrant: the call below takes it again
-            if self.syncs == self.fail_sync:
-                self.plan = FaultPlan(fail_at=self.mutating_count, fail_errno=errno.EIO)
-            self.syncs += 1
-            getattr(super(), name)(*args)
+    def _begin_sync(self, name: str, args: tuple[object, ...]) -> tuple[int, int, int, int]:
+        slot = super()._begin_sync(name, args)
+        _, mutating_index, number, _ = slot
+        if number == self.fail_sync:
+            with self._mutex:
+                self.plan = FaultPlan(fail_at=mutating_index, fail_errno=errno.EIO)
+        return slot
 
-    def fsync(self, fd: int) -> None:
-        self._sync("fsync", fd)
 
-    def fdatasync(self, fd: int) -> None:
-        self._sync("fdatasync", fd)
-
-    def fsync_dir(self, path: str) -> None:
-        self._sync("fsync_dir", path)
-
-    def syncfs(self, path: str) -> None:
-        self._sync("syncfs", path)
+def _syncs_ended_by(events: list[TraceEvent], seq: int) -> list[TraceEvent]:
+    """``events`` as a power cut at counter ``seq`` leaves them: a sync still open then
+    covered nothing."""
+    return [replace(e, applied=False, error=None, result=None)
+            if e.name in SYNC_CALLS and not 0 <= e.ended <= seq else e for e in events]
 
 
 def _body(t: int, k: int) -> bytes:
@@ -95,7 +98,8 @@ class _Commit:
         self.body = _body(t, k)
         self.message_id: str | None = None
         self.outcome = "not run"  # "acked", "failed", or "raised X"
-        self.acked_at = -1  # how many I/O calls had taken effect when the commit returned
+        self.acked_at = -1  # how many I/O calls had begun when the commit returned
+        self.acked_seq = -1  # the seam's counter then
 
 
 def _enqueuer(store: Storage, io: FaultyIO, commits: list[_Commit],
@@ -103,10 +107,11 @@ def _enqueuer(store: Storage, io: FaultyIO, commits: list[_Commit],
     start.wait()
     for c in commits:
         try:
-            with store.enqueue(f"s{c.t}@example.org") as enq:
+            with io.operation("commit") as span, store.enqueue(f"s{c.t}@example.org") as enq:
                 enq.write(c.body)
                 handles = enq.commit(c.rcpts)
-            c.acked_at = len(io.events)  # calls are serialized: a prefix of the trace
+            c.acked_seq = span.ended  # the calls begun by then are a prefix of the trace
+            c.acked_at = sum(1 for e in list(io.events) if e.began <= span.ended)
             c.message_id = handles[0].message_id
             c.outcome = "acked"
         except StorageIOError:
@@ -178,9 +183,15 @@ def run_trial(backend: Backend, seed: int, number: int, fail_sync: int | None,
                           else "; no fault")]
                       + [f"thread {c.t} #{c.k}: {c.outcome}" for c in commits])
         events = list(io.events)
+        try:
+            found += [(u.clause, u.detail()) for u in
+                      uncovered_acks(io.initial, events, io.operations)]
+        except ModelError as e:
+            found.append(("C9", f"the trace cannot be replayed for the sync-cover rule: {e}"))
+        seq_at = {c.acked_at: c.acked_seq for c in commits if c.outcome == "acked"}
         rng = random.Random(f"{scenario}:cuts")
         for cut in _cuts(commits, len(events), cut_points, rng):
-            prefix = events if cut is None else events[:cut]
+            prefix = events if cut is None else _syncs_ended_by(events[:cut], seq_at[cut])
             when = ("at the end of the run" if cut is None else
                     f"at the acknowledgement given after I/O call {cut} of {len(events)}")
             try:

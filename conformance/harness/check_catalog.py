@@ -149,6 +149,11 @@ CHECKS: tuple[CheckSpec, ...] = (
               "is there whole: a failed round acknowledged no one it covered, and no round "
               "acknowledged data that arrived after its sync began", Kind.FAULTS,
               ("C1", "C9"), Level.OPTIONAL, (Capability.IO_SEAM,)),
+    CheckSpec("sync-rounds", "one caller is stopped inside each sync call of its operation "
+              "while another makes its change and asks for a sync, for every pair of "
+              "operations; no operation may return on a sync that began before its change "
+              "(the sync-cover rule on the trace)", Kind.CONCURRENCY, ("C1", "C3", "C9"),
+              Level.OPTIONAL, (Capability.IO_SEAM,)),
     CheckSpec("linearizable", "threads and processes do random operations on the few "
               "entries of one queue; the recorded history must be linearizable against the "
               "model (exhaustive Wing-Gong search); with the I/O seam, one caller is stopped "

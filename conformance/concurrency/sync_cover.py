@@ -1,0 +1,141 @@
+"""The sync-cover rule: an operation acknowledged by a sync that began before its change.
+
+A sync promises nothing about a change made after it began: the kernel may have written
+out the file, or the directory, before the change reached it.  So an operation that
+returned success on the strength of a sync must have had, for each thing it changed, a
+sync that covers that thing, *began* after the operation's last change to it and *ended*
+before the operation returned.  The rule reads a trace of ``faultinject.FaultyIO`` with
+its ``OperationSpan`` list (``FaultyIO.operation``), the events' threads and their entry
+and exit counters (``TraceEvent.began``/``ended``), replayed on the inode model so that
+files are inodes, not names:
+
+* what an operation changed: the calls its thread made between its start and its return:
+  writes and truncates change a file's *data* (its inode); creates, links, unlinks and
+  renames change the *names* of their parent directories (both, for a rename across two);
+* what covers what, as the ``weak`` persistence model has it: an ``fsync``/``fdatasync``
+  covers its file's data, an ``fsync_dir`` the names of that directory, a ``syncfs``
+  everything; a sync that failed covers nothing;
+* which changes it judges: those the operation was *waiting on a sync for*, that is, for
+  which a sync covering them ended after the operation's last change to them and before it
+  returned (a sync of any thread: a group commit's leader syncs for others).  A change no
+  sync ended for (a temp name left to recovery, an unlink recovery finishes) is not judged:
+  whether its loss is harmless is the crash exploration's to say, per crash point.
+
+A finding is a change judged whose covering syncs ended in time all began before it: the
+operation rode a sync already running.  The rule needs no luck with timing: it reads the
+order of the calls, not a power cut.  It cannot see a change made for the operation by
+another thread (a group commit's leader running a caller's step), which counts as the other
+thread's; nor a change that no sync covered at all (crash exploration's); nor a sync that
+never happened because a backend never asked for one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from faultinject.disk import DiskImage
+from faultinject.ops import Create, Link, Remove, Rename, SyncDir, SyncFile, SyncFs, Truncate, Write
+from faultinject.replay import replay
+from faultinject.trace import OperationSpan, TraceEvent
+
+#: The clause an uncovered acknowledgement breaks, by operation (default C9).
+CLAUSE_OF = {"commit": "C1", "send_done": "C3", "drop": "C3", "drop_held": "C3"}
+
+Key = tuple[str, int]  # ("data", inode) or ("names", directory inode)
+
+
+@dataclass(frozen=True)
+class Uncovered:
+    """One operation acknowledged without a sync that began after its change to ``key``."""
+
+    clause: str
+    operation: OperationSpan
+    what: str  # "the data of file #7" / "the names in directory #3 (queue)"
+    change: TraceEvent
+    rode: TraceEvent  # the covering sync that ended in time but began before the change
+    excerpt: tuple[str, ...]
+
+    def detail(self) -> str:
+        return (f"{self.operation.name} returned success (thread {self.operation.thread}, "
+                f"counter {self.operation.began}..{self.operation.ended}) though no sync "
+                f"covering {self.what} began after its change {self.change.short()} "
+                f"(at {self.change.ended}): it rode {self.rode.short()}, which began at "
+                f"{self.rode.began}, before that change, and ended at {self.rode.ended}; "
+                "a power cut right after the acknowledgement may undo it")
+
+
+def _changes(op: object) -> tuple[Key, ...]:
+    if isinstance(op, Write | Truncate):
+        return (("data", op.ino),)
+    if isinstance(op, Rename):
+        return tuple(dict.fromkeys((("names", op.src_parent), ("names", op.dst_parent))))
+    if isinstance(op, Create | Link | Remove):
+        return (("names", op.parent),)
+    return ()
+
+
+def _covers(op: object, key: Key) -> bool:
+    if isinstance(op, SyncFs):
+        return op.ok
+    if isinstance(op, SyncFile):
+        return op.ok and key == ("data", op.ino)
+    if isinstance(op, SyncDir):
+        return op.ok and key == ("names", op.ino)
+    return False
+
+
+def _excerpt(events: Sequence[TraceEvent], low: int, high: int, limit: int = 40
+             ) -> tuple[str, ...]:
+    """The events that began in ``[low, high]`` of the counter, by thread, in order."""
+    lines = [f"[{e.began}..{e.ended}] thread {e.thread}: {e.short()}"
+             for e in sorted(events, key=lambda e: e.began) if low <= e.began <= high]
+    if len(lines) > limit:
+        lines = [*lines[:limit // 2], f"... {len(lines) - limit} more ...", *lines[-limit // 2:]]
+    return tuple(lines)
+
+
+def uncovered_acks(initial: DiskImage, events: Sequence[TraceEvent],
+                   operations: Sequence[OperationSpan]) -> list[Uncovered]:
+    """Every acknowledgement of ``operations`` that rode a sync begun before its change
+    (see the module docstring); ``events`` is the whole trace of a run that started on
+    ``initial``.  Raises ``faultinject.ModelError`` if the trace cannot be replayed."""
+    replayed = replay(initial, events)
+    ev = replayed.events
+    names: dict[int, str] = {}
+    for e in events:  # a directory's path, for the report, from the fsync_dir that named it
+        if e.name == "fsync_dir" and e.args:
+            names.setdefault(e.index, str(e.args[0]))
+    changes: list[tuple[TraceEvent, Key]] = []
+    syncs: list[tuple[TraceEvent, object]] = []
+    dir_path: dict[int, str] = {}
+    for op in replayed.ops:
+        e = ev[op.index]
+        if isinstance(op, SyncFile | SyncDir | SyncFs):
+            if e.ended >= 0:
+                syncs.append((e, op))
+            if isinstance(op, SyncDir) and op.index in names:
+                dir_path.setdefault(op.ino, names[op.index])
+        else:
+            changes.extend((e, k) for k in _changes(op))
+    out: list[Uncovered] = []
+    for span in operations:
+        if span.outcome != "ok" or span.ended < 0:
+            continue
+        last: dict[Key, TraceEvent] = {}
+        for e, k in changes:
+            if (e.thread == span.thread and span.began < e.began and e.ended < span.ended
+                    and (k not in last or e.began > last[k].began)):
+                last[k] = e
+        for k, change in last.items():
+            ended_in_time = [s for s, op in syncs
+                             if _covers(op, k) and change.ended < s.ended < span.ended]
+            if not ended_in_time or any(s.began > change.ended for s in ended_in_time):
+                continue
+            rode = max(ended_in_time, key=lambda s: s.ended)
+            what = (f"the data of file #{k[1]}" if k[0] == "data" else
+                    f"the names in directory #{k[1]}"
+                    + (f" ({dir_path[k[1]]})" if k[1] in dir_path else ""))
+            out.append(Uncovered(CLAUSE_OF.get(span.name, "C9"), span, what, change, rode,
+                                 _excerpt(events, min(rode.began, change.began), span.ended)))
+    return out

@@ -1,0 +1,153 @@
+"""Broken variants whose group commit lets a late caller ride a sync already running: its
+change came after the round's sync began, yet that round acknowledges it.  One bug each,
+in each backend that groups its syncs; only the sync-rounds check (a caller stopped inside
+the leader's sync while another makes its change) and the sync-cover rule it judges by
+catch them, on C1 (commit), C3 (send_done, drop) or C9.  Never use them for mail.
+
+    queue-ref certify conformance.examples.broken_sync_rounds:fs_rides_running_sync \\
+        --only sync-rounds
+
+LevelDB's own writer queue (``kv_leveldb``) is out of reach: plyvel goes to its C++ code,
+not through the I/O seam, so no variant of it can be stopped inside its fdatasync.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from queue_ref.fsqueue.groupsync import GroupSync
+from queue_ref.io import IO
+from queue_ref.storage import Storage
+
+
+class RidingGroupSync(GroupSync):
+    """A group commit in which a caller that finds a round's sync running, and whose
+    directories that round syncs (every one, in ``syncfs`` mode), waits for that sync to
+    end and takes it for its own (the bug: its change may have come after the sync began).
+    A step (``then``) still gets a round of its own after it."""
+
+    def __init__(self, io: IO, mode: str, anchor: str) -> None:
+        super().__init__(io, mode, anchor)
+        self._ended = threading.Condition(self._lock)
+        self._syncing: frozenset[str] | None = None  # the paths of the sync running
+        self._syncs_ended = 0
+
+    def _round(self, batch: list[Any]) -> None:
+        with self._lock:
+            self._syncing = frozenset(p for w in batch for p in w.paths)
+        try:
+            super()._round(batch)
+        finally:
+            with self._lock:
+                self._syncing = None
+                self._syncs_ended += 1
+                self._ended.notify_all()
+
+    def sync(self, paths: Iterable[str] = (), *,
+             then: Callable[[], object] | None = None) -> None:
+        paths = tuple(paths)
+        with self._lock:
+            running = self._syncing
+            rides = running is not None and (self.mode == "syncfs" or running >= set(paths))
+            if rides:  # the bug: "the round syncing now will do for me too"
+                seen = self._syncs_ended
+                while self._syncs_ended == seen:
+                    self._ended.wait()
+        if not rides:
+            super().sync(paths, then=then)
+            return
+        if self.failed is not None:
+            raise self.failed
+        if then is not None:
+            then()
+            super().sync()
+
+
+def _riding_fs(mode: str, root: str, io: IO | None) -> Storage:
+    from conformance.crashexplore.explored_backends import open_fs_mode
+    from queue_ref.fsqueue import FsQueue
+
+    store = FsQueue(root, sync=mode) if io is None else open_fs_mode(mode)(root, io)
+    assert isinstance(store, FsQueue)
+    store._group = RidingGroupSync(store.io, mode, store.layout.data)
+    return store
+
+
+def fs_rides_running_sync(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue (``syncfs`` mode) whose caller rides a running ``syncfs``
+    round (``RidingGroupSync``): a commit's body written during the leader's syncfs, a
+    drop's or release's rename, is acknowledged by it.  Today's single-caller checks never
+    find a round running; the sync-rounds check catches it on C1, C3 and C9."""
+    return _riding_fs("syncfs", root, io)
+
+
+def fs_fsync_rides_running_sync(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue in ``fsync`` mode whose caller rides a running round of
+    directory fsyncs that names its directories (``RidingGroupSync``): a rename into
+    ``queue/`` made while the leader fsyncs ``queue/`` is acknowledged by that fsync.
+    Caught by the sync-rounds check."""
+    return _riding_fs("fsync", root, io)
+
+
+def kv_log_rides_running_sync(root: str, io: IO | None = None) -> Storage:
+    """The KV queue over the log engine whose group-commit leader appends its group before
+    it waits for the running fdatasync, and whose fdatasync marks the log durable up to
+    its size when the sync *ended*: a group appended while another group's fdatasync ran
+    finds itself covered by it, skips its own sync and is acknowledged.  (Either change
+    alone is harmless.)  Caught by the sync-rounds check."""
+    import contextlib as ctx
+    import time
+
+    from queue_ref.kv.kv_queue import KvQueue
+    from queue_ref.kv.logengine import LogEngine
+    from queue_ref.kv.logengine.groupcommit import Group, Writer
+    from queue_ref.kv.logengine.wal import LogWriter
+
+    class AppendsFirst(LogEngine):
+        def _commit(self, w: Writer) -> None:
+            if not self._writers.join(w):
+                return
+            writers = self._writers.group()
+            try:
+                with self._append_mu:  # the first change: appended before the sync lock
+                    self._check_writable()
+                    log = self._append([x.record for x in writers])
+                    group = Group(writers, log.size)
+                    self._pending.append(group)
+            except BaseException as e:
+                self._writers.handoff(writers)
+                Group(writers, 0).finish(e)
+                raise
+            self._writers.handoff(writers)
+            with self._sync_mu if group.sync else ctx.nullcontext():
+                if group.sync:
+                    self._sync(group, log)
+            with self._append_mu:
+                self._apply_ready()
+                if not w.done:
+                    group.leader_waits = True
+            if group.leader_waits:
+                w.wake.acquire()
+            if w.error is not None:
+                raise w.error
+
+        def _sync(self, group: Group, log: LogWriter) -> None:
+            with self._append_mu:
+                if group.writers[0].done or self._durable >= group.end:
+                    return
+            started = time.monotonic()
+            try:
+                log.sync()
+            except BaseException as e:
+                with self._append_mu:
+                    self._failed = e
+                    self._fail_pending(e)
+                return
+            self._writers.note_sync(time.monotonic() - started)
+            with self._append_mu:  # the second: the size after the sync, not before it
+                self._durable = max(self._durable, log.size)
+
+    return KvQueue.open_log(root, io, engine=lambda p, i: AppendsFirst(p, io=i))
+
