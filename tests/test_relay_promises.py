@@ -75,3 +75,15 @@ def test_a_double_bounce_that_fails_is_dropped_and_sent_once(tmp_path):
     assert sink.state.messages == []
     with open_queue(str(tmp_path / "q")) as q:
         assert list(q.list_queue()) == [] and q.footprint().objects == 0
+
+
+def test_a_next_hop_that_stalls_past_smtp_timeout_returns_the_entry_deferred(tmp_path):
+    with dns_server() as dns, Sink() as sink, RelayThread(config(
+            tmp_path, dns, sink, smtp_timeout=1.0, minimal_backoff_time=3600,
+            maximal_backoff_time=3600)) as r:
+        send(r.port, "alice@ok.test", ["slow-one@ok.test"])  # the sink sits on DATA for 60 s
+        (deferred,) = r.wait_events(1, status="deferred", timeout=15)
+    assert deferred["to"] == "slow-one@ok.test" and deferred["dsn"].startswith("4."), deferred
+    with open_queue(str(tmp_path / "q")) as q:
+        (entry,) = list(q.list_queue())  # queued again, not left claimed
+    assert entry.schedule.attempts == 1 and entry.schedule.at > time.time() + 3000

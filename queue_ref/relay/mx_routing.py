@@ -31,11 +31,13 @@ __all__ = ["Nexthop", "Route", "Router"]
 
 @dataclass(frozen=True)
 class Nexthop:
-    """One address to connect to; ``name`` is the host's name for logs."""
+    """One address to connect to; ``name`` is the host's name for logs and certificate
+    checks, ``destination`` the route's (the TLS policy and SASL lookup key)."""
 
     name: str
     address: str
     port: int
+    destination: str = ""
 
     def __str__(self) -> str:
         return f"{self.name}[{self.address}]:{self.port}"
@@ -115,7 +117,7 @@ class Router:
             literal = _ip(domain[1:-1].removeprefix("IPv6:"))
             if literal is None:
                 return Route(dest, dsn="5.1.2", reason=f"bad address literal {domain}")
-            return Route(dest, [Nexthop(literal, literal, self.config.smtp_port)])
+            return Route(dest, [Nexthop(literal, literal, self.config.smtp_port, dest)])
         return await self._mx(dest, domain, self.config.smtp_port)
 
     async def _mx(self, dest: str, domain: str, port: int) -> Route:
@@ -158,7 +160,7 @@ class Router:
         for name in names:
             literal = _ip(name)
             if literal is not None:
-                hosts.append(Nexthop(literal, literal, port))
+                hosts.append(Nexthop(literal, literal, port, dest))
             else:
                 found = 0
                 for rdtype in ("A", "AAAA"):
@@ -174,7 +176,7 @@ class Router:
                         reasons.append(f"{name} type={rdtype}: {_dns_reason(e)}")
                         continue
                     for r in answer:
-                        hosts.append(Nexthop(name, r.to_text(), port))
+                        hosts.append(Nexthop(name, r.to_text(), port, dest))
                         found += 1
                 if not found and not reasons:
                     not_found += 1

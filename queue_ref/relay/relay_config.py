@@ -119,6 +119,7 @@ class RelayConfig:
     smtp_sasl_auth_enable: bool = False
     smtp_sasl_password_maps: dict[str, str] = field(default_factory=dict)  # nexthop -> user:pw
     smtp_connection_cache_time_limit: float = 2.0
+    smtp_line_length_limit: int = 998  # longer lines are folded on delivery; 0: never
     default_destination_concurrency_limit: int = 20
     max_deliveries: int = 100  # Postfix's default_process_limit
     # -- retries and bounces --
@@ -183,6 +184,9 @@ class RelayConfig:
                 raise ConfigError(f"{name}: must be at least 1")
         if self.bounce_size_limit < 0:
             raise ConfigError("bounce_size_limit: must be at least 0 (0: headers only)")
+        if self.smtp_line_length_limit != 0 and self.smtp_line_length_limit < 80:
+            raise ConfigError("smtp_line_length_limit: 0 (no folding) or at least 80, not "
+                              f"{self.smtp_line_length_limit}")
         if not 1 <= self.dns_port <= 65535 or not 1 <= self.smtp_port <= 65535:
             raise ConfigError("dns_port and smtp_port must be from 1 to 65535")
         if self.processes > 256:

@@ -1,18 +1,25 @@
 """The SMTP client (Postfix's smtp): one transaction for a message's recipients at one
-destination, over aiosmtplib, STARTTLS when offered, connections kept for reuse.
+destination, over aiosmtplib, STARTTLS as the next hop's TLS policy says
+(``smtp_tls_policy``), SMTP AUTH over TLS where credentials are configured, connections
+kept for reuse.
 
 ``deliver`` tries the route's addresses in order; it moves to the next on a connection
 failure or a greeting that is not 220 (Postfix's smtp_skip_5xx_greeting).  Once a
 transaction has begun, each recipient gets the reply that decided its fate: the RCPT
 reply when refused, otherwise the reply to the end of DATA.  A connection lost during the
 transaction defers the recipients it had not finished (their fate is unknown: at least
-once means they are tried again).
+once means they are tried again).  A TLS policy or an AUTH that fails at a host is a
+failure of that host too (4.7.4 TLS not offered, 4.7.5 no TLS or no trusted certificate,
+4.7.x AUTH refused): the next address is tried, and when none succeeds the recipients
+are deferred with the reason; mail is never sent in clear, nor credentials, against it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import re
+import ssl
 import time
 from dataclasses import dataclass
 
@@ -21,6 +28,7 @@ import aiosmtplib
 from queue_ref.relay.mx_routing import Nexthop
 from queue_ref.relay.relay_config import RelayConfig
 from queue_ref.relay.smtp_address import plain_quoted
+from queue_ref.relay.smtp_tls_policy import TlsPolicies
 
 __all__ = ["RcptResult", "SmtpDeliverer", "dsn_of", "wire_body"]
 
@@ -51,6 +59,15 @@ def _reply(code: int, message: str) -> str:
     return f"{code} {' '.join(message.split())}"
 
 
+class _HostRefused(Exception):
+    """A host that answered but failed the TLS policy or AUTH: ``dsn`` and ``text``."""
+
+    def __init__(self, dsn: str, text: str) -> None:
+        super().__init__(text)
+        self.dsn = dsn
+        self.text = text
+
+
 class _Conn:
     __slots__ = ("hop", "idle_since", "smtp")
 
@@ -63,6 +80,7 @@ class _Conn:
 class SmtpDeliverer:
     def __init__(self, config: RelayConfig) -> None:
         self.config = config
+        self.policies = TlsPolicies(config)
         self._idle: dict[Nexthop, list[_Conn]] = {}
         self._reaper: asyncio.TimerHandle | None = None
         self._closing: set[asyncio.Task[None]] = set()
@@ -73,8 +91,7 @@ class SmtpDeliverer:
         c = self.config
         smtp = aiosmtplib.SMTP(
             hostname=hop.address, port=hop.port, local_hostname=c.myhostname,
-            timeout=c.smtp_timeout, start_tls=None if c.smtp_tls_security_level == "may" else False,
-            validate_certs=False)
+            timeout=c.smtp_timeout, start_tls=False, validate_certs=False)
         await smtp.connect(timeout=c.smtp_connect_timeout)
         try:
             if smtp.last_ehlo_response is None and smtp.last_helo_response is None:
@@ -82,11 +99,51 @@ class SmtpDeliverer:
                     await smtp.ehlo()
                 except aiosmtplib.SMTPHeloError:
                     await smtp.helo()
+            await self._secure(smtp, hop)
         except BaseException:
             smtp.close()
             raise
         self.connections_made += 1
         return _Conn(hop, smtp)
+
+    async def _secure(self, smtp: aiosmtplib.SMTP, hop: Nexthop) -> None:
+        """STARTTLS and AUTH on a greeted connection as the hop's policy says; raises
+        _HostRefused when the policy cannot be met or AUTH fails."""
+        dest = hop.destination or hop.name
+        policy = self.policies.policy(dest)
+        if policy.level != "none" and smtp.supports_extension("starttls"):
+            try:
+                await smtp.starttls(tls_context=self.policies.context(policy),
+                                    server_hostname=None if _is_ip(hop.name) else hop.name)
+            except ssl.SSLCertVerificationError as e:
+                raise _HostRefused("4.7.5", f"Server certificate not verified: host {hop}: "
+                                            f"{e.verify_message}") from None
+            except (ssl.SSLError, aiosmtplib.SMTPException) as e:
+                if not policy.required:
+                    raise  # may: a connection failure, the next address is tried
+                raise _HostRefused("4.7.5", f"Cannot start TLS: handshake failure with host "
+                                            f"{hop}: {_why(e)}") from None
+            bad = self.policies.mismatch(policy, dest, hop.name,
+                                         smtp.get_transport_info("peercert"))
+            if bad is not None:
+                raise _HostRefused("4.7.5", f"Server certificate not verified: host {hop}: {bad}")
+            await smtp.ehlo()
+        elif policy.required:
+            raise _HostRefused("4.7.4", f"TLS is required, but was not offered by host {hop}")
+        creds = self.policies.credentials(dest, hop.name)
+        if creds is None or not smtp.supports_extension("auth"):
+            return
+        if smtp.get_transport_info("sslcontext") is None:
+            raise _HostRefused("4.7.0", f"SASL authentication to host {hop} refused: "
+                                        "credentials are sent over TLS only, and this "
+                                        "connection has none (smtp_tls_security_level "
+                                        f"{policy.level})")
+        try:
+            await _login(smtp, *creds)
+        except aiosmtplib.SMTPAuthenticationError as e:
+            dsn = "4" + dsn_of(e.code, e.message)[1:]
+            raise _HostRefused(dsn, f"SASL authentication failed; server {hop} said: "
+                                    f"{_reply(e.code, e.message)}") from None
 
     def _take_idle(self, hop: Nexthop) -> _Conn | None:
         pool = self._idle.get(hop)
@@ -139,34 +196,41 @@ class SmtpDeliverer:
     async def deliver(self, hosts: list[Nexthop], mail_from: str, rcpts: list[str], body: bytes,
                       params: dict[str, str]) -> list[RcptResult]:
         """One result per recipient, in order."""
-        failures: list[str] = []
+        failures: list[RcptResult] = []
         for hop in hosts:
             conn = self._take_idle(hop)
             reused = conn is not None
             if conn is None:
-                try:
-                    conn = await self._connect(hop)
-                except aiosmtplib.SMTPConnectResponseError as e:
-                    failures.append(f"host {hop} refused to talk to me: {_reply(e.code, e.message)}")
-                    continue
-                except (TimeoutError, aiosmtplib.SMTPException, OSError) as e:
-                    failures.append(f"connect to {hop}: {_why(e)}")
+                conn = await self._connect_or_fail(hop, failures)
+                if conn is None:
                     continue
             results = await self._transaction(conn, mail_from, rcpts, body, params)
             if results is None and reused:
                 # A cached connection the server had closed: try once on a new one.
-                try:
-                    conn = await self._connect(hop)
-                except (TimeoutError, aiosmtplib.SMTPException, OSError) as e:
-                    failures.append(f"connect to {hop}: {_why(e)}")
+                conn = await self._connect_or_fail(hop, failures)
+                if conn is None:
                     continue
                 results = await self._transaction(conn, mail_from, rcpts, body, params)
             if results is None:
-                failures.append(f"lost connection with {hop} before the transaction")
+                failures.append(RcptResult(0, "4.4.1", f"lost connection with {hop} before the "
+                                                       "transaction", "none"))
                 continue
             return results
-        text = failures[-1] if failures else "no host to deliver to"
-        return [RcptResult(0, "4.4.1", text, "none") for _ in rcpts]
+        last = failures[-1] if failures else RcptResult(0, "4.4.1", "no host to deliver to", "none")
+        return [last for _ in rcpts]
+
+    async def _connect_or_fail(self, hop: Nexthop, failures: list[RcptResult]) -> _Conn | None:
+        """A new connection to ``hop``, or None with the reason appended to ``failures``."""
+        try:
+            return await self._connect(hop)
+        except _HostRefused as e:
+            failures.append(RcptResult(0, e.dsn, e.text, str(hop)))
+        except aiosmtplib.SMTPConnectResponseError as e:
+            failures.append(RcptResult(0, "4.4.1", f"host {hop} refused to talk to me: "
+                                                   f"{_reply(e.code, e.message)}", "none"))
+        except (TimeoutError, aiosmtplib.SMTPException, OSError) as e:
+            failures.append(RcptResult(0, "4.4.1", f"connect to {hop}: {_why(e)}", "none"))
+        return None
 
     async def _transaction(self, conn: _Conn, mail_from: str, rcpts: list[str], body: bytes,
                            params: dict[str, str]) -> list[RcptResult] | None:
@@ -300,6 +364,26 @@ async def _rcpt(smtp: aiosmtplib.SMTP, rcpt: str, encoding: str) -> aiosmtplib.S
     if resp.code not in (aiosmtplib.SMTPStatus.completed, aiosmtplib.SMTPStatus.will_forward):
         raise aiosmtplib.SMTPRecipientRefused(resp.code, resp.message, rcpt)
     return resp
+
+
+async def _login(smtp: aiosmtplib.SMTP, user: str, password: str) -> None:
+    """One AUTH with the first of PLAIN, LOGIN, CRAM-MD5 the server offers (aiosmtplib's
+    ``login`` tries each in turn, and a wrong password would count as several failures)."""
+    for method in ("plain", "login", "cram-md5"):
+        if method in smtp.server_auth_methods:
+            await getattr(smtp, "auth_" + method.replace("-", ""))(user, password)
+            return
+    raise aiosmtplib.SMTPAuthenticationError(
+        504, f"5.7.4 no mechanism in common (server offers "
+             f"{' '.join(smtp.server_auth_methods) or 'none'}; PLAIN, LOGIN, CRAM-MD5 here)")
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _why(e: BaseException) -> str:
