@@ -124,6 +124,34 @@ def test_a_long_line_is_500_and_the_stream_stays_in_step() -> None:
     assert _same(long + b"a\r\n" * 40 + b".\r\n", [], 100).error == LINE_TOO_LONG
 
 
+def test_without_a_line_limit_only_the_size_counts() -> None:
+    """The relay's reading (Postfix's smtpd takes lines of any length): a 5000-octet line
+    is data, a line with no end is bounded by the size limit, and the next command stays
+    in the stream however the bytes arrive."""
+
+    async def read(wire: bytes, cuts: list[int], size_limit: int) -> tuple[DataRead, bytes]:
+        reader = asyncio.StreamReader(limit=LINE_LIMIT)
+        last = 0
+        for c in [*sorted(cuts), len(wire)]:
+            reader.feed_data(wire[last:c])
+            last = c
+        reader.feed_eof()
+        return await read_data(reader, size_limit, None), await reader.read()
+
+    long = b"." + b"y" * 5000 + b"\r\n"  # dot-stuffed: its data starts "y"
+    wire = b"ok\r\n" + long + b"ok\r\n.\r\nNOOP\r\n"
+    for cuts in ([], [3, 2000], [len(wire) - 8]):
+        got, rest = asyncio.run(read(wire, cuts, 10_000))
+        assert got == DataRead(b"ok\r\n" + long[1:] + b"ok\r\n") and rest == b"NOOP\r\n"
+    size = len(b"ok\r\n" + long + b"ok\r\n")  # as aiosmtpd counts: stuffing dots included
+    assert asyncio.run(read(wire, [], size))[0] == got  # at the limit
+    assert asyncio.run(read(wire, [], size - 1))[0].error == TOO_MUCH
+    # 3 MB without a line end: 552, and nothing of it kept past the limit
+    endless = b"z" * (3 * PIECE) + b"\r\n.\r\nQUIT\r\n"
+    got, rest = asyncio.run(read(endless, [PIECE // 3], 100_000))
+    assert got == DataRead(b"", TOO_MUCH) and rest == b"QUIT\r\n"
+
+
 def test_a_line_just_over_the_limit_that_passes_the_size_limit_is_552() -> None:
     """aiosmtpd counts a line of 1002 or 1003 bytes before it judges its length (its read
     does not overrun), so such a line that passes the size limit is 552, not 500."""

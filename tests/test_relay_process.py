@@ -59,6 +59,19 @@ def test_check_config_prints_the_effective_configuration(tmp_path):
     assert not (tmp_path / "q" / PID_FILE).exists()
 
 
+@pytest.mark.parametrize(("setting", "line"), [
+    ("smtp_line_length_limit = 79",
+     "smtp_line_length_limit: 0 (no folding) or at least 80, not 79"),
+    ("smtp_line_length_limit = \"long\"", "smtp_line_length_limit: expected an integer, got 'long'"),
+])
+def test_check_config_refuses_a_bad_relay_setting_in_one_line(tmp_path, setting, line):
+    f = tmp_path / "relay.toml"
+    f.write_text(f'queue = "/var/spool/x"\n{setting}\n')
+    r = cli("--config", str(f), "--check-config")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [f"queue-ref relay: {line}"]
+
+
 @pytest.mark.skipif(shutil.which("swaks") is None, reason="swaks (Debian) is not installed")
 @pytest.mark.parametrize("event_loop", ["uvloop", "asyncio"])
 def test_swaks_mail_arrives_and_sigterm_stops_in_order(tmp_path, event_loop):

@@ -55,3 +55,36 @@ def test_a_body_with_dot_lines_arrives_as_it_was_queued(tmp_path):
     assert got["u0@ok.test"].endswith(b"\r\n" + body)
     assert got["u1@ok.test"].endswith(b"\r\n\r\n" + big)
     assert got["u0@ok.test"].startswith(b"Received: ")
+
+
+@given(st.lists(st.sampled_from([b"a", b".", b"\r\n", b"a" * 500, b"b" * 997, b"c" * 998,
+                                 b"d" * 999, b"e" * 3000]), max_size=12).map(b"".join))
+@example(b"x" * 999)
+@example(b"." + b"y" * 1200 + b"\r\n.")
+def test_long_lines_are_folded_and_nothing_else_changes(body):
+    # no spaces in these bodies: a line that starts with one is a piece the folding made
+    wire = wire_body(body)
+    assert wire is not None
+    assert max(map(len, wire.split(b"\r\n"))) <= 998 + 1  # + a dot stuffed on a piece
+    if not any(len(line) > 998 for line in body.split(b"\r\n")):
+        assert wire == aiosmtplib_payload(body)
+    unstuffed = wire[:-3].replace(b"\r\n..", b"\r\n.")
+    if unstuffed.startswith(b".."):
+        unstuffed = unstuffed[1:]
+    assert unstuffed.replace(b"\r\n ", b"") == (body if body.endswith(b"\r\n") else body + b"\r\n")
+
+
+def test_a_5000_octet_line_arrives_folded_with_all_its_content(tmp_path):
+    line = b"".join(b"%05d," % i for i in range(834))[:5000]  # no two pieces alike
+    body = b"Subject: long line\r\n\r\nbefore\r\n" + line + b"\r\nafter\r\n"
+    with Sink() as sink, RelayThread(relay_config(
+            str(tmp_path / "q"), relayhost=f"[127.0.0.1]:{sink.port}", log_json=True)) as r:
+        with smtplib.SMTP("127.0.0.1", r.port, timeout=10) as c:
+            assert c.sendmail("a@ok.test", ["u@ok.test"], body) == {}
+        (got,) = sink.wait_for(1)
+    data = got.data[got.data.index(b"Subject: long line"):]  # after the Received: header
+    lines = data.split(b"\r\n")
+    assert max(map(len, lines)) == 998
+    assert [len(x) for x in lines[3:9]] == [998, 998, 998, 998, 998, 15]  # 998 + 4*997 + 14
+    assert all(x.startswith(b" ") for x in lines[4:9])
+    assert data.replace(b"\r\n ", b"") == body  # every octet there, in order

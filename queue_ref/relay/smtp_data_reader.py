@@ -23,7 +23,10 @@ a line longer than ``line_limit`` bytes with its CRLF is ``500``, unless the lin
 it passed ``size_limit`` (then ``552``), or it is at most two bytes over and itself
 passes the size limit (aiosmtpd counts such a line's bytes before its length); a line
 that passes the size limit is ``552``.  Data after either verdict is dropped as it
-arrives, so memory stays bounded.
+arrives, so memory stays bounded.  With ``line_limit=None`` (the relay: Postfix's smtpd
+takes lines of any length, and its smtp client folds them, see
+``smtp_delivery.fold_long_lines``) only the size counts: ``552`` once the data passes
+``size_limit``, however long its lines.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ class _Verdict:
     the running size, judged line by line only where a line is long or the size passes
     the limit (elsewhere a ``split`` and a ``max`` in C)."""
 
-    def __init__(self, size_limit: int | None, line_limit: int) -> None:
+    def __init__(self, size_limit: int | None, line_limit: int | None) -> None:
         self.size_limit = size_limit
         self.line_limit = line_limit
         self.tail = b""  # the line not yet ended
@@ -61,6 +64,11 @@ class _Verdict:
 
     def feed(self, data: bytes) -> None:
         if self.error is not None or not data:
+            return
+        if self.line_limit is None:  # no line limit: the size alone, no line kept
+            self.seen += len(data)
+            if self.size_limit and self.seen > self.size_limit:
+                self.error = TOO_MUCH
             return
         buf = self.tail + data
         lines = buf.split(b"\r\n")
@@ -82,6 +90,7 @@ class _Verdict:
 
     def _line(self, start: int, length: int) -> str | None:
         """aiosmtpd's verdict on a line of ``length`` bytes (CRLF included) at ``start``."""
+        assert self.line_limit is not None
         limit = self.size_limit
         if limit and start > limit:
             return TOO_MUCH
@@ -116,9 +125,10 @@ async def _piece(reader: asyncio.StreamReader, state: int) -> bytes:
 
 
 async def read_data(reader: asyncio.StreamReader, size_limit: int | None,
-                    line_limit: int) -> DataRead:
+                    line_limit: int | None) -> DataRead:
     """Read one message's data from ``reader``, after the 354 reply, up to and including
-    its terminator.  ``asyncio.IncompleteReadError`` if the stream ends first."""
+    its terminator (``line_limit`` None: lines of any length).
+    ``asyncio.IncompleteReadError`` if the stream ends first."""
     kept = bytearray()  # the data so far (nothing once the reply is an error)
     verdict = _Verdict(size_limit, line_limit)
     last = b"\r\n"  # the stream's last bytes: the data starts a line, as if after CRLF

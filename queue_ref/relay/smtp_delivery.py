@@ -28,6 +28,7 @@ import aiosmtplib
 from queue_ref.relay.mx_routing import Nexthop
 from queue_ref.relay.relay_config import RelayConfig
 from queue_ref.relay.smtp_address import plain_quoted
+from queue_ref.relay.smtp_line_folding import LINE_LENGTH_LIMIT, fold_long_lines, has_long_line
 from queue_ref.relay.smtp_tls_policy import TlsPolicies
 
 __all__ = ["RcptResult", "SmtpDeliverer", "dsn_of", "wire_body"]
@@ -272,7 +273,7 @@ class SmtpDeliverer:
                 return [r for r in results if r is not None]
             stage = "DATA"
             try:
-                resp = await _data(smtp, body)
+                resp = await _data(smtp, body, self.config.smtp_line_length_limit)
                 r = RcptResult(resp.code, dsn_of(resp.code, resp.message),
                                _reply(resp.code, resp.message), relay)
             except aiosmtplib.SMTPDataError as e:
@@ -295,10 +296,12 @@ class SmtpDeliverer:
         return [x if x is not None else RcptResult(0, "4.4.2", "no reply", relay) for x in results]
 
 
-def wire_body(body: bytes) -> bytes | None:
+def wire_body(body: bytes, line_limit: int = LINE_LENGTH_LIMIT) -> bytes | None:
     """The DATA payload of ``body`` as aiosmtplib's ``data()`` would send it (dot-stuffed,
     ending in CRLF, then ``.`` CRLF), made with ``bytes`` methods in one pass each; None
     if the body has a bare CR or LF, which only aiosmtplib's own conversion handles.
+    Lines of more than ``line_limit`` octets are folded first (``smtp_line_folding``;
+    0: never).
 
     Bodies the receiver stored have CRLF line endings only (``smtp_data_reader``), so the
     relay's path is this one: aiosmtplib runs two regular expressions over the whole body
@@ -307,6 +310,8 @@ def wire_body(body: bytes) -> bytes | None:
     crlf = body.count(b"\r\n")
     if body.count(b"\n") != crlf or body.count(b"\r") != crlf:
         return None
+    if line_limit and has_long_line(body, line_limit):
+        body = fold_long_lines(body, line_limit)
     if not body.endswith(b"\r\n"):
         body += b"\r\n"
     stuffed = body.replace(b"\r\n.", b"\r\n..")
@@ -315,12 +320,15 @@ def wire_body(body: bytes) -> bytes | None:
     return stuffed + b".\r\n"
 
 
-async def _data(smtp: aiosmtplib.SMTP, body: bytes) -> aiosmtplib.SMTPResponse:
+async def _data(smtp: aiosmtplib.SMTP, body: bytes, line_limit: int) -> aiosmtplib.SMTPResponse:
     """``smtp.data(body)``, with the payload made by ``wire_body`` when it can: DATA through
     ``execute_command``, then the payload and its reply through the protocol's ``write``
-    and ``read_response`` (the steps ``data()`` takes itself, with the same errors)."""
-    wire = wire_body(body)
+    and ``read_response`` (the steps ``data()`` takes itself, with the same errors).
+    Lines longer than ``line_limit`` are folded either way."""
+    wire = wire_body(body, line_limit)
     if wire is None:
+        if line_limit and has_long_line(body, line_limit):
+            body = fold_long_lines(body, line_limit)
         return await smtp.data(body)
     start = await smtp.execute_command(b"DATA")
     if start.code != aiosmtplib.SMTPStatus.start_input:
