@@ -63,6 +63,10 @@ def test_check_config_prints_the_effective_configuration(tmp_path):
     ("smtp_line_length_limit = 79",
      "smtp_line_length_limit: 0 (no folding) or at least 80, not 79"),
     ("smtp_line_length_limit = \"long\"", "smtp_line_length_limit: expected an integer, got 'long'"),
+    ("myhostname = \"mx example.org\"", "myhostname: 'mx example.org' is not a host name (letters, "
+     "digits and hyphens in dot-separated labels of 1 to 63)"),
+    ("mydomain = \"-bad.org\"", "mydomain: '-bad.org' is not a host name (letters, digits and "
+     "hyphens in dot-separated labels of 1 to 63)"),
 ])
 def test_check_config_refuses_a_bad_relay_setting_in_one_line(tmp_path, setting, line):
     f = tmp_path / "relay.toml"

@@ -44,9 +44,12 @@ def _cmd(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"queue-ref relay: {e}", file=sys.stderr)
         return 2
+    warnings = config.warnings()
+    for line in warnings:  # valid, but likely wrong: said, and the relay still runs
+        print(f"queue-ref relay: warning: {line}", file=sys.stderr)
     if args.check_config:
         if args.json:
-            print(json.dumps({"ok": True, "config": config.as_dict()}))
+            print(json.dumps({"ok": True, "config": config.as_dict(), "warnings": warnings}))
         else:
             print(_show(config))
         return 0

@@ -21,8 +21,8 @@ from typing import Any
 
 from queue_ref.relay.relay_access import canonical_domain, parse_network
 
-__all__ = ["EVENT_LOOPS", "ConfigError", "RelayConfig", "load_config", "loop_kind",
-           "new_event_loop", "parse_duration", "parse_hostport", "run_relay"]
+__all__ = ["EVENT_LOOPS", "ConfigError", "RelayConfig", "default_myhostname", "load_config",
+           "loop_kind", "new_event_loop", "parse_duration", "parse_hostport", "run_relay"]
 
 #: the event loops a relay process can run on (``event_loop``)
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
@@ -77,6 +77,17 @@ def parse_hostport(value: str, key: str, default_port: int) -> tuple[str, int, b
     return host, port, bracketed
 
 
+_HOSTNAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(?:\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
+
+
+def default_myhostname(mydomain: str = "") -> str:
+    """Postfix's default ``myhostname``: the name ``gethostname()`` gives, with
+    ``.mydomain`` (``.localdomain`` when that is unset) when it has no dot.  Not
+    ``socket.getfqdn()``: on a host whose name does not resolve, that is "localhost"."""
+    name = socket.gethostname()
+    return name if "." in name else f"{name}.{mydomain or 'localdomain'}"
+
+
 @dataclass
 class RelayConfig:
     """The effective configuration.  Names follow Postfix's main.cf where one exists."""
@@ -85,7 +96,8 @@ class RelayConfig:
     queue: str = ""
     backend: str = "fs"
     listen: str = "127.0.0.1:2525"
-    myhostname: str = field(default_factory=socket.getfqdn)
+    myhostname: str = ""  # "": gethostname(), with .mydomain when it has no dot
+    mydomain: str = ""  # "": myhostname less its first label ("localdomain" if none)
     # -- receiver policy (smtpd) --
     mynetworks: list[str] = field(default_factory=lambda: ["127.0.0.0/8", "::1/128"])
     relay_domains: list[str] = field(default_factory=list)
@@ -141,12 +153,35 @@ class RelayConfig:
     log_file: str = ""  # "": standard error
     metrics_listen: str = ""  # e.g. "127.0.0.1:9125"; "": no metrics
 
+    def __post_init__(self) -> None:
+        if not self.myhostname:
+            self.myhostname = default_myhostname(self.mydomain)
+        if not self.mydomain:
+            self.mydomain = self.myhostname.partition(".")[2] or "localdomain"
+
     # ---- checks ----
+
+    def warnings(self) -> list[str]:
+        """What is valid but likely wrong: one line each (``--check-config`` prints them,
+        the relay logs them at start)."""
+        labels = self.myhostname.lower().rstrip(".").split(".")
+        if len(labels) < 2:
+            why = "is not a fully qualified domain name"
+        elif "localhost" in (labels[0], labels[-1]) or labels[-1] == "localdomain":
+            why = "is a local name, not a fully qualified domain name others resolve"
+        else:
+            return []
+        return [f"myhostname: {self.myhostname!r} {why}; next hops see it in EHLO and "
+                "Received (set myhostname, or mydomain)"]
 
     def validate(self) -> RelayConfig:
         if not self.queue:
             raise ConfigError("queue: no queue directory (set it in the file or pass --queue)")
         self.listen_address()
+        for name in ("mydomain", "myhostname"):  # a bad mydomain spoils the default name too
+            if not _HOSTNAME.fullmatch(getattr(self, name)) or len(getattr(self, name)) > 253:
+                raise ConfigError(f"{name}: {getattr(self, name)!r} is not a host name (letters, "
+                                  "digits and hyphens in dot-separated labels of 1 to 63)")
         for net in self.mynetworks:
             try:
                 parse_network(net)

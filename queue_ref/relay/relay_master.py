@@ -242,6 +242,8 @@ class RelayMaster:
             except RelayStartError:
                 self._stop_all()
                 raise
+            for line in self.config.warnings():
+                self.log.emit("warning", what=line)
             self.log.emit("relay", what="started", processes=len(self._workers),
                           smtp=self.worker_config.listen, queue=self.queue_dir,
                           backend=self.config.backend)

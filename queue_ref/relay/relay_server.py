@@ -158,6 +158,9 @@ class Relay:
         # ready once the queue's mail is known: what is committed from now on (by this
         # relay or by another process, which then wakes it) comes after that first listing
         await self.scheduler.scanned.wait()
+        if self.worker is None:  # the master says it once for all its workers
+            for line in self.config.warnings():
+                self.log.emit("warning", what=line)
         self.log.emit("relay", what="started", smtp=f"{host}:{self.smtp_address[1]}",
                       queue=self.queue_dir, backend=self.config.backend, worker=self.worker)
 
