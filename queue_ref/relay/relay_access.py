@@ -64,7 +64,8 @@ def canonical_domain(domain: str) -> str:
     if not name or ".." in name or name.startswith("."):
         raise ValueError(f"{domain!r} is not a domain name")
     if name.isascii():
-        if len(name) > 253 or any(len(label) > 63 for label in name.split(".")):
+        if len(name) > 63 and (len(name) > 253
+                               or any(len(label) > 63 for label in name.split("."))):
             raise ValueError(f"{domain!r} is not a domain name (a label over 63 octets "
                              "or a name over 253)")
         return name.lower()
