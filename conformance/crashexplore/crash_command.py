@@ -2,10 +2,15 @@
 
     queue-ref crash explore --backend fs --model weak --bound 3 [--random N --seed S]
                             [--json] [-j JOBS]
+    queue-ref crash relay --backend fs --model all [--scenario mixed,utf8] [--every N]
+                          [--variant NAME] [--json]
     queue-ref crash reproduce ID [--json]
     queue-ref crash backends
 
-``explore`` exits 1 if any state violates the contract; ``reproduce`` exits 1 if the
+``relay`` crashes the relay's receiver commits and delivery round at every storage call
+and judges each recovered state after the relay ran again
+(``conformance/crashexplore/relay_crash.py``).  ``explore`` and ``relay`` exit 1 if any
+state violates the contract; ``reproduce`` exits 1 if the
 scenario violates it (2 if the id cannot be rebuilt).  With ``--json`` the last line of
 the output is one JSON object.
 """
@@ -65,6 +70,26 @@ def register(subparsers: Any) -> None:
                    help="random states per crash point beyond that limit")
     e.add_argument("--json", action="store_true", help="print one JSON object last")
     e.set_defaults(func=cmd_explore)
+
+    rl = sub.add_parser("relay", help="crash the relay's commits and finishing steps at every "
+                                      "storage call; run the relay again on each recovered "
+                                      "state and judge it by the relay contract")
+    rl.add_argument("--backend", default="fs",
+                    help="registered name (see 'crash backends') or package.module:factory")
+    rl.add_argument("--model", default="all",
+                    help=f"persistence model: {', '.join(MODELS)}, or 'all' (default)")
+    rl.add_argument("--scenario", default="all",
+                    help="relay scenarios, comma-separated, or 'all' (default)")
+    rl.add_argument("--every", type=int, default=1, metavar="N",
+                    help="crash only every N-th crash point (default 1: all)")
+    rl.add_argument("--variant", default="",
+                    help="a broken scheduler the exploration must catch, by name")
+    rl.add_argument("--exhaustive-limit", type=int, default=6,
+                    help="pending operations up to which every combination is built")
+    rl.add_argument("--random-states", type=int, default=4,
+                    help="random states per crash point beyond that limit")
+    rl.add_argument("--json", action="store_true", help="print one JSON object last")
+    rl.set_defaults(func=cmd_relay)
 
     r = sub.add_parser("reproduce", help="rebuild one crash state from its scenario id")
     r.add_argument("scenario", help="a scenario id, as printed by explore")
@@ -154,7 +179,71 @@ def _print_summary(out: Console, s: Summary) -> None:
         out.print(f"[yellow]error:[/yellow] {e}")
 
 
+def cmd_relay(args: argparse.Namespace) -> int:
+    from conformance.crashexplore import relay_crash
+
+    err = Console(stderr=True)
+    models = tuple(MODELS) if args.model == "all" else tuple(
+        m.strip() for m in args.model.split(","))
+    scenarios = tuple(relay_crash.SCENARIOS) if args.scenario == "all" else tuple(
+        x.strip() for x in args.scenario.split(","))
+    if args.every < 1:
+        err.print("[red]error:[/red] --every must be at least 1")
+        return 2
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                        MofNCompleteColumn(), TimeElapsedColumn(), console=err,
+                        transient=False)
+    try:
+        with progress:
+            bar = progress.add_task(f"relay on {args.backend}", total=None)
+
+            def tick(done: int, total: int) -> None:
+                progress.update(bar, completed=done, total=total)
+
+            res = relay_crash.explore_relay(
+                args.backend, scenarios, models, exhaustive_limit=args.exhaustive_limit,
+                random_states=args.random_states, every=args.every, variant=args.variant,
+                progress=tick)
+    except (ValueError, UnknownBackendError) as e:
+        err.print(f"[red]error:[/red] {e}")
+        return 2
+    out = Console(width=max(Console().width, 100))
+    out.print(f"[bold]relay crash exploration on {res.backend}[/bold]"
+              + (f" (broken scheduler {res.variant})" if res.variant else "")
+              + f": scenarios {', '.join(res.scenarios)}; {res.points} crash points, "
+              f"{res.states} states ({', '.join(f'{m} {n}' for m, n in res.per_model.items())})"
+              f", {res.seconds:.1f}s")
+    if not res.findings:
+        out.print("[green]no violations of the relay contract[/green]")
+    else:
+        kinds: dict[str, int] = {}
+        for f in res.findings:
+            for k, _ in f.violations:
+                kinds[k] = kinds.get(k, 0) + 1
+        out.print(f"[red]{len(res.findings)} violating states[/red]: "
+                  + ", ".join(f"{k} ({relay_crash.KINDS[k]}) {n}" for k, n in kinds.items()))
+        for f in res.findings[:5]:
+            out.print(f"  queue-ref crash reproduce '{f.scenario}'")
+            out.print(f"      {f.violations[0][0]}: {f.violations[0][1]}")
+    if args.json:
+        print(json.dumps(res.to_json(), sort_keys=True))
+    return 1 if res.findings else 0
+
+
 def cmd_reproduce(args: argparse.Namespace) -> int:
+    from conformance.crashexplore import relay_crash
+
+    if relay_crash.is_relay_scenario(args.scenario):
+        try:
+            rrep = relay_crash.reproduce_relay(args.scenario)
+        except (ValueError, UnknownBackendError) as e:
+            Console(stderr=True).print(f"[red]error:[/red] {e}")
+            return 2
+        for line in rrep.lines():
+            print(line)
+        if args.json:
+            print(json.dumps(rrep.to_json(), sort_keys=True))
+        return 1 if rrep.violations else 0
     try:
         rep = reproduce(args.scenario)
     except (ScenarioError, UnknownBackendError) as e:
