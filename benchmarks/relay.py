@@ -45,7 +45,6 @@ import select
 import shutil
 import signal
 import smtplib
-import socket
 import statistics
 import struct
 import subprocess
@@ -58,6 +57,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script: the private Postfix lives in tests/
+    sys.path.insert(0, str(ROOT))
+
+from tests.postfix_instance import PrivatePostfix, ensure_postfix, free_port, wait_port  # noqa: E402
+
 CLK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 DOMAIN = "example.com"
@@ -81,40 +85,6 @@ def scenarios(messages: int) -> dict[str, Scenario]:
 
 
 # ---- the machine --------------------------------------------------------------------
-
-
-def ensure_postfix() -> None:
-    """Postfix's binaries (postfix, smtp-source, smtp-sink), installed if missing."""
-    if all(shutil.which(b) or os.path.exists(f"/usr/sbin/{b}")
-           for b in ("postfix", "smtp-source", "smtp-sink")):
-        return
-    if os.geteuid() != 0:
-        sys.exit("relay.py: Postfix is not installed and installing it needs root: "
-                 "apt-get install postfix")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    subprocess.run(["debconf-set-selections"], input=b"postfix postfix/main_mailer_type "
-                   b"select No configuration\n", check=True)
-    subprocess.run(["apt-get", "update", "-q"], check=True, env=env)
-    subprocess.run(["apt-get", "-o", "DPkg::Lock::Timeout=600", "install", "-y", "-q",
-                    "postfix"], check=True, env=env)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def wait_port(port: int, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the relay exited with {proc.returncode} before listening")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
 
 
 def _stat(pid: int) -> tuple[int, list[str]] | None:
@@ -278,27 +248,9 @@ class Sink:
 
 # ---- the relays -----------------------------------------------------------------------
 
-MAIN_CF = """\
-compatibility_level = 3.6
-queue_directory = {d}/spool
-data_directory = {d}/data
-mail_owner = postfix
-setgid_group = postdrop
-inet_interfaces = 127.0.0.1
-inet_protocols = ipv4
-myhostname = postfix-bench.localdomain
-mydestination =
-mynetworks = 127.0.0.0/8
-relayhost = [127.0.0.1]:{sink}
-smtp_dns_support_level = disabled
-maillog_file = {d}/maillog
-maillog_file_prefixes = {d}
-alias_maps =
-alias_database =
-local_recipient_maps =
-smtpd_relay_restrictions = permit_mynetworks, reject_unauth_destination
-smtp_destination_recipient_limit = 1000
-"""
+#: main.cf settings of the benchmark's Postfix beyond tests/postfix_instance's
+BENCH_SETTINGS = {"myhostname": "postfix-bench.localdomain",
+                  "smtp_destination_recipient_limit": "1000"}
 
 
 class Relay:
@@ -319,44 +271,15 @@ class Postfix(Relay):
     name = "postfix"
 
     def start(self, work: Path, sink_port: int) -> int:
-        self.dir = work / "postfix"
-        shutil.rmtree(self.dir, ignore_errors=True)
-        etc = self.dir / "etc"
-        for sub in ("etc", "spool", "data"):
-            (self.dir / sub).mkdir(parents=True)
-        shutil.copy("/etc/postfix/master.cf", etc / "master.cf")
-        with contextlib.suppress(OSError):
-            shutil.copy("/etc/postfix/dynamicmaps.cf", etc / "dynamicmaps.cf")
-        (etc / "main.cf").write_text(MAIN_CF.format(d=self.dir, sink=sink_port))
-        port = free_port()
-        lines = []
-        for line in (etc / "master.cf").read_text().splitlines():
-            f = line.split()
-            if f and not line[0].isspace() and not line.startswith("#") and len(f) >= 8:
-                if f[0] == "smtp" and f[1] == "inet":
-                    f[0] = f"127.0.0.1:{port}"
-                if f[4] == "y" or f[4] == "-":
-                    f[4] = "n"  # no chroot: the private queue is not under a chroot
-                line = "  ".join(f[:8]) + ("  " + " ".join(f[8:]) if f[8:] else "")
-            lines.append(line)
-        (etc / "master.cf").write_text("\n".join(lines) + "\n")
-        if os.geteuid() == 0:
-            shutil.chown(self.dir / "data", "postfix")
-        self._etc = etc
-        run = subprocess.run(["postfix", "-c", str(etc), "start"], capture_output=True)
-        if run.returncode != 0:
-            log = (self.dir / "maillog").read_text() if (self.dir / "maillog").exists() else ""
-            raise RuntimeError(f"postfix did not start: {log[-2000:]}")
-        wait_port(port, 30)
-        self.pid = int((self.dir / "spool" / "pid" / "master.pid").read_text().split()[0])
+        shutil.rmtree(work / "postfix", ignore_errors=True)
+        self.instance = PrivatePostfix(work / "postfix", f"[127.0.0.1]:{sink_port}",
+                                       settings=BENCH_SETTINGS)
+        port = self.instance.start()
+        self.pid = self.instance.pid
         return port
 
     def stop(self) -> None:
-        subprocess.run(["postfix", "-c", str(self._etc), "stop"], capture_output=True)
-        for _ in range(100):
-            if _stat(self.pid) is None:
-                break
-            time.sleep(0.1)
+        self.instance.stop()
 
     def fsync_note(self) -> str:
         return ("cleanup fsyncs each queue file before smtpd answers 250 (one file per "

@@ -36,7 +36,7 @@ from queue_ref.relay.relay_access import RelayAccess
 from queue_ref.relay.relay_config import RelayConfig
 from queue_ref.relay.smtp_address import fast_path_address
 from queue_ref.relay.smtp_data_reader import read_data
-from queue_ref.relay.smtpd_sasl_auth import SaslAuthenticator
+from queue_ref.relay.smtpd_sasl_auth import TOO_MANY, SaslAuthenticator
 from queue_ref.storage import (
     MAX_ADDRESS,
     InvalidInputError,
@@ -220,13 +220,15 @@ class RelaySMTP(SMTP):
             return
         peer = self.session.peer if self.session is not None else None
         client = peer[0] if isinstance(peer, tuple) else "unknown"
-        if not auth.blocked(client):
-            await super().smtp_AUTH(arg)
+        blocked_before = auth.blocked(client)
+        if not blocked_before:
+            await super().smtp_AUTH(arg)  # the failure reaching the limit is answered 421
         if auth.blocked(client) and self.transport is not None and not self.hung_up:
             auth.log.emit("auth", client=client, status="blocked",
                           reason=f"{auth.failures(client)} failed attempts within "
                                  f"{auth.window:g} s")
-            await super().push("421 4.7.0 Error: too many failed authentication attempts")
+            if blocked_before:
+                await super().push(TOO_MANY)
             self._hang_up()
 
     @syntax("ETRN domain")

@@ -34,10 +34,12 @@ from aiosmtpd.smtp import AuthResult, Envelope, LoginPassword, Session
 from queue_ref.relay.delivery_log import DeliveryLog
 from queue_ref.relay.relay_config import ConfigError, RelayConfig
 
-__all__ = ["SaslAuthenticator", "hash_password", "load_password_file", "verify_password"]
+__all__ = ["TOO_MANY", "SaslAuthenticator", "hash_password", "load_password_file", "verify_password"]
 
 _PHC = re.compile(r"\$scrypt\$ln=(\d{1,2}),r=(\d{1,2}),p=(\d{1,2})\$([A-Za-z0-9+/]+)\$([A-Za-z0-9+/]+)")
 _USER = re.compile(r"[^\s:\x00-\x1f\x7f]{1,255}")
+#: the reply to the failure that reaches the limit, and to AUTH from a client past it
+TOO_MANY = "421 4.7.0 Error: too many failed authentication attempts"
 _MAX_CLIENTS = 10_000  # client addresses whose failures are remembered
 #: checked for an unknown user (no password matches it)
 _DUMMY = "$scrypt$ln=14,r=8,p=1$" + "A" * 22 + "$" + "A" * 43
@@ -169,7 +171,8 @@ class SaslAuthenticator:
             return AuthResult(success=True, auth_data=auth_data)
         self._failed(client)
         return AuthResult(success=False, handled=False,
-                          message="535 5.7.8 Error: authentication failed: authentication failure")
+                          message=TOO_MANY if self.blocked(client) else
+                          "535 5.7.8 Error: authentication failed: authentication failure")
 
 
 def main(argv: list[str] | None = None) -> int:
