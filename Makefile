@@ -11,12 +11,15 @@ JOBS   ?= 2
 
 # Debian packages from .ci/apt-packages.txt: installed when missing and we are root
 # (a fresh machine of this kind); otherwise only listed, so a user can install them.
+# Postfix's installer would ask what kind of mail server this is: the answer "No
+# configuration" is given first (the tests run private instances, never the system's).
 sysdeps:
 	@missing=$$(grep -v '^\s*#' .ci/apt-packages.txt | grep -v '^\s*$$' | while read -r p; do \
 	  dpkg -s "$$p" >/dev/null 2>&1 || echo "$$p"; done); \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "installing Debian packages:" $$missing; \
+	    echo "postfix postfix/main_mailer_type select No configuration" | debconf-set-selections; \
 	    apt-get update -qq >/dev/null && \
 	    DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq $$missing >/dev/null; \
 	  else echo "missing Debian packages (some tests will be skipped):" $$missing; fi; \
