@@ -383,6 +383,15 @@ class Enqueuer(abc.ABC):
     def abort(self) -> None:
         """Drop the uncommitted message.  Idempotent."""
 
+    @property
+    def message_id(self) -> str | None:
+        """The id ``commit`` will give the message, where the backend fixes it before
+        commit (the filesystem and KV queues), so that the message can name it (a
+        ``Received:`` header's ``id``); None where it is known only at commit.  Asking
+        may take an id (and raise StorageIOError as ``write`` does); an id taken by an
+        enqueue that is aborted is never given to another message."""
+        return None
+
     def __enter__(self) -> Enqueuer:
         return self
 

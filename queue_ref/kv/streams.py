@@ -80,6 +80,12 @@ class KvEnqueuer(Enqueuer):
                                reopen=self._core.kv.failed is not None) from e
         return self._mid
 
+    @property
+    def message_id(self) -> str:
+        """The message's id, taken now if it has none yet (see ``Enqueuer.message_id``)."""
+        self._check()
+        return str(self._id())
+
     def _emit(self, data: bytes) -> None:
         mid = self._id()
         if self._seq >= keys.MAX_SEQ:

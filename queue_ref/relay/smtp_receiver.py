@@ -37,6 +37,7 @@ from queue_ref.relay.relay_config import RelayConfig
 from queue_ref.relay.smtp_address import fast_path_address
 from queue_ref.relay.smtp_data_reader import read_data
 from queue_ref.relay.smtpd_sasl_auth import TOO_MANY, SaslAuthenticator
+from queue_ref.relay.tls_summary import summary_of_session
 from queue_ref.storage import (
     MAX_ADDRESS,
     InvalidInputError,
@@ -244,14 +245,20 @@ class RelaySMTP(SMTP):
                 self.transport.close()
 
 
-def _store_message(store: Storage, mail_from: str, params: dict[str, str], header: bytes,
-                   body: bytes, rcpts: Sequence[str]) -> list[QueuedMail]:
-    """Enqueue and commit (on a storage thread).  Nothing stays queued if it raises."""
+def _store_message(store: Storage, mail_from: str, params: dict[str, str],
+                   received: tuple[bytes, bytes], body: bytes, rcpts: Sequence[str]
+                   ) -> tuple[list[QueuedMail], int]:
+    """Enqueue and commit (on a storage thread); the handles and the length of the
+    ``Received:`` header, whose two parts go either side of `` id QUEUEID`` where the
+    backend names the message before commit (``Enqueuer.message_id``).  Nothing stays
+    queued if it raises."""
     now = int(time.time())
     with store.enqueue(mail_from, params) as enq:
+        message_id = enq.message_id
+        header = received[0] + (f" id {message_id}".encode() if message_id else b"") + received[1]
         enq.write(header)
         enq.write(body)
-        return enq.commit([Recipient(r, Schedule(now)) for r in rcpts])
+        return enq.commit([Recipient(r, Schedule(now)) for r in rcpts]), len(header)
 
 
 class SmtpReceiver:
@@ -392,16 +399,20 @@ class SmtpReceiver:
         if envelope.smtp_utf8:
             params["smtputf8"] = "yes"
         stamp = self._date()
-        header = (f"Received: from {_clean(helo)} ([{client}])\r\n"
-                  f"\tby {self.config.myhostname} (queue-ref) with {proto}"
-                  + (f"\r\n\tfor <{rcpts[0]}>" if len(rcpts) == 1 else "")
-                  + f"; {stamp}\r\n").encode("utf-8", "surrogateescape")
+        tls = summary_of_session(session.ssl)  # smtpd_tls_received_header = yes
+        received = ((f"Received: from {_clean(helo)} ([{client}])\r\n"
+                     + (f"\t{tls.received_comment()}\r\n" if tls else "")
+                     + f"\tby {self.config.myhostname} (queue-ref) with {proto}"
+                     ).encode("utf-8", "surrogateescape"),
+                    ((f"\r\n\tfor <{rcpts[0]}>" if len(rcpts) == 1 else "")
+                     + f"; {stamp}\r\n").encode("utf-8", "surrogateescape"))
         self.commits += 1
         started = time.perf_counter()
         try:
             loop = asyncio.get_running_loop()
-            handles = await loop.run_in_executor(
-                self.executor, _store_message, self.store, mail_from, params, header, body, rcpts)
+            handles, header_size = await loop.run_in_executor(
+                self.executor, _store_message, self.store, mail_from, params, received, body,
+                rcpts)
         except NoSpaceError as e:
             self.log.emit("error", what="commit", reason=f"no space: {e}")
             return "452 4.3.1 Insufficient system storage"
@@ -418,7 +429,7 @@ class SmtpReceiver:
         if self.on_commit_time is not None:
             self.on_commit_time(time.perf_counter() - started)
         queue_id = handles[0].message_id
-        self.log.emit("received", queue_id, **{"from": mail_from}, size=len(header) + len(body),
+        self.log.emit("received", queue_id, **{"from": mail_from}, size=header_size + len(body),
                       nrcpt=len(rcpts), client=client, helo=helo[:255])
         self.on_queued(handles)
         return f"250 2.0.0 Ok: queued as {queue_id}"
