@@ -34,6 +34,10 @@ class _Enqueuer:
         self._inner = inner
         self._null_sender = null_sender
 
+    @property
+    def message_id(self) -> str | None:
+        return self._inner.message_id
+
     def write(self, data: bytes) -> None:
         self._inner.write(data)
 
