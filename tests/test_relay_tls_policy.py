@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import smtplib
 import ssl
+import tomllib
 
 import pytest
 
@@ -219,4 +220,7 @@ def test_check_config_shows_the_tls_and_auth_settings_without_passwords(tmp_path
     cfg = json.loads(r.stdout)["config"]
     assert cfg["smtp_sasl_password_maps"] == {"[smart.example.net]:587": "relay:(hidden)"}
     assert cfg["smtp_tls_policy_maps"]["example.com"]["level"] == "secure"
-    assert "s3cret" not in cli("--config", str(f), "--check-config").stdout
+    shown = cli("--config", str(f), "--check-config").stdout
+    assert "s3cret" not in shown
+    assert tomllib.loads(shown)["smtp_tls_policy_maps"] == {
+        "example.com": {"level": "secure", "match": "nexthop"}}  # the text is TOML again

@@ -27,15 +27,16 @@ def _config(args: argparse.Namespace) -> RelayConfig:
     return load_config(args.config, overrides)
 
 
+def _toml(value: Any) -> str:
+    """``value`` as a TOML value: tables inline (the TLS policy table nests one)."""
+    if isinstance(value, dict):
+        inner = ", ".join(f"{json.dumps(k)} = {_toml(v)}" for k, v in value.items())
+        return f"{{ {inner} }}"
+    return json.dumps(value)
+
+
 def _show(config: RelayConfig) -> str:
-    lines = []
-    for key, value in config.as_dict().items():
-        if isinstance(value, dict):
-            inner = ", ".join(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in value.items())
-            lines.append(f"{key} = {{ {inner} }}")
-        else:
-            lines.append(f"{key} = {json.dumps(value)}")
-    return "\n".join(lines)
+    return "\n".join(f"{key} = {_toml(value)}" for key, value in config.as_dict().items())
 
 
 def _cmd(args: argparse.Namespace) -> int:
