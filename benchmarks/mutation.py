@@ -1,6 +1,6 @@
 """How strong is the certifier?  Mutation testing of the backends with cosmic-ray.
 
-    python benchmarks/mutation.py [--backend fs|kv|all] [--sample N] [--seed S]
+    python benchmarks/mutation.py [--backend fs|kv|relay|all] [--sample N] [--seed S]
                                   [--timeout SECONDS] [--work DIR] [--resume]
 
 For each backend, cosmic-ray (``pip install -e '.[mutation]'``) makes every mutant of its
@@ -11,6 +11,12 @@ names: the quick certification of that backend (``queue-ref certify --profile qu
 --fail-fast``; the KV queue is certified on its log engine, then on LevelDB).  A mutant
 that makes the certificate fail, crash or hang (``--timeout``) is killed; one certified
 anyway survived.
+
+``--backend relay`` mutates the relay and the operator commands (``queue_ref/relay/``,
+``queue_ref/operate/``; the demo left out) and judges each mutant by their tests
+(``RELAY_TESTS``: every relay, operator, RFC 5321 and relay crash-exploration test, with
+real servers on loopback), stopping at the first failure.  Run it on an otherwise idle
+machine: a test that fails from load counts as a kill.
 
 cosmic-ray changes the source files in place, so it works on a copy of the repository
 under ``--work`` (default ``out/mutation``), with that copy first on ``PYTHONPATH``.  The
@@ -42,12 +48,17 @@ ROOT = Path(__file__).resolve().parent.parent
 MODULES: dict[str, list[str]] = {
     "fs": ["queue_ref/fsqueue"],
     "kv": ["queue_ref/kv"],
+    "relay": ["queue_ref/relay", "queue_ref/operate"],
 }
 EXCLUDED: dict[str, list[str]] = {
     "fs": ["queue_ref/fsqueue/rebuild.py", "queue_ref/fsqueue/__init__.py"],
     "kv": ["queue_ref/kv/salvage.py", "queue_ref/kv/__init__.py",
            "queue_ref/kv/logengine/__init__.py"],
+    "relay": ["queue_ref/relay/__init__.py", "queue_ref/operate/__init__.py",
+              "queue_ref/relay/relay_demo.py"],
 }
+#: The tests that judge a relay mutant (globs relative to the repository).
+RELAY_TESTS = ["tests/test_relay_*.py", "tests/test_operate_*.py", "tests/test_rfc5321_*.py"]
 #: Certified factories, in the order they are tried (the first failure kills the mutant).
 FACTORIES: dict[str, list[str]] = {
     # both sync modes: fsync is the default where syncfs(2) cannot report errors, and
@@ -89,9 +100,10 @@ CHECK_TIMEOUT = 300.0
 
 
 def kill_script(backend: str, src: Path, seed: int) -> Path:
-    """The test command: certify each factory of ``backend``, stopping at the first failure.
-    The mutated file is found by comparing the sources with a pristine copy, taken here
-    (before any mutant is applied)."""
+    """The test command: certify each factory of ``backend``, stopping at the first failure
+    (for the relay: its tests, stopping at the first failure).  The mutated file is found
+    by comparing the sources with a pristine copy, taken here (before any mutant is
+    applied)."""
     pristine = src.parent / "pristine"
     if pristine.exists():
         shutil.rmtree(pristine)
@@ -99,10 +111,17 @@ def kill_script(backend: str, src: Path, seed: int) -> Path:
         shutil.copytree(src / m, pristine / m, ignore=shutil.ignore_patterns("__pycache__"))
     script = src / f"mutation-kill-{backend}.sh"
     lines = ["#!/bin/sh", "set -e", f'cd "{src}"', f'export PYTHONPATH="{src}"',
-             f'mkdir -p "{src}/out"',
-             f'changed=$(diff -rq --exclude=__pycache__ "{pristine}/queue_ref" queue_ref '
-             "| sed -n 's/^Files .* and \\(.*\\) differ$/\\1/p')"]
-    for factory in FACTORIES[backend]:
+             f'mkdir -p "{src}/out"']
+    if backend == "relay":
+        lines.append(f'"{sys.executable}" -m pytest -x -q -p no:cacheprovider -p no:randomly '
+                     f'-n 2 --timeout 300 {" ".join(RELAY_TESTS)} >"{src}/out/pytest.log" 2>&1 '
+                     f'|| {{ tail -n 25 "{src}/out/pytest.log"; exit 1; }}')
+        script.write_text("\n".join(lines) + "\n")
+        script.chmod(0o755)
+        return script
+    lines.append(f'changed=$(diff -rq --exclude=__pycache__ "{pristine}/queue_ref" queue_ref '
+                 "| sed -n 's/^Files .* and \\(.*\\) differ$/\\1/p')")
+    for factory in FACTORIES.get(backend, []):
         run = (f'"{sys.executable}" -m conformance.cli certify {factory} --profile quick '
                f'--fail-fast --jobs 1 --seed {seed} --check-timeout {CHECK_TIMEOUT:g} '
                f'--out "{src}/out/cert" >"{src}/out/certify.log" 2>&1 '
@@ -250,7 +269,8 @@ def summarize(backend: str, session: Path, out: Path) -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--backend", choices=("fs", "kv", "all"), default="all")
+    ap.add_argument("--backend", choices=("fs", "kv", "relay", "all"), default="all",
+                    help="all: fs and kv (relay is run on its own)")
     ap.add_argument("--sample", type=int, default=150, help="mutants per backend")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=900.0)
