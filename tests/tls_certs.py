@@ -44,7 +44,7 @@ class CertAuthority:
         self._serial += 1
         stem = stem or f"server{self._serial}"
         cert, key, csr, ext = (self.dir / f"{stem}{s}" for s in (".pem", ".key", ".csr", ".ext"))
-        sans = ",".join(("IP:" if _is_ip(n) else "DNS:") + n for n in names)
+        sans = ",".join(_subject_alt_name(n) for n in names)
         ext.write_text(f"subjectAltName={sans}\nbasicConstraints=CA:FALSE\n"
                        "keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n"
                        "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n")
@@ -64,9 +64,8 @@ def server_context(cert: Path, key: Path) -> ssl.SSLContext:
     return ctx
 
 
-def _is_ip(name: str) -> bool:
+def _subject_alt_name(name: str) -> str:
     try:
-        ipaddress.ip_address(name)
+        return f"IP:{ipaddress.ip_address(name)}"
     except ValueError:
-        return False
-    return True
+        return f"DNS:{name}"

@@ -17,7 +17,6 @@ are deferred with the reason; mail is never sent in clear, nor credentials, agai
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import re
 import ssl
 import time
@@ -115,7 +114,8 @@ class SmtpDeliverer:
         if policy.level != "none" and smtp.supports_extension("starttls"):
             try:
                 await smtp.starttls(tls_context=self.policies.context(policy),
-                                    server_hostname=None if _is_ip(hop.name) else hop.name)
+                                    server_hostname=None if hop.name == hop.address
+                                    else hop.name)  # SNI: a name, never an address
             except ssl.SSLCertVerificationError as e:
                 raise _HostRefused("4.7.5", f"Server certificate not verified: host {hop}: "
                                             f"{e.verify_message}") from None
@@ -386,12 +386,6 @@ async def _login(smtp: aiosmtplib.SMTP, user: str, password: str) -> None:
              f"{' '.join(smtp.server_auth_methods) or 'none'}; PLAIN, LOGIN, CRAM-MD5 here)")
 
 
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 def _why(e: BaseException) -> str:
