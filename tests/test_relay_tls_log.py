@@ -1,10 +1,13 @@
 """What the relay says of TLS and of the queue id: the ``Received:`` header names the
 queue id and, under STARTTLS, the protocol and cipher (Postfix's
-``smtpd_tls_received_header = yes``).  A real CA and certificates made by ``openssl``,
-swaks as the client."""
+``smtpd_tls_received_header = yes``); the log has a ``tls`` record for each inbound TLS
+session and each outbound TLS connection, and a delivery's result carries the session's
+protocol and cipher.  A real CA and certificates made by ``openssl``, swaks as the client,
+an aiosmtpd sink offering STARTTLS as the next hop."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import shutil
 import smtplib
@@ -13,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from queue_ref.relay.mx_routing import Nexthop
+from queue_ref.relay.smtp_delivery import SmtpDeliverer
 from tests.relay_support import RelayThread, Sink, relay_config
-from tests.tls_certs import CertAuthority, have_openssl
+from tests.tls_certs import CertAuthority, have_openssl, server_context
 
 pytestmark = pytest.mark.skipif(not have_openssl() or shutil.which("swaks") is None,
                                 reason="needs openssl and swaks (Debian)")
@@ -41,7 +46,7 @@ def _received(data: bytes) -> str:
     return " ".join(first.split())
 
 
-def test_an_inbound_starttls_session_is_named_in_received(
+def test_an_inbound_starttls_session_is_logged_and_named_in_received(
         tmp_path: Path, cert: tuple[Path, Path]) -> None:
     with Sink() as sink, RelayThread(relay_config(
             str(tmp_path / "q"), relayhost=f"[127.0.0.1]:{sink.port}", log_json=True,
@@ -49,9 +54,10 @@ def test_an_inbound_starttls_session_is_named_in_received(
         tls_id = _swaks(r.port, "--tls")
         plain_id = _swaks(r.port)
         got = {_received(m.data) for m in sink.wait_for(2)}
-    m = re.search(r"\(using TLSv1\.[23] with cipher \S+ \((\d+)/\1 bits\)\)", " ".join(got))
-    assert m is not None, got
-    using = m.group(0)
+        [rec] = r.events("tls")
+    assert rec["direction"] == "in" and rec["client"].startswith("[127.0.0.1]:")
+    assert rec["version"].startswith("TLSv1.") and rec["cipher"] and rec["bits"] >= 128
+    using = f"(using {rec['version']} with cipher {rec['cipher']} ({rec['bits']}/{rec['bits']} bits))"
     assert any(h.startswith(f"Received: from client.test ([127.0.0.1]) {using} by relay.test "
                             f"(queue-ref) with ESMTPS id {tls_id} for <b@example.net>; ")
                for h in got), got
@@ -86,3 +92,30 @@ def test_the_received_header_names_the_queue_id_the_250_reply_gave(
     # the logged size counts the header with its id (the sink's copy has the sink's own
     # line endings and nothing more: the relay sends what it queued)
     assert named == sizes
+
+
+def test_a_delivery_over_starttls_carries_its_protocol_and_cipher(
+        tmp_path: Path, cert: tuple[Path, Path]) -> None:
+    with Sink(tls_context=server_context(*cert)) as tls_sink, Sink() as plain_sink, \
+            RelayThread(relay_config(str(tmp_path / "q"), log_json=True,
+                                     relayhost=f"[127.0.0.1]:{tls_sink.port}")) as r:
+        with smtplib.SMTP("127.0.0.1", r.port, timeout=10) as c:
+            c.sendmail("a@example.org", ["b@example.net"], b"Subject: tls\r\n\r\nbody\r\n")
+        [got] = tls_sink.wait_for(1)
+        [rec] = r.wait_events(1, "tls", direction="out")
+        assert got.tls and r.wait_events(1)[0]["status"] == "sent"
+
+        async def deliver(port: int) -> str:
+            d = SmtpDeliverer(r.relay.config)
+            try:
+                [res] = await d.deliver([Nexthop("127.0.0.1", "127.0.0.1", port)], "a@example.org",
+                                        ["b@example.net"], b"Subject: x\r\n\r\ny\r\n", {})
+            finally:
+                await d.close()
+            assert res.outcome == "sent", res
+            return res.tls
+
+        assert asyncio.run(deliver(tls_sink.port)) == f"{rec['version']}:{rec['cipher']}"
+        assert asyncio.run(deliver(plain_sink.port)) == "none"
+    assert rec["server"] == f"[127.0.0.1]:{tls_sink.port}" or str(tls_sink.port) in rec["server"]
+    assert rec["version"].startswith("TLSv1.") and rec["bits"] >= 128

@@ -11,6 +11,9 @@ Every record has ``ts`` (ISO 8601, UTC), ``event`` and ``queue_id`` (the message
 * ``delayed``   a delay warning enqueued (bounce_id, to)
 * ``relay``     the process starting or stopping (what, and details)
 * ``error``     a queue operation that failed (what, reason)
+* ``warning``   a setting that is valid but likely wrong, at start (what)
+* ``tls``       a TLS session: direction (in, out), client or server, version, cipher,
+  bits
 
 The text line reads like Postfix's ``smtp[pid]: QUEUEID: to=<a@b>, relay=h[ip]:25,
 delay=1.2, dsn=2.0.0, status=sent (250 2.0.0 Ok)``.

@@ -71,7 +71,7 @@ class Relay:
         self._store: Storage | None = None
         self.scheduler: DeliveryScheduler | None = None
         self.receiver: SmtpReceiver | None = None
-        self.deliverer = SmtpDeliverer(config)
+        self.deliverer = SmtpDeliverer(config, self.log)
         self.metrics: RelayMetrics | None = None
         self.smtp_address: tuple[str, int] | None = None
         self.metrics_port: int | None = None

@@ -24,11 +24,13 @@ from dataclasses import dataclass
 
 import aiosmtplib
 
+from queue_ref.relay.delivery_log import DeliveryLog
 from queue_ref.relay.mx_routing import Nexthop
 from queue_ref.relay.relay_config import RelayConfig
 from queue_ref.relay.smtp_address import plain_quoted
 from queue_ref.relay.smtp_line_folding import LINE_LENGTH_LIMIT, fold_long_lines, has_long_line
 from queue_ref.relay.smtp_tls_policy import TlsPolicies
+from queue_ref.relay.tls_summary import NO_TLS, summary_of
 
 __all__ = ["RcptResult", "SmtpDeliverer", "dsn_of", "wire_body"]
 
@@ -39,6 +41,7 @@ class RcptResult:
     dsn: str  # the enhanced status code, "4.4.1" for a connection failure
     text: str  # the reply or the failure, for logs and bounces
     relay: str  # the host that answered, "none" when none did
+    tls: str = NO_TLS  # the session's "TLSv1.3:CIPHER" (tls_summary), "none" in clear text
 
     @property
     def outcome(self) -> str:
@@ -69,17 +72,21 @@ class _HostRefused(Exception):
 
 
 class _Conn:
-    __slots__ = ("hop", "idle_since", "smtp")
+    __slots__ = ("hop", "idle_since", "smtp", "tls")
 
     def __init__(self, hop: Nexthop, smtp: aiosmtplib.SMTP) -> None:
         self.hop = hop
         self.smtp = smtp
         self.idle_since = time.monotonic()
+        #: what the session uses (STARTTLS is done by now), None in clear text
+        self.tls = summary_of(smtp.get_transport_info("ssl_object")) if smtp.is_connected else None
 
 
 class SmtpDeliverer:
-    def __init__(self, config: RelayConfig) -> None:
+    def __init__(self, config: RelayConfig, log: DeliveryLog | None = None) -> None:
+        """``log``: where each new connection's TLS session is logged (a ``tls`` record)."""
         self.config = config
+        self.log = log
         self.policies = TlsPolicies(config)
         self._idle: dict[Nexthop, list[_Conn]] = {}
         self._reaper: asyncio.TimerHandle | None = None
@@ -104,7 +111,11 @@ class SmtpDeliverer:
             smtp.close()
             raise
         self.connections_made += 1
-        return _Conn(hop, smtp)
+        conn = _Conn(hop, smtp)
+        if self.log is not None and conn.tls is not None:  # Postfix's "TLS connection established"
+            self.log.emit("tls", direction="out", server=str(hop), version=conn.tls.version,
+                          cipher=conn.tls.cipher, bits=conn.tls.bits)
+        return conn
 
     async def _secure(self, smtp: aiosmtplib.SMTP, hop: Nexthop) -> None:
         """STARTTLS and AUTH on a greeted connection as the hop's policy says; raises
@@ -216,6 +227,9 @@ class SmtpDeliverer:
                 failures.append(RcptResult(0, "4.4.1", f"lost connection with {hop} before the "
                                                        "transaction", "none"))
                 continue
+            if conn.tls is not None:
+                for r in results:
+                    r.tls = conn.tls.field()
             return results
         last = failures[-1] if failures else RcptResult(0, "4.4.1", "no host to deliver to", "none")
         return [last for _ in rcpts]
@@ -384,8 +398,6 @@ async def _login(smtp: aiosmtplib.SMTP, user: str, password: str) -> None:
     raise aiosmtplib.SMTPAuthenticationError(
         504, f"5.7.4 no mechanism in common (server offers "
              f"{' '.join(smtp.server_auth_methods) or 'none'}; PLAIN, LOGIN, CRAM-MD5 here)")
-
-
 
 
 def _why(e: BaseException) -> str:

@@ -340,6 +340,17 @@ class SmtpReceiver:
         server.raw_pushes = len(out)
         return out
 
+    def handle_STARTTLS(self, server: RelaySMTP, session: Session, envelope: Envelope) -> bool:
+        """The handshake is done: one ``tls`` record, as Postfix's smtpd logs "Anonymous
+        TLS connection established from ..." (no client certificate is asked for)."""
+        tls = summary_of_session(session.ssl)
+        if tls is not None:
+            peer = session.peer
+            self.log.emit("tls", direction="in",
+                          client=f"[{peer[0]}]:{peer[1]}" if isinstance(peer, tuple) else "unknown",
+                          version=tls.version, cipher=tls.cipher, bits=tls.bits)
+        return True
+
     async def handle_HELO(self, server: RelaySMTP, session: Session, envelope: Envelope,
                           hostname: str) -> str:
         session.host_name = hostname
