@@ -8,7 +8,10 @@ nothing queued (``Enqueuer`` aborts) and answers 451 4.3.0, or 452 4.3.1 on a fu
 
 Policy, in Postfix's terms: a client in ``mynetworks`` may send anywhere; any other client
 only to ``relay_domains``; everything else gets ``554 5.7.1 Relay access denied``, so the
-relay is never an open relay.
+relay is never an open relay.  A client that authenticated with AUTH
+(``smtpd_sasl_auth_enable``: ``smtpd_sasl_auth``, aiosmtpd's authenticator, offered after
+STARTTLS only) may send anywhere too; ``smtpd_tls_security_level = encrypt`` refuses
+MAIL and the rest before STARTTLS (530 5.7.0).
 
 ``ETRN domain`` (RFC 1985), from a client in ``mynetworks`` only: the domain's deferred
 mail is made due now (``queue_ref.operate.queue_actions.flush``, through the backend's
