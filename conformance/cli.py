@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import select
 import sys
 from collections.abc import Sequence
 
@@ -92,6 +93,16 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _stdout_closed() -> bool:
+    """Whether standard output is a pipe whose reader has closed it (poll says POLLERR)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -99,6 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.func(args)
         sys.stdout.flush()
     except BrokenPipeError:
+        if not _stdout_closed():
+            raise  # another pipe or socket: an error to show, not a reader gone
         # The reader went away (``| head -1``): what is left unwritten goes nowhere, so
         # that the interpreter's last flush does not fail again on the way out.
         devnull = os.open(os.devnull, os.O_WRONLY)

@@ -88,3 +88,23 @@ def test_a_pipe_closed_early_ends_the_command_quietly(big_queue: Path, command: 
     whole = subprocess.run([*CLI, command, "--queue", str(big_queue)], capture_output=True,
                            text=True, timeout=120, check=True)
     assert len(whole.stdout) > 1 << 16
+
+
+BROKEN_SOCKET = """
+import sys
+from conformance.cli import main
+from queue_ref.operate import operate_commands
+
+def run(name, fn, args):
+    raise BrokenPipeError(32, "Broken pipe (a socket)")
+
+operate_commands._run = run
+sys.exit(main(["mailq", "--queue", "/nonexistent"]))
+"""
+
+
+def test_a_broken_pipe_that_is_not_standard_output_still_shows() -> None:
+    out = subprocess.run([sys.executable, "-c", BROKEN_SOCKET], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == "BrokenPipeError: [Errno 32] Broken pipe (a socket)"
