@@ -124,13 +124,14 @@ def _enqueuer(store: Storage, io: FaultyIO, commits: list[_Commit],
 
 def _judge_state(commits: list[_Commit], entries: dict[str, list[tuple[str, str]]],
                  where: str, cut: int | None = None) -> list[tuple[str, str]]:
-    """C1 findings of one recovered state; ``cut``: the power went at that many calls
-    (None: at the end), so only commits acknowledged by then must be there."""
+    """C1 findings of one recovered state; ``cut``: the power went at that value of the
+    seam's counter (None: at the end), so only commits acknowledged by then must be
+    there."""
     out: list[tuple[str, str]] = []
     for c in commits:
         if c.outcome != "acked" or c.message_id is None:
             continue
-        if cut is not None and c.acked_at > cut:
+        if cut is not None and c.acked_seq > cut:
             continue
         got = entries.get(c.message_id, [])
         want = sorted((r.address, hashlib.sha256(c.body).hexdigest()) for r in c.rcpts)
@@ -144,8 +145,10 @@ def _judge_state(commits: list[_Commit], entries: dict[str, list[tuple[str, str]
 def _cuts(commits: list[_Commit], events: int, how_many: int | None,
           rng: random.Random) -> list[int | None]:
     """Where the power goes: the end of the run (None), then at acknowledgements given
-    before the end (``how_many`` of them, None: all)."""
-    points = sorted({c.acked_at for c in commits if c.outcome == "acked" and
+    before the last call began (``how_many`` of them, None: all), as the seam's counter
+    when each was given (two acknowledgements after the same calls may differ in which
+    syncs had ended)."""
+    points = sorted({c.acked_seq for c in commits if c.outcome == "acked" and
                      0 <= c.acked_at < events})
     if how_many is not None and len(points) > how_many:
         points = sorted(rng.sample(points, how_many))
@@ -188,12 +191,13 @@ def run_trial(backend: Backend, seed: int, number: int, fail_sync: int | None,
                       uncovered_acks(io.initial, events, io.operations)]
         except ModelError as e:
             found.append(("C9", f"the trace cannot be replayed for the sync-cover rule: {e}"))
-        seq_at = {c.acked_at: c.acked_seq for c in commits if c.outcome == "acked"}
         rng = random.Random(f"{scenario}:cuts")
         for cut in _cuts(commits, len(events), cut_points, rng):
-            prefix = events if cut is None else _syncs_ended_by(events[:cut], seq_at[cut])
+            calls = len(events) if cut is None else sum(1 for e in events if e.began <= cut)
+            prefix = events if cut is None else _syncs_ended_by(events[:calls], cut)
             when = ("at the end of the run" if cut is None else
-                    f"at the acknowledgement given after I/O call {cut} of {len(events)}")
+                    f"at the acknowledgement given after I/O call {calls} of {len(events)} "
+                    f"(counter {cut})")
             try:
                 states = crash_states(io.initial, prefix, POWER_LOSS_MODEL,
                                       exhaustive_limit=EXHAUSTIVE_LIMIT,
