@@ -103,7 +103,9 @@ def test_a_delivery_over_starttls_carries_its_protocol_and_cipher(
             c.sendmail("a@example.org", ["b@example.net"], b"Subject: tls\r\n\r\nbody\r\n")
         [got] = tls_sink.wait_for(1)
         [rec] = r.wait_events(1, "tls", direction="out")
-        assert got.tls and r.wait_events(1)[0]["status"] == "sent"
+        [delivery] = r.wait_events(1)
+        assert got.tls and delivery["status"] == "sent"
+        assert delivery["tls"] == f"{rec['version']}:{rec['cipher']}"  # Postfix's TLS line
 
         async def deliver(port: int) -> str:
             d = SmtpDeliverer(r.relay.config)

@@ -473,7 +473,7 @@ class DeliveryScheduler:
         self.log.emit("delivery", job.message_id, to=e.rcpt, relay=r.relay,
                       delay=round(now - arrival, 2), attempts=e.schedule.attempts + 1, dsn=r.dsn,
                       status="bounced" if status == "expired" else status, reason=reason,
-                      entry_id=e.mail.entry_id)
+                      tls=r.tls, entry_id=e.mail.entry_id)
 
     def _bounce(self, job: _Job, failed: list[tuple[_Entry, RcptResult, str]], now: float
                 ) -> list[QueuedMail] | None:
