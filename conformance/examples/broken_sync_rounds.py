@@ -97,57 +97,30 @@ def kv_log_rides_running_sync(root: str, io: IO | None = None) -> Storage:
     its size when the sync *ended*: a group appended while another group's fdatasync ran
     finds itself covered by it, skips its own sync and is acknowledged.  (Either change
     alone is harmless.)  Caught by the sync-rounds check."""
-    import contextlib as ctx
-    import time
+    import contextlib
 
     from queue_ref.kv.kv_queue import KvQueue
     from queue_ref.kv.logengine import LogEngine
-    from queue_ref.kv.logengine.groupcommit import Group, Writer
+    from queue_ref.kv.logengine.groupcommit import Group
     from queue_ref.kv.logengine.wal import LogWriter
 
     class AppendsFirst(LogEngine):
-        def _commit(self, w: Writer) -> None:
-            if not self._writers.join(w):
-                return
-            writers = self._writers.group()
-            try:
-                with self._append_mu:  # the first change: appended before the sync lock
-                    self._check_writable()
-                    log = self._append([x.record for x in writers])
-                    group = Group(writers, log.size)
-                    self._pending.append(group)
-            except BaseException as e:
-                self._writers.handoff(writers)
-                Group(writers, 0).finish(e)
-                raise
-            self._writers.handoff(writers)
-            with self._sync_mu if group.sync else ctx.nullcontext():
-                if group.sync:
-                    self._sync(group, log)
-            with self._append_mu:
-                self._apply_ready()
-                if not w.done:
-                    group.leader_waits = True
-            if group.leader_waits:
-                w.wake.acquire()
-            if w.error is not None:
-                raise w.error
+        def __init__(self, path: str, io: IO | None = None) -> None:
+            super().__init__(path, io=io)
+            self._sync_turn = self._sync_mu
+            # the first change: ``_commit`` forms and appends its group without waiting
+            # for the running fdatasync (only the fdatasync itself waits, in ``_sync``)
+            self._sync_mu = contextlib.nullcontext()  # type: ignore[assignment]
 
         def _sync(self, group: Group, log: LogWriter) -> None:
-            with self._append_mu:
-                if group.writers[0].done or self._durable >= group.end:
-                    return
-            started = time.monotonic()
-            try:
-                log.sync()
-            except BaseException as e:
+            with self._sync_turn:
                 with self._append_mu:
-                    self._failed = e
-                    self._fail_pending(e)
-                return
-            self._writers.note_sync(time.monotonic() - started)
-            with self._append_mu:  # the second: the size after the sync, not before it
-                self._durable = max(self._durable, log.size)
+                    if group.writers[0].done or self._durable >= group.end:
+                        return
+                super()._sync(group, log)
+                if self._failed is None:
+                    with self._append_mu:  # the second: the size after the sync
+                        self._durable = max(self._durable, log.size)
 
     return KvQueue.open_log(root, io, engine=lambda p, i: AppendsFirst(p, io=i))
 
