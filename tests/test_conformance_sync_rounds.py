@@ -119,3 +119,13 @@ def test_a_rider_passes_the_single_caller_fault_check() -> None:
 
     res = io_errors_check.run(Backend.from_factory(f"{RIDING}:fs_rides_running_sync"), QUICK, 46)
     assert res.status is Status.PASS, [f.detail for f in res.findings]
+
+
+def test_a_scenario_replays_and_a_bad_one_is_refused() -> None:
+    backend = Backend.from_factory(f"{RIDING}:kv_log_rides_running_sync")
+    found = sync_rounds_check.replay(backend, "sync-rounds:commit-vs-commit:1")
+    assert [f.clause for f in found] == ["C1"] and "rode" in found[0].detail
+    for bad in ("sync-rounds:commit-vs-flush:0", "sync-rounds:commit:0",
+                "sync-rounds:commit-vs-commit:99"):
+        with pytest.raises(ValueError, match="sync-rounds"):
+            sync_rounds_check.replay(backend, bad)

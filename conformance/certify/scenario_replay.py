@@ -17,6 +17,7 @@ Scenario ids start with the check that found them:
   ``bounded-disk:<rounds>``, ``full-disk:<seed>``: that check again;
 * ``lifecycle-edges:<op>:<target>:<stop>``: that trial again (the same stop point, or
   the same SIGSTOP delay);
+* ``sync-rounds:<A>-vs-<B>:<j>``: A stopped inside its j-th sync call again while B runs;
 * anything else is handed to the crash explorer (``conformance.checks.crash_exploration_check``).
 """
 
@@ -41,6 +42,7 @@ from conformance.checks import (
     scale_checks,
     second_open_check,
     streaming_check,
+    sync_rounds_check,
 )
 from conformance.harness.backend_factory import Backend
 from conformance.harness.check_results import Finding
@@ -91,6 +93,8 @@ def replay(backend: Backend, scenario: str) -> list[Finding]:
         return disk_growth_check.run(backend, replace(QUICK, growth_rounds=int(rest))).findings
     if head == "streaming":
         return streaming_check.run(backend, replace(QUICK, streaming_bytes=int(rest))).findings
+    if head == "sync-rounds":
+        return sync_rounds_check.replay(backend, scenario)
     from conformance.checks import crash_exploration_check
 
     found: list[Finding] = crash_exploration_check.replay(backend, scenario)

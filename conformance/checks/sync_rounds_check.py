@@ -179,6 +179,24 @@ def run_case(backend: Backend, a: str, b: str, j: int) -> tuple[bool, list[Findi
                                       steps + u.excerpt) for u in bad]
 
 
+def replay(backend: Backend, scenario: str) -> list[Finding]:
+    """Run ``sync-rounds:<A>-vs-<B>:<j>`` again."""
+    try:
+        head, names, j = scenario.split(":")
+        a, b = names.split("-vs-")
+        number = int(j)
+    except ValueError:
+        raise ValueError(f"not a sync-rounds scenario: {scenario!r} "
+                         "(sync-rounds:<A>-vs-<B>:<sync call>)") from None
+    if head != "sync-rounds" or a not in OPERATIONS or b not in OPERATIONS or number < 0:
+        raise ValueError(f"not a sync-rounds scenario: {scenario!r} (operations: "
+                         f"{', '.join(OPERATIONS)})")
+    reached, found = run_case(backend, a, b, number)
+    if not reached:
+        raise ValueError(f"{scenario}: {a} makes fewer than {number + 1} sync calls here")
+    return found
+
+
 def pairs(capabilities: frozenset[Capability]) -> list[tuple[str, str]]:
     ops = [op for op in OPERATIONS if Capability.HOLD in capabilities or op not in NEEDS_HOLD]
     return [(a, b) for a in ops for b in ops]
