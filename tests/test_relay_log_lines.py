@@ -49,3 +49,26 @@ def test_mail_received_by_the_running_relay_gets_no_second_line(tmp_path):
         sink.wait_for(1)
         rt.wait_events(1, status="sent")
         assert rt.events("received") and not rt.events("active")
+
+
+def test_a_failed_commit_is_logged_with_the_aborted_messages_id(tmp_path):
+    """The receiver's error line names the message the backend had numbered before its
+    commit failed (the client got 451 and keeps the mail), its sender and client."""
+    from pathlib import Path
+
+    from tests.relay_faulty_steps import trigger_of
+
+    q = str(tmp_path / "q")
+    with DnsServer(ZONE) as dns, Sink() as sink, RelayThread(relay_config(
+            q, backend="tests.relay_faulty_steps:fs", dns_nameservers=["127.0.0.1"],
+            dns_port=dns.port, smtp_port=sink.port, log_json=True)) as rt:
+        Path(trigger_of(q, "commit")).touch()  # the next commit of a null-sender message
+        with smtplib.SMTP("127.0.0.1", rt.port, timeout=10) as c:
+            c.ehlo("mx.elsewhere.test")
+            c.mail("")
+            c.rcpt("bob@ok.test")
+            code, _ = c.data(b"Subject: dsn\r\n\r\nx\r\n")
+        [err] = rt.wait_events(1, "error", what="commit")
+    assert code == 451
+    assert err["queue_id"] not in ("", "NOQUEUE") and err["from"] == ""
+    assert err["client"] == "127.0.0.1" and err["nrcpt"] == 1 and "injected" in err["reason"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import email.utils
+import functools
 import re
 import ssl
 import time
@@ -63,7 +64,14 @@ LINGER = 5.0  # seconds a hung-up session's input is still read (and dropped)
 
 _LABEL = r"[A-Za-z0-9\u0080-\U0010ffff](?:[A-Za-z0-9\u0080-\U0010ffff-]*[A-Za-z0-9\u0080-\U0010ffff])?"
 _DOMAIN = rf"(?:{_LABEL}\.)*{_LABEL}"
-_ADDRESS = re.compile(r"[^\s@<>()\[\],;:\\\"\x00-\x1f\x7f]+@(?:" + _DOMAIN + r"|\[[0-9A-Fa-f:.]+\])")
+# a local part: a dot-string of anything but specials, or an RFC 5321 Quoted-string
+# (``"john smith"``, ``"a@b"``, a backslash quoting one printable character)
+_LOCAL = r"(?:[^\s@<>()\[\],;:\\\"\x00-\x1f\x7f]+|\"(?:[^\"\\\x00-\x1f\x7f]|\\[\x20-\x7e])*\")"
+_ADDRESS = re.compile(_LOCAL + r"@(?:" + _DOMAIN + r"|\[(?:IPv6:)?[0-9A-Fa-f:.]+\])")
+#: RFC 5321 4.5.1: ``RCPT TO:<Postmaster>`` without a domain, any case, is always taken
+POSTMASTER = "postmaster"
+#: RFC 6531 3.4 as Postfix's smtpd words it: a UTF-8 path needs MAIL FROM:<...> SMTPUTF8
+NEED_SMTPUTF8 = "553 5.6.7 Must declare SMTPUTF8 to send unicode address"
 
 # aiosmtpd's own replies, with the enhanced status codes (RFC 3463) Postfix gives them.
 _REWRITES = {
@@ -249,15 +257,18 @@ class RelaySMTP(SMTP):
 
 
 def _store_message(store: Storage, mail_from: str, params: dict[str, str],
-                   received: tuple[bytes, bytes], body: bytes, rcpts: Sequence[str]
-                   ) -> tuple[list[QueuedMail], int]:
+                   received: tuple[bytes, bytes], body: bytes, rcpts: Sequence[str],
+                   named: list[str] | None = None) -> tuple[list[QueuedMail], int]:
     """Enqueue and commit (on a storage thread); the handles and the length of the
     ``Received:`` header, whose two parts go either side of `` id QUEUEID`` where the
-    backend names the message before commit (``Enqueuer.message_id``).  Nothing stays
-    queued if it raises."""
+    backend names the message before commit (``Enqueuer.message_id``, also appended to
+    ``named``, so that a failure can be logged with it).  Nothing stays queued if it
+    raises."""
     now = int(time.time())
     with store.enqueue(mail_from, params) as enq:
         message_id = enq.message_id
+        if named is not None and message_id:
+            named.append(message_id)
         header = received[0] + (f" id {message_id}".encode() if message_id else b"") + received[1]
         enq.write(header)
         enq.write(body)
@@ -366,6 +377,8 @@ class SmtpReceiver:
             return "421 4.3.2 Service shutting down"
         if address != NULL_PATH and not valid_address(address):
             return "501 5.1.7 Bad sender address syntax"
+        if not envelope.smtp_utf8 and not address.isascii():
+            return NEED_SMTPUTF8
         envelope.mail_from = address
         envelope.mail_options.extend(mail_options)
         return "250 2.1.0 Ok"
@@ -378,8 +391,14 @@ class SmtpReceiver:
             limit = min(limit, backend_limit)
         if len(envelope.rcpt_tos) >= limit:
             return "452 4.5.3 Error: too many recipients"
+        if address.lower() == POSTMASTER:  # addressed to us: relay access does not apply
+            envelope.rcpt_tos.append(address)  # postmaster_recipient once queued
+            envelope.rcpt_options.extend(rcpt_options)
+            return "250 2.1.5 Ok"
         if not valid_address(address):
             return "501 5.1.3 Bad recipient address syntax"
+        if not envelope.smtp_utf8 and not address.isascii():
+            return NEED_SMTPUTF8
         peer = session.peer  # permit_sasl_authenticated, then the relay access rules
         if not session.authenticated and not self.access.permits(
                 peer[0] if isinstance(peer, tuple) else "", address):
@@ -398,8 +417,12 @@ class SmtpReceiver:
         # first: the substitution costs 17 ms per MB even when there is nothing to change.
         if body.count(b"\n") != body.count(b"\r\n"):
             body = _BARE_LF.sub(b"\r\n", body)
+        if _hops(body) + 1 >= self.config.hopcount_limit:  # our Received: counts too
+            return "554 5.4.6 Error: too many hops"
         mail_from = "" if envelope.mail_from == NULL_PATH else envelope.mail_from or ""
-        rcpts = list(envelope.rcpt_tos)
+        postmaster = self.config.postmaster_recipient
+        rewritten = [r for r in envelope.rcpt_tos if r.lower() == POSTMASTER]
+        rcpts = [postmaster if r.lower() == POSTMASTER else r for r in envelope.rcpt_tos]
         peer = session.peer
         client = peer[0] if isinstance(peer, tuple) else "unknown"
         helo = session.host_name or client
@@ -422,19 +445,25 @@ class SmtpReceiver:
                      + f"; {stamp}\r\n").encode("utf-8", "surrogateescape"))
         self.commits += 1
         started = time.perf_counter()
+        named: list[str] = []
         try:
             loop = asyncio.get_running_loop()
             handles, header_size = await loop.run_in_executor(
                 self.executor, _store_message, self.store, mail_from, params, received, body,
-                rcpts)
-        except NoSpaceError as e:
-            self.log.emit("error", what="commit", reason=f"no space: {e}")
-            return "452 4.3.1 Insufficient system storage"
-        except InvalidInputError as e:
-            self.log.emit("error", what="commit", reason=f"refused by the queue: {e}")
-            return "554 5.3.4 Error: the queue refuses this message"
-        except Exception as e:  # any queue failure: nothing was queued, the client retries
-            self.log.emit("error", what="commit", reason=f"{type(e).__name__}: {e}")
+                rcpts, named)
+        except Exception as e:
+            # nothing was queued: the line names the aborted message's id where the backend
+            # gave one before commit (else NOQUEUE, as Postfix's), and whose mail it was
+            failed = functools.partial(
+                self.log.emit, "error", named[0] if named else "NOQUEUE", what="commit",
+                **{"from": mail_from}, nrcpt=len(rcpts), client=client)
+            if isinstance(e, NoSpaceError):
+                failed(reason=f"no space: {e}")
+                return "452 4.3.1 Insufficient system storage"
+            if isinstance(e, InvalidInputError):
+                failed(reason=f"refused by the queue: {e}")
+                return "554 5.3.4 Error: the queue refuses this message"
+            failed(reason=f"{type(e).__name__}: {e}")  # the client keeps it and retries
             if isinstance(e, ReopenRequiredError) and self.on_queue_failed is not None:
                 self.on_queue_failed(e)
             return "451 4.3.0 Error: queue file write error"
@@ -445,6 +474,8 @@ class SmtpReceiver:
         queue_id = handles[0].message_id
         self.log.emit("received", queue_id, **{"from": mail_from}, size=header_size + len(body),
                       nrcpt=len(rcpts), client=client, helo=helo[:255])
+        for orig in rewritten:  # Postfix's delivery lines say orig_to=<postmaster>
+            self.log.emit("rewrite", queue_id, to=postmaster, orig_to=orig)
         self.on_queued(handles)
         return f"250 2.0.0 Ok: queued as {queue_id}"
 
@@ -482,6 +513,16 @@ class SmtpReceiver:
         if not waiting:
             return f"251 2.0.0 OK, no messages waiting for node {domain}"
         return f"250 2.0.0 Queuing for node {domain} started"
+
+
+def _hops(body: bytes) -> int:
+    """The ``Received:`` headers of a message (CRLF line endings): RFC 5321 6.3's loop
+    detection, as Postfix's cleanup counts them for ``hopcount_limit``."""
+    if body.startswith(b"\r\n"):
+        return 0  # no header section
+    end = body.find(b"\r\n\r\n")
+    head = body if end < 0 else body[:end]
+    return (b"\r\n" + head.lower()).count(b"\r\nreceived:")
 
 
 def _clean(text: str) -> str:
