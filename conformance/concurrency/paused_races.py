@@ -8,6 +8,11 @@ if it waits for A; A is let go.  Both answers, and the queue drained afterwards,
 judged against the model by the linearizability search: whatever order the two calls
 took effect in, their answers and the final state must be the model's for that order.
 
+Syncs are held open ``SYNC_HOLD`` seconds (``FaultyIO.sync_hold``), so that once A is let
+go its syncs and B's changes may overlap, and A's and B's operations are judged by the
+sync-cover rule too (``conformance.concurrency.sync_cover``): neither may return on a sync
+that began before its change.
+
 Each race is named ``<a>-vs-<b>`` (``<a>-two-recipients`` when A and B act on the two
 recipients of one message); its scenario id is ``linearizable:race:<name>:<k>``.  For a
 backend that declares ``Capability.MULTI_PROCESS`` each race is run a second time with B
@@ -25,8 +30,10 @@ from dataclasses import dataclass
 
 from conformance.concurrency.history_workers import Worker, WorkerPlan, drain
 from conformance.concurrency.linearizability import Recorded, Verdict, check_history
+from conformance.concurrency.sync_cover import uncovered_acks
 from conformance.crashexplore.traced_runs import ScratchIO, scratch_base
 from conformance.harness.backend_factory import Backend
+from faultinject.fault_errors import ModelError
 from faultinject.seam import FaultyIO
 from queue_ref.storage import (
     Handle,
@@ -79,6 +86,8 @@ BY_NAME = {r.name: r for r in RACES}
 B_GRACE = 0.3
 #: How long a caller may take once both run (longer: it hangs, which is an error).
 HANG = 30.0
+#: How long each sync call is held open, seconds.
+SYNC_HOLD = 0.0005
 
 
 @dataclass
@@ -137,13 +146,30 @@ _TAKES: dict[str, type[Handle]] = {
 }
 
 
-def _act(w: Worker, call: str, entry: str) -> Callable[[], object]:
+def _act(w: Worker, call: str, entry: str, io: FaultyIO) -> Callable[[], object]:
     if call == "list_queue":
         return lambda: w.listing("list_queue")
     h = _entry(w, _TAKES[call], entry)
     sched = Schedule(777, 3) if w.plan.name == "A" else Schedule(555, 2)
     arg = sched if call in ("reschedule", "send_cancel") else None
-    return lambda: w.transition(call, h, arg)
+
+    def act() -> object:
+        with io.operation(call) as span:
+            got = w.transition(call, h, arg)
+        if w.history[-1].outcome != "moved":  # failed or found nothing: no acknowledgement
+            span.outcome = w.history[-1].outcome
+        return got
+
+    return act
+
+
+def _sync_cover(io: FaultyIO) -> list[tuple[str, str]]:
+    """The sync-cover rule's findings on the race's trace."""
+    try:
+        found = uncovered_acks(io.initial, io.events, io.operations)
+    except ModelError as e:
+        return [("C9", f"the race's trace cannot be replayed for the sync-cover rule: {e}")]
+    return [(u.clause, f"{u.detail()}: {' / '.join(u.excerpt)}") for u in found]
 
 
 def _thread(fn: Callable[[], object], errors: list[BaseException]) -> threading.Thread:
@@ -161,7 +187,7 @@ def _thread(fn: Callable[[], object], errors: list[BaseException]) -> threading.
 def run_race(backend: Backend, race: Race, k: int, bound: int) -> RaceRun:
     """Race ``race`` with A stopped before its ``k``-th mutating call."""
     root = tempfile.mkdtemp(prefix="queue-ref-race-", dir=scratch_base())
-    io = FaultyIO(root, inner=ScratchIO())
+    io = FaultyIO(root, inner=ScratchIO(), sync_hold=SYNC_HOLD)
     store = backend.open(root, io)
     store_b: Storage | None = None
     errors: list[BaseException] = []
@@ -175,7 +201,7 @@ def run_race(backend: Backend, race: Race, k: int, bound: int) -> RaceRun:
             store_b = backend.open(root)
         b = Worker(store_b or store, WorkerPlan("B", 2, 0, race.hold))
         ea, eb = _prepare(race, a, b, [m.entry_id for m in mails])
-        run_a, run_b = _act(a, race.a, ea), _act(b, race.b, eb)
+        run_a, run_b = _act(a, race.a, ea, io), _act(b, race.b, eb, io)
         gate = io.pause_at(io.mutating_count + k)
         ta = _thread(run_a, errors)
         while not gate.wait_reached(0.005) and ta.is_alive():
@@ -201,6 +227,8 @@ def run_race(backend: Backend, race: Race, k: int, bound: int) -> RaceRun:
         left = drain(store, race.hold)
         fp = store.footprint()
         problems = a.problems + b.problems
+        if not race.other:  # B's own Storage works outside the seam: no whole trace
+            problems += _sync_cover(io)
         if fp.objects or fp.bytes:
             problems.append(("C8", f"after the race and a full drain {fp.objects} objects, "
                                    f"{fp.bytes} bytes remain"))

@@ -21,7 +21,8 @@ files are inodes, not names:
   sync ended for (a temp name left to recovery, an unlink recovery finishes) is not judged:
   whether its loss is harmless is the crash exploration's to say, per crash point.
 
-A finding is a change judged whose covering syncs ended in time all began before it: the
+Only operations whose success the contract makes durable are judged (``JUDGED``).  A
+finding is a change judged whose covering syncs ended in time all began before it: the
 operation rode a sync already running.  The rule needs no luck with timing: it reads the
 order of the calls, not a power cut.  It cannot see a change made for the operation by
 another thread (a group commit's leader running a caller's step), which counts as the other
@@ -39,6 +40,10 @@ from faultinject.ops import Create, Link, Remove, Rename, SyncDir, SyncFile, Syn
 from faultinject.replay import replay
 from faultinject.trace import OperationSpan, TraceEvent
 
+#: The operations judged: those whose success the contract makes durable (``send_start``
+#: and ``cleanup`` are not: a claim or a cleanup lost in a crash is redone after it).
+JUDGED = frozenset({"commit", "send_done", "send_cancel", "reschedule", "drop", "hold",
+                    "release", "drop_held"})
 #: The clause an uncovered acknowledgement breaks, by operation (default C9).
 CLAUSE_OF = {"commit": "C1", "send_done": "C3", "drop": "C3", "drop_held": "C3"}
 
@@ -120,7 +125,7 @@ def uncovered_acks(initial: DiskImage, events: Sequence[TraceEvent],
             changes.extend((e, k) for k in _changes(op))
     out: list[Uncovered] = []
     for span in operations:
-        if span.outcome != "ok" or span.ended < 0:
+        if span.outcome != "ok" or span.ended < 0 or span.name not in JUDGED:
             continue
         last: dict[Key, TraceEvent] = {}
         for e, k in changes:
