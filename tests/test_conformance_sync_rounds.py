@@ -43,9 +43,9 @@ def _trace(sync_began: int, sync_ended: int, *, sync: str = "syncfs",
             for i, e in enumerate(events)]
 
 
-def _judge(tmp_path: object, events: list[TraceEvent]) -> list[str]:
+def _judge(tmp_path: object, events: list[TraceEvent], op: str = "commit") -> list[str]:
     root = str(tmp_path)
-    span = OperationSpan("commit", T1, 1, 20, "ok")
+    span = OperationSpan(op, T1, 1, 20, "ok")
     return [f"{u.clause}: {u.detail()}" for u in uncovered_acks(snapshot(root), events, [span])]
 
 
@@ -59,6 +59,13 @@ def test_a_sync_that_began_before_the_change_is_ridden_c1(tmp_path: object) -> N
     found = _judge(tmp_path, _trace(4, 9))
     assert len(found) == 1 and found[0].startswith("C1: commit returned success")
     assert "the data of file" in found[0] and "began at 4" in found[0]
+
+
+def test_each_operation_names_its_clause_and_a_claim_is_not_judged(tmp_path: object) -> None:
+    """A claim lost in a power cut is redone: ``send_start`` need not be durable."""
+    assert _judge(tmp_path, _trace(4, 9), "send_done")[0].startswith("C3: send_done")
+    assert _judge(tmp_path, _trace(4, 9), "reschedule")[0].startswith("C9: reschedule")
+    assert _judge(tmp_path, _trace(4, 9), "send_start") == []
 
 
 def test_a_directory_fsync_begun_before_the_create_is_ridden(tmp_path: object) -> None:
