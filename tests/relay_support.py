@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +30,8 @@ from dnslib.dns import DNSError
 from dnslib.server import BaseResolver, DNSLogger, DNSServer
 from hypothesis import strategies as st
 
+from queue_ref.opener import open_queue
+from queue_ref.operate.queue_actions import EntryInfo, listing
 from queue_ref.relay.relay_config import RelayConfig, new_event_loop
 from queue_ref.relay.relay_server import Relay
 
@@ -226,6 +229,61 @@ class Sink:
             return list(self.state.messages)
 
 
+# ---- raw SMTP dialogues ----
+
+#: a step of ``raw_dialogue`` that closes the connection there, without QUIT
+DROP = (b"", -1)
+
+
+def raw_dialogue(port: int, steps: list[bytes | tuple[bytes, int]], host: str = "127.0.0.1",
+                 timeout: float = 10.0) -> list[str]:
+    """An SMTP session over a plain socket: the greeting, then each step sent and its
+    replies read.  A ``bytes`` step is one command line (CRLF added) with one reply; a
+    ``(chunk, n)`` step is sent as it is in one write (pipelined commands, DATA content)
+    and has ``n`` replies; ``DROP`` closes the connection.  The replies, greeting first,
+    each with all its lines joined by CRLF; the server closing early ends the list."""
+    out: list[str] = []
+    with socket.create_connection((host, port), timeout=timeout) as s:
+        f = s.makefile("rb")
+
+        def reply() -> str | None:
+            lines = []
+            while True:
+                line = f.readline()
+                if not line:
+                    return None
+                lines.append(line.rstrip(b"\r\n").decode("utf-8", "replace"))
+                if line[3:4] != b"-":
+                    return "\r\n".join(lines)
+
+        replies = [(b"", 1), *((x + b"\r\n", 1) if isinstance(x, bytes) else x for x in steps)]
+        for chunk, n in replies:
+            if n < 0:
+                break
+            s.sendall(chunk)
+            for _ in range(n):
+                got = reply()
+                if got is None:
+                    return out
+                out.append(got)
+    return out
+
+
+def queued_entries(queue: str) -> list[EntryInfo]:
+    """The QUEUED and HELD entries of the queue in ``queue`` (no relay running on it), as
+    ``queue-ref mailq --json`` lists them, ``schedule.reason`` their last failure."""
+    store = open_queue(queue)
+    try:
+        return [info for _, info in listing(store)]
+    finally:
+        store.close()
+
+
+def codes(replies: list[str]) -> str:
+    """The reply codes of ``raw_dialogue``'s replies, space-separated."""
+    return " ".join(r[:3] for r in replies)
+
+
 # ---- the relay in this process ----
 
 
@@ -237,6 +295,24 @@ def relay_config(queue: str, **kw: Any) -> RelayConfig:
         smtp_connect_timeout=5.0, smtp_timeout=10.0, smtpd_timeout=30.0)
     base.update(kw)
     return RelayConfig(**base).validate()
+
+
+def smtp_send(port: int, mail_from: str, rcpts: list[str],
+              body: bytes = b"Subject: t\r\n\r\nhi\r\n", options: tuple[str, ...] = ()) -> str:
+    """Send one message to the relay on ``port`` with smtplib (every reply must be 2xx);
+    the queue id its 250 named."""
+    import smtplib
+
+    with smtplib.SMTP("127.0.0.1", port, timeout=10) as c:
+        c.ehlo("client.test")
+        code, msg = c.mail(mail_from, list(options))
+        assert code == 250, msg
+        for r in rcpts:
+            code, msg = c.rcpt(r)
+            assert code == 250, (r, code, msg)
+        code, msg = c.data(body)
+        assert code == 250, msg
+        return msg.decode().rsplit(" ", 1)[1]
 
 
 class RelayThread:

@@ -20,7 +20,14 @@ from hypothesis import strategies as st
 from queue_ref.opener import open_queue
 from queue_ref.relay.mx_routing import Router
 from queue_ref.relay.smtp_address import PLAIN_ADDRESS, plain_quoted
-from tests.relay_support import DnsServer, RelayThread, Sink, plain_addresses, relay_config
+from tests.relay_support import (
+    DnsServer,
+    RelayThread,
+    Sink,
+    plain_addresses,
+    relay_config,
+    smtp_send,
+)
 
 ZONE = {
     "ok.test": [("MX", (10, "mx1.ok.test"))],
@@ -47,17 +54,7 @@ def config(tmp_path, dns: DnsServer, sink: Sink, **kw):
                         smtp_port=sink.port, log_json=True, **kw)
 
 
-def send(port: int, mail_from: str, rcpts: list[str], body: bytes = b"Subject: t\r\n\r\nhi\r\n"
-         ) -> str:
-    with smtplib.SMTP("127.0.0.1", port, timeout=10) as c:
-        c.ehlo("client.test")
-        c.mail(mail_from)
-        for r in rcpts:
-            code, msg = c.rcpt(r)
-            assert code == 250, (r, code, msg)
-        code, msg = c.data(body)
-        assert code == 250, msg
-        return msg.decode().rsplit(" ", 1)[1]
+send = smtp_send
 
 
 def test_routes_from_a_real_dns_server(tmp_path):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import email
 import email.policy
-import smtplib
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import pytest
 import queue_ref.relay.delivery_scheduler as delivery_scheduler
 from queue_ref.opener import open_queue
 from tests.relay_faulty_steps import CALLS, trigger_of
-from tests.relay_support import DnsServer, RelayThread, Sink, relay_config
+from tests.relay_support import DnsServer, RelayThread, Sink, relay_config, smtp_send
 
 ZONE = {
     "ok.test": [("MX", (10, "mx.ok.test"))],
@@ -34,18 +33,6 @@ def _config(tmp_path: Path, dns: DnsServer, sink: Sink, **kw: Any) -> Any:
                         log_json=True, queue_scan_interval=1.0, **kw)
 
 
-def _send(port: int, mail_from: str, rcpts: list[str], body: bytes,
-          options: tuple[str, ...] = ()) -> str:
-    with smtplib.SMTP("127.0.0.1", port, timeout=10) as c:
-        c.ehlo("client.test")
-        code, msg = c.mail(mail_from, list(options))
-        assert code == 250, msg
-        for r in rcpts:
-            code, msg = c.rcpt(r)
-            assert code == 250, (r, code, msg)
-        code, msg = c.data(body)
-        assert code == 250, msg
-        return msg.decode().rsplit(" ", 1)[1]
 
 
 def _failing_once(fn: Any) -> Any:
@@ -100,7 +87,7 @@ def test_an_error_at_any_step_of_a_job_strands_nothing(tmp_path, monkeypatch, st
             else:
                 monkeypatch.setattr(delivery_scheduler, "build_dsn",
                                     _failing_once(delivery_scheduler.build_dsn))
-            qid = _send(rt.port, "alice@sender.test",
+            qid = smtp_send(rt.port, "alice@sender.test",
                         ["ok@ok.test", "reject@ok.test", "flaky@ok.test"], body)
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
@@ -130,7 +117,7 @@ def test_a_utf8_sender_whose_recipient_is_refused_gets_an_internationalized_boun
     body = "Subject: café\r\nFrom: José <jösé@sender.test>\r\n\r\nolá\r\n".encode()
     with DnsServer(ZONE) as dns, Sink() as sink:
         with RelayThread(_config(tmp_path, dns, sink)) as rt:
-            qid = _send(rt.port, "jösé@sender.test", ["reject@ok.test"], body,
+            qid = smtp_send(rt.port, "jösé@sender.test", ["reject@ok.test"], body,
                         ("SMTPUTF8", "BODY=8BITMIME"))
             got = sink.wait_for(1)
             sizes = _wait_drained(rt)
@@ -157,7 +144,7 @@ def test_a_bounce_too_large_to_return_whole_carries_the_headers_and_says_so(tmp_
     big = b"Subject: big\r\n\r\n" + b"x" * 998 + b"\r\n" + (b"y" * 70 + b"\r\n") * 2000
     with DnsServer(ZONE) as dns, Sink() as sink, RelayThread(
             _config(tmp_path, dns, sink, bounce_size_limit=10_000)) as rt:
-        _send(rt.port, "alice@sender.test", ["reject@ok.test"], big)
+        smtp_send(rt.port, "alice@sender.test", ["reject@ok.test"], big)
         [bounce] = sink.wait_for(1)
         _wait_drained(rt)
     assert "SMTPUTF8" not in bounce.mail_options

@@ -43,10 +43,7 @@ def register(subparsers: Any) -> None:
     e = sub.add_parser("explore", help="crash a backend at every mutating call of short "
                                        "workloads and at rest after them, and judge every "
                                        "recovered state")
-    e.add_argument("--backend", default="fs",
-                   help="registered name (see 'crash backends') or package.module:factory")
-    e.add_argument("--model", default="weak",
-                   help=f"persistence model: {', '.join(MODELS)}, or 'all'")
+    _target(e, "weak")
     e.add_argument("--bound", type=int, default=3,
                    help="longest exhaustive workload, in operations (default 3)")
     e.add_argument("--after-life", type=int, default=-1, metavar="BOUND",
@@ -64,31 +61,20 @@ def register(subparsers: Any) -> None:
     e.add_argument("--recovery-sample", type=int, default=3, metavar="K",
                    help="states per crash point whose recovery is crashed (0: all)")
     e.add_argument("--no-eio", action="store_true", help="do not inject EIO into fsyncs")
-    e.add_argument("--exhaustive-limit", type=int, default=10,
-                   help="pending operations up to which every combination is built")
-    e.add_argument("--random-states", type=int, default=8,
-                   help="random states per crash point beyond that limit")
-    e.add_argument("--json", action="store_true", help="print one JSON object last")
+    _states(e, 10, 8)
     e.set_defaults(func=cmd_explore)
 
     rl = sub.add_parser("relay", help="crash the relay's commits and finishing steps at every "
                                       "storage call; run the relay again on each recovered "
                                       "state and judge it by the relay contract")
-    rl.add_argument("--backend", default="fs",
-                    help="registered name (see 'crash backends') or package.module:factory")
-    rl.add_argument("--model", default="all",
-                    help=f"persistence model: {', '.join(MODELS)}, or 'all' (default)")
+    _target(rl, "all")
     rl.add_argument("--scenario", default="all",
                     help="relay scenarios, comma-separated, or 'all' (default)")
     rl.add_argument("--every", type=int, default=1, metavar="N",
                     help="crash only every N-th crash point (default 1: all)")
     rl.add_argument("--variant", default="",
                     help="a broken scheduler the exploration must catch, by name")
-    rl.add_argument("--exhaustive-limit", type=int, default=6,
-                    help="pending operations up to which every combination is built")
-    rl.add_argument("--random-states", type=int, default=4,
-                    help="random states per crash point beyond that limit")
-    rl.add_argument("--json", action="store_true", help="print one JSON object last")
+    _states(rl, 6, 4)
     rl.set_defaults(func=cmd_relay)
 
     r = sub.add_parser("reproduce", help="rebuild one crash state from its scenario id")
@@ -98,6 +84,21 @@ def register(subparsers: Any) -> None:
 
     b = sub.add_parser("backends", help="list the backends crash exploration can drive")
     b.set_defaults(func=cmd_backends)
+
+
+def _target(p: argparse.ArgumentParser, model: str) -> None:
+    p.add_argument("--backend", default="fs",
+                   help="registered name (see 'crash backends') or package.module:factory")
+    p.add_argument("--model", default=model,
+                   help=f"persistence model: {', '.join(MODELS)}, or 'all' (default {model})")
+
+
+def _states(p: argparse.ArgumentParser, exhaustive: int, random_states: int) -> None:
+    p.add_argument("--exhaustive-limit", type=int, default=exhaustive,
+                   help="pending operations up to which every combination is built")
+    p.add_argument("--random-states", type=int, default=random_states,
+                   help="random states per crash point beyond that limit")
+    p.add_argument("--json", action="store_true", help="print one JSON object last")
 
 
 def _config(args: argparse.Namespace) -> ExploreConfig:
@@ -233,26 +234,20 @@ def cmd_relay(args: argparse.Namespace) -> int:
 def cmd_reproduce(args: argparse.Namespace) -> int:
     from conformance.crashexplore import relay_crash
 
-    if relay_crash.is_relay_scenario(args.scenario):
-        try:
-            rrep = relay_crash.reproduce_relay(args.scenario)
-        except (ValueError, UnknownBackendError) as e:
-            Console(stderr=True).print(f"[red]error:[/red] {e}")
-            return 2
-        for line in rrep.lines():
-            print(line)
-        if args.json:
-            print(json.dumps(rrep.to_json(), sort_keys=True))
-        return 1 if rrep.violations else 0
+    relay = relay_crash.is_relay_scenario(args.scenario)
+    unreadable = (ValueError if relay else ScenarioError, UnknownBackendError)
+    rep: Any
     try:
-        rep = reproduce(args.scenario)
-    except (ScenarioError, UnknownBackendError) as e:
+        rep = relay_crash.reproduce_relay(args.scenario) if relay else reproduce(args.scenario)
+    except unreadable as e:
         Console(stderr=True).print(f"[red]error:[/red] {e}")
         return 2
     for line in rep.lines():
         print(line)
     if args.json:
         print(json.dumps(rep.to_json(), sort_keys=True))
+    if relay:
+        return 1 if rep.violations else 0
     if rep.outcome.error:
         return 2
     return 0 if rep.ok else 1
