@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -221,3 +223,44 @@ def test_the_relay_configuration_names_the_queue(
                  ["mailq", "--queue", str(q), "--config", str(conf)]):
         code, _, err = run(capsys, *argv)
         assert code == 2 and len(err.strip().splitlines()) == 1, (argv, err)
+
+
+@pytest.mark.parametrize("command", [["mailq", "--json"], ["mailq"]])
+def test_mailq_prints_each_message_as_it_is_found(tmp_path: Path, command: list[str]) -> None:
+    """The first message is printed before the rest of the queue is read: a message
+    deleted after mailq printed its first line (mailq then blocked on a full pipe, far
+    before the end) is not shown, and the totals count what was shown."""
+    q = tmp_path / "q"
+    pad = "x" * 2000  # about 2 KB of output per message: 200 of them outgrow the pipe
+    with open_queue(str(q), "fs") as store:
+        ids = []
+        for i in range(200):
+            with store.enqueue(f"s{i}@sender.example", {"pad": pad}) as enq:
+                enq.write(b"Subject: streamed\r\n\r\nbody\r\n")
+                ids.append(enq.commit([Recipient(f"u{i}@d.example", Schedule(LATER))])[0])
+    proc = subprocess.Popen([sys.executable, "-m", "conformance.cli", *command, "--queue",
+                             str(q)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        assert ids[0].message_id in first or first.startswith("-Queue ID-")
+        with open_queue(str(q), "fs") as store:  # the last message, gone meanwhile
+            pending = store.drop(next(h for h in store.list_queue()
+                                      if h.message_id == ids[-1].message_id))
+            assert pending is not None and store.cleanup(pending)
+        rest = proc.stdout.read()
+        assert proc.wait(60) == 0, proc.stderr.read() if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for f in (proc.stdout, proc.stderr):
+            if f is not None:
+                f.close()
+    out = first + rest
+    assert ids[0].message_id in out and ids[-2].message_id in out
+    assert ids[-1].message_id not in out
+    if "--json" in command:
+        assert json.loads(out.splitlines()[-1])["messages"] == 199
+    else:
+        assert out.rstrip().endswith("in 199 Requests, 199 recipients.")

@@ -45,8 +45,15 @@ class Refused(QueueError):
     """The queue cannot be opened by this process now (exit status 1)."""
 
 
-def open_for_operator(path: str, backend: str | None) -> tuple[Storage, str]:
+def open_for_operator(path: str, backend: str | None, *, recover: bool = True
+                      ) -> tuple[Storage, str]:
     """Open an existing queue for an operator command; never creates one.
+
+    ``recover=False`` (the listings, ``mailq`` and ``qshape``, which change no entry): a
+    filesystem queue is opened without its recovery, which reads every queued entry, so
+    the first entry is listed at once whatever the queue holds; what a crash left is
+    skipped by the listings (an uncommitted enqueue's link) or shown as it is (a dead
+    process's claim: in delivery) until the next recovery.
 
     InvalidInputError when ``path`` is not a queue directory (or the backend is unknown);
     Refused when a relay holds a KV queue (single-process stores).
@@ -70,6 +77,10 @@ def open_for_operator(path: str, backend: str | None) -> tuple[Storage, str]:
             raise Refused(f"the relay (pid {pid}) works on this KV queue, and a KV queue is "
                           "opened by one process only: stop the relay first, or use a "
                           "filesystem queue, which operators share with a running relay")
+    if not recover and kind in ("fs", "fs-fsync"):
+        from queue_ref.fsqueue import FsQueue
+
+        return FsQueue(path, recover=False, sync="fsync" if kind == "fs-fsync" else None), kind
     return open_queue(path, kind), kind
 
 
@@ -108,24 +119,18 @@ def _one_line(text: str) -> str:
 
 
 def _mailq(store: Storage, args: argparse.Namespace) -> int:
-    # An entry claimed between the two listings is in both: the later one (in delivery) wins.
-    latest = {i.entry_id: i for i in [info for _, info in qa.listing(store)]
-              + qa.in_delivery(store)}
-    infos = sorted(latest.values(), key=lambda i: (i.arrival_ns, i.message_id, i.rcpt_index))
-    msgs = qa.group_messages(infos)
-    nrcpt = sum(len(m.entries) for m in msgs)
-    size = sum(m.size for m in msgs)
-    if args.json:
-        for m in msgs:
-            print(json.dumps(m.to_json()))
-        print(json.dumps({"messages": len(msgs), "recipients": nrcpt, "bytes": size}))
-        return 0
-    if not msgs:
-        print("Mail queue is empty")
-        return 0
-    print(f"{'-Queue ID-':<42} {'--Size--':>8} {'----Arrival Time----':<20} "
-          "-Sender/Recipient-------")
-    for m in msgs:
+    """Each message as it is found, in the backend's listing order (Postfix's mailq: queue
+    scan order), so the first line comes at once and nothing of the queue is kept; the
+    totals follow the last message."""
+    n_msgs = nrcpt = size = 0
+    for m in qa.stream_messages(qa.stream(store)):
+        if not n_msgs and not args.json:
+            print(f"{'-Queue ID-':<42} {'--Size--':>8} {'----Arrival Time----':<20} "
+                  "-Sender/Recipient-------")
+        n_msgs, nrcpt, size = n_msgs + 1, nrcpt + len(m.entries), size + m.size
+        if args.json:
+            print(json.dumps(m.to_json()), flush=n_msgs == 1)
+            continue
         mark = "*" if m.in_delivery else "!" if m.held else " "
         print(f"{m.message_id + mark:<42} {m.size:>8} {_fmt_time(m.arrival_ns):<20} "
               f"{m.mail_from or 'MAILER-DAEMON'}")
@@ -135,14 +140,20 @@ def _mailq(store: Storage, args: argparse.Namespace) -> int:
             if e.schedule.reason:
                 print(f"({_one_line(e.schedule.reason)})")
             print(f"{'':<72} {e.rcpt}  ({e.entry_id}: {how})")
-        print()
-    print(f"-- {(size + 1023) // 1024} Kbytes in {len(msgs)} Request"
-          f"{'s' if len(msgs) != 1 else ''}, {nrcpt} recipient{'s' if nrcpt != 1 else ''}.")
+        print(flush=n_msgs == 1)  # the first at once, the rest as the buffer fills
+    if args.json:
+        print(json.dumps({"messages": n_msgs, "recipients": nrcpt, "bytes": size}))
+    elif not n_msgs:
+        print("Mail queue is empty")
+    else:
+        print(f"-- {(size + 1023) // 1024} Kbytes in {n_msgs} Request"
+              f"{'s' if n_msgs != 1 else ''}, {nrcpt} recipient{'s' if nrcpt != 1 else ''}.")
     return 0
 
 
 def _qshape(store: Storage, args: argparse.Namespace) -> int:
-    infos = [i for _, i in qa.listing(store) if not args.held or i.state == "held"]
+    """Counted while the queue is listed (``qa.scan``): no entry is kept."""
+    infos = (i for _, i in qa.scan(store) if not args.held or i.state == "held")
     rows = qa.qshape(infos, time.time_ns(), by=args.by, top=args.top)
     if args.json:
         print(json.dumps({"by": args.by, "held_only": args.held, "columns": list(qa.AGE_COLUMNS),
@@ -253,12 +264,16 @@ def _where(args: argparse.Namespace) -> tuple[str, str | None]:
     return cfg.queue, args.backend if args.backend is not None else cfg.backend
 
 
+#: The commands that only list (no entry changes): they open a queue without recovery.
+_LISTINGS = frozenset({"mailq", "qshape"})
+
+
 def _run(name: str, fn: Callable[[Storage, argparse.Namespace], int],
          args: argparse.Namespace) -> int:
     try:
         queue, backend = _where(args)
         args.queue = os.path.abspath(queue)
-        store, _ = open_for_operator(args.queue, backend)
+        store, _ = open_for_operator(args.queue, backend, recover=name not in _LISTINGS)
     except InvalidInputError as e:
         print(f"queue-ref {name}: {e}", file=sys.stderr)
         return 2

@@ -32,7 +32,7 @@ from queue_ref.storage import (
 __all__ = [
     "AGE_BUCKETS", "ActionResult", "EntryInfo", "MessageInfo", "check_domain", "delete",
     "domain_of", "flush", "group_messages", "hold", "in_delivery", "listing", "qshape",
-    "release", "requeue", "select",
+    "release", "requeue", "scan", "select", "stream", "stream_messages",
 ]
 
 #: Postfix qshape's age columns, in minutes: an entry younger than 5 minutes counts
@@ -132,24 +132,40 @@ def _handles(store: Storage) -> Iterator[Handle]:
 def listing(store: Storage) -> list[tuple[Handle, EntryInfo]]:
     """Every QUEUED and HELD entry with its envelope, oldest message first.  Entries a
     sender holds INFLIGHT right now are not listed (no listing may take them from it)."""
-    out = []
+    out = list(scan(store))
+    out.sort(key=lambda x: (x[1].arrival_ns, x[1].message_id, x[1].rcpt_index))
+    return out
+
+
+def scan(store: Storage) -> Iterator[tuple[Handle, EntryInfo]]:
+    """The entries of ``listing`` as the backend lists them (QUEUED, then HELD), each as
+    soon as it is read: nothing is kept, so the first comes at once whatever the queue
+    holds."""
     for h in _handles(store):
         state = "held" if isinstance(h, HeldMail) else "queued"
         try:
             reader = store.inspect_entry(h)  # type: ignore[arg-type]
         except UnsupportedError:
-            out.append((h, EntryInfo(h.entry_id, h.message_id, state, "", -1, "", "", {},
-                                     h.schedule, 0, 0)))
+            yield h, EntryInfo(h.entry_id, h.message_id, state, "", -1, "", "", {},
+                               h.schedule, 0, 0)
             continue
         if reader is None:
             continue  # claimed or moved since it was listed
         with reader:
             m = reader.meta
-        out.append((h, EntryInfo(m.entry_id, m.message_id, state, m.rcpt, m.rcpt_index,
-                                 m.zone, m.mail_from, dict(m.params), m.schedule, m.body_size,
-                                 m.arrival_ns)))
-    out.sort(key=lambda x: (x[1].arrival_ns, x[1].message_id, x[1].rcpt_index))
-    return out
+        yield h, EntryInfo(m.entry_id, m.message_id, state, m.rcpt, m.rcpt_index, m.zone,
+                           m.mail_from, dict(m.params), m.schedule, m.body_size, m.arrival_ns)
+
+
+def stream(store: Storage) -> Iterator[EntryInfo]:
+    """What ``mailq`` shows, as it is found: the entries in delivery first (a sender's
+    few), then ``scan``; an entry claimed meanwhile is shown once, in delivery."""
+    busy = in_delivery(store)
+    shown = {i.entry_id for i in busy}
+    yield from busy
+    for _, info in scan(store):
+        if info.entry_id not in shown:
+            yield info
 
 
 def in_delivery(store: Storage) -> list[EntryInfo]:
@@ -175,6 +191,25 @@ def group_messages(infos: Iterable[EntryInfo]) -> list[MessageInfo]:
     for m in by_id.values():
         m.entries.sort(key=lambda e: e.rcpt_index)
     return list(by_id.values())
+
+
+def stream_messages(infos: Iterable[EntryInfo]) -> Iterator[MessageInfo]:
+    """``group_messages`` as it streams: the entries of one message that come one after
+    another make one MessageInfo, given as soon as the next message's entry comes.  A
+    message whose entries are listed apart (some held, some queued or in delivery) comes
+    once per run of entries."""
+    current: MessageInfo | None = None
+    for e in infos:
+        if current is not None and current.message_id != e.message_id:
+            current.entries.sort(key=lambda x: x.rcpt_index)
+            yield current
+            current = None
+        if current is None:
+            current = MessageInfo(e.message_id, e.mail_from, e.size, e.arrival_ns, e.params)
+        current.entries.append(e)
+    if current is not None:
+        current.entries.sort(key=lambda x: x.rcpt_index)
+        yield current
 
 
 def select(listed: Sequence[tuple[Handle, EntryInfo]], *, ids: Sequence[str] = (),
@@ -309,12 +344,12 @@ def qshape(infos: Iterable[EntryInfo], now_ns: int, *, by: str = "recipient",
         raise InvalidInputError(f"--by must be recipient or sender, not {by!r}")
     rows: dict[str, list[int]] = {}
     total = [0] * len(AGE_COLUMNS)
-    seen: set[str] = set()
+    last = None  # a message's entries come one after another (``scan``): counted once
     for e in infos:
         if by == "sender":
-            if e.message_id in seen:
+            if e.message_id == last:
                 continue
-            seen.add(e.message_id)
+            last = e.message_id
             key = domain_of(e.mail_from) or "MAILER-DAEMON"
         else:
             key = domain_of(e.rcpt)
