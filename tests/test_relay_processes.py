@@ -196,3 +196,38 @@ def test_processes_a_backend_cannot_share_or_a_bad_count_are_refused(tmp_path):
                  "--listen", f"127.0.0.1:{busy.getsockname()[1]}")
     assert r.returncode == 1 and "cannot listen on 127.0.0.1:" in r.stderr
     assert not os.path.exists(tmp_path / "q" / PID_FILE)
+
+
+def test_the_master_exits_only_after_every_worker_stopped(tmp_path):
+    """SIGTERM: the master waits for each worker's orderly stop (a delivery cut short by
+    ``shutdown_timeout`` and put back) before it exits 0: no worker outlives it, so a new
+    relay never meets the old one's workers on the queue."""
+    queue = str(tmp_path / "q")
+    with Sink() as sink:
+        cfg = tmp_path / "relay.toml"
+        cfg.write_text(f'queue = "{queue}"\nlisten = "127.0.0.1:0"\nprocesses = 2\n'
+                       f'relayhost = "[127.0.0.1]:{sink.port}"\nshutdown_timeout = "1s"\n')
+        with relay_process(["--config", str(cfg)]) as (rp, port):
+            assert _wait(lambda: len(_workers(rp)) == 2)
+            workers = list(_workers(rp).values())
+            with smtplib.SMTP("127.0.0.1", port, timeout=10) as c:  # the sink holds DATA
+                c.sendmail("a@example.org", ["slow1@example.net"], b"Subject: s\r\n\r\nx\r\n")
+            assert _wait(lambda: sink.state.connections >= 1)
+            time.sleep(0.3)  # the delivery is in DATA
+            rp.send_signal(signal.SIGTERM)
+            assert rp.wait(60) == 0
+            alive = []
+            for pid in workers:
+                try:
+                    os.kill(pid, 0)
+                    alive.append(pid)
+                except ProcessLookupError:
+                    pass
+            err = rp.stderr()
+    assert alive == [], f"workers {alive} outlived their master"
+    lines = err.splitlines()
+    stops = [i for i, line in enumerate(lines) if "relay, what=stopped" in line]
+    master = [i for i in stops if f"relay[{rp.pid}]" in lines[i]]
+    assert len(stops) == 3 and master == [max(stops)], lines[-10:]
+    with open_queue(queue) as q:  # the delivery cut short is queued again, not lost
+        assert [h.message_id for h in q.list_queue()] and list(q.find_inflight()) == []
