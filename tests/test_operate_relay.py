@@ -78,3 +78,24 @@ def test_held_mail_waits_for_release_under_a_running_relay(
 def entry_ids(queue: str, names: tuple[str, ...]) -> list[str]:
     with open_queue(queue) as q:
         return [i.entry_id for _, i in qa.listing(q) if i.rcpt.split("@")[0] in names]
+
+
+def test_flush_wakes_the_running_relay_which_delivers_at_once(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`queue-ref flush` makes deferred mail due and wakes the relay (SIGUSR1), which then
+    delivers it at once, not at its next scan (300 s); nothing to flush wakes nobody."""
+    queue = str(tmp_path / "q")
+    enqueue(queue, ["later0", "later1"], at=int(time.time()) + 3600)
+    with Sink() as sink, relay_process(["--queue", queue, "--listen", "127.0.0.1:0",
+                                        "--relayhost", f"[127.0.0.1]:{sink.port}"]) as (proc, _):
+        time.sleep(0.5)
+        assert sink.state.rcpts() == []
+        res = cmd(capsys, "flush", "--queue", queue)
+        assert res["changed"] == 2 and res["relay_woken"] is True
+        sink.wait_for(2, timeout=10)
+        assert sorted(sink.state.rcpts()) == ["later0@example.net", "later1@example.net"]
+        time.sleep(0.3)
+        res = cmd(capsys, "flush", "--queue", queue)
+        assert res["changed"] == 0 and res["relay_woken"] is False
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
