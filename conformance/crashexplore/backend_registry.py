@@ -1,6 +1,7 @@
 """Backends the crash explorer can drive, by name.
 
-Names are looked up in ``REGISTRY``: ``fs``, ``fs-syncfs``, ``fs-fsync``, ``kv``
+Names are looked up in ``REGISTRY``: ``fs``, ``fs-syncfs``, ``fs-fsync``, ``fs-two-roots``,
+``kv``
 (``explored_backends``) and the broken variants ``fs-broken-*`` (``broken_fs_variants``),
 or given as a dotted path ``package.module:factory`` naming any callable
 ``factory(root, io) -> Storage``, so a backend outside this project is explored the same
@@ -18,6 +19,7 @@ from conformance.crashexplore.explored_backends import (
     deterministic_fs,
     open_fs,
     open_fs_mode,
+    open_fs_two_roots,
     open_kv,
 )
 from conformance.harness.backend_factory import FactoryError, load_factory
@@ -43,6 +45,9 @@ register(BackendSpec("fs-syncfs", open_fs_mode("syncfs"),
 register(BackendSpec("fs-fsync", open_fs_mode("fsync"),
                      "the filesystem queue, files fsynced by their writers, directory fsyncs "
                      "shared", "queue_ref.fsqueue"))
+register(BackendSpec("fs-two-roots", open_fs_two_roots,
+                     "one queue over two filesystem queues (queue_ref.multi_root), new mail "
+                     "spread between them", "queue_ref.multi_root"))
 register(BackendSpec("kv", open_kv, "the KV queue over the Python log engine",
                      "queue_ref.kv.kv_queue"))
 for _v in VARIANTS:

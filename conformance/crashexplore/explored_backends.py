@@ -2,8 +2,8 @@
 
 A backend is opened by ``BackendSpec.open(root, io)``: a Storage on the queue directory
 ``root`` whose every disk call goes through ``io``, with recovery run before it returns.
-``backend_registry`` names them (``fs``, ``fs-syncfs``, ``fs-fsync``, ``kv``, and the
-broken variants of ``broken_fs_variants``).
+``backend_registry`` names them (``fs``, ``fs-syncfs``, ``fs-fsync``, ``fs-two-roots``,
+``kv``, and the broken variants of ``broken_fs_variants``).
 
 Crash exploration reruns a workload once per crash point and compares the traces, so a
 backend must make the same calls each run.  The filesystem queue draws a random owner
@@ -16,6 +16,7 @@ it sorts after them, as a random one almost surely would not) and a clock counti
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from collections.abc import Callable
@@ -120,6 +121,25 @@ def open_fs_mode(mode: str) -> Opener:
         return deterministic_fs(Mode)(root, io)
 
     return open_fs
+
+
+def make_dir(path: str, io: IO) -> None:
+    """Create the directory ``path`` durably (its parent fsynced) if it is missing."""
+    if not io.is_dir(path):
+        with contextlib.suppress(FileExistsError):
+            io.mkdir(path)
+        io.fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def open_fs_two_roots(root: str, io: IO) -> Storage:
+    """One queue over two roots, ``root/a`` and ``root/b``, each the filesystem queue
+    opened by ``open_fs`` (names derived from its own directory), every call of both
+    through ``io``: a crash stops both roots at once, wherever either one was."""
+    from queue_ref.multi_root import MultiRootQueue
+
+    make_dir(root, io)
+    subs = [os.path.join(root, name) for name in ("a", "b")]
+    return MultiRootQueue({sub: (lambda sub=sub: open_fs(sub, io)) for sub in subs})
 
 
 #: The KV queue's clock, fixed: creation stamps are then the same in every rerun.

@@ -2,6 +2,7 @@
 
     queue-ref certify conformance.examples.backends:fs
     queue-ref certify conformance.examples.backends:fs_fsync
+    queue-ref certify conformance.examples.backends:fs_two_roots
     queue-ref certify conformance.examples.backends:kv_log
     queue-ref certify conformance.examples.backends:kv_leveldb
 
@@ -12,6 +13,8 @@ calls; opened without one it is the plain ``FsQueue``.
 """
 
 from __future__ import annotations
+
+import os
 
 from queue_ref.io import IO
 from queue_ref.storage import Storage
@@ -38,6 +41,21 @@ def fs_fsync(root: str, io: IO | None = None) -> Storage:
     from conformance.crashexplore.explored_backends import open_fs_mode
 
     return open_fs_mode("fsync")(root, io)
+
+
+def fs_two_roots(root: str, io: IO | None = None) -> Storage:
+    """One queue over two roots (``queue_ref.multi_root.MultiRootQueue``): the filesystem
+    queue in ``root/a`` and in ``root/b``, new mail spread between them."""
+    if io is None:
+        from conformance.crashexplore.explored_backends import make_dir
+        from queue_ref.io import OsIO
+        from queue_ref.multi_root import MultiRootQueue
+
+        make_dir(root, OsIO())
+        return MultiRootQueue.open_fs([os.path.join(root, "a"), os.path.join(root, "b")])
+    from conformance.crashexplore.explored_backends import open_fs_two_roots
+
+    return open_fs_two_roots(root, io)
 
 
 def kv_log(root: str, io: IO | None = None) -> Storage:
