@@ -104,6 +104,8 @@ class RelayConfig:
     message_size_limit: int = 10_240_000
     smtpd_recipient_limit: int = 1000
     smtpd_timeout: float = 300.0
+    postmaster_recipient: str = ""  # where RCPT TO:<postmaster> goes; "": postmaster@myhostname
+    hopcount_limit: int = 50  # Received: headers (ours counted) at which DATA gets 554 5.4.6
     smtpd_tls_cert_file: str = ""
     smtpd_tls_key_file: str = ""
     smtpd_tls_security_level: str = "may"  # none, may (STARTTLS with a certificate), encrypt
@@ -148,6 +150,7 @@ class RelayConfig:
     processes: int = 1  # relay processes on the queue (receivers and schedulers; SO_REUSEPORT)
     event_loop: str = "auto"  # uvloop, asyncio, or auto: uvloop where it is installed
     queue_scan_interval: float = 300.0  # Postfix's queue_run_delay: a full listing
+    qmgr_message_active_limit: int = 20_000  # queued entries the scheduler holds at most
     shutdown_timeout: float = 10.0
     log_json: bool = False
     log_file: str = ""  # "": standard error
@@ -158,6 +161,8 @@ class RelayConfig:
             self.myhostname = default_myhostname(self.mydomain)
         if not self.mydomain:
             self.mydomain = self.myhostname.partition(".")[2] or "localdomain"
+        if not self.postmaster_recipient:
+            self.postmaster_recipient = f"postmaster@{self.myhostname}"
 
     # ---- checks ----
 
@@ -182,6 +187,11 @@ class RelayConfig:
             if not _HOSTNAME.fullmatch(getattr(self, name)) or len(getattr(self, name)) > 253:
                 raise ConfigError(f"{name}: {getattr(self, name)!r} is not a host name (letters, "
                                   "digits and hyphens in dot-separated labels of 1 to 63)")
+        from queue_ref.relay.smtp_receiver import valid_address
+
+        if not valid_address(self.postmaster_recipient):
+            raise ConfigError(f"postmaster_recipient: {self.postmaster_recipient!r} is not an "
+                              "address local@domain (where mail to <postmaster> goes)")
         for net in self.mynetworks:
             try:
                 parse_network(net)
@@ -212,9 +222,9 @@ class RelayConfig:
         if bool(self.smtpd_tls_cert_file) != bool(self.smtpd_tls_key_file):
             raise ConfigError("smtpd_tls_cert_file and smtpd_tls_key_file go together")
         self._validate_tls_and_auth()
-        for name in ("message_size_limit", "smtpd_recipient_limit",
+        for name in ("message_size_limit", "smtpd_recipient_limit", "hopcount_limit",
                      "default_destination_concurrency_limit", "max_deliveries",
-                     "smtp_mx_address_limit", "processes"):
+                     "smtp_mx_address_limit", "processes", "qmgr_message_active_limit"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1")
         if self.bounce_size_limit < 0:

@@ -218,7 +218,9 @@ class RelaySMTP(SMTP):
             return
         self.envelope.content = got.content
         self.envelope.original_content = got.content
-        status = await self._call_handler_hook("DATA")
+        # shielded: a client that hangs up after its final dot does not cut the commit
+        # short; the message is committed, logged and delivered, its 250 goes nowhere
+        status = await asyncio.shield(self._call_handler_hook("DATA"))
         self._set_post_data_state()  # type: ignore[no-untyped-call]
         await self.push("250 OK" if status is MISSING else status)
 
