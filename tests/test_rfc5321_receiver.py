@@ -14,6 +14,9 @@ Postfix's smtpd to show where the two differ.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -218,3 +221,22 @@ def test_postmaster_is_taken_from_any_client_and_rewritten(tmp_path):
     assert rewrite["orig_to"] == "postmaster" and rewrite["to"] == POSTMASTER_TO
     assert rewrite["queue_id"] == received["queue_id"]
     assert f"for <{POSTMASTER_TO}>".encode() in got.data
+
+
+def test_check_config_shows_and_validates_postmaster_recipient_and_hopcount_limit(tmp_path):
+    f = tmp_path / "relay.toml"
+    f.write_text('queue = "/var/spool/x"\nmyhostname = "mx.example.org"\n')
+    r = subprocess.run([sys.executable, "-m", "conformance.cli", "relay", "--config", str(f),
+                        "--check-config", "--json"], capture_output=True, text=True, timeout=60)
+    out = json.loads(r.stdout)["config"]
+    assert (out["postmaster_recipient"], out["hopcount_limit"]) == (
+        "postmaster@mx.example.org", 50)
+    for line, error in [('postmaster_recipient = "postmaster"',
+                         "postmaster_recipient: 'postmaster' is not an address local@domain"),
+                        ('postmaster_recipient = "a b@example.org"',
+                         "postmaster_recipient: 'a b@example.org' is not an address"),
+                        ("hopcount_limit = 0", "hopcount_limit: must be at least 1")]:
+        f.write_text(f'queue = "/var/spool/x"\n{line}\n')
+        r = subprocess.run([sys.executable, "-m", "conformance.cli", "relay", "--config", str(f),
+                            "--check-config"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and error in r.stderr, r.stderr
