@@ -7,7 +7,9 @@ Sink behaviour by the recipient's local part: ``defer...`` gets 450 at RCPT, ``r
 ``drop...`` has the connection closed at the end of DATA (no reply), ``slow...`` waits a
 minute before it answers DATA, ``datafail...`` gets a 554 reply to DATA, ``datadefer...``
 a 452 reply to DATA; anything else is accepted.  ``SinkState.script`` names the behaviour
-of an address (one of ``BEHAVIOURS``) and wins over its local part.
+of an address (one of ``BEHAVIOURS``) and wins over its local part.  ``SinkState.at``
+gives every session a scripted reply (or a dropped connection) at a stage, from the
+greeting to the final dot; ``SinkState.without`` leaves keywords out of the EHLO reply.
 """
 
 from __future__ import annotations
@@ -119,6 +121,13 @@ class SinkState:
     connections: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     script: dict[str, str] = field(default_factory=dict)  # address -> one of BEHAVIOURS
+    #: the reply of a stage in every session, instead of the sink's own: "connect" (the
+    #: greeting; the connection is closed after it), "EHLO", "HELO", "MAIL", "RCPT",
+    #: "DATA" (the command; a 354 is followed by the connection closed, a drop in DATA),
+    #: "DOT" (after the final dot); a multiline reply's lines joined by CRLF; "drop": the
+    #: connection closed instead of a reply
+    at: dict[str, str] = field(default_factory=dict)
+    without: set[str] = field(default_factory=set)  # EHLO keywords not offered: "8BITMIME"
 
     def behaviour(self, address: str) -> str:
         """What the sink does to ``address``: its script, else by its local part."""
@@ -150,8 +159,16 @@ class _SinkHandler:
         envelope.rcpt_tos.append(address)
         return "250 2.1.5 Ok"
 
+    async def handle_EHLO(self, server: SMTP, session: Session, envelope: Envelope, hostname: str,
+                          responses: list[str]) -> list[str]:
+        session.host_name = hostname
+        return [r for r in responses if r[4:].split(" ")[0].upper() not in self.state.without]
+
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
-        local = self.state.behaviour(envelope.rcpt_tos[0])
+        dot = self.state.at.get("DOT")
+        local = "drop" if dot == "drop" else self.state.behaviour(envelope.rcpt_tos[0])
+        if dot is not None and dot != "drop":
+            return dot
         if local.startswith("drop"):
             assert server.transport is not None
             server.transport.abort()
@@ -176,6 +193,44 @@ class _Counting(SMTP):
         super().__init__(handler, **kw)
         with handler.state.lock:
             handler.state.connections += 1
+        self.state = handler.state
+
+    async def _stage(self, stage: str) -> bool:
+        """Give ``stage``'s scripted reply (``SinkState.at``); False when it has none."""
+        reply = self.state.at.get(stage)
+        if reply is None:
+            return False
+        if reply != "drop":
+            await self.push(reply)
+        if self.transport is not None and (reply == "drop" or reply.startswith("354")):
+            self.transport.abort()
+        elif self.transport is not None and stage == "connect":
+            self.transport.close()
+        return True
+
+    async def _handle_client(self) -> None:
+        if not await self._stage("connect"):
+            await super()._handle_client()
+
+    async def smtp_EHLO(self, arg: str) -> None:
+        if not await self._stage("EHLO"):
+            await super().smtp_EHLO(arg)
+
+    async def smtp_HELO(self, arg: str) -> None:
+        if not await self._stage("HELO"):
+            await super().smtp_HELO(arg)
+
+    async def smtp_MAIL(self, arg: str | None) -> None:
+        if not await self._stage("MAIL"):
+            await super().smtp_MAIL(arg)
+
+    async def smtp_RCPT(self, arg: str | None) -> None:
+        if not await self._stage("RCPT"):
+            await super().smtp_RCPT(arg)
+
+    async def smtp_DATA(self, arg: str) -> None:
+        if not await self._stage("DATA"):
+            await super().smtp_DATA(arg)
 
 
 class Sink:

@@ -259,6 +259,13 @@ class SmtpDeliverer:
         if smtp.supports_extension("size"):
             options.append(f"SIZE={len(body)}")
         encoding = "utf-8" if "SMTPUTF8" in options else "ascii"
+        if (params.get("smtputf8") and encoding == "ascii"
+                and _needs_smtputf8(mail_from, rcpts, body)):
+            # Postfix's rule (RFC 6531 3.2): mail received with SMTPUTF8 that has UTF-8 in
+            # its envelope or headers is not downgraded; nothing is sent, all bounce
+            self._release(conn)
+            text = f"SMTPUTF8 is required, but was not offered by host {relay}"
+            return [RcptResult(550, "5.6.7", text, relay) for _ in rcpts]
         results: list[RcptResult | None] = [None] * len(rcpts)
         stage = "MAIL FROM"
         try:
@@ -308,6 +315,13 @@ class SmtpDeliverer:
             text = f"lost connection with {relay} while sending {stage}: {_why(e)}"
             return [x or RcptResult(0, "4.4.2", text, relay) for x in results]
         return [x if x is not None else RcptResult(0, "4.4.2", "no reply", relay) for x in results]
+
+
+def _needs_smtputf8(mail_from: str, rcpts: list[str], body: bytes) -> bool:
+    """Whether the envelope or the header section holds anything but ASCII."""
+    end = body.find(b"\r\n\r\n")
+    return not (mail_from.isascii() and all(r.isascii() for r in rcpts)
+                and body[:end if end >= 0 else len(body)].isascii())
 
 
 def wire_body(body: bytes, line_limit: int = LINE_LENGTH_LIMIT) -> bytes | None:
