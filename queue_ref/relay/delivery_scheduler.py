@@ -7,6 +7,12 @@ start, on ``wake()`` (SIGUSR1, operator tools) and every ``queue_scan_interval``
 Postfix's qmgr scans its deferred queue).  Between those it sleeps until the earliest due
 time: it never polls the queue.
 
+The heap is a bounded window (Postfix's active queue, ``qmgr_message_active_limit``): a
+listing runs in a storage thread while delivery goes on and keeps only the earliest due
+entries; when it left some in the queue, the queue is listed again once they are due and
+the window holds none due before them (or is half empty).  The end of the first listing
+is logged (``relay what="queue listed"``); the relay does not wait for it to take mail.
+
 A *job* is one message's due entries: claimed with ``send_start`` (one storage thread hop
 for all of them), the body read once, the recipients grouped by domain, each group sent
 in one SMTP transaction under a per-destination and a global concurrency limit, then
@@ -115,6 +121,12 @@ class DeliveryScheduler:
         self._claimed: set[str] = set()  # entry ids our jobs hold inflight
         self._scanning = False
         self._added_in_scan: list[QueuedMail] = []
+        self._taken_in_scan: set[str] = set()  # entry ids claimed while a listing ran
+        self._scan_task: asyncio.Task[None] | None = None
+        #: The due time from which the last listing kept no entry (the window was full:
+        #: more entries were queued than ``qmgr_message_active_limit``), else None.
+        self._window_end: int | None = None
+        self.listed = 0  # QUEUED entries the last listing found (the window holds the earliest)
         self._seq = itertools.count()
         self._event = asyncio.Event()
         self._rescan = True
@@ -147,7 +159,10 @@ class DeliveryScheduler:
     def sizes(self) -> dict[str, int]:
         """Entries by state: queued and inflight as the scheduler holds them now, held as
         its last scan of the queue found them (backends with Capability.HOLD)."""
-        out = {"queued": len(self._latest), "inflight": len(self._claimed) + self.unfinished()}
+        queued = len(self._latest)
+        if self._window_end is not None:  # and those the window left in the queue
+            queued += max(0, self.listed - self.config.qmgr_message_active_limit)
+        out = {"queued": queued, "inflight": len(self._claimed) + self.unfinished()}
         if self.held is not None:
             out["held"] = self.held
         return out
@@ -161,58 +176,116 @@ class DeliveryScheduler:
     # ---- the loop ----
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
         next_scan = 0.0
-        while not self._stopping:
-            self._event.clear()
-            if self._rescan or time.monotonic() >= next_scan:
-                self._rescan = False
-                await self._scan(loop)
-                next_scan = time.monotonic() + self.config.queue_scan_interval
-            self._dispatch()
-            wait = next_scan - time.monotonic()
-            if self._heap and len(self._jobs) < self.config.max_deliveries:
-                wait = min(wait, self._heap[0][0] - self.clock())
-            if wait > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._event.wait(), timeout=max(wait, 0.01))
-            else:
-                await asyncio.sleep(0)
+        try:
+            while not self._stopping:
+                self._event.clear()
+                if self._scan_task is None and (self._rescan or time.monotonic() >= next_scan
+                                                or self._window_drained()):
+                    self._rescan = False
+                    self._scan_task = asyncio.get_running_loop().create_task(self._scan())
+                    next_scan = time.monotonic() + self.config.queue_scan_interval
+                self._dispatch()
+                wait = next_scan - time.monotonic()
+                if self._heap and len(self._jobs) < self.config.max_deliveries:
+                    wait = min(wait, self._heap[0][0] - self.clock())
+                end = self._window_end
+                if end is not None and self._scan_task is None and end > self.clock():
+                    wait = min(wait, end - self.clock())  # the entries left in the queue
+                if wait > 0:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._event.wait(), timeout=max(wait, 0.01))
+                else:
+                    await asyncio.sleep(0)
+        finally:
+            if self._scan_task is not None:
+                self._scan_task.cancel()
+                await asyncio.gather(self._scan_task, return_exceptions=True)
 
-    async def _scan(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _window_drained(self) -> bool:
+        """Whether the last listing left entries in the queue (the window was full), they
+        are due, and the window holds none due before them or is half empty: the next
+        are read now."""
+        end = self._window_end
+        if end is None or self.clock() < end:
+            return False
+        return (not self._heap or self._heap[0][0] > end
+                or len(self._latest) <= self.config.qmgr_message_active_limit // 2)
+
+    async def _scan(self) -> None:
+        """List the queue in a storage thread while delivery goes on; then the window is
+        the ``qmgr_message_active_limit`` earliest entries listed, with what was added
+        meanwhile (less what was claimed meanwhile)."""
+        loop = asyncio.get_running_loop()
         self._scanning = True
         self._added_in_scan = []
+        self._taken_in_scan = set()
         try:
-            listed = await loop.run_in_executor(self.executor, self._list)
+            listed, total = await loop.run_in_executor(self.executor, self._list_window)
         except QueueError as e:
-            self.log.emit("error", what="list_queue", reason=f"{type(e).__name__}: {e}")
-            self._queue_error(e)
+            if not self._stopping:
+                self.log.emit("error", what="list_queue", reason=f"{type(e).__name__}: {e}")
+                self._queue_error(e)
             return
         finally:
             self._scanning = False
-            self.scanned.set()
-        latest = {h.entry_id: h for h in listed if h.entry_id not in self._claimed}
+            self._scan_task = None
+            self._event.set()
+        taken = self._taken_in_scan | self._claimed
+        latest = {h.entry_id: h for h in listed if h.entry_id not in taken}
         for h in self._added_in_scan:
             latest[h.entry_id] = h
         self._added_in_scan = []
+        self._taken_in_scan = set()
+        limit = self.config.qmgr_message_active_limit
+        self.listed = total
+        self._window_end = max(h.schedule.at for h in listed) if total > limit else None
         self._latest = latest
         self._heap = [(h.schedule.at, next(self._seq), h.entry_id, h) for h in latest.values()]
         heapq.heapify(self._heap)
+        if not self.scanned.is_set():
+            self.scanned.set()
+            self.log.emit("relay", what="queue listed", queued=total, window=len(latest))
 
     def _list(self) -> list[QueuedMail]:
-        found = self._retry_unfinished()
-        found += self.store.list_queue()
+        """The entries one scan of the queue takes into the window (a storage thread)."""
+        return self._list_window()[0]
+
+    def _list_window(self) -> tuple[list[QueuedMail], int]:
+        """The ``qmgr_message_active_limit`` earliest due QUEUED entries and how many were
+        listed in all, in one pass that keeps no more than those (a bounded heap whose
+        top, the latest kept, gives way to each earlier entry found)."""
+        limit = self.config.qmgr_message_active_limit
+        kept: list[tuple[int, int, QueuedMail]] = []  # due times negated: the latest on top
+        seq = itertools.count()
+        total = 0
+
+        def keep(h: QueuedMail) -> None:
+            nonlocal total
+            total += 1
+            item = (-h.schedule.at, -next(seq), h)
+            if len(kept) < limit:
+                heapq.heappush(kept, item)
+            elif item > kept[0]:
+                heapq.heapreplace(kept, item)
+
+        for h in self._retry_unfinished():
+            keep(h)
+        for h in self.store.list_queue():
+            if self._stopping:
+                break
+            keep(h)
         if Capability.HOLD in self.store.capabilities:
             self.held = sum(1 for _ in self.store.list_held())
         try:  # entries of other processes of a shared queue that died holding them
             for inflight in self.store.find_inflight():
                 queued = self.store.send_cancel(inflight, inflight.schedule)
                 if queued is not None:
-                    found.append(queued)
+                    keep(queued)
         except QueueError as e:
             self.log.emit("error", what="find_inflight", reason=str(e))
             self._queue_error(e)
-        return found
+        return [h for _, _, h in kept], total
 
     def _dispatch(self) -> None:
         now = self.clock()
@@ -225,6 +298,8 @@ class DeliveryScheduler:
                 continue  # superseded by a newer handle, or ours already
             del self._latest[entry_id]
             self._claimed.add(entry_id)
+            if self._scanning:
+                self._taken_in_scan.add(entry_id)
             due.setdefault(h.message_id, []).append(h)
         for message_id, handles in due.items():
             task = asyncio.get_running_loop().create_task(self._job(handles), name=message_id)

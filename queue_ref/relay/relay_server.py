@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO
 
-from queue_ref.opener import open_queue, read_relay_pid, remove_relay_pid, write_relay_pid
+from queue_ref.opener import open_queues, relay_on_any, remove_relay_pid, write_relay_pid
 from queue_ref.relay.delivery_log import DeliveryLog, LogStream
 from queue_ref.relay.delivery_scheduler import DeliveryScheduler
 from queue_ref.relay.mx_routing import Router
@@ -62,7 +62,8 @@ class Relay:
                  ready_stream: IO[str] | None = None, worker: int | None = None) -> None:
         self.config = config
         self.worker = worker
-        self.queue_dir = os.path.abspath(config.queue)
+        self.queue_dirs = config.queue_roots()  # every root of the queue
+        self.queue_dir = ",".join(self.queue_dirs)  # as logs name it
         self.log = DeliveryLog(config.log_json, config.log_file, log_stream)
         self._ready_stream = ready_stream
         self.executor = ThreadPoolExecutor(STORAGE_THREADS, thread_name_prefix="relay-storage")
@@ -110,12 +111,12 @@ class Relay:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._stop_requested = asyncio.Event()
-        other = read_relay_pid(self.queue_dir) if self.worker is None else None
-        if other is not None and other != os.getpid():
-            raise RelayStartError(f"another relay (pid {other}) works on {self.queue_dir}")
+        other = relay_on_any(self.queue_dirs) if self.worker is None else None
+        if other is not None:  # one relay per set of roots: none may share one
+            raise RelayStartError(f"another relay (pid {other[0]}) works on {other[1]}")
         try:
             self._store = await loop.run_in_executor(
-                self.executor, open_queue, self.queue_dir, self.config.backend)
+                self.executor, open_queues, self.queue_dirs, self.config.backend)
         except Exception as e:
             raise RelayStartError(f"cannot open the queue {self.queue_dir} "
                                   f"(backend {self.config.backend}): {e}") from e
@@ -154,10 +155,9 @@ class Relay:
         for start, stop in self._services:
             await start(self)
             self._started_services.append(stop)
+        # the first listing of the queue runs in the background: mail is accepted and
+        # delivered meanwhile, and its end is logged (relay what="queue listed")
         self._scheduler_task = loop.create_task(self.scheduler.run())
-        # ready once the queue's mail is known: what is committed from now on (by this
-        # relay or by another process, which then wakes it) comes after that first listing
-        await self.scheduler.scanned.wait()
         if self.worker is None:  # the master says it once for all its workers
             for line in self.config.warnings():
                 self.log.emit("warning", what=line)
@@ -207,7 +207,7 @@ class Relay:
             while True:
                 try:
                     store = await loop.run_in_executor(
-                        self.executor, open_queue, self.queue_dir, self.config.backend)
+                        self.executor, open_queues, self.queue_dirs, self.config.backend)
                     break
                 except Exception as e:
                     self.log.emit("error", what="reopening the queue",
@@ -248,12 +248,14 @@ class Relay:
         return self.scheduler.sizes() if self.scheduler is not None else {}
 
     def _write_pid(self) -> None:
-        write_relay_pid(self.queue_dir)
+        for d in self.queue_dirs:
+            write_relay_pid(d)
         self._wrote_pid = True
 
     def _remove_pid(self) -> None:
         if self._wrote_pid:
-            remove_relay_pid(self.queue_dir)
+            for d in self.queue_dirs:
+                remove_relay_pid(d)
             self._wrote_pid = False
 
     def ready_line(self) -> str:

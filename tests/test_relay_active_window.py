@@ -1,0 +1,98 @@
+"""The scheduler's bounded active window (``qmgr_message_active_limit``) and a start that
+does not wait for the queue: a real filesystem queue, the relay in a thread, an aiosmtpd
+sink as the next hop."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from queue_ref.fsqueue import FsQueue
+from queue_ref.opener import open_queue
+from queue_ref.relay.relay_config import ConfigError, RelayConfig
+from queue_ref.storage import QueuedMail, Recipient, Schedule
+from tests.relay_support import RelayThread, Sink, relay_config, smtp_send
+
+#: Opened by ``slow_listing_queue``: its listings wait until this is set.
+LISTING_GATE = threading.Event()
+
+
+class _SlowListing(FsQueue):
+    def list_queue(self) -> Iterator[QueuedMail]:
+        if not LISTING_GATE.wait(60):
+            raise AssertionError("the listing was never let go")
+        yield from super().list_queue()
+
+
+def slow_listing_queue(path: str) -> FsQueue:
+    """A filesystem queue whose ``list_queue`` waits for ``LISTING_GATE`` (a backend
+    factory, ``backend = "tests.test_relay_active_window:slow_listing_queue"``)."""
+    return _SlowListing(path)
+
+
+def fill(queue: str, dues: list[int]) -> list[str]:
+    """One message of one recipient per due time (in this order); their recipients."""
+    rcpts = []
+    with open_queue(queue, "fs") as q:
+        for i, at in enumerate(dues):
+            with q.enqueue("s@example.org", {"arrival": f"{time.time():.3f}"}) as enq:
+                enq.write(b"Subject: window\r\n\r\nbody\r\n")
+                enq.commit([Recipient(f"r{i}@example.net", Schedule(at, 1))])
+            rcpts.append(f"r{i}@example.net")
+    return rcpts
+
+
+def test_the_window_holds_the_earliest_and_delivers_in_due_order(tmp_path: Path) -> None:
+    queue = str(tmp_path / "q")
+    now = int(time.time())
+    dues = [now - 1000 + k for k in random.Random(7).sample(range(500), 30)]
+    rcpts = fill(queue, dues)
+    in_due_order = [r for _, r in sorted(zip(dues, rcpts, strict=True))]
+    with Sink() as sink, RelayThread(relay_config(
+            queue, relayhost=f"[127.0.0.1]:{sink.port}", log_json=True, max_deliveries=1,
+            qmgr_message_active_limit=4, queue_scan_interval=3600.0)) as r:
+        scheduler = r.relay.scheduler
+        assert scheduler is not None
+        held = []  # the queued entries the scheduler holds, sampled while it delivers
+        deadline = time.monotonic() + 60
+        while len(sink.state.rcpts()) < 30 and time.monotonic() < deadline:
+            held.append(r.call(lambda: len(scheduler._latest)))
+            time.sleep(0.01)
+        listed = r.wait_events(1, "relay", what="queue listed")
+        biggest = max(held)
+    assert listed and listed[0]["queued"] == 30 and listed[0]["window"] == 4
+    assert biggest <= 4
+    assert sink.state.rcpts() == in_due_order  # one at a time, earliest due first
+
+
+def test_the_relay_is_ready_and_delivers_before_the_first_listing_ends(
+        tmp_path: Path) -> None:
+    queue = str(tmp_path / "q")
+    fill(queue, [int(time.time()) + 3600] * 3)  # deferred mail the listing will find
+    LISTING_GATE.clear()
+    try:
+        with Sink() as sink, RelayThread(relay_config(
+                queue, backend="tests.test_relay_active_window:slow_listing_queue",
+                relayhost=f"[127.0.0.1]:{sink.port}", log_json=True)) as r:
+            assert r.events("relay")[-1]["what"] == "started"  # ready, the listing waits
+            smtp_send(r.port, "a@example.org", ["new@example.net"])
+            assert [m.rcpts for m in sink.wait_for(1)] == [["new@example.net"]]
+            assert not r.events("relay") or all(
+                e["what"] != "queue listed" for e in r.events("relay"))
+            LISTING_GATE.set()
+            listed = r.wait_events(1, "relay", what="queue listed")
+            assert listed and listed[0]["queued"] == 3
+            assert r.relay.scheduler is not None and r.relay.scheduler.sizes()["queued"] == 3
+    finally:
+        LISTING_GATE.set()
+
+
+@pytest.mark.parametrize("value", [0, -5])
+def test_the_window_must_hold_an_entry(tmp_path: Path, value: int) -> None:
+    with pytest.raises(ConfigError, match="qmgr_message_active_limit: must be at least 1"):
+        RelayConfig(queue=str(tmp_path / "q"), qmgr_message_active_limit=value).validate()
