@@ -77,3 +77,25 @@ def test_domain_listing_benchmark_prints_both_ratios(tmp_path: Path) -> None:
                           "--target", "0"], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert bad.returncode == 2 and "--target" in bad.stderr
+
+
+def test_scale_benchmark_measures_the_relay_and_the_commands(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scale.py"),
+                           "--sizes", "200", "--threads", "4", "--timeout", "120",
+                           "--dir", str(tmp_path)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    fig = out["sizes"]["200"]
+    assert fig["queued"] == 200 and out["targets"]["ready_s"] == 2.0
+    for key in ("ready_s", "accept_s", "deliver_s", "listed_s", "rss_mb", "mailq_first_s",
+                "mailq_s", "qshape_s"):
+        assert fig[key] > 0, key
+    assert fig["accept_s"] < fig["deliver_s"] and fig["mailq_first_s"] <= fig["mailq_s"]
+    assert fig["ratios"]["rss_mb"] == round(fig["rss_mb"] / 200.0, 3)
+    assert "200 queued" in proc.stderr and "mailq first line" in proc.stderr
+    assert os.listdir(tmp_path) == []  # the queue was removed
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scale.py"),
+                          "--sizes", "0"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert bad.returncode == 2 and "--sizes" in bad.stderr
