@@ -17,8 +17,8 @@ operation that returned success must have had, for each change it waited on a sy
 covering sync that began after the change and ended before it returned.  A backend whose
 running round acknowledges a caller that arrived during its sync (the caller's change came
 after the sync began) fails: C1 for a commit, C3 for send_done and drop, C9 for the others.
-Nothing depends on timing but step 3's wait, which can only make B miss the round (no
-finding), never make a correct backend fail.
+Nothing depends on timing but step 3's wait: let go too early, B may make its change after
+A's sync ended and so miss the interleaving (no finding), never produce a ride.
 
 Scenario ``sync-rounds:<A>-vs-<B>:<j>``; the same run is made for it every time.
 """
