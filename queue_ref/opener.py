@@ -11,7 +11,8 @@ by a directory and a backend::
                   any factory ``queue-ref certify`` accepts, called as ``factory(path)``
 
 A relay working on a queue writes its process id to ``relay.pid`` in the queue's
-directory; ``wake_relay`` sends it SIGUSR1, which makes it look for due mail at once.
+directory (in each root of a queue over several roots, ``open_queues``); ``wake_relay``
+sends it SIGUSR1, which makes it look for due mail at once.
 No backend names a file ``relay.pid``, so it lives beside their files untouched.
 """
 
@@ -21,13 +22,13 @@ import contextlib
 import importlib
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from queue_ref.storage import InvalidInputError, Storage
 
 __all__ = [
-    "BACKENDS", "PID_FILE", "import_object", "load_backend", "open_queue", "read_relay_pid",
-    "remove_relay_pid", "wake_relay", "write_relay_pid",
+    "BACKENDS", "PID_FILE", "import_object", "load_backend", "open_queue", "open_queues",
+    "read_relay_pid", "relay_on_any", "remove_relay_pid", "wake_relay", "write_relay_pid",
 ]
 
 PID_FILE = "relay.pid"
@@ -108,6 +109,29 @@ def open_queue(path: str, backend: str = "fs") -> Storage:
     """Open (and so recover) the queue at ``path`` with the named backend."""
     opener = load_backend(backend)
     return opener(path)
+
+
+def open_queues(paths: Sequence[str], backend: str = "fs") -> Storage:
+    """Open the queue at ``paths``: one directory as ``open_queue``; several as one queue
+    over them (``queue_ref.multi_root.MultiRootQueue``), each root opened by the named
+    backend."""
+    if isinstance(paths, str) or not paths:
+        raise InvalidInputError(f"expected a non-empty list of queue directories, got {paths!r}")
+    if len(paths) == 1:
+        return open_queue(paths[0], backend)
+    from queue_ref.multi_root import MultiRootQueue
+
+    return MultiRootQueue.over(paths, load_backend(backend))
+
+
+def relay_on_any(paths: Sequence[str]) -> tuple[int, str] | None:
+    """A live relay other than this process working on one of the directories ``paths``
+    (its pid and that directory), or None: one relay per set of roots."""
+    for path in paths:
+        pid = read_relay_pid(path)
+        if pid is not None and pid != os.getpid():
+            return pid, path
+    return None
 
 
 def read_relay_pid(path: str) -> int | None:

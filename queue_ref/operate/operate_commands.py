@@ -172,7 +172,7 @@ def _action(fn: Callable[..., qa.ActionResult]) -> Callable[[Storage, argparse.N
         res = fn(store, chosen)
         if res.changed and res.action in ("release", "requeue"):
             # entries became due: a running relay looks at once (no wait for its scan)
-            wake_relay(os.path.abspath(args.queue))
+            wake_relay(args.queue[0])
         _report(res, args)
         return 0
     return run
@@ -189,7 +189,7 @@ def _report(res: qa.ActionResult, args: argparse.Namespace) -> None:
 
 def _flush(store: Storage, args: argparse.Namespace) -> int:
     res = qa.flush(store, args.domain)
-    woke = wake_relay(args.queue) if res.changed else False
+    woke = wake_relay(args.queue[0]) if res.changed else False
     if args.json:
         print(json.dumps({**res.to_json(), "domain": args.domain, "relay_woken": woke}))
         return 0
@@ -248,20 +248,19 @@ def _show(store: Storage, args: argparse.Namespace) -> int:
 # ---- plumbing ---------------------------------------------------------------------------
 
 
-def _where(args: argparse.Namespace) -> tuple[str, str | None]:
-    """The queue directory and backend: ``--queue``/``--backend``, or the relay's
-    ``--config`` file (its ``queue`` and ``backend``; ``--backend`` still wins)."""
+def _where(args: argparse.Namespace) -> tuple[list[str], str | None]:
+    """The queue's directories and backend: ``--queue`` (given again: every root of a
+    queue over several) and ``--backend``, or the relay's ``--config`` file (its ``queue``
+    or ``queue_directories``, and ``backend``; ``--backend`` still wins)."""
     if (args.queue is None) == (args.config is None):
         raise InvalidInputError("name the queue: --queue DIR or --config FILE (the relay's)")
     if args.config is None:
-        return args.queue, args.backend
+        return list(args.queue), args.backend
     try:
         cfg = load_config(args.config)
     except (ConfigError, OSError) as e:
         raise InvalidInputError(f"{args.config}: {e}") from e
-    if not cfg.queue:
-        raise InvalidInputError(f"{args.config} names no queue directory")
-    return cfg.queue, args.backend if args.backend is not None else cfg.backend
+    return cfg.queue_roots(), args.backend if args.backend is not None else cfg.backend
 
 
 #: The commands that only list (no entry changes): they open a queue without recovery.
@@ -271,9 +270,9 @@ _LISTINGS = frozenset({"mailq", "qshape"})
 def _run(name: str, fn: Callable[[Storage, argparse.Namespace], int],
          args: argparse.Namespace) -> int:
     try:
-        queue, backend = _where(args)
-        args.queue = os.path.abspath(queue)
-        store, _ = open_for_operator(args.queue, backend, recover=name not in _LISTINGS)
+        queues, backend = _where(args)
+        args.queue = [os.path.abspath(q) for q in queues]
+        store = _open_roots(args.queue, backend, recover=name not in _LISTINGS)
     except InvalidInputError as e:
         print(f"queue-ref {name}: {e}", file=sys.stderr)
         return 2
@@ -295,8 +294,21 @@ def _run(name: str, fn: Callable[[Storage, argparse.Namespace], int],
         store.close()
 
 
+def _open_roots(paths: list[str], backend: str | None, *, recover: bool) -> Storage:
+    """``open_for_operator`` on one directory, or on each root of a queue over several
+    (``queue_ref.multi_root``)."""
+    if len(paths) == 1:
+        return open_for_operator(paths[0], backend, recover=recover)[0]
+    from queue_ref.multi_root import MultiRootQueue
+
+    return MultiRootQueue.over(
+        paths, lambda path: open_for_operator(path, backend, recover=recover)[0])
+
+
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--queue", metavar="DIR", help="the queue's directory")
+    p.add_argument("--queue", metavar="DIR", action="append",
+                   help="the queue's directory; given again, every root of one queue over "
+                        "several disks")
     p.add_argument("--config", metavar="FILE",
                    help="the relay's TOML configuration: its queue and backend")
     p.add_argument("--backend", default=None,

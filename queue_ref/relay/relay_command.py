@@ -19,8 +19,11 @@ __all__ = ["register"]
 
 
 def _config(args: argparse.Namespace) -> RelayConfig:
+    queues = args.queue or []  # --queue given again: every root of one queue
     overrides: dict[str, Any] = {
-        "queue": args.queue, "backend": args.backend, "listen": args.listen,
+        "queue": None if not queues else queues[0] if len(queues) == 1 else "",
+        "queue_directories": None if not queues else [] if len(queues) == 1 else queues,
+        "backend": args.backend, "listen": args.listen,
         "relayhost": args.relayhost, "log_json": True if args.log_json else None,
         "processes": args.processes, "event_loop": args.event_loop,
     }
@@ -85,7 +88,9 @@ def register(sub: Any) -> None:
                     "committed, delivered to its MX (or a relayhost) with retries, bounced "
                     "with an RFC 3464 DSN when it cannot be.  See docs/relay.md.")
     p.add_argument("--config", metavar="FILE", help="TOML configuration (default: built-in)")
-    p.add_argument("--queue", metavar="DIR", help="queue directory (overrides the file)")
+    p.add_argument("--queue", metavar="DIR", action="append",
+                   help="queue directory (overrides the file); given again, every root of "
+                        "one queue over several disks (docs/multi-root.md)")
     p.add_argument("--backend", help="fs (default), fs-fsync, kv-log, kv-leveldb or "
                                      "pkg.module:factory")
     p.add_argument("--listen", metavar="HOST:PORT", help="SMTP address (default 127.0.0.1:2525)")

@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import importlib.util
 import ipaddress
+import os
 import re
 import socket
 import ssl
@@ -94,6 +95,8 @@ class RelayConfig:
 
     # -- where --
     queue: str = ""
+    #: Several roots of one queue (``queue_ref.multi_root``): mail spread over them.
+    queue_directories: list[str] = field(default_factory=list)
     backend: str = "fs"
     listen: str = "127.0.0.1:2525"
     myhostname: str = ""  # "": gethostname(), with .mydomain when it has no dot
@@ -179,9 +182,21 @@ class RelayConfig:
         return [f"myhostname: {self.myhostname!r} {why}; next hops see it in EHLO and "
                 "Received (set myhostname, or mydomain)"]
 
+    def queue_roots(self) -> list[str]:
+        """The queue's directories, absolute: ``queue``, or every ``queue_directories``."""
+        return [os.path.abspath(d) if d else d
+                for d in ([self.queue] if self.queue else self.queue_directories)]
+
     def validate(self) -> RelayConfig:
-        if not self.queue:
+        if self.queue and self.queue_directories:
+            raise ConfigError("queue and queue_directories are both set: give one directory "
+                              "in queue, or every root in queue_directories")
+        if not self.queue and not self.queue_directories:
             raise ConfigError("queue: no queue directory (set it in the file or pass --queue)")
+        roots = self.queue_roots()
+        if any(not d for d in roots) or len(set(roots)) != len(roots):
+            raise ConfigError(f"queue_directories: {self.queue_directories!r} has an empty or "
+                              "repeated directory")
         self.listen_address()
         for name in ("mydomain", "myhostname"):  # a bad mydomain spoils the default name too
             if not _HOSTNAME.fullmatch(getattr(self, name)) or len(getattr(self, name)) > 253:
@@ -297,7 +312,7 @@ _DURATIONS = {f.name for f in dataclasses.fields(RelayConfig) if f.type == "floa
 _INTS = {f.name for f in dataclasses.fields(RelayConfig) if f.type == "int"}
 _STRS = {f.name for f in dataclasses.fields(RelayConfig) if f.type == "str"}
 _BOOLS = {f.name for f in dataclasses.fields(RelayConfig) if f.type == "bool"}
-_STR_LISTS = {"mynetworks", "relay_domains", "dns_nameservers"}
+_STR_LISTS = {"mynetworks", "relay_domains", "dns_nameservers", "queue_directories"}
 
 
 def _coerce(key: str, value: object) -> object:

@@ -38,7 +38,7 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import IO, Any
 
-from queue_ref.opener import open_queue, read_relay_pid, remove_relay_pid, write_relay_pid
+from queue_ref.opener import open_queues, relay_on_any, remove_relay_pid, write_relay_pid
 from queue_ref.relay.delivery_log import DeliveryLog
 from queue_ref.relay.relay_config import ConfigError, RelayConfig, loop_kind, run_relay
 from queue_ref.relay.relay_server import Relay, RelayStartError
@@ -104,7 +104,8 @@ class _Worker:
 class RelayMaster:
     def __init__(self, config: RelayConfig, *, out: IO[str] | None = None) -> None:
         self.config = config
-        self.queue_dir = os.path.abspath(config.queue)
+        self.queue_dirs = config.queue_roots()  # every root of the queue
+        self.queue_dir = ",".join(self.queue_dirs)  # as logs name it
         self.out = out or sys.stdout
         self.log = DeliveryLog(config.log_json, config.log_file)
         self._ctx = mp.get_context("spawn")
@@ -118,11 +119,11 @@ class RelayMaster:
     # ---- start ----
 
     def _check_queue(self) -> None:
-        other = read_relay_pid(self.queue_dir)
-        if other is not None and other != os.getpid():
-            raise RelayStartError(f"another relay (pid {other}) works on {self.queue_dir}")
+        other = relay_on_any(self.queue_dirs)
+        if other is not None:  # one relay per set of roots: none may share one
+            raise RelayStartError(f"another relay (pid {other[0]}) works on {other[1]}")
         try:
-            store = open_queue(self.queue_dir, self.config.backend)
+            store = open_queues(self.queue_dirs, self.config.backend)
         except Exception as e:
             raise RelayStartError(f"cannot open the queue {self.queue_dir} "
                                   f"(backend {self.config.backend}): {e}") from e
@@ -158,12 +159,14 @@ class RelayMaster:
         self.worker_config = dataclasses.replace(self.config, listen=listen)
 
     def _write_pid(self) -> None:
-        write_relay_pid(self.queue_dir)
+        for d in self.queue_dirs:
+            write_relay_pid(d)
         self._wrote_pid = True
 
     def _remove_pid(self) -> None:
         if self._wrote_pid:
-            remove_relay_pid(self.queue_dir)
+            for d in self.queue_dirs:
+                remove_relay_pid(d)
             self._wrote_pid = False
 
     def _spawn(self, w: _Worker) -> int:
