@@ -41,6 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TypeVar
 
 from queue_ref.io import IO
@@ -65,6 +66,7 @@ from queue_ref.storage import (
     Schedule,
     Storage,
     StorageIOError,
+    validate_schedule,
 )
 
 __all__ = ["MultiRootQueue", "root_prefix", "split_id"]
@@ -164,6 +166,15 @@ class MultiRootQueue(Storage):
         ``roots``.  Raises InvalidInputError for no roots or a directory given twice."""
         from queue_ref.fsqueue import FsQueue
 
+        return cls.over(roots, lambda path: FsQueue(path, io, sync=sync),
+                        retry_after=retry_after)
+
+    @classmethod
+    def over(cls, roots: Sequence[str], open_root: Callable[[str], Storage], *,
+             retry_after: float = DEFAULT_RETRY_AFTER) -> MultiRootQueue:
+        """``open_root(directory)`` on each directory of ``roots`` (made absolute).  Raises
+        InvalidInputError for no roots, a path that is empty or holds NUL, or a directory
+        given twice."""
         if isinstance(roots, (str, bytes)) or not isinstance(roots, Sequence) or not roots:
             raise InvalidInputError("roots must be a non-empty list of directories")
         openers: dict[str, Opener] = {}
@@ -173,11 +184,7 @@ class MultiRootQueue(Storage):
             path = os.path.abspath(root)
             if path in openers or os.path.realpath(path) in map(os.path.realpath, openers):
                 raise InvalidInputError(f"the root {path} is given twice")
-
-            def opener(path: str = path) -> Storage:
-                return FsQueue(path, io, sync=sync)
-
-            openers[path] = opener
+            openers[path] = partial(open_root, path)
         return cls(openers, retry_after=retry_after)
 
     # ---- roots -------------------------------------------------------------------------
@@ -285,6 +292,10 @@ class MultiRootQueue(Storage):
             raise
         except CorruptionError as e:
             raise self._corruption(r, e) from e
+        except Exception:
+            if inner._live:  # refused before the root took its handle: ours stays live too
+                self._give_back(h)
+            raise
         return None if got is None else self._wrap(r, got)
 
     def _corruption(self, r: _Root, e: CorruptionError) -> CorruptionError:
@@ -393,6 +404,7 @@ class MultiRootQueue(Storage):
     # ---- state changes -----------------------------------------------------------------
 
     def reschedule(self, mail: QueuedMail, schedule: Schedule) -> QueuedMail | None:
+        validate_schedule(schedule)  # before the handle is taken, as on one root
         h = self._take(mail, QueuedMail)
         return self._call(h, lambda s, i: s.reschedule(i, schedule))  # type: ignore[return-value,arg-type]
 
@@ -405,6 +417,7 @@ class MultiRootQueue(Storage):
         return self._call(h, lambda s, i: s.send_done(i))  # type: ignore[return-value,arg-type]
 
     def send_cancel(self, mail: InflightMail, schedule: Schedule) -> QueuedMail | None:
+        validate_schedule(schedule)  # before the handle is taken, as on one root
         h = self._take(mail, InflightMail)
         return self._call(h, lambda s, i: s.send_cancel(i, schedule))  # type: ignore[return-value,arg-type]
 

@@ -125,10 +125,18 @@ def open_fs_mode(mode: str) -> Opener:
 
 def make_dir(path: str, io: IO) -> None:
     """Create the directory ``path`` durably (its parent fsynced) if it is missing."""
-    if not io.is_dir(path):
-        with contextlib.suppress(FileExistsError):
-            io.mkdir(path)
-        io.fsync_dir(os.path.dirname(os.path.abspath(path)))
+    from queue_ref.storage import InvalidInputError, StorageIOError
+
+    if not isinstance(path, str) or not path or "\x00" in path:
+        raise InvalidInputError(f"a queue path must be a non-empty str without NUL, "
+                                f"got {path!r}")
+    try:
+        if not io.is_dir(path):
+            with contextlib.suppress(FileExistsError):
+                io.mkdir(path)
+            io.fsync_dir(os.path.dirname(os.path.abspath(path)))
+    except OSError as e:
+        raise StorageIOError(f"creating the directory {path} failed: {e}") from e
 
 
 def open_fs_two_roots(root: str, io: IO) -> Storage:
