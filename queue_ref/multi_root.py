@@ -16,9 +16,10 @@ class is the one Storage over all of them.
   whose last enqueue, commit or state change failed with StorageIOError (EIO, a full
   disk) takes no new mail for ``retry_after`` seconds; one that raised
   ReopenRequiredError takes none until it is reopened (``reopen_failed()``, which
-  ``recover()`` runs).  When no root is healthy, each is tried in turn and the error of
-  the last one is raised.  A commit that fails is not moved to another root (its body
-  is on the failed one): it fails, as on one root, and the next message goes elsewhere.
+  ``recover()`` runs).  When no root is healthy, ``enqueue`` raises the error of the
+  root that failed last, of its type.  A commit that fails is not moved to another root
+  (its body is on the failed one): it fails, as on one root, and the next message goes
+  elsewhere.
 * **Listings see every root**: ``list_queue``, ``list_domain``, ``list_held`` and
   ``inflight_entries`` merge the roots' listings oldest message first (by the roots' own
   ids); ``find_inflight`` and ``find_pending_cleanup`` chain them.  ``footprint`` and the
@@ -115,6 +116,8 @@ class _Root:
         self.generation = 0
         self.enqueuing = 0  # enqueues in progress (the load new mail is spread by)
         self.failed_at: float | None = None  # monotonic time of the last disk failure
+        self.last_error: StorageIOError | None = None  # that failure
+        self.failures = 0  # the queue's failure count at that failure (which failed last)
         self.needs_reopen: str | None = None  # why, after a ReopenRequiredError
 
 
@@ -144,6 +147,7 @@ class MultiRootQueue(Storage):
         self._clock = clock
         self._lock = threading.Lock()
         self._turn = 0
+        self._failures = 0
         try:
             for r in self._roots:
                 r.store = r.opener()
@@ -217,17 +221,27 @@ class MultiRootQueue(Storage):
     def _failed(self, r: _Root, e: StorageIOError) -> None:
         with self._lock:
             r.failed_at = self._clock()
+            r.last_error = e
+            self._failures += 1
+            r.failures = self._failures
             if isinstance(e, ReopenRequiredError):
                 r.needs_reopen = str(e)
 
     def _choose(self) -> list[_Root]:
-        """Roots in the order a new message tries them: healthy ones, least busy first
-        (ties round robin from the root after the last one chosen), then the others."""
+        """The healthy roots in the order a new message tries them: least busy first, ties
+        round robin from the root after the last one chosen.  None healthy: the error of
+        the root that failed last, of its type (NoSpaceError, ReopenRequiredError...)."""
         with self._lock:
             n = len(self._roots)
             start = self._turn
-            order = sorted(self._roots, key=lambda r: (not self._healthy(r), r.enqueuing,
-                                                       (r.index - start) % n))
+            order = sorted((r for r in self._roots if self._healthy(r)),
+                           key=lambda r: (r.enqueuing, (r.index - start) % n))
+            if not order:
+                last = max(self._roots, key=lambda r: r.failures)
+                e = last.last_error
+                raise (type(e) if e is not None else StorageIOError)(
+                    f"no root of this queue takes new mail; the last to fail, {last.name}: "
+                    f"{e if e is not None else 'it must be reopened'}")
             self._turn = (order[0].index + 1) % n
             return order
 
@@ -253,7 +267,7 @@ class MultiRootQueue(Storage):
             with self._lock:
                 r.generation += 1
                 r.needs_reopen = None
-                r.failed_at = None
+                r.failed_at = r.last_error = None
             done.append(r.name)
         if last is not None:
             raise last
@@ -379,7 +393,7 @@ class MultiRootQueue(Storage):
         with self._lock:
             r.enqueuing -= 1
             if committed:
-                r.failed_at = None
+                r.failed_at = r.last_error = None
         if error is not None:
             self._failed(r, error)
 

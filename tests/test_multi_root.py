@@ -145,6 +145,9 @@ def test_a_full_root_takes_no_mail_for_a_while_and_none_healthy_raises(tmp_path:
     with pytest.raises(StorageIOError) as caught:  # neither is healthy: the last error
         put(q, 5)
     assert not isinstance(caught.value, NoSpaceError)
+    with pytest.raises(StorageIOError, match=f"no root .* takes new mail.*{b}") as caught:
+        put(q, 5)  # neither is tried: the error of the one that failed last, b
+    assert not isinstance(caught.value, NoSpaceError)
     ios[a].faults.clear()
     ios[b].faults.clear()
     now[0] = 100.0
