@@ -65,10 +65,13 @@ def test_mailq_lists_every_message_in_text_and_json(
         assert mid in out
     assert "u0@d0.example" in out and "s0@sender0.example" in out and "attempts 2" in out
     assert out.rstrip().endswith("in 5 Requests, 10 recipients.")
+    text_summary = out.rstrip().splitlines()[-1]
     code, out, _ = run(capsys, "mailq", "--queue", str(q), "--json")
     lines = [json.loads(x) for x in out.strip().splitlines()]
-    assert lines[-1] == {"messages": 5, "recipients": 10, "bytes": lines[-1]["bytes"]}
     msgs = lines[:-1]
+    total = sum(m["message_size"] for m in msgs)
+    assert lines[-1] == {"messages": 5, "recipients": 10, "bytes": total}
+    assert text_summary.startswith(f"-- {(total + 1023) // 1024} Kbytes in 5 Requests")
     assert [m["queue_id"] for m in msgs] == ids
     first = msgs[0]
     assert first["sender"] == "s0@sender0.example" and first["params"] == {"ENVID": "env0"}
