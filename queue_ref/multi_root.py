@@ -70,7 +70,7 @@ from queue_ref.storage import (
     validate_schedule,
 )
 
-__all__ = ["MultiRootQueue", "root_prefix", "split_id"]
+__all__ = ["MultiRootQueue", "root_prefix", "share_a_file_system", "split_id"]
 
 H = TypeVar("H", bound=Handle)
 Opener = Callable[[], Storage]
@@ -167,9 +167,17 @@ class MultiRootQueue(Storage):
     def open_fs(cls, roots: Sequence[str], io: IO | None = None, *, sync: str | None = None,
                 retry_after: float = DEFAULT_RETRY_AFTER) -> MultiRootQueue:
         """The filesystem queue (``FsQueue(root, io, sync=sync)``) on each directory of
-        ``roots``.  Raises InvalidInputError for no roots or a directory given twice."""
+        ``roots``.  Raises InvalidInputError for no roots or a directory given twice.
+
+        ``sync=None`` is FsQueue's default (``syncfs``) when every root is on a file system
+        of its own, and ``"fsync"`` when two share one (``share_a_file_system``): a failed
+        ``syncfs`` of one root may have dropped the other's data too, which that root
+        would not know of, and their ``syncfs`` calls would flush each other's changes."""
         from queue_ref.fsqueue import FsQueue
 
+        if sync is None and isinstance(roots, Sequence) and not isinstance(roots, str) \
+                and share_a_file_system([r for r in roots if isinstance(r, str) and r]):
+            sync = "fsync"
         return cls.over(roots, lambda path: FsQueue(path, io, sync=sync),
                         retry_after=retry_after)
 
@@ -535,6 +543,24 @@ class MultiRootQueue(Storage):
                     last = e
         if last is not None:
             raise last
+
+
+def share_a_file_system(roots: Sequence[str]) -> bool:
+    """Whether two of the directories ``roots`` are (or, where missing, will be made) on
+    one file system: the device of each, or of its nearest existing parent."""
+    devices = []
+    for root in roots:
+        path = os.path.abspath(root)
+        while True:
+            try:
+                devices.append(os.stat(path).st_dev)
+                break
+            except OSError:
+                parent = os.path.dirname(path)
+                if parent == path:
+                    return False  # nothing to stat: no claim either way
+                path = parent
+    return len(set(devices)) < len(devices)
 
 
 def _meta(index: int, meta: EntryMeta) -> EntryMeta:

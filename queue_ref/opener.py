@@ -24,11 +24,12 @@ import os
 import signal
 from collections.abc import Callable, Sequence
 
-from queue_ref.storage import InvalidInputError, Storage
+from queue_ref.storage import InvalidInputError, RecoveryReport, Storage
 
 __all__ = [
     "BACKENDS", "PID_FILE", "import_object", "load_backend", "open_queue", "open_queues",
-    "read_relay_pid", "relay_on_any", "remove_relay_pid", "wake_relay", "write_relay_pid",
+    "open_serving", "read_relay_pid", "relay_on_any", "remove_relay_pid", "wake_relay",
+    "write_relay_pid",
 ]
 
 PID_FILE = "relay.pid"
@@ -111,6 +112,39 @@ def open_queue(path: str, backend: str = "fs") -> Storage:
     return opener(path)
 
 
+def open_serving(path: str, backend: str = "fs"
+                 ) -> tuple[Storage, Callable[[], RecoveryReport] | None]:
+    """Open the queue at ``path`` for a relay that takes mail at once, and what is left
+    to run before its first listing (None: nothing).
+
+    A filesystem queue every owner of which closed (``FsQueue.dead_owners`` finds none)
+    is opened without its recovery, which reads every entry; the function returned runs
+    that recovery beside it, through a second open queue (another owner), so it is the
+    recovery any process runs beside a live one: not exclusive, concurrent with this
+    queue's commits and claims, and what it requeues is listed after it.  A filesystem
+    queue a process died holding is opened with its whole recovery (exclusive when no
+    other process has it open), as is a queue of any other backend."""
+    if backend not in ("fs", "fs-fsync"):
+        return open_queue(path, backend), None
+    from queue_ref.fsqueue import FsQueue
+
+    sync = "fsync" if backend == "fs-fsync" else None
+    q = FsQueue(path, recover=False, sync=sync)
+    try:
+        if q.dead_owners():
+            q.recover()
+            return q, None
+    except BaseException:
+        q.close()
+        raise
+
+    def recover_beside() -> RecoveryReport:
+        with FsQueue(path, sync=sync) as other:
+            return other.last_recovery or RecoveryReport()
+
+    return q, recover_beside
+
+
 def open_queues(paths: Sequence[str], backend: str = "fs") -> Storage:
     """Open the queue at ``paths``: one directory as ``open_queue``; several as one queue
     over them (``queue_ref.multi_root.MultiRootQueue``), each root opened by the named
@@ -121,6 +155,8 @@ def open_queues(paths: Sequence[str], backend: str = "fs") -> Storage:
         return open_queue(paths[0], backend)
     from queue_ref.multi_root import MultiRootQueue
 
+    if backend in ("fs", "fs-fsync"):  # syncfs only for roots on file systems of their own
+        return MultiRootQueue.open_fs(paths, sync="fsync" if backend == "fs-fsync" else None)
     return MultiRootQueue.over(paths, load_backend(backend))
 
 

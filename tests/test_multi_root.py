@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from queue_ref.fsqueue import FsQueue
-from queue_ref.multi_root import MultiRootQueue, split_id
+from queue_ref.multi_root import MultiRootQueue, share_a_file_system, split_id
 from queue_ref.storage import (
     InvalidInputError,
     MisuseError,
@@ -55,6 +55,9 @@ def test_mail_is_spread_and_every_listing_sees_both_roots(tmp_path: Any) -> None
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     q = MultiRootQueue.open_fs([b, a])  # ordered by path: a is r0 whatever the order
     assert q.root_names == [a, b]
+    # one file system under both: a failed syncfs of one would cover the other's changes
+    assert share_a_file_system([a, b]) and not share_a_file_system([a, "/proc/nothing"])
+    assert [s.sync_mode for s in q.root_stores()] == ["fsync", "fsync"]  # type: ignore[attr-defined]
     ids = [put(q, i)[0] for i in range(6)]
     assert [m.entry_id[:3] for m in ids] == ["r0-", "r1-"] * 3
     assert len(data_files(a)) == len(data_files(b)) == 3

@@ -140,14 +140,17 @@ def make_dir(path: str, io: IO) -> None:
 
 
 def open_fs_two_roots(root: str, io: IO) -> Storage:
-    """One queue over two roots, ``root/a`` and ``root/b``, each the filesystem queue
-    opened by ``open_fs`` (names derived from its own directory), every call of both
-    through ``io``: a crash stops both roots at once, wherever either one was."""
+    """One queue over two roots, ``root/a`` and ``root/b``, each the filesystem queue in
+    ``fsync`` mode (names derived from its own directory), every call of both through
+    ``io``: a crash stops both roots at once, wherever either one was.  Both roots are on
+    one file system, so not ``syncfs``, as ``MultiRootQueue.open_fs`` chooses: a failed
+    ``syncfs`` of one root covers the other's changes too."""
     from queue_ref.multi_root import MultiRootQueue
 
     make_dir(root, io)
     subs = [os.path.join(root, name) for name in ("a", "b")]
-    return MultiRootQueue({sub: (lambda sub=sub: open_fs(sub, io)) for sub in subs})
+    opener = open_fs_mode("fsync")
+    return MultiRootQueue({sub: (lambda sub=sub: opener(sub, io)) for sub in subs})
 
 
 #: The KV queue's clock, fixed: creation stamps are then the same in every rerun.
