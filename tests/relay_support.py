@@ -465,6 +465,16 @@ class RelayProcess:
         self._reader.join(timeout)
         return "".join(self.err_lines)
 
+    def wait_log(self, text: str, timeout: float = 30.0) -> bool:
+        """Wait until a line of standard error holds ``text`` (the first listing's end:
+        ``queue listed``); whether one did within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in list(self.err_lines)):
+            if time.monotonic() > deadline or not self._reader.is_alive():
+                return any(text in line for line in list(self.err_lines))
+            time.sleep(0.02)
+        return True
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.proc, name)
 
