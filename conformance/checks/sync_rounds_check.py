@@ -28,6 +28,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from conformance.concurrency.sync_cover import uncovered_acks
 from conformance.crashexplore.traced_runs import ScratchIO, scratch_dir
@@ -36,6 +37,7 @@ from conformance.harness.check_catalog import NO_CRASH
 from conformance.harness.check_results import CheckResult, Finding, finished
 from faultinject.fault_errors import ModelError
 from faultinject.seam import FaultyIO
+from faultinject.trace import OperationSpan
 from queue_ref.storage import (
     Capability,
     Handle,
@@ -60,10 +62,21 @@ HANG = 30.0
 MAX_SYNCS = 12
 
 
+#: The schedule of every message made here, and the ones send_cancel and reschedule give.
+FIRST, CANCELLED, RESCHEDULED = Schedule(10), Schedule(20, 1), Schedule(30, 1)
+
+
+def mail(tag: str) -> tuple[str, bytes, str]:
+    """The sender, body and recipient of the message made for caller ``tag``."""
+    return (f"{tag}@example.org", b"Subject: " + tag.encode() + b"\r\n\r\nsync rounds\r\n",
+            f"{tag}@example.net")
+
+
 def _commit(store: Storage, tag: str) -> list[QueuedMail]:
-    with store.enqueue(f"{tag}@example.org") as enq:
-        enq.write(b"Subject: " + tag.encode() + b"\r\n\r\nsync rounds\r\n")
-        return enq.commit([Recipient(f"{tag}@example.net", Schedule(10))])
+    sender, body, rcpt = mail(tag)
+    with store.enqueue(sender) as enq:
+        enq.write(body)
+        return enq.commit([Recipient(rcpt, FIRST)])
 
 
 def _prepare(store: Storage, op: str, tag: str) -> Handle | None:
@@ -85,21 +98,27 @@ def _prepare(store: Storage, op: str, tag: str) -> Handle | None:
 
 
 def _act(store: Storage, io: FaultyIO, op: str, handle: Handle | None, tag: str,
-         outcome: dict[str, str]) -> Callable[[], None]:
+         run: Interleaved) -> Callable[[], None]:
+    outcome = run.outcome
+    if handle is not None:
+        run.ids[tag] = (handle.message_id, handle.entry_id)
+
     def body() -> None:
         try:
-            with io.operation(op):
+            with io.operation(op) as span:
+                run.spans[tag] = span
                 if op == "commit":
-                    _commit(store, tag)
+                    made = _commit(store, tag)[0]
+                    run.ids[tag] = (made.message_id, made.entry_id)
                 elif op == "send_done":
                     assert isinstance(handle, InflightMail)
                     store.send_done(handle)
                 elif op == "send_cancel":
                     assert isinstance(handle, InflightMail)
-                    store.send_cancel(handle, Schedule(20, 1))
+                    store.send_cancel(handle, CANCELLED)
                 elif op == "reschedule":
                     assert isinstance(handle, QueuedMail)
-                    store.reschedule(handle, Schedule(30, 1))
+                    store.reschedule(handle, RESCHEDULED)
                 elif op == "hold":
                     assert isinstance(handle, QueuedMail)
                     store.hold(handle)
@@ -134,25 +153,49 @@ def _wait_for_b(io: FaultyIO, b: threading.Thread) -> None:
         time.sleep(0.002)
 
 
-def run_case(backend: Backend, a: str, b: str, j: int) -> tuple[bool, list[Finding]]:
-    """A stopped in its ``j``-th sync while B runs; (whether A made a j-th sync, findings)."""
+@dataclass
+class Interleaved:
+    """One forced interleaving, run: its trace (``io``; ``at_rest``: the events before the
+    queue was closed), each caller's outcome, span and entry ((message id, entry id), known
+    once its operation returned or, for the others, from the start)."""
+
+    a: str
+    b: str
+    j: int
+    io: FaultyIO
+    outcome: dict[str, str]
+    spans: dict[str, OperationSpan]
+    ids: dict[str, tuple[str, str]]
+    at_rest: int = 0
+    stopped_in: str = ""
+
+    @property
+    def steps(self) -> tuple[str, ...]:
+        return (f"A: {self.a}, stopped inside its sync call #{self.j} ({self.stopped_in})",
+                f"B: {self.b}, run until it waits; then A let go",
+                f"A: {self.outcome.get('a')}; B: {self.outcome.get('b')}")
+
+
+def interleave(backend: Backend, a: str, b: str, j: int) -> Interleaved | None:
+    """A stopped in its ``j``-th sync while B runs (None: A makes fewer syncs)."""
     scenario = f"sync-rounds:{a}-vs-{b}:{j}"
     with scratch_dir("queue-ref-rounds-") as root:
         io = FaultyIO(root, inner=ScratchIO())
         store = backend.open(root, io)
+        run = Interleaved(a, b, j, io, {}, {}, {})
         try:
             ha, hb = _prepare(store, a, "a"), _prepare(store, b, "b")
-            outcome: dict[str, str] = {}
             gate = io.pause_in_sync(io.sync_count + j)
-            ta = threading.Thread(target=_act(store, io, a, ha, "a", outcome), daemon=True)
+            ta = threading.Thread(target=_act(store, io, a, ha, "a", run), daemon=True)
             ta.start()
             while not gate.wait_reached(0.005) and ta.is_alive():
                 pass
             if not gate.reached:
                 gate.release()
                 ta.join(HANG)
-                return False, []
-            tb = threading.Thread(target=_act(store, io, b, hb, "b", outcome), daemon=True)
+                return None
+            run.stopped_in = str(gate.call)
+            tb = threading.Thread(target=_act(store, io, b, hb, "b", run), daemon=True)
             tb.start()
             _wait_for_b(io, tb)
             gate.release()
@@ -161,22 +204,31 @@ def run_case(backend: Backend, a: str, b: str, j: int) -> tuple[bool, list[Findi
                 if t.is_alive():
                     raise RuntimeError(f"{scenario}: a caller still runs after {HANG:.0f} s "
                                        "(deadlock)")
+            with io._mutex:
+                run.at_rest = len(io.events)
         finally:
             store.close()
-        steps = (f"A: {a}, stopped inside its sync call #{j} ({gate.call})",
-                 f"B: {b}, run until it waits; then A let go",
-                 f"A: {outcome.get('a')}; B: {outcome.get('b')}")
-        found = [Finding("C9", f"{op} {what}; expected success or a QueueError", scenario,
-                         NO_CRASH, steps)
-                 for op, what in ((a, outcome.get("a", "")), (b, outcome.get("b", "")))
-                 if what.startswith("raised")]
-        try:
-            bad = uncovered_acks(io.initial, io.events, io.operations)
-        except ModelError as e:
-            return True, [*found, Finding("C9", f"the trace cannot be replayed: {e}", scenario,
-                                          NO_CRASH, steps)]
-        return True, found + [Finding(u.clause, u.detail(), scenario, NO_CRASH,
-                                      steps + u.excerpt) for u in bad]
+    return run
+
+
+def run_case(backend: Backend, a: str, b: str, j: int) -> tuple[bool, list[Finding]]:
+    """A stopped in its ``j``-th sync while B runs; (whether A made a j-th sync, findings)."""
+    scenario = f"sync-rounds:{a}-vs-{b}:{j}"
+    run = interleave(backend, a, b, j)
+    if run is None:
+        return False, []
+    io, outcome, steps = run.io, run.outcome, run.steps
+    found = [Finding("C9", f"{op} {what}; expected success or a QueueError", scenario,
+                     NO_CRASH, steps)
+             for op, what in ((a, outcome.get("a", "")), (b, outcome.get("b", "")))
+             if what.startswith("raised")]
+    try:
+        bad = uncovered_acks(io.initial, io.events, io.operations)
+    except ModelError as e:
+        return True, [*found, Finding("C9", f"the trace cannot be replayed: {e}", scenario,
+                                      NO_CRASH, steps)]
+    return True, found + [Finding(u.clause, u.detail(), scenario, NO_CRASH,
+                                  steps + u.excerpt) for u in bad]
 
 
 def replay(backend: Backend, scenario: str) -> list[Finding]:
