@@ -7,13 +7,12 @@ sender.  Real peers: Python's smtplib, swaks, and a raw socket for the malformed
 from __future__ import annotations
 
 import smtplib
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 from queue_ref.opener import open_queue
-from tests.relay_support import DnsServer, RelayThread, Sink, relay_config
+from tests.relay_support import DnsServer, RelayThread, Sink, codes, raw_dialogue, relay_config
 
 ZONE = {"ok.test": [("MX", (10, "mx.ok.test"))], "mx.ok.test": [("A", "127.0.0.1")]}
 DSN = (b"Subject: Undelivered Mail Returned to Sender\r\nAuto-Submitted: auto-replied\r\n"
@@ -23,25 +22,6 @@ DSN = (b"Subject: Undelivered Mail Returned to Sender\r\nAuto-Submitted: auto-re
 def _config(tmp_path: Path, dns: DnsServer, sink: Sink):
     return relay_config(str(tmp_path / "q"), dns_nameservers=["127.0.0.1"], dns_port=dns.port,
                         smtp_port=sink.port, log_json=True)
-
-
-def _dialogue(port: int, lines: list[bytes]) -> list[bytes]:
-    """Send each line and read its reply (one line each after the greeting)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        f = s.makefile("rb")
-
-        def reply() -> bytes:
-            while True:
-                line = f.readline()
-                if line[3:4] != b"-":
-                    return line.rstrip(b"\r\n")
-
-        reply()  # greeting
-        out = []
-        for line in lines:
-            s.sendall(line + b"\r\n")
-            out.append(reply())
-        return out
 
 
 def test_the_null_sender_is_accepted_relayed_and_logged(tmp_path):
@@ -85,7 +65,7 @@ def test_a_failed_message_with_the_null_sender_is_not_bounced(tmp_path):
 
 def test_the_smtp_edges_of_the_null_sender(tmp_path):
     with DnsServer(ZONE) as dns, Sink() as sink, RelayThread(_config(tmp_path, dns, sink)) as rt:
-        replies = _dialogue(rt.port, [
+        replies = raw_dialogue(rt.port, [
             b"EHLO client.test",
             b"MAIL FROM:<>x",                      # not a path
             b"MAIL FROM:<> SIZE=100 BODY=8BITMIME",  # the null path with parameters
@@ -97,9 +77,7 @@ def test_the_smtp_edges_of_the_null_sender(tmp_path):
             b"MAIL FROM:<alice@ok.test>",          # a new transaction after RSET
             b"QUIT",
         ])
-    codes = [r[:3] for r in replies]
-    assert codes == [b"250", b"501", b"250", b"503", b"501", b"503", b"250", b"250", b"250",
-                     b"221"], replies
+    assert codes(replies) == "220 250 501 250 503 501 503 250 250 250 221", replies
 
 
 def test_swaks_sends_a_bounce_with_the_null_sender(tmp_path):
