@@ -31,7 +31,7 @@ from queue_ref.storage import (
 
 __all__ = [
     "AGE_BUCKETS", "ActionResult", "EntryInfo", "MessageInfo", "check_domain", "delete",
-    "domain_of", "flush", "group_messages", "hold", "in_delivery", "listing", "qshape",
+    "domain_entries", "domain_of", "flush", "group_messages", "hold", "in_delivery", "listing", "qshape",
     "release", "requeue", "scan", "select", "stream", "stream_messages",
 ]
 
@@ -310,14 +310,7 @@ def flush(store: Storage, domain: str | None = None, now: int | None = None) -> 
     ETRN of seed 002), else by scanning the queue.  Held mail stays held."""
     at = int(time.time()) if now is None else now
     res = ActionResult("flush")
-    if domain is None:
-        source: Iterable[QueuedMail] = store.list_queue()
-    else:
-        d = check_domain(domain)
-        if Capability.DOMAIN_INDEX in store.capabilities:
-            source = store.list_domain(d)
-        else:
-            source = (h for h in store.list_queue() if _rcpt_domain(store, h) == d)
+    source = store.list_queue() if domain is None else domain_entries(store, domain)
     for h in list(source):
         if h.schedule.at <= at:
             res.skipped.append(h.entry_id)  # due already
@@ -325,6 +318,16 @@ def flush(store: Storage, domain: str | None = None, now: int | None = None) -> 
         got = store.reschedule(h, Schedule(at, h.schedule.attempts, h.schedule.reason))
         (res.changed if got is not None else res.vanished).append(h.entry_id)
     return res
+
+
+def domain_entries(store: Storage, domain: str) -> Iterable[QueuedMail]:
+    """The QUEUED entries of one recipient domain: through the backend's domain index
+    where it declares one (``Capability.DOMAIN_INDEX``), else by scanning the queue
+    (ETRN's flush, ATRN's listing)."""
+    d = check_domain(domain)
+    if Capability.DOMAIN_INDEX in store.capabilities:
+        return store.list_domain(d)
+    return (h for h in store.list_queue() if _rcpt_domain(store, h) == d)
 
 
 def _rcpt_domain(store: Storage, h: QueuedMail) -> str | None:

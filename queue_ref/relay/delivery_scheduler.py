@@ -45,7 +45,7 @@ import heapq
 import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
@@ -72,6 +72,8 @@ from queue_ref.storage import (
 
 __all__ = ["DeliveryScheduler"]
 
+#: why mail for an ATRN domain (``atrn_domains``) is deferred whenever a scan finds it due
+ATRN_WAIT = "on-demand domain: waiting for its client to connect and say ATRN"
 FINISH_RETRIES = (0.2, 1.0, 3.0)  # waits between tries of a transition that hit an I/O error
 
 
@@ -130,6 +132,7 @@ class DeliveryScheduler:
         self._seq = itertools.count()
         self._event = asyncio.Event()
         self._rescan = True
+        self._may_list = True  # False until release_listing() after hold_listing()
         self.scanned = asyncio.Event()  # set once the first listing of the queue is done
         self._stopping = False
         self._jobs: set[asyncio.Task[None]] = set()
@@ -156,6 +159,16 @@ class DeliveryScheduler:
         self._rescan = True
         self._event.set()
 
+    def hold_listing(self) -> None:
+        """List the queue only after ``release_listing`` (a recovery runs beside it
+        first); new commits are delivered meanwhile."""
+        self._may_list = False
+
+    def release_listing(self) -> None:
+        """List the queue now, and from now on as usual."""
+        self._may_list = True
+        self.wake()
+
     def sizes(self) -> dict[str, int]:
         """Entries by state: queued and inflight as the scheduler holds them now, held as
         its last scan of the queue found them (backends with Capability.HOLD)."""
@@ -180,8 +193,9 @@ class DeliveryScheduler:
         try:
             while not self._stopping:
                 self._event.clear()
-                if self._scan_task is None and (self._rescan or time.monotonic() >= next_scan
-                                                or self._window_drained()):
+                if self._scan_task is None and self._may_list and (
+                        self._rescan or time.monotonic() >= next_scan
+                        or self._window_drained()):
                     self._rescan = False
                     self._scan_task = asyncio.get_running_loop().create_task(self._scan())
                     next_scan = time.monotonic() + self.config.queue_scan_interval
@@ -327,7 +341,33 @@ class DeliveryScheduler:
 
     # ---- one job ----
 
-    async def _job(self, handles: list[QueuedMail]) -> None:
+    async def run_job(self, handles: list[QueuedMail],
+                      send: Callable[[str, list[str], bytes, dict[str, str]],
+                                     Awaitable[list[RcptResult]]]) -> None:
+        """Deliver one message's ``handles`` with ``send(mail_from, rcpts, body, params)``
+        (one result per recipient) instead of by route: ATRN, over the connection its
+        client opened (``odmr_server``).  Claimed, finished and put back as a scheduled
+        job is; entries a job of ours holds already are left out."""
+        handles = [h for h in handles if h.entry_id not in self._claimed]
+        if not handles:
+            return
+        self._claimed.update(h.entry_id for h in handles)
+
+        async def over(job: _Job) -> list[tuple[_Entry, RcptResult]]:
+            try:
+                results = await send(job.mail_from, [e.rcpt for e in job.entries], job.body,
+                                     job.params)
+                return list(zip(job.entries, results, strict=True))
+            except Exception as e:  # CancelledError goes on up, as in _deliver_domain
+                self._job_error("deliver", job.message_id, e)
+                text = f"internal error in the relay: {type(e).__name__}: {e}"
+                return [(en, RcptResult(0, "4.3.0", text, "none")) for en in job.entries]
+
+        await self._job(handles, over)
+
+    async def _job(self, handles: list[QueuedMail],
+                   deliver: Callable[[_Job], Awaitable[list[tuple[_Entry, RcptResult]]]]
+                   | None = None) -> None:
         loop = asyncio.get_running_loop()
         ids = [h.entry_id for h in handles]
         try:
@@ -342,7 +382,7 @@ class DeliveryScheduler:
             if job is None:
                 return
             try:
-                outcomes = await self._deliver(job)
+                outcomes = await (deliver or self._deliver)(job)
             except asyncio.CancelledError:
                 self.add(await loop.run_in_executor(self.executor, self._put_back, job))
                 raise
@@ -426,6 +466,8 @@ class DeliveryScheduler:
 
     async def _send_domain(self, job: _Job, domain: str, entries: list[_Entry]
                            ) -> list[tuple[_Entry, RcptResult]]:
+        if domain in self.config.atrn_domains:  # no MX: it waits for its client's ATRN
+            return [(e, RcptResult(0, "4.4.0", ATRN_WAIT, "none")) for e in entries]
         route = await self.router.route(domain)
         if route.failed:
             code = 550 if route.dsn.startswith("5") else 0
@@ -497,6 +539,11 @@ class DeliveryScheduler:
                 self._retrying("cleanup", self.store.cleanup, pending)
         for e, r in deferred:
             retry = self._retry_schedule(e.schedule, now)
+            if e.rcpt.rpartition("@")[2].lower() in self.config.atrn_domains:
+                # not retried: due again only when its lifetime is over (to bounce), the
+                # domain's ATRN (odmr_server) takes it whenever it is queued
+                end = int(arrival + self.retry.lifetime(null_sender)) + 1
+                retry = Schedule(max(end, retry.at), retry.attempts)
             schedule = Schedule(retry.at, retry.attempts, r.text)  # the reason goes with it
             self._record(job, e, r, "deferred", now, arrival)
             job.settled.add(e.mail.entry_id)

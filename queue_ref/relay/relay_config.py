@@ -117,6 +117,9 @@ class RelayConfig:
     smtpd_tls_auth_only: bool = True  # AUTH offered only after STARTTLS
     smtpd_auth_failure_limit: int = 5  # failed AUTHs per client within anvil_rate_time_unit
     anvil_rate_time_unit: float = 60.0
+    # -- on-demand mail relay (RFC 2645; odmr_server) --
+    odmr_listen: str = ""  # ATRN listener, e.g. "0.0.0.0:366"; "": none
+    atrn_domains: dict[str, str] = field(default_factory=dict)  # domain -> user who may take it
     # -- routing --
     relayhost: str = ""
     transport_maps: dict[str, str] = field(default_factory=dict)
@@ -295,10 +298,36 @@ class RelayConfig:
                                   "STARTTLS (smtpd_tls_cert_file, smtpd_tls_security_level)")
         elif self.smtpd_sasl_password_file:
             raise ConfigError("smtpd_sasl_password_file is set but smtpd_sasl_auth_enable is not")
+        self._validate_odmr()
         if self.smtpd_auth_failure_limit < 1:
             raise ConfigError("smtpd_auth_failure_limit: must be at least 1")
         if self.anvil_rate_time_unit <= 0:
             raise ConfigError("anvil_rate_time_unit: must be above 0")
+
+    def _validate_odmr(self) -> None:
+        """``odmr_listen`` and ``atrn_domains``: ATRN needs AUTH, and each domain a user
+        of ``smtpd_sasl_password_file``."""
+        from queue_ref.relay.smtpd_sasl_auth import load_password_file
+
+        if self.atrn_domains and not self.odmr_listen:
+            raise ConfigError("atrn_domains is set but odmr_listen is not (ATRN is taken there)")
+        if not self.odmr_listen:
+            return
+        parse_hostport(self.odmr_listen, "odmr_listen", 366)
+        if not self.smtpd_sasl_auth_enable:
+            raise ConfigError("odmr_listen needs smtpd_sasl_auth_enable (ATRN requires AUTH)")
+        users = load_password_file(self.smtpd_sasl_password_file)
+        domains: dict[str, str] = {}
+        for dom, user in self.atrn_domains.items():
+            try:
+                name = canonical_domain(dom)
+            except ValueError as e:
+                raise ConfigError(f"atrn_domains: {e}") from None
+            if not isinstance(user, str) or user not in users:
+                raise ConfigError(f"atrn_domains.{dom}: {user!r} is not a user of "
+                                  f"smtpd_sasl_password_file")
+            domains[name] = user
+        self.atrn_domains = domains
 
     def as_dict(self) -> dict[str, Any]:
         """The configuration as plain data, passwords shown as ``(hidden)``."""
@@ -338,6 +367,10 @@ def _coerce(key: str, value: object) -> object:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a table of domain = \"[host]:port\"")
         return {str(k).lower(): v for k, v in value.items()}
+    if key == "atrn_domains":
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a table of domain = \"user\"")
+        return dict(value)
     if key in ("smtp_tls_policy_maps", "smtp_sasl_password_maps"):
         what = "level or { level, match }" if key == "smtp_tls_policy_maps" else "\"user:password\""
         if not isinstance(value, dict):

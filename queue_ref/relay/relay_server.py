@@ -28,15 +28,22 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO
 
-from queue_ref.opener import open_queues, relay_on_any, remove_relay_pid, write_relay_pid
+from queue_ref.opener import (
+    open_queues,
+    open_serving,
+    relay_on_any,
+    remove_relay_pid,
+    write_relay_pid,
+)
 from queue_ref.relay.delivery_log import DeliveryLog, LogStream
 from queue_ref.relay.delivery_scheduler import DeliveryScheduler
 from queue_ref.relay.mx_routing import Router
+from queue_ref.relay.odmr_server import OdmrServer
 from queue_ref.relay.relay_config import RelayConfig, loop_kind, parse_hostport
 from queue_ref.relay.relay_metrics import RelayMetrics
 from queue_ref.relay.smtp_delivery import SmtpDeliverer
 from queue_ref.relay.smtp_receiver import SmtpReceiver
-from queue_ref.storage import Storage
+from queue_ref.storage import RecoveryReport, Storage
 
 __all__ = ["Relay", "RelayStartError"]
 
@@ -84,8 +91,12 @@ class Relay:
         self._wrote_pid = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reopening: asyncio.Task[None] | None = None
+        self._recover_beside: Callable[[], RecoveryReport] | None = None
+        self._recovering: asyncio.Task[None] | None = None  # see _recover
         self._stopping = False
         self.reopens = 0  # times the queue was closed and opened again after a failed sync
+        #: the ATRN listener (``odmr_listen``), a service of this relay
+        self.odmr = OdmrServer(self) if config.odmr_listen else None
 
     @property
     def store(self) -> Storage:
@@ -115,8 +126,12 @@ class Relay:
         if other is not None:  # one relay per set of roots: none may share one
             raise RelayStartError(f"another relay (pid {other[0]}) works on {other[1]}")
         try:
-            self._store = await loop.run_in_executor(
-                self.executor, open_queues, self.queue_dirs, self.config.backend)
+            if len(self.queue_dirs) == 1:  # a filesystem queue's recovery may come later
+                self._store, self._recover_beside = await loop.run_in_executor(
+                    self.executor, open_serving, self.queue_dirs[0], self.config.backend)
+            else:
+                self._store = await loop.run_in_executor(
+                    self.executor, open_queues, self.queue_dirs, self.config.backend)
         except Exception as e:
             raise RelayStartError(f"cannot open the queue {self.queue_dir} "
                                   f"(backend {self.config.backend}): {e}") from e
@@ -155,14 +170,38 @@ class Relay:
         for start, stop in self._services:
             await start(self)
             self._started_services.append(stop)
-        # the first listing of the queue runs in the background: mail is accepted and
-        # delivered meanwhile, and its end is logged (relay what="queue listed")
+        # the first listing of the queue runs in the background (after the recovery, when
+        # it was left to run beside the open queue): mail is accepted and delivered
+        # meanwhile, and its end is logged (relay what="queue listed")
+        if self._recover_beside is not None:
+            self.scheduler.hold_listing()
+            self._recovering = loop.create_task(self._recover(self._recover_beside))
+            self._recover_beside = None
         self._scheduler_task = loop.create_task(self.scheduler.run())
         if self.worker is None:  # the master says it once for all its workers
             for line in self.config.warnings():
                 self.log.emit("warning", what=line)
         self.log.emit("relay", what="started", smtp=f"{host}:{self.smtp_address[1]}",
                       queue=self.queue_dir, backend=self.config.backend, worker=self.worker)
+
+    async def _recover(self, recover: Callable[[], RecoveryReport]) -> None:
+        """Run the queue's recovery beside it (``opener.open_serving``), then let the
+        scheduler list the queue."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            report = await loop.run_in_executor(self.executor, recover)
+        except Exception as e:  # the listing still adopts what dead owners held
+            self.log.emit("error", what="recovering the queue", reason=f"{type(e).__name__}: {e}")
+        else:
+            self.log.emit("relay", what="queue recovered", seconds=round(loop.time() - started, 3),
+                          requeued=report.requeued, cleaned=report.cleaned,
+                          quarantined=report.quarantined, lost=len(report.lost))
+            for problem in report.problems:
+                self.log.emit("warning", what=f"recovery: {problem}")
+        finally:
+            if self.scheduler is not None:
+                self.scheduler.release_listing()
 
     def _new_scheduler(self, store: Storage) -> DeliveryScheduler:
         scheduler = DeliveryScheduler(store, self.config, Router(self.config), self.deliverer,
@@ -293,6 +332,10 @@ class Relay:
             self._scheduler_task.cancel()
             await asyncio.gather(self._scheduler_task, return_exceptions=True)
             self._scheduler_task = None
+        if self._recovering is not None:  # its thread ends by itself (executor shutdown)
+            self._recovering.cancel()
+            await asyncio.gather(self._recovering, return_exceptions=True)
+            self._recovering = None
         await self.deliverer.close()
         if self.metrics is not None:
             self.metrics.stop()

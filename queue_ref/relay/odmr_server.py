@@ -1,0 +1,312 @@
+"""On-Demand Mail Relay (RFC 2645): ATRN on ``odmr_listen`` (port 366), Postfix has none.
+
+A customer whose host has no fixed address connects, says EHLO, authenticates with
+SMTP AUTH (PLAIN or LOGIN against ``smtpd_sasl_password_file``, after STARTTLS where
+``smtpd_tls_auth_only`` says so) and sends ``ATRN domain[,domain...]`` (none: every
+domain of that user).  Each domain must be one ``atrn_domains`` gives to that user.
+The replies are RFC 2645's: ``250`` when mail is waiting, then the roles turn on the
+same connection; ``453 4.4.0`` when none is; ``530 5.7.0`` without AUTH; ``450 4.7.1``
+for a domain the user may not take (nothing is sent then); ``451 4.3.0`` when the queue
+cannot be listed.  No mail is taken here (``MAIL``: 502).
+
+After the turn the relay is the SMTP client: it waits for the customer's 220 greeting,
+says EHLO (HELO if refused), and delivers the domains' QUEUED entries (the domain index,
+``queue_actions.domain_entries``), one message at a time, through
+``DeliveryScheduler.run_job``: claimed with ``send_start`` and finished as every
+delivery is (2xx done, 4xx deferred, 5xx bounced), then QUIT.  A connection lost midway
+defers the message in hand; the rest stay queued, untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from concurrent.futures import Executor
+from typing import TYPE_CHECKING, Any
+
+from aiosmtpd.smtp import SMTP, Envelope, LoginPassword, Session, syntax
+
+from queue_ref.operate.queue_actions import check_domain, domain_entries
+from queue_ref.relay.relay_config import RelayConfig, parse_hostport
+from queue_ref.relay.smtp_delivery import RcptResult, dsn_of, wire_body
+from queue_ref.storage import InvalidInputError, QueuedMail, Storage
+
+if TYPE_CHECKING:
+    from queue_ref.relay.relay_server import Relay
+
+__all__ = ["OdmrServer"]
+
+ODMR_PORT = 366  # RFC 2645
+
+
+class _Lost(Exception):
+    """The turned connection ended or timed out."""
+
+
+class OdmrSMTP(SMTP):
+    """One ODMR session: aiosmtpd's ESMTP with AUTH, plus ATRN."""
+
+    def __init__(self, odmr: OdmrServer, **kw: Any) -> None:
+        super().__init__(odmr, **kw)
+        self.odmr = odmr
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.odmr.sessions.add(self)
+
+    def connection_lost(self, error: Exception | None) -> None:
+        self.odmr.sessions.discard(self)
+        super().connection_lost(error)
+
+    async def smtp_MAIL(self, arg: str | None) -> None:
+        await self.push("502 5.5.1 Error: no mail is taken on the ODMR port (ATRN only)")
+
+    @syntax("ATRN [domain[,domain...]]")
+    async def smtp_ATRN(self, arg: str | None) -> None:
+        assert self.session is not None
+        reply, handles = await self.odmr.atrn(self.session, arg or "")
+        await self.push(reply)
+        if handles:
+            await self.odmr.turn(self, handles)
+            if self.transport is not None:
+                self.transport.close()
+
+    # the turned session reads and writes aiosmtpd's own streams (TLS included)
+
+    async def reply(self, timeout: float) -> tuple[int, str]:
+        """One reply of the customer's server: its code and its lines (LF between)."""
+        lines = []
+        while True:
+            try:
+                line = await asyncio.wait_for(self._reader.readuntil(b"\n"), timeout)
+            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError,
+                    ConnectionError) as e:
+                raise _Lost(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__) from e
+            self._reset_timeout()
+            text = line.rstrip(b"\r\n").decode("utf-8", "replace")
+            lines.append(text[4:])
+            if not text[:3].isdigit():
+                raise _Lost(f"not an SMTP reply: {text[:80]!r}")
+            if text[3:4] != "-":
+                return int(text[:3]), "\n".join(lines)
+
+    async def send_line(self, data: bytes) -> None:
+        try:
+            self._writer.write(data)
+            await self._writer.drain()
+        except (ConnectionError, RuntimeError) as e:
+            raise _Lost(str(e) or type(e).__name__) from e
+
+
+class _Turned:
+    """The relay as the SMTP client on a turned ODMR connection."""
+
+    def __init__(self, proto: OdmrSMTP, config: RelayConfig, relay: str) -> None:
+        self.proto = proto
+        self.config = config
+        self.relay = relay  # as the delivery log names the host: odmr[ADDRESS]
+        self.extensions: set[str] = set()
+        self.lost = False
+
+    async def command(self, line: str, encoding: str = "ascii") -> tuple[int, str]:
+        await self.proto.send_line(line.encode(encoding) + b"\r\n")
+        return await self.proto.reply(self.config.smtp_timeout)
+
+    async def start(self) -> None:
+        code, text = await self.proto.reply(self.config.smtp_timeout)
+        if code != 220:
+            raise _Lost(f"greeting {code} {text}")
+        code, text = await self.command(f"EHLO {self.config.myhostname}")
+        if code == 250:  # the keywords after the first line
+            self.extensions = {x.split()[0].upper() for x in text.split("\n")[1:] if x.split()}
+        else:
+            code, text = await self.command(f"HELO {self.config.myhostname}")
+            if code != 250:
+                raise _Lost(f"HELO refused: {code} {text}")
+
+    def _result(self, code: int, text: str) -> RcptResult:
+        text = " ".join(text.split())
+        return RcptResult(code, dsn_of(code, text), f"{code} {text}", self.relay)
+
+    async def send(self, mail_from: str, rcpts: list[str], body: bytes,
+                   params: dict[str, str]) -> list[RcptResult]:
+        """One transaction: a result per recipient (``DeliveryScheduler.run_job``)."""
+        results: list[RcptResult | None] = [None] * len(rcpts)
+        try:
+            return await self._transaction(mail_from, rcpts, body, params, results)
+        except _Lost as e:
+            self.lost = True
+            text = f"lost connection with {self.relay}: {e}"
+            return [r or RcptResult(0, "4.4.2", text, self.relay) for r in results]
+
+    async def _transaction(self, mail_from: str, rcpts: list[str], body: bytes,
+                           params: dict[str, str], results: list[RcptResult | None]
+                           ) -> list[RcptResult]:
+        opts = ""
+        if params.get("body") == "8BITMIME" and "8BITMIME" in self.extensions:
+            opts += " BODY=8BITMIME"
+        utf8 = bool(params.get("smtputf8")) and "SMTPUTF8" in self.extensions
+        if utf8:
+            opts += " SMTPUTF8"
+        if "SIZE" in self.extensions:
+            opts += f" SIZE={len(body)}"
+        enc = "utf-8" if utf8 else "ascii"
+        if not all(a.isascii() for a in [mail_from, *rcpts]) and not utf8:
+            text = f"SMTPUTF8 is required, but was not offered by host {self.relay}"
+            return [RcptResult(550, "5.6.7", text, self.relay) for _ in rcpts]
+        code, text = await self.command(f"MAIL FROM:<{mail_from}>{opts}", enc)
+        if code != 250:
+            await self.command("RSET")
+            return [self._result(code, text) for _ in rcpts]
+        accepted = []
+        for i, rcpt in enumerate(rcpts):
+            code, text = await self.command(f"RCPT TO:<{rcpt}>", enc)
+            if code in (250, 251):
+                accepted.append(i)
+            else:
+                results[i] = self._result(code, text)
+        if accepted:
+            code, text = await self.command("DATA")
+            if code == 354:
+                wire = wire_body(body, self.config.smtp_line_length_limit)
+                if wire is None:  # bare CR or LF: made CRLF first
+                    wire = wire_body(re.sub(rb"\r\n|\r|\n", b"\r\n", body),
+                                     self.config.smtp_line_length_limit)
+                assert wire is not None
+                await self.proto.send_line(wire)
+                code, text = await self.proto.reply(self.config.smtp_timeout)
+            else:
+                await self.command("RSET")
+            for i in accepted:
+                results[i] = self._result(code, text)
+        else:
+            await self.command("RSET")
+        return [r if r is not None else self._result(451, "4.4.2 no reply") for r in results]
+
+    async def quit(self) -> None:
+        with contextlib.suppress(_Lost):
+            await asyncio.wait_for(self.command("QUIT"), 5)
+
+
+class OdmrServer:
+    """The ODMR listener of one relay (``Relay.add_service``), aiosmtpd's handler."""
+
+    def __init__(self, relay: Relay) -> None:
+        self.relay = relay
+        self.config = relay.config
+        self.sessions: set[OdmrSMTP] = set()
+        self.address: tuple[str, int] | None = None
+        self._server: asyncio.Server | None = None
+        relay.add_service(self.start, self.stop)
+
+    @property
+    def store(self) -> Storage:
+        return self.relay.store
+
+    @property
+    def executor(self) -> Executor:
+        return self.relay.executor
+
+    def protocol(self) -> OdmrSMTP:
+        receiver = self.relay.receiver
+        assert receiver is not None and receiver.auth is not None
+        return OdmrSMTP(self, hostname=self.config.myhostname, ident="ESMTP queue-ref ODMR",
+                        tls_context=receiver._tls, authenticator=receiver.auth,
+                        auth_require_tls=self.config.smtpd_tls_auth_only,
+                        timeout=self.config.smtpd_timeout, loop=asyncio.get_running_loop())
+
+    async def start(self, relay: Relay) -> None:
+        host, port, _ = parse_hostport(self.config.odmr_listen, "odmr_listen", ODMR_PORT)
+        loop = asyncio.get_running_loop()
+        try:
+            self._server = await loop.create_server(self.protocol, host, port,
+                                                    reuse_port=relay.worker is not None)
+        except OSError as e:
+            from queue_ref.relay.relay_server import RelayStartError
+
+            raise RelayStartError(f"cannot listen on {host}:{port} (odmr_listen): "
+                                  f"{e.strerror or e}") from e
+        sockname = self._server.sockets[0].getsockname()
+        self.address = (sockname[0], sockname[1])
+        relay.log.emit("relay", what="odmr listening", odmr=f"{host}:{self.address[1]}")
+
+    async def stop(self, relay: Relay) -> None:
+        if self._server is not None:
+            self._server.close()
+        for s in list(self.sessions):
+            if s.transport is not None:
+                s.transport.close()
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+
+    # ---- aiosmtpd hooks ----
+
+    async def handle_EHLO(self, server: OdmrSMTP, session: Session, envelope: Envelope,
+                          hostname: str, responses: list[str]) -> list[str]:
+        session.host_name = hostname
+        out = [r.replace("250 ", "250-", 1) for r in responses
+               if not r.endswith(" HELP") and not r.endswith("-HELP")]
+        return [*out, "250-ATRN", "250 ENHANCEDSTATUSCODES"]
+
+    # ---- ATRN ----
+
+    async def atrn(self, session: Session, arg: str) -> tuple[str, list[QueuedMail]]:
+        """The reply to ``ATRN arg`` and, when it is 250, the entries to deliver."""
+        if not session.host_name:
+            return "503 5.5.1 Error: send HELO/EHLO first", []
+        auth: object = session.auth_data
+        if not session.authenticated or not isinstance(auth, LoginPassword):
+            return "530 5.7.0 Authentication required", []
+        user = auth.login.decode("utf-8", "replace")
+        client = session.peer[0] if isinstance(session.peer, tuple) else "unknown"
+        mine = sorted(d for d, u in self.config.atrn_domains.items() if u == user)
+        try:
+            names = [check_domain(n.strip()) for n in arg.split(",")] if arg.strip() else mine
+        except InvalidInputError:
+            return "501 5.5.4 Syntax: ATRN [domain[,domain...]]", []
+        refused = [d for d in names if d not in mine]
+        log = self.relay.log
+        if refused or not names:
+            log.emit("atrn", client=client, sasl_username=user, domains=",".join(names),
+                     status="refused")
+            what = f"<{refused[0]}> is not an on-demand domain of yours" if refused else \
+                "no on-demand domain is yours"
+            return f"450 4.7.1 ATRN request refused: {what}", []
+        loop = asyncio.get_running_loop()
+        try:
+            handles = await loop.run_in_executor(self.executor, self._list, names)
+        except Exception as e:
+            log.emit("error", what="atrn", reason=f"{type(e).__name__}: {e}")
+            return "451 4.3.0 Unable to process ATRN request now", []
+        log.emit("atrn", client=client, sasl_username=user, domains=",".join(names),
+                 status="started" if handles else "empty", queued=len(handles))
+        if not handles:
+            return "453 4.4.0 You have no mail", []
+        return "250 2.0.0 OK now reversing the connection", handles
+
+    def _list(self, domains: list[str]) -> list[QueuedMail]:
+        return [h for d in domains for h in domain_entries(self.store, d)]
+
+    async def turn(self, proto: OdmrSMTP, handles: list[QueuedMail]) -> None:
+        """Deliver ``handles`` over ``proto``'s connection, the relay the client now."""
+        assert proto.session is not None
+        peer = proto.session.peer
+        turned = _Turned(proto, self.config,
+                         f"odmr[{peer[0] if isinstance(peer, tuple) else 'unknown'}]")
+        try:
+            await turned.start()
+        except _Lost as e:  # nothing was claimed: the mail stays queued as it was
+            self.relay.log.emit("atrn", client=turned.relay, status="failed", reason=str(e))
+            return
+        messages: dict[str, list[QueuedMail]] = {}
+        for h in handles:
+            messages.setdefault(h.message_id, []).append(h)
+        for group in messages.values():
+            scheduler = self.relay.scheduler
+            if turned.lost or scheduler is None:
+                break
+            await scheduler.run_job(group, turned.send)
+        if not turned.lost:
+            await turned.quit()

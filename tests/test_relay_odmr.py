@@ -1,0 +1,175 @@
+"""On-Demand Mail Relay (RFC 2645) on the relay: mail for an ATRN domain is never sent by
+MX; its client connects to ``odmr_listen``, authenticates, says ATRN, and after the 250
+the test is the SMTP server on the same socket and the relay delivers to it; outcomes
+finish as every delivery's (sent, deferred, bounced); the queue lifetime still bounces
+mail no client came for."""
+
+from __future__ import annotations
+
+import smtplib
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from queue_ref.relay.relay_config import ConfigError, RelayConfig
+from queue_ref.relay.smtpd_sasl_auth import hash_password
+from tests.relay_support import RelayThread, Sink, queued_entries, relay_config, smtp_send
+
+PASSWORD = "odmr secret"
+DOMAIN = "ondemand.example"
+
+
+def _password_file(tmp_path: Path) -> str:
+    path = tmp_path / "smtpd_passwd"
+    path.write_text(f"alice:{hash_password(PASSWORD, ln=10)}\nbob:{hash_password('x', ln=10)}\n")
+    return str(path)
+
+
+def _config(tmp_path: Path, sink: Sink, **kw: object) -> RelayConfig:
+    base: dict[str, object] = dict(
+        relayhost=f"[127.0.0.1]:{sink.port}", log_json=True, odmr_listen="127.0.0.1:0",
+        smtpd_sasl_auth_enable=True, smtpd_sasl_password_file=_password_file(tmp_path),
+        smtpd_tls_auth_only=False, atrn_domains={DOMAIN: "alice", "bob.example": "bob"})
+    base.update(kw)
+    return relay_config(str(tmp_path / "q"), **base)
+
+
+def _odmr(r: RelayThread, user: str = "alice", password: str = PASSWORD) -> smtplib.SMTP:
+    assert r.relay.odmr is not None and r.relay.odmr.address is not None
+    c = smtplib.SMTP("127.0.0.1", r.relay.odmr.address[1], timeout=10)
+    code, text = c.ehlo("customer.test")
+    assert code == 250 and b"ATRN" in text
+    if user:
+        c.login(user, password)
+    return c
+
+
+def serve_turned(sock: socket.socket, replies: dict[str, str]) -> list[tuple[str, list[str], bytes]]:
+    """Be the SMTP server on ``sock`` after ATRN's 250: the greeting, then each command
+    answered (``replies``: recipient -> its RCPT reply, else 250) until QUIT; the
+    messages taken (sender, recipients accepted, content)."""
+    f = sock.makefile("rb")
+    sock.sendall(b"220 customer.test ESMTP\r\n")
+    got: list[tuple[str, list[str], bytes]] = []
+    mail_from, rcpts = "", []
+    while True:
+        line = f.readline().decode()
+        if not line:
+            return got
+        verb = line[:4].upper()
+        if verb == "EHLO":
+            sock.sendall(b"250-customer.test\r\n250-8BITMIME\r\n250 SIZE 1000000\r\n")
+        elif verb == "MAIL":
+            mail_from, rcpts = line.split("<", 1)[1].split(">", 1)[0], []
+            sock.sendall(b"250 2.1.0 Ok\r\n")
+        elif verb == "RCPT":
+            rcpt = line.split("<", 1)[1].split(">", 1)[0]
+            reply = replies.get(rcpt, "250 2.1.5 Ok")
+            if reply.startswith("250"):
+                rcpts.append(rcpt)
+            sock.sendall(reply.encode() + b"\r\n")
+        elif verb == "DATA":
+            sock.sendall(b"354 go ahead\r\n")
+            data = b""
+            while not data.endswith(b"\r\n.\r\n"):
+                data += f.readline()
+            got.append((mail_from, rcpts, data))
+            sock.sendall(b"250 2.0.0 Ok: taken\r\n")
+        elif verb == "QUIT":
+            sock.sendall(b"221 2.0.0 Bye\r\n")
+            return got
+        else:
+            sock.sendall(b"250 2.0.0 Ok\r\n")
+
+
+def test_atrn_domain_mail_waits_then_goes_over_the_turned_connection(tmp_path: Path) -> None:
+    with Sink() as sink, RelayThread(_config(tmp_path, sink)) as r:
+        smtp_send(r.port, "a@example.org", [f"one@{DOMAIN}", f"defer@{DOMAIN}"])
+        smtp_send(r.port, "a@example.org", [f"reject@{DOMAIN}"])
+        assert len(r.wait_events(3, status="deferred", timeout=10)) == 3
+        time.sleep(1.5)  # minimal_backoff_time is 1 s: no retry may come
+        assert sink.state.connections == 0  # never sent by MX (the relayhost here)
+        assert r.events("delivery")[0]["reason"].startswith("on-demand domain")
+        with _odmr(r) as c:
+            code, text = c.docmd("ATRN", DOMAIN.upper())
+            assert (code, text) == (250, b"2.0.0 OK now reversing the connection")
+            got = serve_turned(c.sock, {f"defer@{DOMAIN}": "450 4.2.0 busy",
+                                        f"reject@{DOMAIN}": "550 5.1.1 no such user"})
+        assert [(m, rc) for m, rc, _ in got] == [("a@example.org", [f"one@{DOMAIN}"])]
+        assert b"Subject: t" in got[0][2]
+        r.wait_events(1, "delivery", status="sent")
+        (bounce,) = sink.wait_for(1)  # the bounce of reject@ goes to the sender
+        events = {e["to"]: e for e in r.events("delivery")[3:]}
+    assert bounce.rcpts == ["a@example.org"]
+    assert events[f"one@{DOMAIN}"]["status"] == "sent"
+    assert events[f"one@{DOMAIN}"]["relay"] == "odmr[127.0.0.1]"
+    assert events[f"defer@{DOMAIN}"]["status"] == "deferred"
+    assert events[f"reject@{DOMAIN}"]["status"] == "bounced"
+    (left,) = queued_entries(str(tmp_path / "q"))
+    assert left.rcpt == f"defer@{DOMAIN}"
+    lifetime = r.relay.config.maximal_queue_lifetime
+    assert left.schedule.at > time.time() + lifetime - 60  # not retried before its lifetime
+
+
+def test_atrn_replies(tmp_path: Path) -> None:
+    with Sink() as sink, RelayThread(_config(tmp_path, sink)) as r:
+        with _odmr(r, user="") as c:
+            assert c.docmd("ATRN", DOMAIN)[0] == 530
+            assert c.docmd("MAIL", "FROM:<a@example.org>")[0] == 502
+            c.login("alice", PASSWORD)
+            assert c.docmd("ATRN", "bob.example")[0] == 450  # not alice's
+            assert c.docmd("ATRN", f"{DOMAIN},bob.example")[0] == 450
+            assert c.docmd("ATRN", "bad domain!")[0] == 501
+            assert c.docmd("ATRN", DOMAIN) == (453, b"4.4.0 You have no mail")
+            assert c.docmd("ATRN")[0] == 453  # every domain of hers: none has mail
+        with _odmr(r, user="bob", password="x") as c:
+            assert c.docmd("ATRN", DOMAIN)[0] == 450
+        (atrn, *_) = r.wait_events(1, "atrn")
+    assert atrn["status"] == "refused" and atrn["sasl_username"] == "alice"
+    assert sink.state.connections == 0
+
+
+def test_atrn_domain_mail_bounces_at_its_lifetime(tmp_path: Path) -> None:
+    with Sink() as sink, RelayThread(_config(tmp_path, sink, maximal_queue_lifetime=2.0)) as r:
+        smtp_send(r.port, "a@example.org", [f"x@{DOMAIN}"])
+        (bounce,) = sink.wait_for(1, timeout=15)
+        r.wait_events(1, "delivery", status="sent")  # the bounce's delivery
+        events = [e for e in r.events("delivery") if e["to"] == f"x@{DOMAIN}"]
+    assert bounce.rcpts == ["a@example.org"] and b"x@ondemand.example" in bounce.data
+    # one deferral, then the lifetime's bounce
+    assert [e["status"] for e in events] == ["deferred", "bounced"]
+    assert events[1]["reason"].startswith("message expired: on-demand domain")
+    assert sink.state.connections == 1  # the bounce's; the mail itself went nowhere
+
+
+@pytest.mark.parametrize(("kw", "error"), [
+    (dict(atrn_domains={DOMAIN: "alice"}), "atrn_domains is set but odmr_listen is not"),
+    (dict(odmr_listen="127.0.0.1:366"), "odmr_listen needs smtpd_sasl_auth_enable"),
+    (dict(odmr_listen="127.0.0.1:366", smtpd_sasl_auth_enable=True, smtpd_tls_auth_only=False,
+          atrn_domains={DOMAIN: "carol"}), "'carol' is not a user"),
+    (dict(odmr_listen="127.0.0.1:366", smtpd_sasl_auth_enable=True, smtpd_tls_auth_only=False,
+          atrn_domains={"bad..domain": "alice"}), "atrn_domains: 'bad..domain' is not a domain"),
+    (dict(odmr_listen="127.0.0.1:x", smtpd_sasl_auth_enable=True, smtpd_tls_auth_only=False),
+     "odmr_listen: bad port"),
+])
+def test_odmr_config_is_checked(tmp_path: Path, kw: dict[str, object], error: str) -> None:
+    if kw.get("smtpd_sasl_auth_enable"):
+        kw = {**kw, "smtpd_sasl_password_file": _password_file(tmp_path)}
+    with pytest.raises(ConfigError, match=error.replace("(", r"\(")):
+        relay_config(str(tmp_path / "q"), **kw)
+
+
+def test_check_config_refuses_a_bad_atrn_table_in_one_line(tmp_path: Path) -> None:
+    conf = tmp_path / "relay.toml"
+    conf.write_text(f'queue = "{tmp_path / "q"}"\nodmr_listen = "127.0.0.1:3660"\n'
+                    'smtpd_sasl_auth_enable = true\nsmtpd_tls_auth_only = false\n'
+                    f'smtpd_sasl_password_file = "{_password_file(tmp_path)}"\n'
+                    '[atrn_domains]\n"example.com" = "nobody"\n')
+    run = subprocess.run([sys.executable, "-m", "conformance.cli", "relay", "--config", str(conf),
+                          "--check-config"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert run.stderr.strip().count("\n") == 0 and "atrn_domains.example.com" in run.stderr
