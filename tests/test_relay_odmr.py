@@ -6,6 +6,8 @@ mail no client came for."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import smtplib
 import socket
 import subprocess
@@ -147,8 +149,8 @@ def test_atrn_domain_mail_bounces_at_its_lifetime(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("kw", "error"), [
-    (dict(atrn_domains={DOMAIN: "alice"}), "atrn_domains is set but odmr_listen is not"),
-    (dict(odmr_listen="127.0.0.1:366"), "odmr_listen needs smtpd_sasl_auth_enable"),
+    (dict(atrn_domains={DOMAIN: "alice"}), "atrn_domains or odmr_cram_md5_file is set but"),
+    (dict(odmr_listen="127.0.0.1:366"), "odmr_listen needs smtpd_sasl_auth_enable or"),
     (dict(odmr_listen="127.0.0.1:366", smtpd_sasl_auth_enable=True, smtpd_tls_auth_only=False,
           atrn_domains={DOMAIN: "carol"}), "'carol' is not a user"),
     (dict(odmr_listen="127.0.0.1:366", smtpd_sasl_auth_enable=True, smtpd_tls_auth_only=False,
@@ -173,3 +175,48 @@ def test_check_config_refuses_a_bad_atrn_table_in_one_line(tmp_path: Path) -> No
                           "--check-config"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2
     assert run.stderr.strip().count("\n") == 0 and "atrn_domains.example.com" in run.stderr
+
+
+def _cram_file(tmp_path: Path) -> str:
+    path = tmp_path / "odmr_secrets"
+    path.write_text("# user:secret\nalice:" + PASSWORD + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+@pytest.mark.skipif(shutil.which("fetchmail") is None, reason="fetchmail is not installed")
+def test_fetchmail_odmr_client_takes_the_domains_mail(tmp_path: Path) -> None:
+    """Debian's fetchmail as the ODMR client: EHLO, AUTH CRAM-MD5, ATRN, then it relays
+    what the relay sends to its ``smtphost``, a sink standing for the customer's MTA."""
+    with Sink() as sink, Sink() as customer, RelayThread(_config(
+            tmp_path, sink, odmr_cram_md5_file=_cram_file(tmp_path))) as r:
+        smtp_send(r.port, "a@example.org", [f"one@{DOMAIN}", f"two@{DOMAIN}"])
+        smtp_send(r.port, "b@example.org", [f"three@{DOMAIN}"])
+        r.wait_events(3, status="deferred", timeout=10)
+        assert r.relay.odmr is not None and r.relay.odmr.address is not None
+        rc = tmp_path / "fetchmailrc"
+        rc.write_text(f"poll 127.0.0.1 with protocol ODMR port {r.relay.odmr.address[1]}:\n"
+                      f'  user "alice" there with password "{PASSWORD}" is "alice" here\n'
+                      f"  smtphost 127.0.0.1/{customer.port}\n  fetchdomains {DOMAIN}\n")
+        rc.chmod(0o600)
+        env = {**os.environ, "HOME": str(tmp_path), "FETCHMAILHOME": str(tmp_path)}
+        run = subprocess.run(["fetchmail", "--nosyslog", "-v", "-f", str(rc)], env=env,
+                             capture_output=True, text=True, timeout=60)
+        got = customer.wait_for(3, timeout=10)
+        r.wait_events(3, "delivery", status="sent")
+        auth = r.events("auth")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "Turnaround now" in run.stdout + run.stderr
+    assert sorted(x for m in got for x in m.rcpts) == [f"one@{DOMAIN}", f"three@{DOMAIN}",
+                                                        f"two@{DOMAIN}"]
+    assert [a["sasl_method"] for a in auth] == ["CRAM-MD5"] and auth[0]["status"] == "ok"
+    assert queued_entries(str(tmp_path / "q")) == []
+    assert sink.state.connections == 0
+
+
+def test_cram_md5_secrets_file_must_be_private(tmp_path: Path) -> None:
+    path = _cram_file(tmp_path)
+    Path(path).chmod(0o644)
+    with pytest.raises(ConfigError, match="may be read by others"):
+        relay_config(str(tmp_path / "q"), odmr_listen="127.0.0.1:0", odmr_cram_md5_file=path,
+                     smtpd_tls_auth_only=False)

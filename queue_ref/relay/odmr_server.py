@@ -21,23 +21,58 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import os
 import re
+import secrets
+import stat
+import time
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING, Any
 
-from aiosmtpd.smtp import SMTP, Envelope, LoginPassword, Session, syntax
+from aiosmtpd.smtp import MISSING, SMTP, AuthResult, Envelope, LoginPassword, Session, syntax
 
 from queue_ref.operate.queue_actions import check_domain, domain_entries
-from queue_ref.relay.relay_config import RelayConfig, parse_hostport
+from queue_ref.relay.relay_config import ConfigError, RelayConfig, parse_hostport
 from queue_ref.relay.smtp_delivery import RcptResult, dsn_of, wire_body
 from queue_ref.storage import InvalidInputError, QueuedMail, Storage
 
 if TYPE_CHECKING:
     from queue_ref.relay.relay_server import Relay
 
-__all__ = ["OdmrServer"]
+__all__ = ["OdmrServer", "load_cram_md5_file"]
 
 ODMR_PORT = 366  # RFC 2645
+_USER = re.compile(r"[^\s:\x00-\x1f\x7f]{1,255}")
+
+
+def load_cram_md5_file(path: str) -> dict[str, str]:
+    """user -> shared secret from ``odmr_cram_md5_file`` (``user:secret`` lines, ``#``
+    comments); ConfigError naming the line, or when others than its owner may read it
+    (CRAM-MD5 needs the secret itself, as the client has it)."""
+    key = "odmr_cram_md5_file"
+    try:
+        with open(path, encoding="utf-8") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        raise ConfigError(f"{key}: {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{key}: {path}: {getattr(e, 'strerror', None) or e}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(f"{key}: {path} may be read by others than its owner (chmod 600)")
+    users: dict[str, str] = {}
+    for n, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        user, sep, secret = line.partition(":")
+        if not sep or not _USER.fullmatch(user) or not secret:
+            raise ConfigError(f"{key}: {path} line {n}: expected user:secret")
+        if user in users:
+            raise ConfigError(f"{key}: {path} line {n}: user {user!r} again")
+        users[user] = secret
+    return users
 
 
 class _Lost(Exception):
@@ -58,6 +93,27 @@ class OdmrSMTP(SMTP):
     def connection_lost(self, error: Exception | None) -> None:
         self.odmr.sessions.discard(self)
         super().connection_lost(error)
+
+    async def auth_CRAM__MD5(self, _server: Any, args: list[str]) -> AuthResult:
+        """RFC 2195 against ``odmr_cram_md5_file`` (fetchmail's ODMR speaks no other)."""
+        challenge = f"<{secrets.token_hex(8)}.{int(time.time())}@{self.hostname}>"
+        blob = await self.challenge_auth(challenge)
+        if blob is MISSING:  # "*": answered already
+            return AuthResult(success=False, handled=True)
+        assert isinstance(blob, bytes)
+        user, _, digest = blob.decode("utf-8", "replace").rpartition(" ")
+        secret = self.odmr.cram_secrets.get(user)
+        want = hmac.new((secret or "").encode(), challenge.encode(), "md5").hexdigest()
+        ok = secret is not None and hmac.compare_digest(want, digest.lower())
+        assert self.session is not None
+        client = self.session.peer[0] if isinstance(self.session.peer, tuple) else "unknown"
+        self.odmr.relay.log.emit("auth", client=client, sasl_method="CRAM-MD5",
+                                 sasl_username=re.sub(r"[\x00-\x20\x7f,()=]", "?", user)[:255],
+                                 status="ok" if ok else "failed")
+        if ok:
+            return AuthResult(success=True, auth_data=LoginPassword(user.encode(), b""))
+        return AuthResult(success=False, handled=False,
+                          message="535 5.7.8 Error: authentication failed: authentication failure")
 
     async def smtp_MAIL(self, arg: str | None) -> None:
         await self.push("502 5.5.1 Error: no mail is taken on the ODMR port (ATRN only)")
@@ -198,6 +254,8 @@ class OdmrServer:
         self.sessions: set[OdmrSMTP] = set()
         self.address: tuple[str, int] | None = None
         self._server: asyncio.Server | None = None
+        self.cram_secrets = load_cram_md5_file(self.config.odmr_cram_md5_file) \
+            if self.config.odmr_cram_md5_file else {}
         relay.add_service(self.start, self.stop)
 
     @property
@@ -210,9 +268,12 @@ class OdmrServer:
 
     def protocol(self) -> OdmrSMTP:
         receiver = self.relay.receiver
-        assert receiver is not None and receiver.auth is not None
+        assert receiver is not None
+        without = ([] if receiver.auth is not None else ["PLAIN", "LOGIN"]) + (
+            [] if self.cram_secrets else ["CRAM-MD5"])
         return OdmrSMTP(self, hostname=self.config.myhostname, ident="ESMTP queue-ref ODMR",
                         tls_context=receiver._tls, authenticator=receiver.auth,
+                        auth_exclude_mechanism=without,
                         auth_require_tls=self.config.smtpd_tls_auth_only,
                         timeout=self.config.smtpd_timeout, loop=asyncio.get_running_loop())
 

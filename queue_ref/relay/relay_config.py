@@ -120,6 +120,7 @@ class RelayConfig:
     # -- on-demand mail relay (RFC 2645; odmr_server) --
     odmr_listen: str = ""  # ATRN listener, e.g. "0.0.0.0:366"; "": none
     atrn_domains: dict[str, str] = field(default_factory=dict)  # domain -> user who may take it
+    odmr_cram_md5_file: str = ""  # user:secret lines: AUTH CRAM-MD5 on the ODMR listener
     # -- routing --
     relayhost: str = ""
     transport_maps: dict[str, str] = field(default_factory=dict)
@@ -309,14 +310,25 @@ class RelayConfig:
         of ``smtpd_sasl_password_file``."""
         from queue_ref.relay.smtpd_sasl_auth import load_password_file
 
-        if self.atrn_domains and not self.odmr_listen:
-            raise ConfigError("atrn_domains is set but odmr_listen is not (ATRN is taken there)")
+        if (self.atrn_domains or self.odmr_cram_md5_file) and not self.odmr_listen:
+            raise ConfigError("atrn_domains or odmr_cram_md5_file is set but odmr_listen is not "
+                              "(ATRN is taken there)")
         if not self.odmr_listen:
             return
         parse_hostport(self.odmr_listen, "odmr_listen", 366)
-        if not self.smtpd_sasl_auth_enable:
-            raise ConfigError("odmr_listen needs smtpd_sasl_auth_enable (ATRN requires AUTH)")
-        users = load_password_file(self.smtpd_sasl_password_file)
+        if not self.smtpd_sasl_auth_enable and not self.odmr_cram_md5_file:
+            raise ConfigError("odmr_listen needs smtpd_sasl_auth_enable or odmr_cram_md5_file "
+                              "(ATRN requires AUTH)")
+        from queue_ref.relay.odmr_server import load_cram_md5_file
+
+        users = set(load_cram_md5_file(self.odmr_cram_md5_file)) if self.odmr_cram_md5_file \
+            else set()
+        if users and self.smtpd_tls_auth_only and (not self.smtpd_tls_cert_file
+                                                   or self.smtpd_tls_security_level == "none"):
+            raise ConfigError("odmr_cram_md5_file with smtpd_tls_auth_only needs STARTTLS "
+                              "(smtpd_tls_cert_file, smtpd_tls_security_level)")
+        if self.smtpd_sasl_auth_enable:
+            users |= set(load_password_file(self.smtpd_sasl_password_file))
         domains: dict[str, str] = {}
         for dom, user in self.atrn_domains.items():
             try:
@@ -325,7 +337,7 @@ class RelayConfig:
                 raise ConfigError(f"atrn_domains: {e}") from None
             if not isinstance(user, str) or user not in users:
                 raise ConfigError(f"atrn_domains.{dom}: {user!r} is not a user of "
-                                  f"smtpd_sasl_password_file")
+                                  "smtpd_sasl_password_file or odmr_cram_md5_file")
             domains[name] = user
         self.atrn_domains = domains
 
