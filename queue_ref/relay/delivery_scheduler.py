@@ -74,6 +74,8 @@ __all__ = ["DeliveryScheduler"]
 
 #: why mail for an ATRN domain (``atrn_domains``) is deferred whenever a scan finds it due
 ATRN_WAIT = "on-demand domain: waiting for its client to connect and say ATRN"
+#: why mail for an on-demand domain (``ondemand_domains``) is deferred while it is probed
+PROBE_WAIT = "on-demand domain: unreachable at its last probe; mail waits for the next"
 FINISH_RETRIES = (0.2, 1.0, 3.0)  # waits between tries of a transition that hit an I/O error
 
 
@@ -118,6 +120,10 @@ class DeliveryScheduler:
         self.retry = RetryPolicy(config)
         #: Called (from any thread) with the ReopenRequiredError a queue call raised.
         self.on_queue_failed: Callable[[BaseException], None] | None = None
+        #: ``ondemand_domains``: whether a domain's mail waits for its probe (the event
+        #: loop), and ``on_parked(domain)`` after its mail was deferred (a storage thread)
+        self.probing: Callable[[str], bool] | None = None
+        self.on_parked: Callable[[str], None] | None = None
         self._heap: list[tuple[int, int, str, QueuedMail]] = []
         self._latest: dict[str, QueuedMail] = {}  # entry id -> the handle to use
         self._claimed: set[str] = set()  # entry ids our jobs hold inflight
@@ -468,6 +474,8 @@ class DeliveryScheduler:
                            ) -> list[tuple[_Entry, RcptResult]]:
         if domain in self.config.atrn_domains:  # no MX: it waits for its client's ATRN
             return [(e, RcptResult(0, "4.4.0", ATRN_WAIT, "none")) for e in entries]
+        if self.probing is not None and self.probing(domain):  # the probe, not every entry
+            return [(e, RcptResult(0, "4.4.1", PROBE_WAIT, "none")) for e in entries]
         route = await self.router.route(domain)
         if route.failed:
             code = 550 if route.dsn.startswith("5") else 0
@@ -539,11 +547,15 @@ class DeliveryScheduler:
                 self._retrying("cleanup", self.store.cleanup, pending)
         for e, r in deferred:
             retry = self._retry_schedule(e.schedule, now)
-            if e.rcpt.rpartition("@")[2].lower() in self.config.atrn_domains:
+            domain = e.rcpt.rpartition("@")[2].lower()
+            if domain in self.config.atrn_domains or domain in self.config.ondemand_domains:
                 # not retried: due again only when its lifetime is over (to bounce), the
-                # domain's ATRN (odmr_server) takes it whenever it is queued
+                # domain's ATRN (odmr_server) takes it whenever it is queued, a successful
+                # probe of an on-demand domain (ondemand_probe) makes it due
                 end = int(arrival + self.retry.lifetime(null_sender)) + 1
                 retry = Schedule(max(end, retry.at), retry.attempts)
+                if self.on_parked is not None and domain not in self.config.atrn_domains:
+                    self.on_parked(domain)
             schedule = Schedule(retry.at, retry.attempts, r.text)  # the reason goes with it
             self._record(job, e, r, "deferred", now, arrival)
             job.settled.add(e.mail.entry_id)

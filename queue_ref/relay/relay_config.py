@@ -121,6 +121,8 @@ class RelayConfig:
     odmr_listen: str = ""  # ATRN listener, e.g. "0.0.0.0:366"; "": none
     atrn_domains: dict[str, str] = field(default_factory=dict)  # domain -> user who may take it
     odmr_cram_md5_file: str = ""  # user:secret lines: AUTH CRAM-MD5 on the ODMR listener
+    #: domains delivered by MX but often unreachable: deferred mail waits for a probe
+    ondemand_domains: list[str] = field(default_factory=list)
     # -- routing --
     relayhost: str = ""
     transport_maps: dict[str, str] = field(default_factory=dict)
@@ -310,6 +312,10 @@ class RelayConfig:
         of ``smtpd_sasl_password_file``."""
         from queue_ref.relay.smtpd_sasl_auth import load_password_file
 
+        try:
+            self.ondemand_domains = [canonical_domain(d) for d in self.ondemand_domains]
+        except ValueError as e:
+            raise ConfigError(f"ondemand_domains: {e}") from None
         if (self.atrn_domains or self.odmr_cram_md5_file) and not self.odmr_listen:
             raise ConfigError("atrn_domains or odmr_cram_md5_file is set but odmr_listen is not "
                               "(ATRN is taken there)")
@@ -338,6 +344,9 @@ class RelayConfig:
             if not isinstance(user, str) or user not in users:
                 raise ConfigError(f"atrn_domains.{dom}: {user!r} is not a user of "
                                   "smtpd_sasl_password_file or odmr_cram_md5_file")
+            if name in self.ondemand_domains:
+                raise ConfigError(f"atrn_domains.{dom}: also in ondemand_domains (ATRN mail "
+                                  "is never sent by MX)")
             domains[name] = user
         self.atrn_domains = domains
 
@@ -353,7 +362,8 @@ _DURATIONS = {f.name for f in dataclasses.fields(RelayConfig) if f.type == "floa
 _INTS = {f.name for f in dataclasses.fields(RelayConfig) if f.type == "int"}
 _STRS = {f.name for f in dataclasses.fields(RelayConfig) if f.type == "str"}
 _BOOLS = {f.name for f in dataclasses.fields(RelayConfig) if f.type == "bool"}
-_STR_LISTS = {"mynetworks", "relay_domains", "dns_nameservers", "queue_directories"}
+_STR_LISTS = {"mynetworks", "relay_domains", "dns_nameservers", "queue_directories",
+              "ondemand_domains"}
 
 
 def _coerce(key: str, value: object) -> object:

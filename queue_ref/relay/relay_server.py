@@ -39,6 +39,7 @@ from queue_ref.relay.delivery_log import DeliveryLog, LogStream
 from queue_ref.relay.delivery_scheduler import DeliveryScheduler
 from queue_ref.relay.mx_routing import Router
 from queue_ref.relay.odmr_server import OdmrServer
+from queue_ref.relay.ondemand_probe import OndemandProber
 from queue_ref.relay.relay_config import RelayConfig, loop_kind, parse_hostport
 from queue_ref.relay.relay_metrics import RelayMetrics
 from queue_ref.relay.smtp_delivery import SmtpDeliverer
@@ -97,6 +98,8 @@ class Relay:
         self.reopens = 0  # times the queue was closed and opened again after a failed sync
         #: the ATRN listener (``odmr_listen``), a service of this relay
         self.odmr = OdmrServer(self) if config.odmr_listen else None
+        #: probes of ``ondemand_domains``, a service of this relay
+        self.prober = OndemandProber(self) if config.ondemand_domains else None
 
     @property
     def store(self) -> Storage:
@@ -207,6 +210,8 @@ class Relay:
         scheduler = DeliveryScheduler(store, self.config, Router(self.config), self.deliverer,
                                       self.log, self.executor, self.metrics)
         scheduler.on_queue_failed = self._queue_failed
+        if self.prober is not None:
+            scheduler.probing, scheduler.on_parked = self.prober.waiting, self.prober.parked
         return scheduler
 
     # ---- reopening the queue after a failed sync ----
@@ -275,6 +280,8 @@ class Relay:
     def _etrn(self, domain: str, outcome: str) -> None:
         if self.metrics is not None:
             self.metrics.etrn.labels(outcome).inc()
+        if self.prober is not None and outcome != "failed":
+            self.prober.reachable(domain)
         if outcome == "started" and self.scheduler is not None:
             self.scheduler.wake()
 
