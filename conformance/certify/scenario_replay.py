@@ -18,6 +18,8 @@ Scenario ids start with the check that found them:
 * ``lifecycle-edges:<op>:<target>:<stop>``: that trial again (the same stop point, or
   the same SIGSTOP delay);
 * ``sync-rounds:<A>-vs-<B>:<j>``: A stopped inside its j-th sync call again while B runs;
+* ``sync-rounds-crash:<A>-vs-<B>:<j>:<model>:<cut>``: that interleaving again, and every
+  state (thorough's bounds) a power cut at that trace index (or ``rest``) leaves;
 * anything else is handed to the crash explorer (``conformance.checks.crash_exploration_check``).
 """
 
@@ -43,6 +45,7 @@ from conformance.checks import (
     second_open_check,
     streaming_check,
     sync_rounds_check,
+    sync_rounds_crash_check,
 )
 from conformance.harness.backend_factory import Backend
 from conformance.harness.check_results import Finding
@@ -95,6 +98,8 @@ def replay(backend: Backend, scenario: str) -> list[Finding]:
         return streaming_check.run(backend, replace(QUICK, streaming_bytes=int(rest))).findings
     if head == "sync-rounds":
         return sync_rounds_check.replay(backend, scenario)
+    if head == "sync-rounds-crash":
+        return sync_rounds_crash_check.replay(backend, scenario)
     from conformance.checks import crash_exploration_check
 
     found: list[Finding] = crash_exploration_check.replay(backend, scenario)

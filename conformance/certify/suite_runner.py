@@ -36,6 +36,7 @@ from conformance.checks import (
     second_open_check,
     streaming_check,
     sync_rounds_check,
+    sync_rounds_crash_check,
 )
 from conformance.harness.backend_factory import Backend, Factory, Probe
 from conformance.harness.check_catalog import BY_ID, CHECKS, NO_CRASH, PROCESS_KILL, CheckSpec
@@ -154,6 +155,10 @@ def run_check(spec: CheckSpec, model: str, backend: Backend, probe: Probe, profi
         if spec.id == "crash-exploration":
             (res,) = crash_exploration_check.run_all(backend, [model], profile,
                                                      check_seed(seed, spec.id), jobs)
+        elif spec.id == "sync-rounds-crash":
+            (res,) = sync_rounds_crash_check.run_all(backend, [model], profile,
+                                                     check_seed(seed, spec.id),
+                                                     probe.capabilities)
         else:
             res = _run_one(spec, model, backend, probe, profile, seed)
     except Exception as e:
@@ -164,12 +169,16 @@ def run_check(spec: CheckSpec, model: str, backend: Backend, probe: Probe, profi
 
 def run_exploration(spec: CheckSpec, models: Sequence[str], backend: Backend, probe: Probe,
                     profile: Profile, seed: int, jobs: int) -> list[CheckResult]:
-    """The crash exploration under all ``models`` at once (one explorer run)."""
+    """The crash exploration (or sync-rounds-crash) under all ``models`` at once (one
+    explorer run; each interleaving run once)."""
     skipped = [_unsupported(spec, m, probe) for m in models]
     if any(s is not None for s in skipped):
         return [s for s in skipped if s is not None]
     start = time.perf_counter()
     try:
+        if spec.id == "sync-rounds-crash":
+            return sync_rounds_crash_check.run_all(backend, models, profile,
+                                                   check_seed(seed, spec.id), probe.capabilities)
         return crash_exploration_check.run_all(backend, models, profile, check_seed(seed, spec.id), jobs)
     except Exception as e:
         return [_errored(spec, m, e, start) for m in models]
@@ -241,7 +250,7 @@ def certify(factory: Factory | str | Backend, *, models: Iterable[str] = DEFAULT
         cols = _columns(spec, models)
         current[0] = (spec.id, cols)
         with watchdog.step(spec.id):
-            if spec.id == "crash-exploration":
+            if spec.id in ("crash-exploration", "sync-rounds-crash"):
                 got = run_exploration(spec, cols, backend, probe, prof, seed, jobs)
             else:
                 got = [run_check(spec, col, backend, probe, prof, seed, jobs) for col in cols]

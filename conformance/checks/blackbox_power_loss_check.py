@@ -126,7 +126,10 @@ def crash_points(rec: Recording, limit: int, rng: random.Random) -> list[int]:
     return sorted(acks | set(rest))
 
 
-def _pick(states: list[CrashState], max_states: int, rng: random.Random) -> list[CrashState]:
+def pick_states(states: list[CrashState], max_states: int, rng: random.Random
+                ) -> list[CrashState]:
+    """At most ``max_states`` of ``states`` (0: all): the first (everything kept), the one
+    that loses most, and a random sample of the rest, in their order."""
     if not max_states or len(states) <= max_states:
         return states
     most = max(range(len(states)), key=lambda n: (len(states[n].dropped) + len(states[n].torn), -n))
@@ -214,7 +217,7 @@ def run_trial(backend: Backend, model: str, seed: int, trial: int, bounds: Bound
         except ModelError as e:
             return [Finding("C9", f"the trace cannot be replayed on the file-system model: "
                                   f"{e}", base, model)]
-        for state in _pick(states, bounds.max_states, rng):
+        for state in pick_states(states, bounds.max_states, rng):
             tally.states += 1
             got = judge_state(backend, rec, point, state, f"{base}:{model}:{point}:{state.key}",
                               cache)

@@ -80,7 +80,7 @@ class _SyncFaultIO(FaultyIO):
         return slot
 
 
-def _syncs_ended_by(events: list[TraceEvent], seq: int) -> list[TraceEvent]:
+def syncs_ended_by(events: list[TraceEvent], seq: int) -> list[TraceEvent]:
     """``events`` as a power cut at counter ``seq`` leaves them: a sync still open then
     covered nothing."""
     return [replace(e, applied=False, error=None, result=None)
@@ -194,7 +194,7 @@ def run_trial(backend: Backend, seed: int, number: int, fail_sync: int | None,
         rng = random.Random(f"{scenario}:cuts")
         for cut in _cuts(commits, len(events), cut_points, rng):
             calls = len(events) if cut is None else sum(1 for e in events if e.began <= cut)
-            prefix = events if cut is None else _syncs_ended_by(events[:calls], cut)
+            prefix = events if cut is None else syncs_ended_by(events[:calls], cut)
             when = ("at the end of the run" if cut is None else
                     f"at the acknowledgement given after I/O call {calls} of {len(events)} "
                     f"(counter {cut})")
@@ -209,8 +209,9 @@ def run_trial(backend: Backend, seed: int, number: int, fail_sync: int | None,
             for st in states:
                 rec = recover_image(spec, st.image)
                 entries: dict[str, list[tuple[str, str]]] = {}
-                for e in rec.entries:
-                    entries.setdefault(e.message_id, []).append((e.rcpt, e.body_digest))
+                for entry in rec.entries:
+                    entries.setdefault(entry.message_id, []).append((entry.rcpt,
+                                                                     entry.body_digest))
                 got = _judge_state(commits, entries, f"after a power cut {when} "
                                    f"({POWER_LOSS_MODEL}, {st.description})", cut)
                 if got:

@@ -154,6 +154,12 @@ CHECKS: tuple[CheckSpec, ...] = (
               "operations; no operation may return on a sync that began before its change "
               "(the sync-cover rule on the trace)", Kind.CONCURRENCY, ("C1", "C3", "C9"),
               Level.OPTIONAL, (Capability.IO_SEAM,)),
+    CheckSpec("sync-rounds-crash", "sync-rounds' forced interleavings with the power cut "
+              "before each of their mutating calls (quick: at acknowledgements) and at rest, "
+              "under each persistence model; every operation that had returned shows its new "
+              "state after recovery, one in flight its old or new", Kind.CRASH_EXPLORATION,
+              ("C1", "C2", "C3", "C4", "C5", "C6", "C8", "C10"), Level.OPTIONAL,
+              (Capability.IO_SEAM,), crash=True, seam_only=True),
     CheckSpec("linearizable", "threads and processes do random operations on the few "
               "entries of one queue; the recorded history must be linearizable against the "
               "model (exhaustive Wing-Gong search); with the I/O seam, one caller is stopped "

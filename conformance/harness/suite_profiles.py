@@ -66,6 +66,13 @@ class Profile:
     blackbox_max_states: int = 16
     #: bounded disk: rounds of restarts and of killed owners
     growth_rounds: int = 9
+    #: power cuts in sync rounds: at every mutating call (else only at acknowledgements
+    #: and at rest), pending operations enumerated in full per cut (beyond: targeted
+    #: states), random states added per cut, states judged per cut (0: all built)
+    rounds_crash_every_call: bool = False
+    rounds_crash_exhaustive_limit: int = 3
+    rounds_crash_random_states: int = 2
+    rounds_crash_max_states: int = 6
 
     def hypothesis_settings(self) -> settings:
         phases = [Phase.explicit, Phase.reuse, Phase.generate]
@@ -102,6 +109,8 @@ THOROUGH = Profile(
     edges_stops=None, edges_all_targets=True, edges_signal_trials=12, growth_rounds=24,
     blackbox_trials=4, blackbox_length=12, blackbox_points=0,
     blackbox_exhaustive_limit=6, blackbox_random_states=16, blackbox_max_states=0,
+    rounds_crash_every_call=True, rounds_crash_exhaustive_limit=6, rounds_crash_random_states=8,
+    rounds_crash_max_states=0,
 )
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (QUICK, THOROUGH)}
