@@ -338,6 +338,7 @@ def run_all(backend: Backend, models: Sequence[str], profile: Profile, seed: int
     seconds = dict.fromkeys(models, 0.0)
     points, states = dict.fromkeys(models, 0), dict.fromkeys(models, 0)
     cases = 0
+    failing = dict.fromkeys(models, 0)
     for a, b in pairs(capabilities):
         for j in range(MAX_SYNCS):
             run = interleave(backend, a, b, j)
@@ -353,9 +354,11 @@ def run_all(backend: Backend, models: Sequence[str], profile: Profile, seed: int
                 points[model] += got.cuts
                 states[model] += got.states
                 findings[model] += got.findings
+                failing[model] += bool(got.findings)
     runs = time.perf_counter() - start - sum(seconds.values())
     return [finished(HEAD, m, findings[m], seconds=seconds[m] + runs / len(models), seed=seed,
-                     stats={"cases": cases, "cuts": points[m], "states": states[m]})
+                     stats={"cases": cases, "cuts": points[m], "states": states[m],
+                            "failing_cases": failing[m]})
             for m in models]
 
 
