@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from conformance.crashexplore.broken_fs_variants import NoCommitDirFsync
-from conformance.crashexplore.explored_backends import deterministic_fs
+from conformance.crashexplore.explored_backends import _owners_on_disk, jumpy_clock
 from conformance.harness.backend_factory import Backend, Factory
 from conformance.lockstep import ClauseViolation, lockstep_machine
 from queue_ref.fsqueue import FsQueue
@@ -74,13 +74,27 @@ TestLockstepKvLogCrashes = lockstep("kv-log")
 TestLockstepKvLeveldb = lockstep("kv-leveldb")  # no seam: no crash rule
 
 
+#: The owner token last given to each queue directory by ``_no_commit_dir_fsync``.
+_LAST_OWNER: dict[str, int] = {}
+
+
+def _no_commit_dir_fsync(root: str, io: IO) -> Storage:
+    """``deterministic_fs(NoCommitDirFsync)`` whose owner token never repeats in one
+    directory: a drained queue keeps no owner's name on disk, so the directory alone
+    would give a restarted queue its predecessor's token, and its message ids again
+    (which the lockstep refuses: a commit never reuses a message id)."""
+    owner = max([*_owners_on_disk(root), _LAST_OWNER.get(root, 0)]) + 1
+    _LAST_OWNER[root] = owner
+    return NoCommitDirFsync(root, io, owner=f"{owner:016x}", clock=jumpy_clock())
+
+
 def test_crash_rule_catches_a_commit_without_directory_fsync() -> None:
     """NoCommitDirFsync acknowledges an enqueue whose commit rename is not yet durable:
     a power cut during a later operation may lose the message (C1).  Opened as crash
-    exploration opens it (owner token and message ids from the directory, not from a
-    random token and the wall clock), so that the search, derandomized, meets the same
-    traces on every run."""
-    broken = Backend.from_factory(deterministic_fs(NoCommitDirFsync), "fs-broken-nosync-commit")
+    exploration opens it (owner token and message ids from the directory and the opens
+    before, not from a random token and the wall clock), so that the search,
+    derandomized, meets the same traces on every run."""
+    broken = Backend.from_factory(_no_commit_dir_fsync, "fs-broken-nosync-commit")
     machine = lockstep_machine(broken, crashes=True)
     with pytest.raises(ClauseViolation) as info:
         run_state_machine_as_test(machine, settings=settings(

@@ -84,7 +84,7 @@ class CheckSpec:
 CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec("lockstep", "backend and model in lockstep under random operations "
               "(hypothesis state machine), stale handles, reads, drain to zero",
-              Kind.LOCKSTEP, ("C2", "C3", "C5", "C6", "C7", "C8", "C9", API)),
+              Kind.LOCKSTEP, ("C2", "C3", "C5", "C6", "C7", "C8", "C9", "C13", API)),
     CheckSpec("restart", "lockstep with orderly restarts: close and reopen keeps every "
               "acknowledged entry; recovery requeues inflight, finishes cleanups",
               Kind.LOCKSTEP, ("C1", "C3", "C4", "C10", API)),

@@ -18,6 +18,9 @@ from conformance.lockstep.machine_state import DOMAINS, TAKES, ZONES, ClauseViol
 from queue_ref.storage import Capability, Handle, InflightMail, Recipient, Schedule
 from spec.states import TABLE, EntryState
 
+#: How the list_domain rule spells the domains the model holds.
+DOMAIN_FORMS = ("as committed", "upper", "lower")
+
 
 class HandleRules(MachineBase):
     # ---- listings --------------------------------------------------------------------------
@@ -56,22 +59,26 @@ class HandleRules(MachineBase):
         if mids != sorted(mids):
             raise ClauseViolation("API", f"list_zone({zone!r}) is not oldest message first: "
                                          f"{keys}")
+        self._compare_schedules(f"list_zone({zone!r})", "C5", got, keys)
         for h, key in zip(got, keys, strict=True):
             self._keep(h, key)
 
     @precondition(lambda self: self.listing
                   and Capability.DOMAIN_INDEX in self.store.capabilities)
-    @rule(domain=st.sampled_from(DOMAINS))
-    def list_domain(self, domain: str) -> None:
-        self.log.append(f"list_domain({domain!r})")
-        got = self._call("list_domain", lambda: list(self.store.list_domain(domain)))
-        keys = sorted(self._key(h) for h in got)
-        msgs = self.model.messages
-        want = sorted(k for k in self.model.keys_in(EntryState.QUEUED)
-                      if msgs[k[0]].rcpts[k[1]].rpartition("@")[2].lower() == domain.lower())
-        if keys != want:
-            raise ClauseViolation("API", f"list_domain({domain!r}) gives {keys}, "
-                                         f"expected {want}")
+    @rule(domain=st.sampled_from(DOMAINS), form=st.sampled_from(DOMAIN_FORMS))
+    def list_domain(self, domain: str, form: str) -> None:
+        """``list_domain`` of ``domain``, then of every domain of a recipient the model
+        holds (at most 12), each in ``form``: as committed, upper- or lower-cased.  The
+        contract compares domains lower-cased (``str.lower``), the part after the last
+        ``@`` (the whole address when it has none), and nothing else: ``a.example.`` is
+        not ``a.example``.  Each must list exactly the model's QUEUED entries there, with
+        their schedules."""
+        present = self._domains_held(every=True)
+        shaped = [d if form == "as committed" else d.upper() if form == "upper" else d.lower()
+                  for d in present]
+        self.log.append(f"list_domain of {domain!r} and of {len(shaped)} domains held, "
+                        f"{form}")
+        self._compare_domains([domain, *shaped], "now")
 
     # ---- misuse ------------------------------------------------------------------------------
 

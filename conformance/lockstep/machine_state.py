@@ -25,6 +25,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar
 
 from hypothesis import strategies as st
@@ -32,10 +33,13 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant
 
 from conformance.crashexplore.traced_runs import ScratchIO, scratch_base
 from conformance.harness.backend_factory import Backend
+from conformance.lockstep import mail_data
+from conformance.lockstep.field_compare import meta_diff, schedule_diff
 from faultinject.seam import FaultyIO
 from queue_ref.memory import MemoryStorage
 from queue_ref.storage import (
     Capability,
+    EntryMeta,
     Handle,
     HeldMail,
     InflightMail,
@@ -45,6 +49,7 @@ from queue_ref.storage import (
     Recipient,
     Schedule,
     Storage,
+    UnsupportedError,
 )
 from spec.invariants import check
 from spec.model import EntryKey, Model
@@ -87,18 +92,25 @@ def _schedule(at: int, attempts: int) -> Schedule:
     return Schedule(at, attempts, REASONS[(at + attempts) % len(REASONS)])
 
 
-schedules = st.builds(_schedule, st.integers(0, 10**9), st.integers(0, 20))
-#: What a recipient is committed with: a new entry has had no attempt, so no reason.
+#: Schedules: the tame ones first (shrinking goes there), then mail's (``mail_data``:
+#: the past, 2038 and beyond, the largest time and count, reasons up to MAX_REASON).
+schedules = st.one_of(st.builds(_schedule, st.integers(0, 10**9), st.integers(0, 20)),
+                      mail_data.schedules)
+#: What a recipient is committed with: a new entry has had no attempt, so no reason (the
+#: tame ones); mail's may carry any schedule the contract allows.
 first_schedules = st.builds(Schedule, st.integers(0, 10**9), st.integers(0, 20))
-recipients = st.builds(Recipient, st.builds("{}@{}".format, st.sampled_from(LOCALS),
-                                            st.sampled_from(DOMAINS)),
-                       first_schedules, st.sampled_from(ZONES))
+recipients = st.one_of(
+    st.builds(Recipient, st.builds("{}@{}".format, st.sampled_from(LOCALS),
+                                   st.sampled_from(DOMAINS)),
+              first_schedules, st.sampled_from(ZONES)),
+    st.builds(Recipient, mail_data.addresses, mail_data.schedules, st.sampled_from(ZONES)))
 
 
 @dataclass(frozen=True)
 class EnqueueArgs:
     """One enqueue: sender, ESMTP parameters, recipients (repeats allowed), and a body of
-    ``size`` bytes drawn from ``body_seed``, written in pieces of ``chunk`` bytes."""
+    ``size`` bytes drawn from ``body_seed`` (or ``text``, mail's body, when given), written
+    in pieces of ``chunk`` bytes."""
 
     mail_from: str
     params: tuple[tuple[str, str], ...]
@@ -106,14 +118,24 @@ class EnqueueArgs:
     size: int
     body_seed: int
     chunk: int
+    text: bytes | None = None
+
+    @property
+    def body(self) -> bytes:
+        return body_bytes(self.body_seed, self.size) if self.text is None else self.text
 
 
-enqueue_args = st.builds(
-    EnqueueArgs, st.sampled_from(SENDERS),
-    st.dictionaries(st.sampled_from(PARAM_KEYS), st.text("abcXYZ=+;", max_size=8),
-                    max_size=2).map(lambda d: tuple(sorted(d.items()))),
-    st.lists(recipients, min_size=1, max_size=3).map(tuple),
-    st.sampled_from(BODY_SIZES), st.integers(0, 2**32), st.sampled_from(WRITE_CHUNKS))
+_params = st.dictionaries(st.sampled_from(PARAM_KEYS), st.text("abcXYZ=+;", max_size=8),
+                          max_size=2).map(lambda d: tuple(sorted(d.items())))
+_rcpt_lists = st.lists(recipients, min_size=1, max_size=3).map(tuple)
+#: Tame enqueues first (random bodies of BODY_SIZES), then mail's (``mail_data.bodies``,
+#: any sender): the body's size is the text's.
+enqueue_args = st.one_of(
+    st.builds(EnqueueArgs, st.sampled_from(SENDERS), _params, _rcpt_lists,
+              st.sampled_from(BODY_SIZES), st.integers(0, 2**32), st.sampled_from(WRITE_CHUNKS)),
+    st.builds(lambda f, p, r, t, c: EnqueueArgs(f, p, r, len(t), 0, c, t),
+              mail_data.senders, _params, _rcpt_lists, mail_data.bodies,
+              st.sampled_from((1, 7, *WRITE_CHUNKS))))
 
 
 def body_bytes(seed: int, size: int) -> bytes:
@@ -179,6 +201,8 @@ class MachineBase(RuleBasedStateMachine):
         self.zone: dict[EntryKey, str] = {}
         self.params: dict[int, dict[str, str]] = {}
         self.read_at: dict[EntryKey, int] = {}  # when each entry was last read back
+        self.no_inflight_listing = False  # inflight_entries raised UnsupportedError
+        self.no_inspect = False  # inspect_entry raised UnsupportedError
         self.steps = 0
 
     # ---- opening ---------------------------------------------------------------------
@@ -233,7 +257,7 @@ class MachineBase(RuleBasedStateMachine):
 
     # ---- handles -------------------------------------------------------------------------
 
-    def _key(self, h: Handle) -> EntryKey:
+    def _key(self, h: Handle | EntryMeta) -> EntryKey:
         key = self.keys.get(h.entry_id)
         if key is None:
             raise ClauseViolation("API", f"entry id {h.entry_id!r} was never handed out by "
@@ -303,10 +327,9 @@ class MachineBase(RuleBasedStateMachine):
             raise ClauseViolation("API", f"{op.value}{key} returned a handle for entry "
                                          f"{got.entry_id} of message {got.message_id}, not "
                                          f"{handle.entry_id} of {handle.message_id}")
-        want = self.model.entries[key].schedule
-        if got.schedule != want:
-            raise ClauseViolation("C5", f"{op.value}{key} returned schedule {got.schedule}, "
-                                        f"expected {want}")
+        diff = schedule_diff(got.schedule, self.model.entries[key].schedule)
+        if diff is not None:
+            raise ClauseViolation("C5", f"{op.value}{key} returned a handle whose {diff}")
         self.pool.append((got, key))
 
     # ---- listings --------------------------------------------------------------------
@@ -328,12 +351,17 @@ class MachineBase(RuleBasedStateMachine):
         missing = sorted(want - set(keys))
         if missing:
             raise ClauseViolation("API", f"list_queue {when} misses queued entries {missing}")
-        for h, k in zip(listed, keys, strict=True):
-            if h.schedule != self.model.entries[k].schedule:
-                raise ClauseViolation("C5", f"list_queue {when} gives {k} schedule "
-                                            f"{h.schedule}, expected "
-                                            f"{self.model.entries[k].schedule}")
+        self._compare_schedules(f"list_queue {when}", "C5", listed, keys)
         return listed
+
+    def _compare_schedules(self, what: str, clause: str, got: list[Any],
+                           keys: list[EntryKey]) -> None:
+        """Each listed handle's schedule is its entry's in the model, field by field
+        (``field_compare``): time and count the same ints, reason the same text."""
+        for h, k in zip(got, keys, strict=True):
+            diff = schedule_diff(h.schedule, self.model.entries[k].schedule)
+            if diff is not None:
+                raise ClauseViolation(clause, f"{what} gives {k} a {diff}")
 
     def _compare_held(self, when: str) -> list[HeldMail]:
         """list_held must give the model's HELD entries, each once, with their schedules
@@ -346,12 +374,34 @@ class MachineBase(RuleBasedStateMachine):
         if sorted(keys) != want or len(set(keys)) != len(keys):
             raise ClauseViolation("C14", f"list_held {when} lists {sorted(keys)}, expected "
                                          f"{want}")
-        for h, k in zip(got, keys, strict=True):
-            if h.schedule != self.model.entries[k].schedule:
-                raise ClauseViolation("C14", f"list_held {when} gives {k} schedule "
-                                             f"{h.schedule}, expected "
-                                             f"{self.model.entries[k].schedule}")
+        self._compare_schedules(f"list_held {when}", "C14", got, keys)
         return got
+
+    def _domains_held(self, *, every: bool) -> list[str]:
+        """The domains (as committed) of the model's QUEUED recipients, or of ``every``
+        recipient it holds, at most 12."""
+        msgs = self.model.messages
+        keys = self.model.entries if every else self.model.keys_in(EntryState.QUEUED)
+        return sorted({msgs[k[0]].rcpts[k[1]].rpartition("@")[2] for k in keys})[:12]
+
+    def _compare_domains(self, domains: list[str], when: str) -> None:
+        """``list_domain`` of each domain must give exactly the model's QUEUED entries
+        there, each once, with their schedules.  The contract compares domains
+        lower-cased (``str.lower``): the part after the last ``@`` (the whole address when
+        it has none), and nothing else (``a.example.`` is not ``a.example``)."""
+        msgs = self.model.messages
+        for d in dict.fromkeys(domains):
+            got: list[QueuedMail] = self._call("list_domain", partial(self._listed_domain, d))
+            keys = [self._key(h) for h in got]
+            want = sorted(k for k in self.model.keys_in(EntryState.QUEUED)
+                          if msgs[k[0]].rcpts[k[1]].rpartition("@")[2].lower() == d.lower())
+            if sorted(keys) != want or len(set(keys)) != len(keys):
+                raise ClauseViolation("API", f"list_domain({d!r}) {when} gives "
+                                             f"{sorted(keys)}, expected {want}")
+            self._compare_schedules(f"list_domain({d!r}) {when}", "C5", got, keys)
+
+    def _listed_domain(self, domain: str) -> list[QueuedMail]:
+        return list(self.store.list_domain(domain))
 
     def _compare_pending(self, when: str) -> list[PendingCleanupMail]:
         got: list[PendingCleanupMail] = self._call(
@@ -381,18 +431,77 @@ class MachineBase(RuleBasedStateMachine):
                 return r.meta, b"".join(parts)
 
         meta, body = self._call(f"read_inflight of {what}", go)
-        want = {"entry_id": h.entry_id, "message_id": h.message_id,
-                "mail_from": msg.mail_from, "rcpt": msg.rcpts[key[1]], "rcpt_index": key[1],
-                "zone": self.zone[key], "params": self.params[key[0]],
-                "schedule": self.model.entries[key].schedule, "body_size": len(msg.body)}
-        for name, value in want.items():
-            got = getattr(meta, name)
-            if (dict(got) if name == "params" else got) != value:
-                raise ClauseViolation("C6", f"{what} {key} reads back meta.{name} {got!r}, "
-                                            f"committed {value!r}")
+        diff = meta_diff(meta, self.want_meta(key, h))
+        if diff is not None:
+            raise ClauseViolation("C6", f"{what} {key} reads back {diff}")
         if body != msg.body:
             raise ClauseViolation("C6", f"{what} {key} reads back {len(body)} bytes that "
                                         f"differ from the {len(msg.body)} committed")
+
+    def want_meta(self, key: EntryKey, h: Handle | EntryMeta) -> dict[str, object]:
+        """Every field of ``key``'s metadata as committed (ids as ``h`` names them)."""
+        msg = self.model.messages[key[0]]
+        return {"entry_id": h.entry_id, "message_id": h.message_id,
+                "mail_from": msg.mail_from, "rcpt": msg.rcpts[key[1]], "rcpt_index": key[1],
+                "zone": self.zone[key], "params": self.params[key[0]],
+                "schedule": self.model.entries[key].schedule, "body_size": len(msg.body)}
+
+    def _compare_inflight_entries(self) -> None:
+        """Where the backend lists them (``inflight_entries`` raises no UnsupportedError),
+        the INFLIGHT entries are the model's, each once, every field of their metadata as
+        committed (C13)."""
+        if self.no_inflight_listing:
+            return
+
+        def go() -> list[EntryMeta] | None:
+            try:
+                return list(self.store.inflight_entries())
+            except UnsupportedError:
+                return None
+
+        metas: list[EntryMeta] | None = self._call("inflight_entries", go)
+        if metas is None:
+            self.no_inflight_listing = True
+            return
+        keys = [self._key(m) for m in metas]
+        want = self.model.keys_in(EntryState.INFLIGHT)
+        if sorted(keys) != want or len(set(keys)) != len(keys):
+            raise ClauseViolation("C13", f"inflight_entries lists {sorted(keys)}, expected "
+                                         f"{want}")
+        for m, k in zip(metas, keys, strict=True):
+            diff = meta_diff(m, self.want_meta(k, m))
+            if diff is not None:
+                raise ClauseViolation("C13", f"inflight_entries gives {k} {diff}")
+
+    def _check_inspect(self, h: QueuedMail, key: EntryKey) -> None:
+        """Where declared, ``inspect_entry`` of a listed QUEUED entry gives its committed
+        metadata and body (C13); the handle stays usable."""
+        if self.no_inspect:
+            return
+
+        def go() -> tuple[object, bytes] | None:
+            try:
+                r = self.store.inspect_entry(h)
+            except UnsupportedError:
+                return None
+            if r is None:
+                raise ClauseViolation("API", f"inspect_entry of the listed queued entry {key} "
+                                             "returned None")
+            with r:
+                return r.meta, r.read_all()
+
+        got = self._call("inspect_entry", go)
+        if got is None:
+            self.no_inspect = True
+            return
+        meta, body = got
+        diff = meta_diff(meta, self.want_meta(key, h))
+        if diff is not None:
+            raise ClauseViolation("C6", f"inspect_entry of {key} gives {diff}")
+        if body != self.model.messages[key[0]].body:
+            raise ClauseViolation("C6", f"inspect_entry of {key} gives {len(body)} bytes that "
+                                        f"differ from the "
+                                        f"{len(self.model.messages[key[0]].body)} committed")
 
     def _read_back(self, listed: list[QueuedMail]) -> None:
         """Each step reads back one listed entry (the one read longest ago): claimed by a
@@ -407,6 +516,7 @@ class MachineBase(RuleBasedStateMachine):
         key = min(by_key, key=lambda k: (self.read_at.get(k, -1), k))
         self.read_at[key] = self.steps
         h = by_key[key]
+        self._check_inspect(h, key)
         f = self._call("send_start of a listed entry", lambda: self.store.send_start(h))
         if not isinstance(f, InflightMail):
             raise ClauseViolation("API", f"send_start of the listed queued entry {key} "
@@ -418,7 +528,7 @@ class MachineBase(RuleBasedStateMachine):
         sched = self.model.entries[key].schedule
         back = self._call("send_cancel of a listed entry",
                           lambda: self.store.send_cancel(f, sched))
-        if not isinstance(back, QueuedMail) or back.schedule != sched:
+        if not isinstance(back, QueuedMail) or schedule_diff(back.schedule, sched):
             raise ClauseViolation("C5" if isinstance(back, QueuedMail) else "API",
                                   f"send_cancel of {key} with its own schedule {sched} "
                                   f"returned {back!r}")
@@ -437,6 +547,9 @@ class MachineBase(RuleBasedStateMachine):
         if adopted:
             raise ClauseViolation("C7", f"find_inflight adopted {len(adopted)} entries this "
                                         "live queue holds inflight")
+        self._compare_inflight_entries()
+        if Capability.DOMAIN_INDEX in self.store.capabilities:
+            self._compare_domains(self._domains_held(every=False), "after the step")
         self.steps += 1
         if not self.crashes:  # a read-back's own syncs would make a lost write durable
             self._read_back(listed)

@@ -12,11 +12,13 @@ enqueue, which changes nothing); the crash rule uses it to crash inside any oper
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
+from conformance.lockstep.field_compare import meta_diff, schedule_diff
 from conformance.lockstep.machine_state import (
     BODY_SIZES,
     READ_CHUNKS,
@@ -29,6 +31,7 @@ from conformance.lockstep.machine_state import (
     enqueue_args,
     schedules,
 )
+from conformance.lockstep.mail_data import fit_address
 from queue_ref.storage import (
     Handle,
     HeldMail,
@@ -57,16 +60,24 @@ class Operations(MachineBase):
 
     def _enqueue(self, a: EnqueueArgs) -> Call:
         params = dict(a.params)
-        body = body_bytes(a.body_seed, a.size)
+        body = a.body
+        chunk = max(a.chunk, len(body) // 256)  # at most 256 writes
+        # Addresses longer than the backend declares (Limits.max_address) are cut to it.
+        limit = self.store.limits.max_address
+        a = replace(a, mail_from=fit_address(a.mail_from, limit),
+                    rcpts=tuple(replace(r, address=fit_address(r.address, limit))
+                                for r in a.rcpts))
         rcpts = list(a.rcpts)
-        self.log.append(f"enqueue(from={a.mail_from!r}, params={params}, body={a.size}B in "
-                        f"pieces of {a.chunk}, rcpts="
+        shown = f"{a.size}B" if a.text is None else (repr(body) if a.size <= 80 else
+                                                       f"{a.size}B ending {body[-12:]!r}")
+        self.log.append(f"enqueue(from={a.mail_from!r}, params={params}, body={shown} in "
+                        f"pieces of {chunk}, rcpts="
                         f"{[(r.address, r.schedule.at, r.schedule.attempts, r.zone) for r in rcpts]})")
 
         def go() -> list[QueuedMail]:
             enq = self.store.enqueue(a.mail_from, params or None)
-            for i in range(0, len(body), a.chunk):
-                enq.write(body[i:i + a.chunk])
+            for i in range(0, len(body), chunk):
+                enq.write(body[i:i + chunk])
             return enq.commit(rcpts)
 
         got: list[QueuedMail] = self._call("enqueue/commit", go)
@@ -114,9 +125,10 @@ class Operations(MachineBase):
                                             "reappears by its id")
             raise ClauseViolation("API", f"commit reused entry id {h.entry_id} of the live "
                                          f"entry {old}")
-        if h.schedule != rcpts[i].schedule:
-            raise ClauseViolation("C5", f"commit returned schedule {h.schedule} for "
-                                        f"recipient {i}, asked {rcpts[i].schedule}")
+        diff = schedule_diff(h.schedule, rcpts[i].schedule)
+        if diff is not None:
+            raise ClauseViolation("C5", f"commit returned for recipient {i} a handle whose "
+                                        f"{diff}")
         for addr in {*(r.address for r in rcpts), mail_from} - {""}:
             if addr in h.entry_id or addr in h.message_id:
                 raise ClauseViolation("API", f"an id was built from the address {addr!r}")
@@ -268,15 +280,9 @@ class Operations(MachineBase):
                 return r.meta, b"".join(parts)
 
         meta, body = self._call("read_inflight", go)
-        want = {"entry_id": h.entry_id, "message_id": h.message_id,
-                "mail_from": msg.mail_from, "rcpt": msg.rcpts[key[1]], "rcpt_index": key[1],
-                "zone": self.zone[key], "params": self.params[key[0]],
-                "schedule": self.model.entries[key].schedule, "body_size": len(msg.body)}
-        for field, value in want.items():
-            got = getattr(meta, field)
-            if (dict(got) if field == "params" else got) != value:
-                raise ClauseViolation("C6", f"read_inflight{key}: meta.{field} is {got!r}, "
-                                            f"committed {value!r}")
+        diff = meta_diff(meta, self.want_meta(key, h))
+        if diff is not None:
+            raise ClauseViolation("C6", f"read_inflight{key}: {diff}")
         if body != msg.body:
             raise ClauseViolation("C6", f"read_inflight{key} returned {len(body)} bytes that "
                                         f"differ from the {len(msg.body)} committed")
