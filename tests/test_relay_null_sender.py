@@ -77,7 +77,7 @@ def test_the_smtp_edges_of_the_null_sender(tmp_path):
             b"MAIL FROM:<alice@ok.test>",          # a new transaction after RSET
             b"QUIT",
         ])
-    assert codes(replies) == "220 250 501 250 503 501 503 250 250 250 221", replies
+    assert codes(replies) == "220 250 555 250 503 501 503 250 250 250 221", replies
 
 
 def test_swaks_sends_a_bounce_with_the_null_sender(tmp_path):

@@ -138,10 +138,7 @@ class RelaySMTP(SMTP):
     def _getaddr(self, arg: str) -> tuple[str | None, str | None]:
         fast = fast_path_address(arg)
         if fast is None:
-            address, rest = super()._getaddr(arg)
-            if address == NULL_PATH and not (rest or " ").startswith(" "):
-                return None, None  # ``<>x``: no path of RFC 5321
-            return address, rest
+            return super()._getaddr(arg)
         if self.local_part_limit and len(fast[0].rpartition("@")[0]) > self.local_part_limit:
             return None, None
         return fast
