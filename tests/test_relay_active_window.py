@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from queue_ref.fsqueue import FsQueue
+from queue_ref.fsqueue.fs_recovery import Recovery
 from queue_ref.opener import open_queue
 from queue_ref.relay.relay_config import ConfigError, RelayConfig
-from queue_ref.storage import QueuedMail, Recipient, Schedule
+from queue_ref.storage import QueuedMail, Recipient, RecoveryReport, Schedule
 from tests.relay_support import RelayThread, Sink, relay_config, smtp_send
 
 #: Opened by ``slow_listing_queue``: its listings wait until this is set.
@@ -88,6 +89,46 @@ def test_the_relay_is_ready_and_delivers_before_the_first_listing_ends(
             listed = r.wait_events(1, "relay", what="queue listed")
             assert listed and listed[0]["queued"] == 3
             assert r.relay.scheduler is not None and r.relay.scheduler.sizes()["queued"] == 3
+    finally:
+        LISTING_GATE.set()
+
+
+class _GatedRecovery(Recovery):
+    """The recovery, once ``LISTING_GATE`` is set (the relay's runs beside its queue)."""
+
+    def run(self) -> RecoveryReport:
+        if not LISTING_GATE.wait(60):
+            raise AssertionError("the recovery was never let go")
+        return super().run()
+
+
+def test_the_relay_is_ready_before_the_recovery_which_comes_before_the_listing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A queue every owner closed opens without its recovery: the relay takes and
+    delivers mail while the recovery runs beside it, and lists the queue after it (an
+    entry a closed owner left inflight is requeued, then delivered)."""
+    queue = str(tmp_path / "q")
+    with FsQueue(queue) as q:
+        with q.enqueue("s@example.org") as enq:
+            enq.write(b"Subject: left inflight\r\n\r\nbody\r\n")
+            (h,) = enq.commit([Recipient("left@example.net", Schedule(0))])
+        assert q.send_start(h) is not None
+    monkeypatch.setattr(FsQueue, "recovery", _GatedRecovery)
+    LISTING_GATE.clear()
+    try:
+        with Sink() as sink, RelayThread(relay_config(
+                queue, relayhost=f"[127.0.0.1]:{sink.port}", log_json=True)) as r:
+            smtp_send(r.port, "a@example.org", ["new@example.net"])
+            assert [m.rcpts for m in sink.wait_for(1)] == [["new@example.net"]]
+            assert not [e for e in r.events("relay") if e["what"] != "started"]
+            LISTING_GATE.set()
+            (recovered,) = r.wait_events(1, "relay", what="queue recovered")
+            assert recovered["requeued"] == 1 and recovered["lost"] == 0
+            assert r.wait_events(1, "relay", what="queue listed")
+            sink.wait_for(2)
+            assert sorted(sink.state.rcpts()) == ["left@example.net", "new@example.net"]
+            what = [e["what"] for e in r.events("relay")]
+            assert what.index("queue recovered") < what.index("queue listed")
     finally:
         LISTING_GATE.set()
 

@@ -57,6 +57,7 @@ def test_a_queue_error_answers_451_and_the_relay_goes_on(tmp_path):
     queue = tmp_path / "q"
     cfg = relay_config(str(queue), relayhost="[127.0.0.1]:9", log_json=True)
     with RelayThread(cfg) as r, smtplib.SMTP("127.0.0.1", r.port, timeout=30) as c:
+        assert r.wait_events(1, "relay", what="queue listed")  # recovered and listed
         shutil.rmtree(queue / "data")  # the queue's files vanish under it
         with pytest.raises(smtplib.SMTPDataError) as e:
             c.sendmail("a@example.org", ["b@example.net"], b"Subject: x\r\n\r\nx\r\n")

@@ -107,6 +107,7 @@ def test_sigusr1_wakes_the_relay_for_mail_another_process_queued(tmp_path):
     queue = str(tmp_path / "q")
     with Sink() as sink, relay_process(["--queue", queue, "--listen", "127.0.0.1:0",
                                         "--relayhost", f"[127.0.0.1]:{sink.port}"]) as (proc, _):
+        assert proc.wait_log("queue listed")  # the first listing ran before this commit
         with open_queue(queue) as q, q.enqueue("a@example.org", {"arrival": "0"}) as enq:
             enq.write(b"Subject: queued elsewhere\r\n\r\nhi\r\n")
             enq.commit([Recipient("c@example.net", Schedule(0))])

@@ -303,6 +303,27 @@ class FsQueue(FsMetadata, Storage):
         out.sort()
         return out
 
+    def _names_in_order(self, directory: str) -> Iterator[EntryName]:
+        """``_sorted_names`` for a big directory: the names are sorted as strings, which
+        orders messages as their ids and keeps each message's names together (a message
+        id ends where ``.`` comes, which sorts before every digit), and only one message's
+        names are parsed at a time, each name dropped once given: a million queued
+        entries cost their names' strings, not a million objects more."""
+        names = self._listdir(directory)
+        names.sort(reverse=True)
+        group: list[EntryName] = []
+        while names:
+            e = EntryName.parse(names.pop())
+            if e is None:
+                continue
+            if group and group[0].msgid != e.msgid:
+                group.sort()
+                yield from group
+                group = []
+            group.append(e)
+        group.sort()
+        yield from group
+
     def _verified(self, e: EntryName, link: str, *, check_link: bool = True
                   ) -> tuple[Envelope, Schedule] | None:
         """Metadata of the entry linked at ``link``; None if the link is not (or no longer)
@@ -330,7 +351,7 @@ class FsQueue(FsMetadata, Storage):
         """Every QUEUED entry, oldest message first.  Dangling links (uncommitted enqueues)
         and junk are skipped; entries with corrupt metadata are quarantined and skipped."""
         self._check_open()
-        for e in self._sorted_names(self.layout.queue):
+        for e in self._names_in_order(self.layout.queue):
             self._check_open()
             with self._guard("listing the queue", None, writes=False):
                 got = self._verified(e, self.layout.queue_link(e))
@@ -377,7 +398,7 @@ class FsQueue(FsMetadata, Storage):
         """Every HELD entry (a link in held/), oldest message first; corrupt ones are
         quarantined and skipped, like ``list_queue``."""
         self._check_open()
-        for e in self._sorted_names(self.layout.held):
+        for e in self._names_in_order(self.layout.held):
             self._check_open()
             with self._guard("listing held entries", None, writes=False):
                 got = self._verified(e, self.layout.held_link(e))
@@ -826,6 +847,23 @@ class FsQueue(FsMetadata, Storage):
     def poisoned(self) -> str | None:
         """Why state changes are refused until reopening (after a failed fsync), or None."""
         return self._poisoned
+
+    def dead_owners(self) -> list[str]:
+        """Owners that left a lock file or a ``tmp/<owner>/`` directory and are not
+        alive: queues that were not closed (their process died, or a power cut took
+        them) and that no exclusive recovery has finished since.  None when every owner
+        closed: then what a recovery beside this open queue (not exclusive) skips, the
+        orphan sweep and the mending of the domain index and of hard links, has nothing
+        of a crash's to do (only damage at rest)."""
+        self._check_open()
+        try:
+            with self._owners.gate():
+                seen = set(self._owners.on_disk())
+                seen.update(o for o in listdir_or_empty(self.io, self.layout.tmp)
+                            if is_owner_token(o))
+                return sorted(o for o in seen if not self._owners.alive(o))
+        except OSError as e:
+            raise storage_error("listing the owners", e) from e
 
 
 class _Guard:

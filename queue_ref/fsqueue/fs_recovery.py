@@ -40,7 +40,9 @@ queue open and none can open it meanwhile.  Steps, in order:
    held entry gets its domain index link back if a power cut lost it (the index is never
    synced); exclusive recoveries also remove index links of entries no link names
    (cleaned up, quarantined, uncommitted).
-8. Lock files of dead owners are removed.
+8. Exclusive only: lock files of dead owners are removed.  A recovery beside a live
+   owner leaves them: they tell the next opening that a process died whose orphans no
+   exclusive recovery has swept yet (``FsQueue.dead_owners``).
 
 Every step is idempotent and leaves a state the next run accepts, so a crash inside
 recovery followed by another recovery keeps every clause (C10).  Directory changes are
@@ -113,9 +115,9 @@ class Recovery:
         self.verify_queued()
         if self.exclusive:
             self.prune_index()
-        for o in self.q._owners.on_disk():
-            if not self.alive(o):
-                self.q._owners.forget_dead(o)
+            for o in self.q._owners.on_disk():
+                if not self.alive(o):
+                    self.q._owners.forget_dead(o)
         return RecoveryReport(self.requeued, self.cleaned, self.uncommitted, self.orphans,
                               self.quarantined, tuple(self.problems),
                               lost=tuple(sorted(self.lost)), damaged_files=tuple(self.damaged))

@@ -1,0 +1,124 @@
+"""Opening a filesystem queue for a relay (``opener.open_serving``): without its
+recovery when every owner closed, the recovery then run beside it through a second
+owner; with it when a process died holding the queue (``FsQueue.dead_owners``)."""
+
+from __future__ import annotations
+
+import os
+import tracemalloc
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from queue_ref.fsqueue import FsQueue
+from queue_ref.opener import open_serving
+from queue_ref.storage import Recipient, Schedule
+
+DEAD = "b" * 16  # an owner token no open queue holds
+
+
+def put(q: FsQueue, n: int, at: int = 0) -> None:
+    """``n`` messages of one recipient, committed by 8 threads (sharing sync rounds)."""
+    def one(i: int) -> None:
+        with q.enqueue("s@example.org") as enq:
+            enq.write(b"Subject: x\r\n\r\nbody\r\n")
+            enq.commit([Recipient(f"r{i}@example.net", Schedule(at))])
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, range(n)))
+
+
+def owners(root: Path) -> list[str]:
+    return sorted(os.listdir(root / "owners"))
+
+
+def test_a_cleanly_closed_queue_opens_without_recovery_and_recovers_beside(
+        tmp_path: Path) -> None:
+    root = tmp_path / "q"
+    with FsQueue(str(root)) as q:
+        put(q, 3)
+        claimed = q.send_start(next(q.list_queue()))  # left inflight by a closed owner
+        assert claimed is not None
+    store, recover = open_serving(str(root))
+    try:
+        assert isinstance(store, FsQueue) and store.last_recovery is None
+        assert recover is not None and store.dead_owners() == []
+        assert len(list(store.list_queue())) == 2  # the claimed entry is not queued yet
+        put(store, 1)  # commits go on while (here: before) the recovery runs
+        report = recover()
+        assert report.requeued == 1
+        assert len(list(store.list_queue())) == 4
+        assert owners(root) == sorted(["gate.lock", f"{store.owner}.lock"])
+    finally:
+        store.close()
+
+
+def test_a_dead_owner_makes_the_whole_recovery_run_at_opening(tmp_path: Path) -> None:
+    root = tmp_path / "q"
+    with FsQueue(str(root)) as q:
+        put(q, 2)
+    (root / "owners" / f"{DEAD}.lock").touch()
+    store, recover = open_serving(str(root))
+    try:
+        assert recover is None and store.last_recovery is not None
+        assert owners(root) == sorted(["gate.lock", f"{store.owner}.lock"])  # exclusive
+        assert store.dead_owners() == []
+    finally:
+        store.close()
+
+
+def test_a_recovery_beside_a_live_owner_keeps_a_dead_owners_lock_file(tmp_path: Path) -> None:
+    """Only an exclusive recovery sweeps a dead owner's orphans, so only it forgets the
+    owner: until then the next opening knows a process died (``dead_owners``)."""
+    root = tmp_path / "q"
+    live = FsQueue(str(root))
+    try:
+        (root / "owners" / f"{DEAD}.lock").touch()
+        (root / "tmp" / ("c" * 16)).mkdir()  # a power cut took its owner's lock file
+        assert live.dead_owners() == [DEAD, "c" * 16]
+        with FsQueue(str(root)):  # recovers beside ``live``: not exclusive
+            pass
+        assert f"{DEAD}.lock" in owners(root)
+        assert live.dead_owners() == [DEAD]
+    finally:
+        live.close()
+    store, recover = open_serving(str(root))
+    try:
+        assert recover is None
+        assert owners(root) == sorted(["gate.lock", f"{store.owner}.lock"])
+    finally:
+        store.close()
+
+
+def test_other_backends_open_with_their_recovery(tmp_path: Path) -> None:
+    store, recover = open_serving(str(tmp_path / "q"), "kv-log")
+    try:
+        assert recover is None and type(store).__name__ == "KvQueue"
+    finally:
+        store.close()
+
+
+def test_listing_keeps_message_order_and_holds_no_object_per_name(tmp_path: Path) -> None:
+    """``list_queue`` sorts the names as strings and parses one message's at a time:
+    oldest message first, each message's entries by index (12 recipients: index 10
+    after 9), junk skipped; the first entry costs the names, not an object per name."""
+    root = tmp_path / "q"
+    with FsQueue(str(root)) as q:
+        want = []
+        for n in (12, 1, 3):
+            with q.enqueue("s@example.org") as enq:
+                enq.write(b"Subject: x\r\n\r\nbody\r\n")
+                want += [h.entry_id for h in enq.commit(
+                    [Recipient(f"r{i}@example.net", Schedule(0)) for i in range(n)])]
+        (root / "queue" / "junk").symlink_to("../data/junk")
+        assert [h.entry_id for h in q.list_queue()] == want
+        put(q, 3000)
+        names = os.listdir(root / "queue")
+        tracemalloc.start()
+        try:
+            first = next(q.list_queue())
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert first.entry_id == want[0]
+        per_name = peak / len(names)
+        assert per_name < 150, f"{per_name:.0f} bytes a name"  # an EntryName more: ~180
