@@ -110,6 +110,8 @@ class _Expected:
 
 
 def expected(run: Interleaved) -> _Expected:
+    """The run in model terms: the messages prepared for A and B (numbered in the order
+    they were made), then the numbers their commits take, and each caller's call."""
     m = Model()
     message_ids: dict[str, int] = {}
     entry_keys: dict[str, EntryKey] = {}
