@@ -12,7 +12,9 @@ every report logged (bounce, delay warning, drop: to whom, how many recipients) 
 every message the sink received (sender, recipient, and for a DSN its original, Action
 and per recipient Status) must be what the model says.
 
-The backoff jitter is 0 here (the model's ``draw`` 0).  Bound: the project's Hypothesis
+The backoff jitter is 0 (``LockstepDelivery``) or 0.5 (``LockstepDeliveryJitter``); every
+draw of the relay's RetryPolicy in one example is one value, Hypothesis's, which the
+model's ``decide`` takes as its ``draw``.  Bound: the project's Hypothesis
 profile (ci: 40 examples of up to 30 steps; thorough: 1000 of up to 100).
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 import re
 import time
 from collections import Counter
@@ -36,6 +39,7 @@ from queue_ref.memory import MemoryStorage
 from queue_ref.relay.delivery_log import DeliveryLog
 from queue_ref.relay.delivery_scheduler import DeliveryScheduler
 from queue_ref.relay.mx_routing import Route, Router
+from queue_ref.relay.retry_backoff import RetryPolicy
 from queue_ref.relay.smtp_delivery import SmtpDeliverer
 from queue_ref.storage import Recipient, Schedule
 from spec.delivery_model import (
@@ -49,7 +53,6 @@ from spec.delivery_model import (
     decide,
     delivery_round,
     dsn_entry,
-    retry_delay,
 )
 from tests.relay_support import DnsServer, Sink, _ListStream, relay_config
 
@@ -80,6 +83,17 @@ def zone() -> dict[str, list[tuple[str, Any]]]:
         z[d] = [("MX", (10, f"mx.{d}"))]
         z[f"mx.{d}"] = [("A", UP)]
     return z
+
+
+class _SameDraw(random.Random):
+    """A random source whose every ``random()`` is one value: the jitter's draw."""
+
+    def __init__(self, value: float) -> None:
+        super().__init__(0)
+        self.value = value
+
+    def random(self) -> float:
+        return self.value
 
 
 class _RouterRaisingFor(Router):
@@ -151,10 +165,11 @@ class LockstepDelivery(RuleBasedStateMachine):
         bounce_lifetime=st.sampled_from([0.0, 4.0, 12.0, 40.0]),
         warning=st.sampled_from([0.0, 0.0, 3.0, 7.0]),
         postmaster=st.sampled_from(["", POSTMASTER, POSTMASTER]),
+        draw=st.floats(0.0, 0.999),
     )
     def start(self, backoff: tuple[float, float], retry_delays: tuple[float, ...],
               lifetime: float, bounce_lifetime: float, warning: float,
-              postmaster: str) -> None:
+              postmaster: str, draw: float) -> None:
         assert self.dns is not None and self.sink is not None, "needs the network fixture"
         self.policy = DeliveryPolicy(
             minimal_backoff_time=backoff[0], maximal_backoff_time=backoff[1],
@@ -188,6 +203,10 @@ class LockstepDelivery(RuleBasedStateMachine):
             self.store, config, _RouterRaisingFor(config), self.deliverer,
             DeliveryLog(json_lines=True, stream=_ListStream(self.log_lines)), self.executor,
             clock=lambda: float(self.now))
+        # every jitter draw of this example is ``draw`` (the model's), whatever the order
+        # in which concurrent jobs draw: a failing example replays the same
+        self.draw = draw
+        self.scheduler.retry = RetryPolicy(config, _SameDraw(draw))
         self.task = self.loop.create_task(self.scheduler.run())
         self.started = True
 
@@ -254,9 +273,6 @@ class LockstepDelivery(RuleBasedStateMachine):
         # (original's queue id, event) -> the queue id of the DSN the relay made
         self.new_ids = {(r["queue_id"], r["event"]): r["bounce_id"] for r in records
                         if r["event"] in ("bounce", "delayed") and "bounce_id" in r}
-        self.real_at: dict[str, list[tuple[str, int]]] = {}
-        for h in self.store.list_queue():
-            self.real_at.setdefault(h.message_id, []).append((h.entry_id, h.schedule.at))
         expected = self._model_step()
         self._compare(expected, records)
 
@@ -320,7 +336,7 @@ class LockstepDelivery(RuleBasedStateMachine):
                 for e in entries:
                     entry = DeliveryEntry(msg.arrival, msg.sender, msg.origin, e.attempts, e.at)
                     met = self._met(e.rcpt)
-                    d = decide(self.policy, entry, met, self.now, self._draw(e))
+                    d = decide(self.policy, entry, met, self.now, self.draw)
                     results.append((e.rcpt, entry, met, d))
                     if d.fate is Fate.TEMPORARY:
                         e.at, e.attempts = d.at, d.attempts
@@ -349,19 +365,6 @@ class LockstepDelivery(RuleBasedStateMachine):
 
     # ---- comparing ----
 
-    def _draw(self, e: _Entry) -> float:
-        """The jitter draw that gives the due time the relay set for ``e`` now (0 without
-        jitter, or when the relay queued no such entry: the comparison then fails)."""
-        if not self.JITTER:
-            return 0.0
-        real = [at for eid, at in self.real_at.get(e.msg.real_id, [])
-                if eid == e.real_id or not e.real_id]
-        if len(real) != 1:
-            return 0.0
-        delay = retry_delay(self.policy, e.attempts + 1)
-        draw = (1 - (real[0] - self.now + 0.5) / delay) / self.JITTER
-        return min(max(draw, 0.0), 0.999999)
-
     def _compare(self, expected: dict[str, Counter[Any]], records: list[dict[str, Any]]
                  ) -> None:
         key_of = {m.real_id: m.key for m in self.msgs if m.real_id}
@@ -388,7 +391,7 @@ class LockstepDelivery(RuleBasedStateMachine):
                     ident = ("dsn", key(about), action, rows)
                 got["sink"][(m.mail_from, rcpt, ident)] += 1
         where = f"at t={self.now - T0} (policy {self.policy})"
-        for what in ("bounce", "delayed", "dropped", "sink"):
+        for what in ("delayed", "bounce", "dropped", "sink"):  # causes before effects
             assert got[what] == expected[what], (
                 f"{what} {where}: relay {dict(got[what])} != model {dict(expected[what])}")
         self._compare_queue(where)
@@ -419,8 +422,8 @@ TestRelayDeliveryLockstep = pytest.mark.usefixtures("network")(LockstepDelivery.
 
 
 class LockstepDeliveryJitter(LockstepDelivery):
-    """The same with ``backoff_jitter = 0.5``: each retry must be due within the model's
-    window (``retry_window``), and the model then takes the draw the relay made."""
+    """The same with ``backoff_jitter = 0.5``: the relay's jitter draws are one value per
+    example, which the model takes too."""
 
     JITTER = 0.5
 
