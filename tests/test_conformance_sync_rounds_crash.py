@@ -103,3 +103,18 @@ def test_a_scenario_replays_and_a_bad_one_is_refused() -> None:
             crash_check.replay(backend, bad)
     with pytest.raises(ValueError, match="unknown crash model"):
         crash_check.replay(backend, "sync-rounds-crash:commit-vs-commit:0:tmpfs:rest")
+
+
+def test_the_suite_runs_it_once_for_every_model_and_replays_its_scenario() -> None:
+    from conformance.certify.scenario_replay import replay
+    from conformance.certify.suite_runner import certify
+
+    cert = certify(f"{RIDING}:kv_log_rides_running_sync", only=["sync-rounds-crash"], seed=1)
+    by_model = {r.model: r for r in cert.results}
+    assert set(by_model) == set(MODELS)
+    assert by_model["process-kill"].status is Status.PASS
+    assert cert.certified_models() == ["process-kill"]
+    lost = by_model["weak"].findings[0]
+    assert lost.model == "weak" and lost.scenario.startswith("sync-rounds-crash:")
+    assert [f.clause for f in replay(Backend.from_factory(f"{RIDING}:kv_log_rides_running_sync"),
+                                     lost.scenario)] == [lost.clause]
