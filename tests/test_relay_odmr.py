@@ -10,6 +10,7 @@ import os
 import shutil
 import smtplib
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ import pytest
 from queue_ref.relay.relay_config import ConfigError, RelayConfig
 from queue_ref.relay.smtpd_sasl_auth import hash_password
 from tests.relay_support import RelayThread, Sink, queued_entries, relay_config, smtp_send
+from tests.tls_certs import CertAuthority, have_openssl
 
 PASSWORD = "odmr secret"
 DOMAIN = "ondemand.example"
@@ -48,6 +50,15 @@ def _odmr(r: RelayThread, user: str = "alice", password: str = PASSWORD) -> smtp
     if user:
         c.login(user, password)
     return c
+
+
+def deferred(r: RelayThread, n: int) -> None:
+    """Wait until ``n`` deferrals are logged and their entries are back in the queue (a
+    deferral is logged just before its ``send_cancel``)."""
+    assert len(r.wait_events(n, status="deferred", timeout=10)) >= n
+    deadline = time.monotonic() + 10
+    while r.call(lambda: r.relay.scheduler.sizes()["inflight"]) and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def serve_turned(sock: socket.socket, replies: dict[str, str]) -> list[tuple[str, list[str], bytes]]:
@@ -92,7 +103,7 @@ def test_atrn_domain_mail_waits_then_goes_over_the_turned_connection(tmp_path: P
     with Sink() as sink, RelayThread(_config(tmp_path, sink)) as r:
         smtp_send(r.port, "a@example.org", [f"one@{DOMAIN}", f"defer@{DOMAIN}"])
         smtp_send(r.port, "a@example.org", [f"reject@{DOMAIN}"])
-        assert len(r.wait_events(3, status="deferred", timeout=10)) == 3
+        deferred(r, 3)
         time.sleep(1.5)  # minimal_backoff_time is 1 s: no retry may come
         assert sink.state.connections == 0  # never sent by MX (the relayhost here)
         assert r.events("delivery")[0]["reason"].startswith("on-demand domain")
@@ -192,7 +203,7 @@ def test_fetchmail_odmr_client_takes_the_domains_mail(tmp_path: Path) -> None:
             tmp_path, sink, odmr_cram_md5_file=_cram_file(tmp_path))) as r:
         smtp_send(r.port, "a@example.org", [f"one@{DOMAIN}", f"two@{DOMAIN}"])
         smtp_send(r.port, "b@example.org", [f"three@{DOMAIN}"])
-        r.wait_events(3, status="deferred", timeout=10)
+        deferred(r, 3)
         assert r.relay.odmr is not None and r.relay.odmr.address is not None
         rc = tmp_path / "fetchmailrc"
         rc.write_text(f"poll 127.0.0.1 with protocol ODMR port {r.relay.odmr.address[1]}:\n"
@@ -220,3 +231,26 @@ def test_cram_md5_secrets_file_must_be_private(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="may be read by others"):
         relay_config(str(tmp_path / "q"), odmr_listen="127.0.0.1:0", odmr_cram_md5_file=path,
                      smtpd_tls_auth_only=False)
+
+
+@pytest.mark.skipif(not have_openssl(), reason="openssl makes the certificates")
+def test_atrn_after_starttls_turns_the_tls_session(tmp_path: Path) -> None:
+    """``smtpd_tls_auth_only``: AUTH only after STARTTLS; the turned session goes on
+    inside the TLS session the client started."""
+    ca = CertAuthority(tmp_path / "ca")
+    cert, key = ca.issue(["relay.test", "127.0.0.1"])
+    with Sink() as sink, RelayThread(_config(
+            tmp_path, sink, smtpd_tls_auth_only=True, smtpd_tls_cert_file=str(cert),
+            smtpd_tls_key_file=str(key))) as r:
+        smtp_send(r.port, "a@example.org", [f"tls@{DOMAIN}"])
+        deferred(r, 1)
+        with _odmr(r, user="") as c:
+            assert b"AUTH" not in c.ehlo_resp  # not before STARTTLS
+            c.starttls(context=ssl.create_default_context(cafile=str(ca.ca_file)))
+            c.ehlo("customer.test")
+            c.login("alice", PASSWORD)
+            assert c.docmd("ATRN", DOMAIN)[0] == 250
+            got = serve_turned(c.sock, {})
+        r.wait_events(1, "delivery", status="sent")
+    assert [rc for _, rc, _ in got] == [[f"tls@{DOMAIN}"]]
+    assert queued_entries(str(tmp_path / "q")) == []
