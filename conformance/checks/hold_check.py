@@ -30,7 +30,10 @@ import time
 from conformance.harness.backend_factory import Backend
 from conformance.harness.check_catalog import NO_CRASH
 from conformance.harness.check_results import CheckResult, Finding, finished
+from conformance.lockstep.field_compare import same_value, schedule_diff
+from conformance.lockstep.mail_data import REASON_EXAMPLES
 from queue_ref.storage import (
+    MAX_SCHEDULE,
     Capability,
     HeldMail,
     QueuedMail,
@@ -40,6 +43,11 @@ from queue_ref.storage import (
 )
 
 CHECK = "hold"
+#: The messages' schedule times: the past, 2038, beyond 32 bits, the largest (the second
+#: recipient of the first message is one later); each message's reason is one of
+#: ``mail_data``'s of MAX_REASON octets, so every schedule listed is compared field by
+#: field (``field_compare``) with what was committed.
+HOLD_TIMES = (0, 2**31 - 1, 2**32, MAX_SCHEDULE - 1)
 
 
 class _Scenario:
@@ -68,10 +76,10 @@ class _Scenario:
     def expect_state(self, queued: dict[str, Schedule], held: dict[str, Schedule],
                      when: str) -> None:
         got_q, got_h = self.listed()
-        if got_h != held:
+        if not same_value(got_h, held):
             self.fail(f"{when}: list_held gives {sorted(got_h.items())}, expected "
                       f"{sorted(held.items())}")
-        if got_q != queued:
+        if not same_value(got_q, queued):
             clause = "C14" if set(got_q) & set(held) else "C1"
             self.fail(f"{when}: list_queue gives {sorted(got_q.items())}, expected "
                       f"{sorted(queued.items())}", clause)
@@ -85,7 +93,8 @@ class _Scenario:
                 enq.write(b"Subject: hold %d\r\n\r\nbody\r\n" % i)
                 n = 2 if i == 0 else 1
                 handles += enq.commit([Recipient(f"r{j}@hold{i % 2}.example",
-                                                 Schedule(1000 * i + j, i), f"z{i % 2}")
+                                                 Schedule(HOLD_TIMES[i] + j, i,
+                                                          REASON_EXAMPLES[i + 1]), f"z{i % 2}")
                                        for j in range(n)])
         stale = {h.entry_id: h for h in s.list_queue()}
         sched = {h.entry_id: h.schedule for h in handles}
@@ -98,7 +107,7 @@ class _Scenario:
             if not isinstance(got, HeldMail):
                 self.fail(f"hold of the queued entry {h.entry_id} returned {got!r}")
                 return
-            if got.schedule != sched[h.entry_id]:
+            if schedule_diff(got.schedule, sched[h.entry_id]) is not None:
                 self.fail(f"hold of {h.entry_id} returned schedule {got.schedule}, the "
                           f"entry had {sched[h.entry_id]}")
             held[h.entry_id] = got
@@ -139,7 +148,7 @@ class _Scenario:
         ha, hb = held[a.entry_id], held[b.entry_id]
         second = next((h for h in s.list_held() if h.entry_id == a.entry_id), None)
         back = s.release(ha)
-        if not isinstance(back, QueuedMail) or back.schedule != sched[a.entry_id]:
+        if not isinstance(back, QueuedMail) or schedule_diff(back.schedule, sched[a.entry_id]):
             self.fail(f"release of {a.entry_id} returned {back!r}, expected a QueuedMail "
                       f"with schedule {sched[a.entry_id]}")
             return
