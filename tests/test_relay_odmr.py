@@ -6,6 +6,7 @@ mail no client came for."""
 
 from __future__ import annotations
 
+import base64
 import os
 import shutil
 import smtplib
@@ -254,3 +255,16 @@ def test_atrn_after_starttls_turns_the_tls_session(tmp_path: Path) -> None:
         r.wait_events(1, "delivery", status="sent")
     assert [rc for _, rc, _ in got] == [[f"tls@{DOMAIN}"]]
     assert queued_entries(str(tmp_path / "q")) == []
+
+
+def test_failed_auth_on_the_odmr_port_reaches_the_limit(tmp_path: Path) -> None:
+    with Sink() as sink, RelayThread(_config(tmp_path, sink, smtpd_auth_failure_limit=2)) as r:
+        with _odmr(r, user="") as c:
+            wrong = base64.b64encode(b"\0alice\0wrong").decode()
+            assert c.docmd("AUTH", f"PLAIN {wrong}")[0] == 535
+            assert c.docmd("AUTH", f"PLAIN {wrong}")[0] == 421
+            with pytest.raises(smtplib.SMTPServerDisconnected):
+                c.docmd("NOOP")
+        with _odmr(r, user="") as c:
+            right = base64.b64encode(f"\0alice\0{PASSWORD}".encode()).decode()
+            assert c.docmd("AUTH", f"PLAIN {right}")[0] == 421  # blocked for the window

@@ -27,6 +27,12 @@ A bounce is enqueued and committed *before* its failed entries are finished, so 
 between can duplicate a bounce but never lose one.  If the bounce cannot be built or
 committed, the failed entries go back to the queue instead (tried again later, never lost).
 
+Mail for an ATRN domain (``atrn_domains``), and for an on-demand domain
+(``ondemand_domains``) while its probe is due, is deferred without a connection; the
+deferred entries of both are put back due at the end of their lifetime, not at a retry
+time (``odmr_server`` and ``ondemand_probe`` make them due or take them).  ``run_job``
+runs a job whose delivery is given (ATRN's turned connection), claimed and finished here.
+
 Nothing a job claims stays claimed.  An unexpected error at any step (routing, the SMTP
 client, building a bounce, a backend call that raises what it should not) is logged with
 the message's queue id (``error``, ``what=delivery job: STEP``), counted

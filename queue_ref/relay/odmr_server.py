@@ -35,6 +35,7 @@ from aiosmtpd.smtp import MISSING, SMTP, AuthResult, Envelope, LoginPassword, Se
 from queue_ref.operate.queue_actions import check_domain, domain_entries
 from queue_ref.relay.relay_config import ConfigError, RelayConfig, parse_hostport
 from queue_ref.relay.smtp_delivery import RcptResult, dsn_of, wire_body
+from queue_ref.relay.smtpd_sasl_auth import TOO_MANY, SaslAuthenticator
 from queue_ref.storage import InvalidInputError, QueuedMail, Storage
 
 if TYPE_CHECKING:
@@ -112,8 +113,29 @@ class OdmrSMTP(SMTP):
                                  status="ok" if ok else "failed")
         if ok:
             return AuthResult(success=True, auth_data=LoginPassword(user.encode(), b""))
+        auth = self.odmr.auth
+        if auth is not None:  # counted with the client's PLAIN and LOGIN failures
+            auth._failed(client)
+            if auth.blocked(client):
+                return AuthResult(success=False, handled=False, message=TOO_MANY)
         return AuthResult(success=False, handled=False,
                           message="535 5.7.8 Error: authentication failed: authentication failure")
+
+    async def smtp_AUTH(self, arg: str) -> None:
+        """As the receiver's: the failure that reaches ``smtpd_auth_failure_limit`` (per
+        client address, both listeners counted together) is answered 421 and the
+        session closed; so is any AUTH from that address until the window has passed."""
+        auth = self.odmr.auth
+        peer = self.session.peer if self.session is not None else None
+        client = peer[0] if isinstance(peer, tuple) else "unknown"
+        if auth is not None and auth.blocked(client):
+            await self.push(TOO_MANY)
+        else:
+            await super().smtp_AUTH(arg)
+            if auth is None or not auth.blocked(client):
+                return
+        if self.transport is not None:
+            self.transport.close()
 
     async def smtp_MAIL(self, arg: str | None) -> None:
         await self.push("502 5.5.1 Error: no mail is taken on the ODMR port (ATRN only)")
@@ -265,6 +287,11 @@ class OdmrServer:
     @property
     def executor(self) -> Executor:
         return self.relay.executor
+
+    @property
+    def auth(self) -> SaslAuthenticator | None:
+        """The receiver's AUTH (its password file and its failure counts), if enabled."""
+        return self.relay.receiver.auth if self.relay.receiver is not None else None
 
     def protocol(self) -> OdmrSMTP:
         receiver = self.relay.receiver
