@@ -143,6 +143,8 @@ def test_atrn_replies(tmp_path: Path) -> None:
         with _odmr(r, user="bob", password="x") as c:
             assert c.docmd("ATRN", DOMAIN)[0] == 450
         (atrn, *_) = r.wait_events(1, "atrn")
+        assert r.relay.odmr is not None and r.relay.odmr.address is not None
+        assert r.relay.ready_line().endswith(f" odmr=127.0.0.1:{r.relay.odmr.address[1]}")
     assert atrn["status"] == "refused" and atrn["sasl_username"] == "alice"
     assert sink.state.connections == 0
 

@@ -311,6 +311,8 @@ class Relay:
                 f"loop={loop_kind(self.config)}")
         if self.metrics_port is not None:
             line += f" metrics={self.metrics_port}"
+        if self.odmr is not None and self.odmr.address is not None:
+            line += f" odmr={self.odmr.address[0]}:{self.odmr.address[1]}"
         return line
 
     # ---- stop ----
