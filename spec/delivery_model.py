@@ -237,7 +237,14 @@ def retry_window(policy: DeliveryPolicy, now: float, attempts: int) -> tuple[int
 
 
 def report_to(policy: DeliveryPolicy, entry: DeliveryEntry) -> tuple[str, Origin] | None:
-    """D4: the recipient and kind of the report on a failed entry; None: dropped."""
+    """D4: the recipient and kind of the report on a failed entry; None: dropped.
+
+    post: __return__ is None or __return__[0] != ""
+    post: __return__ is None or __return__[1] in (Origin.BOUNCE, Origin.DOUBLE)
+    post: entry.origin is not Origin.DOUBLE or __return__ is None
+    post: entry.origin is not Origin.MAIL or not entry.sender or __return__ == (entry.sender, Origin.BOUNCE)
+    post: __return__ in (None, (entry.sender, Origin.BOUNCE), (policy.double_bounce_recipient, Origin.DOUBLE))
+    """
     if entry.origin is Origin.MAIL and entry.sender:
         return entry.sender, Origin.BOUNCE
     if entry.origin is not Origin.DOUBLE and policy.double_bounce_recipient:
@@ -247,7 +254,15 @@ def report_to(policy: DeliveryPolicy, entry: DeliveryEntry) -> tuple[str, Origin
 
 def decide(policy: DeliveryPolicy, entry: DeliveryEntry, met: Met, now: float,
            draw: float = 0.0) -> Decision:
-    """D1 to D3, D6: the entry's next state after its attempt met ``met`` at ``now``."""
+    """D1 to D3, D6: the entry's next state after its attempt met ``met`` at ``now``.
+
+    pre: 0 <= draw < 1 and 0 <= now < 2 ** 40
+    post: __return__.fate is FATE[met.attempt] or (__return__.fate is Fate.PERMANENT and __return__.expired)
+    post: __return__.fate is not Fate.TEMPORARY or __return__.at > now
+    post: __return__.fate is not Fate.TEMPORARY or __return__.attempts == entry.attempts + 1
+    post: not __return__.expired or now - entry.arrival >= lifetime(policy, entry.sender)
+    post: not __return__.warn or (entry.sender != "" and entry.origin is Origin.MAIL)
+    """
     fate = FATE[met.attempt]
     if fate is Fate.DELIVERED:
         return Decision(Fate.DELIVERED)

@@ -2,9 +2,12 @@
 
 CI runs it on ``spec/states.py``, where every path is confirmed in about a second (the
 inputs are enums).  The full run, which also covers ``spec/model.py`` (Schedule,
-Model.enqueue/apply/restart; about two minutes), is ``make crosshair``::
+Model.enqueue/apply/restart) and ``spec/delivery_model.py`` (report_to, decide: floats, so
+"not confirmed" over all paths, but a counterexample is found when one exists; about four
+minutes in all), is ``make crosshair``::
 
-    crosshair check --analysis_kind=PEP316 --per_condition_timeout=5 spec/states.py spec/model.py
+    crosshair check --analysis_kind=PEP316 --per_condition_timeout=5 spec/states.py \
+        spec/model.py spec/delivery_model.py
 
 A second test breaks a copy of ``spec/states.py`` and asserts CrossHair catches it, so a
 passing run means the contracts were checked, not skipped.
