@@ -99,3 +99,24 @@ def test_scale_benchmark_measures_the_relay_and_the_commands(tmp_path: Path) -> 
                           "--sizes", "0"], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert bad.returncode == 2 and "--sizes" in bad.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/sbin/mkfs.ext4").exists(),
+                    reason="loop-mounting file systems needs root and mkfs.ext4")
+def test_multi_root_benchmark_compares_two_file_systems_with_one(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "multi_root.py"),
+                           "--rounds", "2", "--messages", "64", "--threads", "4",
+                           "--size-mb", "32", "--dir", str(tmp_path)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    one, two = out["one_root"], out["two_roots"]
+    assert len(one["rates"]) == len(two["rates"]) == 2 and out["same_disk"] is True
+    assert out["ratio"] == two["median"] / one["median"] > 0
+    assert "round 2: one" in proc.stdout and "round 2: two" in proc.stdout
+    assert os.listdir(tmp_path) == []  # unmounted and removed
+    assert str(tmp_path) not in Path("/proc/mounts").read_text()
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "multi_root.py"),
+                          "--size-mb", "8"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert bad.returncode == 2 and "--size-mb" in bad.stderr
