@@ -45,7 +45,8 @@ from queue_ref.fsqueue import FsQueue
 from queue_ref.multi_root import MultiRootQueue
 from queue_ref.storage import Recipient, Schedule, Storage
 
-BODY = b"Subject: multi-root\r\n\r\n" + b"x" * (4096 - 24)
+_HEAD = b"Subject: multi-root\r\n\r\n"
+BODY = _HEAD + b"x" * (4096 - len(_HEAD))
 
 
 class BenchError(RuntimeError):
@@ -114,12 +115,14 @@ def commit_rate(q: Storage, threads: int, messages: int) -> float:
     return messages / elapsed
 
 
-def measure(dirs: list[str], threads: int, messages: int) -> float:
-    """The commit rate of a fresh queue on ``dirs`` (one root, or one per directory);
-    the queue is removed afterwards, outside the timing."""
+def measure(dirs: list[str], threads: int, messages: int) -> tuple[float, list[str]]:
+    """The commit rate of a fresh queue on ``dirs`` (one root, or one per directory) and
+    its roots' sync modes; the queue is removed afterwards, outside the timing."""
     q: Storage = FsQueue(dirs[0]) if len(dirs) == 1 else MultiRootQueue.open_fs(dirs)
     try:
-        return commit_rate(q, threads, messages)
+        roots = q.root_stores() if isinstance(q, MultiRootQueue) else [q]
+        modes = [getattr(r, "sync_mode", "") for r in roots]
+        return commit_rate(q, threads, messages), modes
     finally:
         q.close()
         for d in dirs:
@@ -129,19 +132,20 @@ def measure(dirs: list[str], threads: int, messages: int) -> float:
 def run(rounds: int, messages: int, threads: int, size_mb: int, base: str,
         say: Callable[[str], None]) -> dict[str, object]:
     rates: dict[str, list[float]] = {"one": [], "two": []}
+    modes: dict[str, list[str]] = {}
     with loop_filesystems(base, 3, size_mb) as (fs_one, fs_a, fs_b):
         contenders = {"one": lambda r: [os.path.join(fs_one, f"q{r}")],
                       "two": lambda r: [os.path.join(fs_a, f"q{r}"), os.path.join(fs_b, f"q{r}")]}
         for r in range(rounds):
             order = ["one", "two"] if r % 2 == 0 else ["two", "one"]
             for name in order:
-                rate = measure(contenders[name](r), threads, messages)
+                rate, modes[name] = measure(contenders[name](r), threads, messages)
                 rates[name].append(rate)
                 say(f"round {r + 1}: {name:<3} {rate:8.0f} commits/s")
     one, two = statistics.median(rates["one"]), statistics.median(rates["two"])
     return {"threads": threads, "messages": messages, "rounds": rounds, "body_bytes": len(BODY),
-            "one_root": {"median": one, "rates": rates["one"]},
-            "two_roots": {"median": two, "rates": rates["two"]},
+            "one_root": {"median": one, "rates": rates["one"], "sync": modes["one"]},
+            "two_roots": {"median": two, "rates": rates["two"], "sync": modes["two"]},
             "ratio": two / one,
             "ratios": [t / o for t, o in zip(rates["two"], rates["one"], strict=True)],
             "same_disk": True}

@@ -112,6 +112,8 @@ def test_multi_root_benchmark_compares_two_file_systems_with_one(tmp_path: Path)
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     one, two = out["one_root"], out["two_roots"]
     assert len(one["rates"]) == len(two["rates"]) == 2 and out["same_disk"] is True
+    assert out["body_bytes"] == 4096 and len(one["sync"]) == 1 and len(two["sync"]) == 2
+    assert two["sync"][0] == two["sync"][1] == one["sync"][0]  # each on its own file system
     assert out["ratio"] == two["median"] / one["median"] > 0
     assert "round 2: one" in proc.stdout and "round 2: two" in proc.stdout
     assert os.listdir(tmp_path) == []  # unmounted and removed
