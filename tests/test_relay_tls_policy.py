@@ -136,6 +136,10 @@ def test_lookup_keys_and_certificate_names():
                                                         "[mail.example.net]"]
     assert lookup_keys("relay.example.net:25", 25) == [
         "relay.example.net:25", "relay.example.net", ".example.net", ".net"]
+    # another port, above or below the default: only the key with that port
+    for port in (24, 587, 2525):
+        assert lookup_keys(f"relay.example.net:{port}", 25) == [f"relay.example.net:{port}"]
+        assert lookup_keys(f"[mail.example.net]:{port}", 25) == [f"[mail.example.net]:{port}"]
     assert lookup_keys("A.Example.COM", 25) == ["a.example.com", ".example.com", ".com"]
     cert = {"subject": ((("commonName", "cn.test"),),),
             "subjectAltName": (("DNS", "*.Example.com"), ("IP Address", "192.0.2.1"))}
