@@ -9,9 +9,13 @@ incarnation of the queue, from before a restart or a crash).
 
 After every step the invariant ``listing_equals_model`` compares the whole listing with
 the model: the QUEUED entries with their schedules, the PENDING_CLEANUP entries, no
-adopted INFLIGHT entry, and no stored object once every message is gone; and it reads one
-listed entry back (the one read longest ago: claimed, read, put back with its schedule),
-so every listed entry's message is shown to exist and read back intact.  The machine with
+adopted INFLIGHT entry, ``list_held``, ``list_domain`` of every domain of a queued
+recipient (where declared), ``inflight_entries`` (where the backend lists them), and no
+stored object once every message is gone; and it reads one listed entry back (the one
+read longest ago: inspected where ``inspect_entry`` is declared, claimed, read, put back
+with its schedule), so every listed entry's message is shown to exist and read back
+intact.  Schedules and metadata are compared field by field (``field_compare``); the
+data is the tame data below or mail's (``mail_data``).  The machine with
 the crash rule skips the read-back: the syncs of its claim and cancel would make durable
 the very writes a crash must be able to lose.
 
@@ -497,10 +501,11 @@ class MachineBase(RuleBasedStateMachine):
         meta, body = got
         diff = meta_diff(meta, self.want_meta(key, h))
         if diff is not None:
-            raise ClauseViolation("C6", f"inspect_entry of {key} gives {diff}")
+            raise ClauseViolation("C6", f"the listed entry {key} reads back by inspect_entry "
+                                        f"{diff}")
         if body != self.model.messages[key[0]].body:
-            raise ClauseViolation("C6", f"inspect_entry of {key} gives {len(body)} bytes that "
-                                        f"differ from the "
+            raise ClauseViolation("C6", f"the listed entry {key} reads back by inspect_entry "
+                                        f"{len(body)} bytes that differ from the "
                                         f"{len(self.model.messages[key[0]].body)} committed")
 
     def _read_back(self, listed: list[QueuedMail]) -> None:
