@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from typing import Any
 
 import pytest
 
+from conformance.crashexplore.backend_registry import resolve
+from conformance.crashexplore.crash_task import explore_task, task_for
+from conformance.crashexplore.traced_runs import run_workload
+from conformance.crashexplore.workloads import enqueue_call
 from queue_ref.fsqueue import FsQueue
 from queue_ref.multi_root import MultiRootQueue, share_a_file_system, split_id
 from queue_ref.storage import (
@@ -182,3 +187,22 @@ def test_bad_input_and_a_root_that_cannot_open(tmp_path: Any) -> None:
         None] * 5
     other.close()
     q.close()
+
+
+def test_a_crash_inside_the_second_root_keeps_the_first_roots_mail() -> None:
+    """Crash exploration of ``fs-two-roots``: message 0 is committed in root a, then
+    every crash point of message 1's enqueue, in root b, under every model (and inside
+    recovery, and with each fsync failed by EIO): recovery of both roots keeps message 0
+    and message 1 whole or not at all."""
+    wl = (enqueue_call(0, 1), enqueue_call(1, 2))
+    run = run_workload(resolve("fs-two-roots"), wl)
+    assert not run.crashed and run.error is None
+    calls = [e.short() for e in run.events if e.mutating]  # "#7 rename(b/queue/..., ...)"
+    for i, root in ((0, "a/"), (1, "b/")):  # every path a call of message i names is root's
+        paths = [p for c in calls[run.op_starts[i]:run.op_ends[i]]
+                 for p in re.findall(r"[(, ]([ab]/[^,)]*)", c)]
+        assert paths and all(p.startswith(root) for p in paths), (i, paths)
+    r = explore_task(task_for("fs-two-roots", wl, ("process-kill", "weak", "ext4-ordered"),
+                              recovery_sample=1))
+    assert r.points > 20 and r.eio_points > 0 and not r.errors
+    assert not r.failures, [f"{f.scenario}: {f.violations}" for f in r.failures[:5]]
