@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import email
 import email.policy
+import json
 import shutil
 import smtplib
 import ssl
@@ -234,14 +235,22 @@ def test_starttls_is_used_when_offered(tmp_path):
     assert b"with ESMTPS" in got.data.split(b"\r\n\r\n")[0]
 
 
-def test_a_delay_warning_is_sent_once_while_retries_go_on(tmp_path):
+@pytest.mark.parametrize("warning", [1.5, 2.5])
+def test_a_delay_warning_is_sent_once_while_retries_go_on(tmp_path, warning):
+    """Retries after 1 s, then 2 s (minimal 1, maximal 2): the second deferral's interval,
+    from about 1 s to about 3 s after arrival, spans both warning times, the first's not."""
     with dns_server() as dns, Sink() as sink, RelayThread(config(
-            tmp_path, dns, sink, delay_warning_time=1.5)) as r:
+            tmp_path, dns, sink, delay_warning_time=warning)) as r:
         send(r.port, "alice@ok.test", ["defer-me@ok.test"])
         (warn,) = r.wait_events(1, "delayed", timeout=15)
         got = sink.wait_for(1)
         r.wait_events(4, status="deferred", timeout=15)
         assert len(r.events("delayed")) == 1
+        records = [json.loads(line) for line in list(r.log_lines)]
+        before = [e for e in records[:records.index(warn)] if e["event"] == "delivery"]
+        # enqueued in the finishing step of the second attempt, before its deferral is
+        # logged: the last attempt logged before it is the first
+        assert [e["attempts"] for e in before] == [1]
     assert warn["to"] == "alice@ok.test"
     msg = _dsn(got[0])
     assert "Delayed Mail" in msg["Subject"]
