@@ -22,6 +22,8 @@ import contextlib
 import importlib
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 
 from queue_ref.storage import InvalidInputError, RecoveryReport, Storage
@@ -112,6 +114,10 @@ def open_queue(path: str, backend: str = "fs") -> Storage:
     return opener(path)
 
 
+#: The process ``open_serving`` runs the recovery in (ROOT and the sync mode follow).
+RECOVERY_COMMAND = [sys.executable, "-m", "queue_ref.fsqueue.recover_child"]
+
+
 def open_serving(path: str, backend: str = "fs"
                  ) -> tuple[Storage, Callable[[], RecoveryReport] | None]:
     """Open the queue at ``path`` for a relay that takes mail at once, and what is left
@@ -119,7 +125,8 @@ def open_serving(path: str, backend: str = "fs"
 
     A filesystem queue every owner of which closed (``FsQueue.dead_owners`` finds none)
     is opened without its recovery, which reads every entry; the function returned runs
-    that recovery beside it, through a second open queue (another owner), so it is the
+    that recovery beside it, through a second open queue (another owner) in a process of
+    its own (``queue_ref.fsqueue.recover_child``: its memory goes with it), so it is the
     recovery any process runs beside a live one: not exclusive, concurrent with this
     queue's commits and claims, and what it requeues is listed after it.  A filesystem
     queue a process died holding is opened with its whole recovery (exclusive when no
@@ -139,8 +146,14 @@ def open_serving(path: str, backend: str = "fs"
         raise
 
     def recover_beside() -> RecoveryReport:
-        with FsQueue(path, sync=sync) as other:
-            return other.last_recovery or RecoveryReport()
+        from queue_ref.fsqueue.recover_child import report_from_json
+
+        done = subprocess.run([*RECOVERY_COMMAND, path, sync or "default"],
+                              capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"the recovery process exited {done.returncode}: "
+                               f"{done.stderr.strip()[-500:]}")
+        return report_from_json(done.stdout.strip().splitlines()[-1])
 
     return q, recover_beside
 

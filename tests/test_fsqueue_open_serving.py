@@ -5,13 +5,18 @@ owner; with it when a process died holding the queue (``FsQueue.dead_owners``)."
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from queue_ref.fsqueue import FsQueue
+from queue_ref.fsqueue.recover_child import report_from_json, report_json
 from queue_ref.opener import open_serving
-from queue_ref.storage import Recipient, Schedule
+from queue_ref.storage import Recipient, RecoveryReport, Schedule
 
 DEAD = "b" * 16  # an owner token no open queue holds
 
@@ -122,3 +127,15 @@ def test_listing_keeps_message_order_and_holds_no_object_per_name(tmp_path: Path
         assert first.entry_id == want[0]
         per_name = peak / len(names)
         assert per_name < 150, f"{per_name:.0f} bytes a name"  # an EntryName more: ~180
+
+
+def test_the_recovery_process_reports_in_json_and_refuses_bad_usage(tmp_path: Path) -> None:
+    report = RecoveryReport(requeued=2, problems=("a", "b"), lost=("m1",))
+    assert report_from_json(report_json(report)) == report
+    with pytest.raises(ValueError, match="unknown fields"):
+        report_from_json('{"requeued": 1, "bogus": 2}')
+    bad = subprocess.run([sys.executable, "-m", "queue_ref.fsqueue.recover_child",
+                          str(tmp_path / "q"), "sometimes"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "usage:" in bad.stderr
+    assert not (tmp_path / "q").exists()  # nothing opened, nothing created

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from queue_ref import opener
 from queue_ref.fsqueue import FsQueue
-from queue_ref.fsqueue.fs_recovery import Recovery
 from queue_ref.opener import open_queue
 from queue_ref.relay.relay_config import ConfigError, RelayConfig
-from queue_ref.storage import QueuedMail, Recipient, RecoveryReport, Schedule
+from queue_ref.storage import QueuedMail, Recipient, Schedule
 from tests.relay_support import RelayThread, Sink, relay_config, smtp_send
 
 #: Opened by ``slow_listing_queue``: its listings wait until this is set.
@@ -93,15 +93,6 @@ def test_the_relay_is_ready_and_delivers_before_the_first_listing_ends(
         LISTING_GATE.set()
 
 
-class _GatedRecovery(Recovery):
-    """The recovery, once ``LISTING_GATE`` is set (the relay's runs beside its queue)."""
-
-    def run(self) -> RecoveryReport:
-        if not LISTING_GATE.wait(60):
-            raise AssertionError("the recovery was never let go")
-        return super().run()
-
-
 def test_the_relay_is_ready_before_the_recovery_which_comes_before_the_listing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A queue every owner closed opens without its recovery: the relay takes and
@@ -113,15 +104,17 @@ def test_the_relay_is_ready_before_the_recovery_which_comes_before_the_listing(
             enq.write(b"Subject: left inflight\r\n\r\nbody\r\n")
             (h,) = enq.commit([Recipient("left@example.net", Schedule(0))])
         assert q.send_start(h) is not None
-    monkeypatch.setattr(FsQueue, "recovery", _GatedRecovery)
-    LISTING_GATE.clear()
+    gate = tmp_path / "gate"  # the recovery's process waits for this file
+    monkeypatch.setattr(opener, "RECOVERY_COMMAND", [
+        "sh", "-c", 'while [ ! -e "$0" ]; do sleep 0.02; done; exec "$@"', str(gate),
+        *opener.RECOVERY_COMMAND])
     try:
         with Sink() as sink, RelayThread(relay_config(
                 queue, relayhost=f"[127.0.0.1]:{sink.port}", log_json=True)) as r:
             smtp_send(r.port, "a@example.org", ["new@example.net"])
             assert [m.rcpts for m in sink.wait_for(1)] == [["new@example.net"]]
             assert not [e for e in r.events("relay") if e["what"] != "started"]
-            LISTING_GATE.set()
+            gate.touch()
             (recovered,) = r.wait_events(1, "relay", what="queue recovered")
             assert recovered["requeued"] == 1 and recovered["lost"] == 0
             assert r.wait_events(1, "relay", what="queue listed")
@@ -130,7 +123,7 @@ def test_the_relay_is_ready_before_the_recovery_which_comes_before_the_listing(
             what = [e["what"] for e in r.events("relay")]
             assert what.index("queue recovered") < what.index("queue listed")
     finally:
-        LISTING_GATE.set()
+        gate.touch()
 
 
 @pytest.mark.parametrize("value", [0, -5])
