@@ -5,7 +5,7 @@
 opens the queue at ROOT (``SYNC``: ``syncfs``, ``fsync`` or ``default``) as another
 owner, which runs its recovery, closes it, and prints the ``RecoveryReport`` as one JSON
 object.  A process of its own, so that what the recovery holds while it reads every
-entry (each link's name and path: some 700 bytes an entry) is given back to the system
+entry (each link's name and path: about 500 bytes an entry) is given back to the system
 when it ends instead of staying in the relay, and so that it does not contend with the
 relay's event loop for one interpreter (``queue_ref.opener.open_serving``).
 """
