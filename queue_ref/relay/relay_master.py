@@ -38,7 +38,13 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import IO, Any
 
-from queue_ref.opener import open_queues, relay_on_any, remove_relay_pid, write_relay_pid
+from queue_ref.opener import (
+    open_queues,
+    open_serving,
+    relay_on_any,
+    remove_relay_pid,
+    write_relay_pid,
+)
 from queue_ref.relay.delivery_log import DeliveryLog
 from queue_ref.relay.relay_config import ConfigError, RelayConfig, loop_kind, run_relay
 from queue_ref.relay.relay_server import Relay, RelayStartError
@@ -122,8 +128,11 @@ class RelayMaster:
         other = relay_on_any(self.queue_dirs)
         if other is not None:  # one relay per set of roots: none may share one
             raise RelayStartError(f"another relay (pid {other[0]}) works on {other[1]}")
-        try:
-            store = open_queues(self.queue_dirs, self.config.backend)
+        try:  # a recovery left to run beside the queue is each worker's (before it lists)
+            if len(self.queue_dirs) == 1:
+                store, _ = open_serving(self.queue_dirs[0], self.config.backend)
+            else:
+                store = open_queues(self.queue_dirs, self.config.backend)
         except Exception as e:
             raise RelayStartError(f"cannot open the queue {self.queue_dir} "
                                   f"(backend {self.config.backend}): {e}") from e
