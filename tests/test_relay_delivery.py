@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import email
 import email.policy
-import json
 import shutil
 import smtplib
 import ssl
@@ -237,8 +236,9 @@ def test_starttls_is_used_when_offered(tmp_path):
 
 @pytest.mark.parametrize("warning", [1.5, 2.5])
 def test_a_delay_warning_is_sent_once_while_retries_go_on(tmp_path, warning):
-    """Retries after 1 s, then 2 s (minimal 1, maximal 2): the second deferral's interval,
-    from about 1 s to about 3 s after arrival, spans both warning times, the first's not."""
+    """Retries after 1 s, then 2 s (minimal 1, maximal 2; whole seconds): the warning goes
+    once, on the deferral whose interval spans the warning time (which one depends on where
+    in its second the mail arrived: tests/test_relay_delivery_lockstep.py checks which)."""
     with dns_server() as dns, Sink() as sink, RelayThread(config(
             tmp_path, dns, sink, delay_warning_time=warning)) as r:
         send(r.port, "alice@ok.test", ["defer-me@ok.test"])
@@ -246,11 +246,7 @@ def test_a_delay_warning_is_sent_once_while_retries_go_on(tmp_path, warning):
         got = sink.wait_for(1)
         r.wait_events(4, status="deferred", timeout=15)
         assert len(r.events("delayed")) == 1
-        records = [json.loads(line) for line in list(r.log_lines)]
-        before = [e for e in records[:records.index(warn)] if e["event"] == "delivery"]
-        # enqueued in the finishing step of the second attempt, before its deferral is
-        # logged: the last attempt logged before it is the first
-        assert [e["attempts"] for e in before] == [1]
+
     assert warn["to"] == "alice@ok.test"
     msg = _dsn(got[0])
     assert "Delayed Mail" in msg["Subject"]

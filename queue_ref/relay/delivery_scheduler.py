@@ -248,7 +248,7 @@ class DeliveryScheduler:
         self._taken_in_scan = set()
         try:
             listed, total = await loop.run_in_executor(self.executor, self._list_window)
-        except QueueError as e:
+        except Exception as e:  # logged; the next scan (a wake, the interval) tries again
             if not self._stopping:
                 self.log.emit("error", what="list_queue", reason=f"{type(e).__name__}: {e}")
                 self._queue_error(e)
@@ -542,7 +542,9 @@ class DeliveryScheduler:
                 failed = []
             else:
                 requeued.extend(bounce)
-        warn = self._delay_warning(job, deferred, now, arrival)
+        schedules = {e.mail.entry_id: self._deferral(e, r, now, arrival, null_sender)
+                     for e, r in deferred}
+        warn = self._delay_warning(job, deferred, schedules, now, arrival)
         if warn:
             requeued.extend(warn)
         for e, r, status in done + failed:
@@ -552,22 +554,29 @@ class DeliveryScheduler:
             if isinstance(pending, PendingCleanupMail):
                 self._retrying("cleanup", self.store.cleanup, pending)
         for e, r in deferred:
-            retry = self._retry_schedule(e.schedule, now)
+            schedule = schedules[e.mail.entry_id]
             domain = e.rcpt.rpartition("@")[2].lower()
-            if domain in self.config.atrn_domains or domain in self.config.ondemand_domains:
-                # not retried: due again only when its lifetime is over (to bounce), the
-                # domain's ATRN (odmr_server) takes it whenever it is queued, a successful
-                # probe of an on-demand domain (ondemand_probe) makes it due
-                end = int(arrival + self.retry.lifetime(null_sender)) + 1
-                retry = Schedule(max(end, retry.at), retry.attempts)
-                if self.on_parked is not None and domain not in self.config.atrn_domains:
-                    self.on_parked(domain)
-            schedule = Schedule(retry.at, retry.attempts, r.text)  # the reason goes with it
+            if self.on_parked is not None and domain in self.config.ondemand_domains \
+                    and domain not in self.config.atrn_domains:
+                self.on_parked(domain)
             self._record(job, e, r, "deferred", now, arrival)
             job.settled.add(e.mail.entry_id)
             queued = self._retrying("send_cancel", self.store.send_cancel, e.mail, schedule)
             if isinstance(queued, QueuedMail):
                 requeued.append(queued)
+
+    def _deferral(self, e: _Entry, r: RcptResult, now: float, arrival: float,
+                  null_sender: bool) -> Schedule:
+        """The schedule a deferred entry is queued again with, the attempt's reason in it."""
+        retry = self._retry_schedule(e.schedule, now)
+        domain = e.rcpt.rpartition("@")[2].lower()
+        if domain in self.config.atrn_domains or domain in self.config.ondemand_domains:
+            # not retried: due again only when its lifetime is over (to bounce), the
+            # domain's ATRN (odmr_server) takes it whenever it is queued, a successful
+            # probe of an on-demand domain (ondemand_probe) makes it due
+            end = int(arrival + self.retry.lifetime(null_sender)) + 1
+            retry = Schedule(max(end, retry.at), retry.attempts)
+        return Schedule(retry.at, retry.attempts, r.text)  # the reason goes with it
 
     def _retry_schedule(self, schedule: Schedule, now: float) -> Schedule:
         """The schedule after one more failed attempt."""
@@ -670,17 +679,18 @@ class DeliveryScheduler:
             self._job_error("bounce", job.message_id, e)
             return None
 
-    def _delay_warning(self, job: _Job, deferred: list[tuple[_Entry, RcptResult]], now: float,
-                       arrival: float) -> list[QueuedMail]:
-        """A "delayed" DSN once per message: on the deferral whose retry interval spans
+    def _delay_warning(self, job: _Job, deferred: list[tuple[_Entry, RcptResult]],
+                       schedules: dict[str, Schedule], now: float, arrival: float
+                       ) -> list[QueuedMail]:
+        """A "delayed" DSN once per message: on the deferral whose retry interval, from the
+        time the attempt was due to the time it is queued again for (``schedules``), spans
         ``arrival + delay_warning_time`` (the intervals of one entry never overlap)."""
         warn_at = arrival + self.config.delay_warning_time
         if self.config.delay_warning_time <= 0 or not job.mail_from or not deferred:
             return []
         late = []
         for e, r in deferred:
-            nxt = now + self.retry.base_delay(e.schedule.attempts + 1)
-            if e.schedule.at < warn_at <= nxt:
+            if e.schedule.at < warn_at <= schedules[e.mail.entry_id].at:
                 late.append(FailedRecipient(e.rcpt, r.dsn, r.text,
                                             r.relay.split("[", 1)[0] if r.relay != "none" else "",
                                             now))
