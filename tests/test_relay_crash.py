@@ -38,16 +38,29 @@ def test_each_scenario_acknowledges_delivers_defers_and_bounces_before_any_crash
     assert relay_crash.judge(relay_crash.SCENARIOS["mixed"], run.history, after) == []
 
 
+def test_atrn_mail_waits_for_its_client_and_bounces_when_its_lifetime_is_over():
+    backend = resolve("fs")
+    mails = relay_crash.SCENARIOS["atrn"]
+    run = relay_crash.crashed_run(backend, mails, None)
+    assert [d.rcpt for d in run.history.deliveries] == ["ok4@dst.test"]
+    assert run.history.handed == ["ok4@dst.test"]  # user@atrn.test never reached the hop
+    after = relay_crash.run_after(backend, _image_of(run))
+    assert [(d.rcpt, d.bounce_for) for d in after.deliveries] == [
+        ("carol@src.test", ("user@atrn.test",))]
+    assert relay_crash.judge(mails, run.history, after) == []
+
+
 def _image_of(run):
     from faultinject.models import crash_states
 
     return crash_states(run.initial, run.events, "process-kill")[0].image
 
 
-@pytest.mark.parametrize(("variant", "kind"), [("done-before-bounce", "bounce-lost"),
-                                               ("cancel-as-done", "lost")])
-def test_a_broken_scheduler_is_caught_and_its_scenario_replays(variant, kind):
-    res = relay_crash.explore_relay("fs", ("mixed",), ("weak",), every=2, variant=variant)
+@pytest.mark.parametrize(("variant", "scenario", "kind"), [
+    ("done-before-bounce", "mixed", "bounce-lost"), ("cancel-as-done", "mixed", "lost"),
+    ("atrn-by-mx", "atrn", "sent-by-mx")])
+def test_a_broken_scheduler_is_caught_and_its_scenario_replays(variant, scenario, kind):
+    res = relay_crash.explore_relay("fs", (scenario,), ("weak",), every=2, variant=variant)
     kinds = {k for f in res.findings for k, _ in f.violations}
     assert kind in kinds, kinds
     first = next(f for f in res.findings if any(k == kind for k, _ in f.violations))

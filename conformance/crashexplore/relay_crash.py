@@ -8,10 +8,12 @@ attempt and 250 after).  Its run goes through the fault-injecting seam:
 1. the receiver's commit of every message (``smtp_receiver._store_message``, the call that
    precedes ``250``): a message whose commit returned is *acknowledged*;
 2. one delivery round of the real ``DeliveryScheduler``: listing, claims (``send_start``,
-   ``read_inflight``), the scripted SMTP outcomes (a recipient answered 250 counts as
-   delivered from that moment: the next hop has it), and the finishing step
-   (``_finish``: the bounce enqueued and committed, ``send_done``, ``cleanup``,
-   ``send_cancel`` with the next retry).
+   ``read_inflight``), its delivery step (``_deliver``: the transport map, the ATRN
+   domains it never sends by MX) with a scripted next hop in place of the SMTP client (a
+   recipient answered 250 counts as delivered from that moment: the next hop has it),
+   and the finishing step (``_finish``: the bounce enqueued and committed, ``send_done``,
+   ``cleanup``, ``send_cancel`` with the next retry, or parked until the lifetime for an
+   ATRN domain).
 
 The run is crashed before and after each of its mutating calls; for each crash point and
 model every disk the crash may leave (``faultinject.models.crash_states``) is opened
@@ -30,6 +32,8 @@ holds the whole history (before and after the crash) against the relay contract
 * ``partial``: of a message whose commit had not returned, some recipients arrived and
   others not (atomic enqueue);
 * ``spurious``: a bounce names a recipient the script did not refuse;
+* ``sent-by-mx``: mail for an ATRN domain was handed to the next hop (it waits for its
+  client's ATRN, and bounces when its lifetime is over);
 * ``stranded``: the queue did not drain (an entry left queued, inflight or held).
 
 Scenario ids (``relay:BACKEND:SCENARIO:MODEL:c<index><b|a>:<state key>``; a broken
@@ -39,6 +43,7 @@ crash reproduce ID``.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -76,6 +81,7 @@ KINDS = {
     "partial": "R2: part of an unacknowledged message was delivered",
     "spurious": "R8: a bounce names a recipient the next hop did not refuse",
     "stranded": "R6: the queue did not drain",
+    "sent-by-mx": "R16: mail for an ATRN domain went to the next hop",
 }
 
 
@@ -96,7 +102,16 @@ SCENARIOS: dict[str, tuple[Mail, ...]] = {
     "mixed": (Mail("alice@src.test", ("ok1@dst.test", "rej1@dst.test", "soft1@dst.test")),
               Mail("", ("rej2@dst.test",), "a bounce from elsewhere")),
     "utf8": (Mail("jösé@src.test", ("rej3@dst.test", "ok3@dst.test"), "café"),),
+    "atrn": (Mail("carol@src.test", ("ok4@dst.test", "user@atrn.test")),),
 }
+ATRN_DOMAIN = "atrn.test"
+LIFETIME = 900.0  # the queue lifetime of the explored relay: parked mail expires in the drain
+
+
+def fails(rcpt: str) -> bool:
+    """Whether ``rcpt`` ends bounced: refused by the next hop, or of an ATRN domain whose
+    client never came (its lifetime ran out)."""
+    return rcpt.startswith("rej") or rcpt.endswith("@" + ATRN_DOMAIN)
 
 
 def answer(rcpt: str, attempts: int) -> RcptResult:
@@ -126,6 +141,7 @@ class History:
     bounces_done: set[str] = field(default_factory=set)  # failed rcpts of a finished bounce
     drained: bool = True
     left: list[str] = field(default_factory=list)
+    handed: list[str] = field(default_factory=list)  # recipients given to the next hop
 
 
 class _Watch:
@@ -171,11 +187,37 @@ class CancelAsDone(DeliveryScheduler):
         return super()._retrying(what, call, *args)
 
 
+class AtrnByMx(DeliveryScheduler):
+    """BROKEN: routes mail for ATRN domains by MX like any other (it must wait)."""
+
+    async def _send_domain(self, job: Any, domain: str, entries: list[Any]) -> Any:
+        saved, self.config.atrn_domains = self.config.atrn_domains, {}
+        try:
+            return await super()._send_domain(job, domain, entries)
+        finally:
+            self.config.atrn_domains = saved
+
+
 #: broken schedulers the exploration must catch (``relay-NAME:...`` scenario ids)
 VARIANTS: dict[str, type[DeliveryScheduler]] = {
     "done-before-bounce": DoneBeforeBounce,
     "cancel-as-done": CancelAsDone,
+    "atrn-by-mx": AtrnByMx,
 }
+
+class _ScriptedHop:
+    """The next hop in place of the SMTP client: ``answer`` for each recipient, at the
+    attempt its entry is at; every recipient handed over is noted."""
+
+    def __init__(self) -> None:
+        self.attempts: dict[str, int] = {}
+        self.handed: list[str] = []
+
+    async def deliver(self, hosts: object, mail_from: str, rcpts: list[str], body: bytes,
+                      params: dict[str, str]) -> list[RcptResult]:
+        self.handed += rcpts
+        return [answer(r, self.attempts.get(r, 0)) for r in rcpts]
+
 
 _EXECUTOR = ThreadPoolExecutor(max_workers=1)  # never used: the steps run in this thread
 _FINAL = re.compile(rb"^Final-Recipient: [^;]+; (.+?)\r?$", re.M)
@@ -188,16 +230,24 @@ class _Relay:
     def __init__(self, store: Storage, history: History, variant: str = "") -> None:
         config = RelayConfig(queue="(crash exploration)", myhostname="relay.test",
                              backoff_jitter=0.0, minimal_backoff_time=60.0,
-                             maximal_backoff_time=120.0, dns_nameservers=["127.0.0.1"])
+                             maximal_backoff_time=120.0, dns_nameservers=["127.0.0.1"],
+                             transport_maps={"dst.test": "[192.0.2.1]:25",
+                                             "src.test": "[192.0.2.2]:25"},
+                             atrn_domains={ATRN_DOMAIN: "user"},
+                             maximal_queue_lifetime=LIFETIME, bounce_queue_lifetime=LIFETIME)
         self.now = T0
         self.history = history
         self._rcpt_of: dict[str, tuple[str, tuple[str, ...]]] = {}
         watched = cast(Storage, _Watch(store, self._done))
         self.store = store
         cls = VARIANTS[variant] if variant else DeliveryScheduler
-        self.sched = cls(watched, config, Router(config), SmtpDeliverer(config),
-                                       DeliveryLog(stream=_NullStream()), _EXECUTOR,
-                                       clock=lambda: self.now)
+        self.hop = _ScriptedHop()
+        self.sched = cls(watched, config, Router(config), cast(SmtpDeliverer, self.hop),
+                         DeliveryLog(stream=_NullStream()), _EXECUTOR, clock=lambda: self.now)
+        self.loop = asyncio.new_event_loop()  # the scheduler's semaphores live on one loop
+
+    def close(self) -> None:
+        self.loop.close()
 
     def _done(self, entry_id: str) -> None:
         rcpt, bounce_for = self._rcpt_of.get(entry_id, ("", ()))
@@ -227,14 +277,16 @@ class _Relay:
                 continue
             bounce_for = tuple(m.decode("utf-8", "replace")
                                for m in _FINAL.findall(job.body)) if job.params.get("dsn") else ()
-            outcomes = []
             for e in job.entries:
                 self._rcpt_of[e.mail.entry_id] = (e.rcpt, bounce_for)
-                r = answer(e.rcpt, e.schedule.attempts)
+                self.hop.attempts[e.rcpt] = e.schedule.attempts
+            handed = len(self.hop.handed)
+            outcomes = self.loop.run_until_complete(self.sched._deliver(job))
+            self.history.handed += self.hop.handed[handed:]
+            for e, r in outcomes:
                 if r.outcome == "sent":
                     self.history.deliveries.append(Delivery(
                         e.rcpt, bounce_for, job.params.get("smtputf8") == "yes"))
-                outcomes.append((e, r))
             self.sched._finish(job, outcomes)
 
     def drain(self) -> None:
@@ -279,9 +331,12 @@ def crashed_run(backend: BackendSpec, mails: tuple[Mail, ...], plan: FaultPlan |
         try:
             store = backend.open(d, io)
             relay = _Relay(store, history, variant)
-            for i, mail in enumerate(mails):
-                relay.receive(i, mail)
-            relay.round()
+            try:
+                for i, mail in enumerate(mails):
+                    relay.receive(i, mail)
+                relay.round()
+            finally:
+                relay.close()
         except Crash:
             crashed = True
         return CrashedRun(io.initial, list(io.events), history, crashed, io.mutating_count)
@@ -295,8 +350,11 @@ def run_after(backend: BackendSpec, image: DiskImage, variant: str = "") -> Hist
         store = backend.open(d, ScratchIO())
         try:
             relay = _Relay(store, history, variant)
-            relay.now = T0 + 3600.0  # the restart comes later
-            relay.drain()
+            relay.now = T0 + 300.0  # the restart comes later, before the lifetime is over
+            try:
+                relay.drain()
+            finally:
+                relay.close()
         finally:
             store.close()
     return history
@@ -309,7 +367,7 @@ def judge(mails: tuple[Mail, ...], before: History, after: History) -> list[tupl
     named: Counter[str] = Counter()
     for d in before.deliveries + after.deliveries:
         named.update(d.bounce_for)
-    refused = {r for m in mails for r in m.rcpts if answer(r, 1).outcome == "bounced"}
+    refused = {r for m in mails for r in m.rcpts if fails(r)}
     null_refused = {r for m in mails if not m.sender for r in m.rcpts if r in refused}
     for i, mail in enumerate(mails):
         wanted = [r for r in mail.rcpts if r not in refused]
@@ -344,6 +402,9 @@ def judge(mails: tuple[Mail, ...], before: History, after: History) -> list[tupl
     for d in before.deliveries + after.deliveries:
         if d.bounce_for and d.rcpt in utf8_senders and not d.utf8:
             out.append(("lost", f"the bounce to {d.rcpt} went without SMTPUTF8"))
+    for r in before.handed + after.handed:
+        if r.endswith("@" + ATRN_DOMAIN):
+            out.append(("sent-by-mx", f"{r} was handed to the next hop"))
     if not after.drained:
         out.append(("stranded", f"after {MAX_ROUNDS} rounds: {', '.join(after.left[:5])}"))
     return out
