@@ -232,7 +232,8 @@ class _Relay:
                              backoff_jitter=0.0, minimal_backoff_time=60.0,
                              maximal_backoff_time=120.0, dns_nameservers=["127.0.0.1"],
                              transport_maps={"dst.test": "[192.0.2.1]:25",
-                                             "src.test": "[192.0.2.2]:25"},
+                                             "src.test": "[192.0.2.2]:25",
+                                             ATRN_DOMAIN: "[192.0.2.3]:25"},  # no DNS
                              atrn_domains={ATRN_DOMAIN: "user"},
                              maximal_queue_lifetime=LIFETIME, bounce_queue_lifetime=LIFETIME)
         self.now = T0
