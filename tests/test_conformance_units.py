@@ -234,7 +234,7 @@ def test_check_ids_are_stable() -> None:
                            "limits", "threads", "process-kill", "recovery-rerun", "crash-exploration",
                            "io-errors", "second-open", "multi-process", "reader-elsewhere", "streaming",
                            "damage-at-rest", "hold",
-                           "group-commit", "sync-rounds", "linearizable",
+                           "group-commit", "sync-rounds", "sync-rounds-crash", "linearizable",
                            "lifecycle-edges", "bounded-disk", "full-disk", "blackbox-power-loss"]
 
 
