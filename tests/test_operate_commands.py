@@ -267,3 +267,23 @@ def test_mailq_prints_each_message_as_it_is_found(tmp_path: Path, command: list[
         assert json.loads(out.splitlines()[-1])["messages"] == 199
     else:
         assert out.rstrip().endswith("in 199 Requests, 199 recipients.")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_qshape_text_is_an_aligned_table_of_the_json_counts(
+        tmp_path: Path, backend: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Postfix's qshape layout: a header of age columns, then one right-aligned row per
+    domain (TOTAL first), every line as long as the header, the numbers as in --json."""
+    q = tmp_path / "q"
+    fill(q, backend)
+    code, out, _ = run(capsys, "qshape", "--queue", str(q))
+    assert code == 0
+    _, shape = run_json(capsys, "qshape", "--queue", str(q))
+    lines = out.rstrip("\n").split("\n")
+    assert lines[0].split() == shape["columns"] == list(qa.AGE_COLUMNS)
+    assert lines[0].startswith(" " * (len("d0.example") + 1))  # the domain column is blank
+    assert len({len(line) for line in lines}) == 1, lines  # one width: columns aligned
+    rows = [line.split() for line in lines[1:]]
+    assert [r[0] for r in rows] == [r["domain"] for r in shape["rows"]]
+    assert rows[0][0] == "TOTAL" and lines[1].startswith("     TOTAL ")
+    assert [[int(n) for n in r[1:]] for r in rows] == [r["counts"] for r in shape["rows"]]
