@@ -153,3 +153,14 @@ def test_a_bounce_too_large_to_return_whole_carries_the_headers_and_says_so(tmp_
     assert "message/delivery-status" in types and "text/rfc822-headers" in types
     assert b"larger than 10000 bytes" in bounce.data
     assert b"Subject: big" in bounce.data and b"y" * 70 not in bounce.data
+
+
+def test_a_bounce_returns_at_most_64_kib_of_headers_cut_at_a_line_end():
+    from queue_ref.relay.dsn_bounce import MAX_HEADERS, original_headers
+
+    small = b"Subject: s\r\nX-A: 1\r\n\r\nbody\r\n"
+    assert original_headers(small) == b"Subject: s\r\nX-A: 1\r\n"
+    huge = b"".join(b"X-Filler-%05d: %s\r\n" % (i, b"y" * 60) for i in range(2000)) + b"\r\nbody"
+    head = original_headers(huge)
+    assert len(head) <= MAX_HEADERS and head.endswith(b"\r\n") and huge.startswith(head)
+    assert head.count(b"\r\n") == head.count(b"X-Filler-")  # whole lines only

@@ -72,3 +72,12 @@ def test_a_failed_commit_is_logged_with_the_aborted_messages_id(tmp_path):
     assert code == 451
     assert err["queue_id"] not in ("", "NOQUEUE") and err["from"] == ""
     assert err["client"] == "127.0.0.1" and err["nrcpt"] == 1 and "injected" in err["reason"]
+
+
+def test_the_started_record_names_the_listening_address_and_port(tmp_path):
+    with DnsServer(ZONE) as dns, Sink() as sink, RelayThread(relay_config(
+            str(tmp_path / "q"), dns_nameservers=["127.0.0.1"], dns_port=dns.port,
+            smtp_port=sink.port, log_json=True)) as rt:
+        [started] = [e for e in rt.events("relay") if e["what"] == "started"]
+        assert started["smtp"] == f"127.0.0.1:{rt.port}"
+        assert started["queue"] == str(tmp_path / "q") and started["backend"] == "fs"

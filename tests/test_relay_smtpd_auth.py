@@ -149,6 +149,11 @@ def test_the_password_file_and_its_command(tmp_path, password_file):
     bad.write_text("alice:$scrypt$ln=14,r=8,p=1$c2FsdA$aGFzaA\nbob:plaintext\n")
     with pytest.raises(ConfigError, match=r"bad line 2: expected user:\$scrypt\$"):
         load_password_file(str(bad))
+    # scrypt parameters scrypt itself refuses are refused at start, not at the first AUTH
+    for params in ("ln=0,r=8,p=1", "ln=21,r=8,p=1", "ln=14,r=0,p=1", "ln=14,r=8,p=0"):
+        bad.write_text(f"alice:$scrypt${params}$c2FsdA$aGFzaA\n")
+        with pytest.raises(ConfigError, match="scrypt parameters out of range"):
+            load_password_file(str(bad))
     run = subprocess.run([sys.executable, "-m", "queue_ref.relay.smtpd_sasl_auth", "a:b"],
                          input="x\n", capture_output=True, text=True)
     assert run.returncode == 2 and "usage:" in run.stderr
