@@ -38,6 +38,14 @@ D6. A deferral (D3) of mail with a sender warns when ``delay_warning_time`` is s
 D7. A report is a new message with the null sender, arriving now, with one entry (its
     recipient) due now and no attempts: it is delivered, retried and expired by the
     same rules (its lifetime is ``bounce_queue_lifetime``).
+D8. An entry whose domain is on demand -- an ATRN domain (``atrn_domains``) always, an
+    ``ondemand_domains`` domain whenever its attempt was temporary -- is not retried:
+    a deferral (D3) queues it again at ``parked_at``, the later of its D3 retry time and
+    the first whole second past ``arrival + lifetime``, with ``attempts + 1``.  Mail for
+    an ATRN domain meets no next hop (its attempt is ``NO_CONNECTION``); it leaves the
+    queue when its client says ATRN (delivered there by D1-D7) or, at ``parked_at``,
+    expired (D4).  A successful probe or ETRN of an on-demand domain makes its entries due
+    at once (an operator's action: no rule of this table).
 
 No I/O lives here; nothing outside ``spec`` is imported.
 """
@@ -65,6 +73,7 @@ __all__ = [
     "dsn_entry",
     "expired",
     "lifetime",
+    "parked_at",
     "report_to",
     "retry_at",
     "retry_delay",
@@ -227,6 +236,16 @@ def retry_at(policy: DeliveryPolicy, now: float, attempts: int, draw: float = 0.
         raise ValueError(f"draw must be in [0, 1), got {draw}")
     delay = retry_delay(policy, attempts)
     return math.floor(now + max(1.0, delay - delay * policy.backoff_jitter * draw))
+
+
+def parked_at(policy: DeliveryPolicy, entry: DeliveryEntry, retry: int) -> int:
+    """D8: when a deferred entry of an on-demand domain is due again, given its D3
+    ``retry`` time: not before its lifetime is over.
+
+    post: __return__ >= retry
+    post: __return__ > entry.arrival + lifetime(policy, entry.sender)
+    """
+    return max(retry, math.floor(entry.arrival + lifetime(policy, entry.sender)) + 1)
 
 
 def retry_window(policy: DeliveryPolicy, now: float, attempts: int) -> tuple[int, int]:

@@ -22,6 +22,7 @@ from spec.delivery_model import (
     dsn_entry,
     expired,
     lifetime,
+    parked_at,
     report_to,
     retry_at,
     retry_delay,
@@ -184,3 +185,15 @@ def test_an_entry_is_retried_within_its_window_and_warned_once_at_most(
     assert warnings <= 1
     if sender and policy.delay_warning_time and entry.due >= policy.delay_warning_time:
         assert warnings == 1
+
+
+def test_d8_on_demand_mail_is_parked_until_its_lifetime_is_over() -> None:
+    policy = DeliveryPolicy(maximal_queue_lifetime=900.0, bounce_queue_lifetime=300.0)
+    mail = DeliveryEntry(arrival=1000.5, sender="a@src.test", origin=Origin.MAIL,
+                         attempts=0, due=1000)
+    assert parked_at(policy, mail, retry=1300) == 1901  # the first second past 1900.5
+    assert parked_at(policy, mail, retry=5000) == 5000  # never earlier than D3's retry
+    dsn = DeliveryEntry(arrival=1000.0, sender="", origin=Origin.BOUNCE, attempts=0, due=1000)
+    assert parked_at(policy, dsn, retry=1001) == 1301  # a DSN's lifetime is the bounce one
+    # at that time the entry has expired: D4 ends it with a report
+    assert expired(policy, mail, parked_at(policy, mail, retry=1300))

@@ -14,7 +14,10 @@ import pytest
 
 from conformance.crashexplore import relay_crash
 from conformance.crashexplore.backend_registry import resolve
+from conformance.crashexplore.traced_runs import ScratchIO, scratch_dir
+from faultinject.disk import materialize
 from faultinject.models import MODELS
+from spec.delivery_model import DeliveryEntry, DeliveryPolicy, Origin, parked_at, retry_at
 
 
 @pytest.mark.parametrize("backend", ["fs", "kv"])
@@ -44,6 +47,17 @@ def test_atrn_mail_waits_for_its_client_and_bounces_when_its_lifetime_is_over():
     run = relay_crash.crashed_run(backend, mails, None)
     assert [d.rcpt for d in run.history.deliveries] == ["ok4@dst.test"]
     assert run.history.handed == ["ok4@dst.test"]  # user@atrn.test never reached the hop
+    # parked as the model's D8 says: due the first second past its lifetime, one attempt
+    policy = DeliveryPolicy(minimal_backoff_time=60.0, maximal_backoff_time=120.0,
+                            backoff_jitter=0.0, maximal_queue_lifetime=relay_crash.LIFETIME)
+    entry = DeliveryEntry(arrival=relay_crash.T0, sender="carol@src.test", origin=Origin.MAIL,
+                          attempts=0, due=int(relay_crash.T0))
+    with scratch_dir() as d:
+        materialize(_image_of(run), d)
+        with backend.open(d, ScratchIO()) as store:
+            [parked] = [h.schedule for h in store.list_queue()]
+    assert (parked.at, parked.attempts) == (
+        parked_at(policy, entry, retry_at(policy, relay_crash.T0, 1)), 1)
     after = relay_crash.run_after(backend, _image_of(run))
     assert [(d.rcpt, d.bounce_for) for d in after.deliveries] == [
         ("carol@src.test", ("user@atrn.test",))]
