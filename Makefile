@@ -44,7 +44,7 @@ typecheck: setup
 	$(BIN)/mypy
 
 pytest: setup
-	$(BIN)/pytest -q -n $(JOBS) --timeout=900
+	$(BIN)/pytest -q -n $(JOBS) --timeout=900 --durations=25
 
 test: lint typecheck pytest
 

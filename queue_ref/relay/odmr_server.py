@@ -22,24 +22,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import os
 import re
 import secrets
-import stat
 import time
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiosmtpd.smtp import MISSING, SMTP, AuthResult, Envelope, LoginPassword, Session, syntax
 
 from queue_ref.operate.queue_actions import check_domain, domain_entries
-from queue_ref.relay.relay_config import ConfigError, RelayConfig, parse_hostport
+from queue_ref.relay.password_files import load_cram_md5_file
+from queue_ref.relay.relay_config import RelayConfig, parse_hostport
+from queue_ref.relay.relay_host import RelayHost, RelayStartError
 from queue_ref.relay.smtp_delivery import RcptResult, dsn_of, wire_body
 from queue_ref.relay.smtpd_sasl_auth import TOO_MANY, SaslAuthenticator
 from queue_ref.storage import InvalidInputError, QueuedMail, Storage
-
-if TYPE_CHECKING:
-    from queue_ref.relay.relay_server import Relay
 
 __all__ = ["OdmrServer", "load_cram_md5_file"]
 
@@ -47,33 +44,6 @@ ODMR_PORT = 366  # RFC 2645
 _USER = re.compile(r"[^\s:\x00-\x1f\x7f]{1,255}")
 
 
-def load_cram_md5_file(path: str) -> dict[str, str]:
-    """user -> shared secret from ``odmr_cram_md5_file`` (``user:secret`` lines, ``#``
-    comments); ConfigError naming the line, or when others than its owner may read it
-    (CRAM-MD5 needs the secret itself, as the client has it)."""
-    key = "odmr_cram_md5_file"
-    try:
-        with open(path, encoding="utf-8") as f:
-            mode = os.fstat(f.fileno()).st_mode
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        raise ConfigError(f"{key}: {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{key}: {path}: {getattr(e, 'strerror', None) or e}") from None
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError(f"{key}: {path} may be read by others than its owner (chmod 600)")
-    users: dict[str, str] = {}
-    for n, line in enumerate(lines, 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        user, sep, secret = line.partition(":")
-        if not sep or not _USER.fullmatch(user) or not secret:
-            raise ConfigError(f"{key}: {path} line {n}: expected user:secret")
-        if user in users:
-            raise ConfigError(f"{key}: {path} line {n}: user {user!r} again")
-        users[user] = secret
-    return users
 
 
 class _Lost(Exception):
@@ -270,7 +240,7 @@ class _Turned:
 class OdmrServer:
     """The ODMR listener of one relay (``Relay.add_service``), aiosmtpd's handler."""
 
-    def __init__(self, relay: Relay) -> None:
+    def __init__(self, relay: RelayHost) -> None:
         self.relay = relay
         self.config = relay.config
         self.sessions: set[OdmrSMTP] = set()
@@ -282,11 +252,13 @@ class OdmrServer:
 
     @property
     def store(self) -> Storage:
-        return self.relay.store
+        store: Storage = self.relay.store
+        return store
 
     @property
     def executor(self) -> Executor:
-        return self.relay.executor
+        executor: Executor = self.relay.executor
+        return executor
 
     @property
     def auth(self) -> SaslAuthenticator | None:
@@ -304,14 +276,13 @@ class OdmrServer:
                         auth_require_tls=self.config.smtpd_tls_auth_only,
                         timeout=self.config.smtpd_timeout, loop=asyncio.get_running_loop())
 
-    async def start(self, relay: Relay) -> None:
+    async def start(self, relay: RelayHost) -> None:
         host, port, _ = parse_hostport(self.config.odmr_listen, "odmr_listen", ODMR_PORT)
         loop = asyncio.get_running_loop()
         try:
             self._server = await loop.create_server(self.protocol, host, port,
                                                     reuse_port=relay.worker is not None)
         except OSError as e:
-            from queue_ref.relay.relay_server import RelayStartError
 
             raise RelayStartError(f"cannot listen on {host}:{port} (odmr_listen): "
                                   f"{e.strerror or e}") from e
@@ -319,7 +290,7 @@ class OdmrServer:
         self.address = (sockname[0], sockname[1])
         relay.log.emit("relay", what="odmr listening", odmr=f"{host}:{self.address[1]}")
 
-    async def stop(self, relay: Relay) -> None:
+    async def stop(self, relay: RelayHost) -> None:
         if self._server is not None:
             self._server.close()
         for s in list(self.sessions):

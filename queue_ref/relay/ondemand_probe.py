@@ -20,16 +20,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import TYPE_CHECKING
 
 import aiosmtplib
 
 from queue_ref.operate.queue_actions import flush
 from queue_ref.relay.mx_routing import Router
+from queue_ref.relay.relay_host import RelayHost
 from queue_ref.relay.retry_backoff import RetryPolicy
-
-if TYPE_CHECKING:
-    from queue_ref.relay.relay_server import Relay
 
 __all__ = ["OndemandProber"]
 
@@ -37,7 +34,7 @@ __all__ = ["OndemandProber"]
 class OndemandProber:
     """One relay's probes (``Relay.add_service``)."""
 
-    def __init__(self, relay: Relay) -> None:
+    def __init__(self, relay: RelayHost) -> None:
         self.relay = relay
         self.config = relay.config
         self.retry = RetryPolicy(relay.config)
@@ -71,14 +68,14 @@ class OndemandProber:
             self.due[domain] = self.retry.next_try(time.time(), self.failures[domain])
             self._event.set()
 
-    async def start(self, relay: Relay) -> None:
+    async def start(self, relay: RelayHost) -> None:
         self._loop = asyncio.get_running_loop()
         now = time.time()
         for d in self.config.ondemand_domains:
             self.due.setdefault(d, now)
         self._task = self._loop.create_task(self._run())
 
-    async def stop(self, relay: Relay) -> None:
+    async def stop(self, relay: RelayHost) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)

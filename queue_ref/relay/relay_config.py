@@ -20,6 +20,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+from queue_ref.relay.config_values import ConfigError, parse_duration, parse_hostport
 from queue_ref.relay.relay_access import canonical_domain, parse_network
 
 __all__ = ["EVENT_LOOPS", "ConfigError", "RelayConfig", "default_myhostname", "load_config",
@@ -28,54 +29,6 @@ __all__ = ["EVENT_LOOPS", "ConfigError", "RelayConfig", "default_myhostname", "l
 #: the event loops a relay process can run on (``event_loop``)
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-
-
-class ConfigError(ValueError):
-    """The configuration is invalid; the message says which key and why."""
-
-
-def parse_duration(value: object, key: str) -> float:
-    """Seconds from an int, a float or a string like ``"15m"``."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{key}: expected a duration, got {value!r}")
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise ConfigError(f"{key}: a duration cannot be negative ({value})")
-        return float(value)
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", value)
-        if m:
-            return float(m.group(1)) * _UNITS[m.group(2) or "s"]
-    raise ConfigError(f"{key}: expected a duration like 300, \"15m\" or \"5d\", got {value!r}")
-
-
-def parse_hostport(value: str, key: str, default_port: int) -> tuple[str, int, bool]:
-    """``host``, ``host:port``, ``[host]:port`` or ``[v6addr]:port``: (host, port, bracketed).
-
-    Brackets mean what they mean in Postfix: use this host as it is, no MX lookup.
-    """
-    value = value.strip()
-    bracketed = value.startswith("[")
-    if bracketed:
-        end = value.find("]")
-        if end < 0:
-            raise ConfigError(f"{key}: unclosed '[' in {value!r}")
-        host, rest = value[1:end], value[end + 1:]
-        if rest and not rest.startswith(":"):
-            raise ConfigError(f"{key}: expected [host]:port, got {value!r}")
-        port_s = rest[1:] if rest else ""
-    else:
-        host, _, port_s = value.rpartition(":") if ":" in value else (value, "", "")
-    if not host:
-        raise ConfigError(f"{key}: no host in {value!r}")
-    if port_s:
-        if not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
-            raise ConfigError(f"{key}: bad port in {value!r}")
-        port = int(port_s)
-    else:
-        port = default_port
-    return host, port, bracketed
 
 
 _HOSTNAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(?:\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
@@ -208,7 +161,7 @@ class RelayConfig:
             if not _HOSTNAME.fullmatch(getattr(self, name)) or len(getattr(self, name)) > 253:
                 raise ConfigError(f"{name}: {getattr(self, name)!r} is not a host name (letters, "
                                   "digits and hyphens in dot-separated labels of 1 to 63)")
-        from queue_ref.relay.smtp_receiver import valid_address
+        from queue_ref.relay.smtp_address import valid_address
 
         if not valid_address(self.postmaster_recipient):
             raise ConfigError(f"postmaster_recipient: {self.postmaster_recipient!r} is not an "
@@ -274,8 +227,8 @@ class RelayConfig:
     def _validate_tls_and_auth(self) -> None:
         """The TLS policy and SMTP AUTH settings (the client's tables parsed, the CA
         file and the password file read)."""
+        from queue_ref.relay.password_files import load_password_file
         from queue_ref.relay.smtp_tls_policy import TlsPolicies
-        from queue_ref.relay.smtpd_sasl_auth import load_password_file
 
         policies = TlsPolicies(self)
         if self.smtp_tls_CAfile:
@@ -310,7 +263,7 @@ class RelayConfig:
     def _validate_odmr(self) -> None:
         """``odmr_listen`` and ``atrn_domains``: ATRN needs AUTH, and each domain a user
         of ``smtpd_sasl_password_file``."""
-        from queue_ref.relay.smtpd_sasl_auth import load_password_file
+        from queue_ref.relay.password_files import load_password_file
 
         try:
             self.ondemand_domains = [canonical_domain(d) for d in self.ondemand_domains]
@@ -325,7 +278,7 @@ class RelayConfig:
         if not self.smtpd_sasl_auth_enable and not self.odmr_cram_md5_file:
             raise ConfigError("odmr_listen needs smtpd_sasl_auth_enable or odmr_cram_md5_file "
                               "(ATRN requires AUTH)")
-        from queue_ref.relay.odmr_server import load_cram_md5_file
+        from queue_ref.relay.password_files import load_cram_md5_file
 
         users = set(load_cram_md5_file(self.odmr_cram_md5_file)) if self.odmr_cram_md5_file \
             else set()

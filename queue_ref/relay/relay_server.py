@@ -41,6 +41,7 @@ from queue_ref.relay.mx_routing import Router
 from queue_ref.relay.odmr_server import OdmrServer
 from queue_ref.relay.ondemand_probe import OndemandProber
 from queue_ref.relay.relay_config import RelayConfig, loop_kind, parse_hostport
+from queue_ref.relay.relay_host import RelayStartError
 from queue_ref.relay.relay_metrics import RelayMetrics
 from queue_ref.relay.smtp_delivery import SmtpDeliverer
 from queue_ref.relay.smtp_receiver import SmtpReceiver
@@ -60,9 +61,6 @@ STORAGE_THREADS = 8
 
 Service = Callable[["Relay"], Awaitable[None]]
 
-
-class RelayStartError(RuntimeError):
-    """The relay could not start (queue, port, another relay); the message says why."""
 
 
 class Relay:

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["PLAIN_ADDRESS", "fast_path_address", "plain_quoted"]
+from queue_ref.storage import MAX_ADDRESS
+
+__all__ = ["PLAIN_ADDRESS", "fast_path_address", "plain_quoted", "valid_address"]
 
 _ATEXT = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+"
 #: an address in its common form, ``local@domain`` without angle brackets
@@ -43,3 +45,16 @@ def plain_quoted(address: str) -> bytes | None:
     if PLAIN_ADDRESS.fullmatch(address) is None:
         return None
     return b"<" + address.encode("ascii") + b">"
+
+
+_LABEL = r"[A-Za-z0-9\u0080-\U0010ffff](?:[A-Za-z0-9\u0080-\U0010ffff-]*[A-Za-z0-9\u0080-\U0010ffff])?"
+_DOMAIN = rf"(?:{_LABEL}\.)*{_LABEL}"
+# a local part: a dot-string of anything but specials, or an RFC 5321 Quoted-string
+# (``"john smith"``, ``"a@b"``, a backslash quoting one printable character)
+_LOCAL = r"(?:[^\s@<>()\[\],;:\\\"\x00-\x1f\x7f]+|\"(?:[^\"\\\x00-\x1f\x7f]|\\[\x20-\x7e])*\")"
+_ADDRESS = re.compile(_LOCAL + r"@(?:" + _DOMAIN + r"|\[(?:IPv6:)?[0-9A-Fa-f:.]+\])")
+
+
+def valid_address(address: str) -> bool:
+    """A plain ``local@domain`` (or ``local@[literal]``) address the queue can store."""
+    return len(address) <= MAX_ADDRESS and _ADDRESS.fullmatch(address) is not None

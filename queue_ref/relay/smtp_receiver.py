@@ -38,12 +38,11 @@ from queue_ref.operate.queue_actions import check_domain, flush
 from queue_ref.relay.delivery_log import DeliveryLog
 from queue_ref.relay.relay_access import RelayAccess
 from queue_ref.relay.relay_config import RelayConfig
-from queue_ref.relay.smtp_address import fast_path_address
+from queue_ref.relay.smtp_address import fast_path_address, valid_address
 from queue_ref.relay.smtp_data_reader import read_data
 from queue_ref.relay.smtpd_sasl_auth import TOO_MANY, SaslAuthenticator
 from queue_ref.relay.tls_summary import summary_of_session
 from queue_ref.storage import (
-    MAX_ADDRESS,
     InvalidInputError,
     NoSpaceError,
     QueuedMail,
@@ -62,12 +61,6 @@ NULL_PATH = "<>"
 HARD_ERROR_LIMIT = 20  # Postfix's smtpd_hard_error_limit
 LINGER = 5.0  # seconds a hung-up session's input is still read (and dropped)
 
-_LABEL = r"[A-Za-z0-9\u0080-\U0010ffff](?:[A-Za-z0-9\u0080-\U0010ffff-]*[A-Za-z0-9\u0080-\U0010ffff])?"
-_DOMAIN = rf"(?:{_LABEL}\.)*{_LABEL}"
-# a local part: a dot-string of anything but specials, or an RFC 5321 Quoted-string
-# (``"john smith"``, ``"a@b"``, a backslash quoting one printable character)
-_LOCAL = r"(?:[^\s@<>()\[\],;:\\\"\x00-\x1f\x7f]+|\"(?:[^\"\\\x00-\x1f\x7f]|\\[\x20-\x7e])*\")"
-_ADDRESS = re.compile(_LOCAL + r"@(?:" + _DOMAIN + r"|\[(?:IPv6:)?[0-9A-Fa-f:.]+\])")
 #: RFC 5321 4.5.1: ``RCPT TO:<Postmaster>`` without a domain, any case, is always taken
 POSTMASTER = "postmaster"
 #: RFC 6531 3.4 as Postfix's smtpd words it: a UTF-8 path needs MAIL FROM:<...> SMTPUTF8
@@ -86,11 +79,6 @@ _BARE_LF = re.compile(rb"(?<!\r)\n")
 _CLASS_DEFAULT = {"2": "2.0.0", "4": "4.0.0", "5": "5.5.0"}
 _CODE_DEFAULT = {"500": "5.5.2", "501": "5.5.4", "502": "5.5.1", "503": "5.5.1", "504": "5.5.4",
                  "530": "5.7.0", "554": "5.7.0", "555": "5.5.4"}
-
-
-def valid_address(address: str) -> bool:
-    """A plain ``local@domain`` (or ``local@[literal]``) address the queue can store."""
-    return len(address) <= MAX_ADDRESS and _ADDRESS.fullmatch(address) is not None
 
 
 def _enhance(status: str) -> str:

@@ -22,9 +22,9 @@ import re
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from queue_ref.relay.relay_config import ConfigError, RelayConfig, parse_hostport
+from queue_ref.relay.config_values import ConfigError, parse_hostport
 
 __all__ = ["MATCH_DEFAULTS", "TLS_LEVELS", "TlsPolicies", "TlsPolicy", "cert_names",
            "lookup_keys", "parse_match", "parse_policy"]
@@ -163,10 +163,24 @@ def _name_matches(cert_name: str, want: str) -> bool:
         return cert_name == want
 
 
+class TlsSettings(Protocol):
+    """The settings the client's TLS policy reads (``RelayConfig`` has them; a protocol, so
+    that ``RelayConfig.validate`` can check them here without an import circle)."""
+
+    smtp_port: int
+    smtp_sasl_auth_enable: bool
+    smtp_sasl_password_maps: dict[str, str]
+    smtp_tls_CAfile: str
+    smtp_tls_policy_maps: dict[str, Any]
+    smtp_tls_secure_cert_match: str
+    smtp_tls_verify_cert_match: str
+    smtp_tls_security_level: str
+
+
 class TlsPolicies:
     """The client's policy per next hop, its SSL contexts and its SASL credentials."""
 
-    def __init__(self, config: RelayConfig) -> None:
+    def __init__(self, config: TlsSettings) -> None:
         self.config = config
         defaults = {**MATCH_DEFAULTS,
                     "verify": parse_match(config.smtp_tls_verify_cert_match,

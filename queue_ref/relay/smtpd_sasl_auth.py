@@ -32,11 +32,11 @@ from typing import Any
 from aiosmtpd.smtp import AuthResult, Envelope, LoginPassword, Session
 
 from queue_ref.relay.delivery_log import DeliveryLog
-from queue_ref.relay.relay_config import ConfigError, RelayConfig
+from queue_ref.relay.password_files import PHC, load_password_file
+from queue_ref.relay.relay_config import RelayConfig
 
 __all__ = ["TOO_MANY", "SaslAuthenticator", "hash_password", "load_password_file", "verify_password"]
 
-_PHC = re.compile(r"\$scrypt\$ln=(\d{1,2}),r=(\d{1,2}),p=(\d{1,2})\$([A-Za-z0-9+/]+)\$([A-Za-z0-9+/]+)")
 _USER = re.compile(r"[^\s:\x00-\x1f\x7f]{1,255}")
 #: the reply to the failure that reaches the limit, and to AUTH from a client past it
 TOO_MANY = "421 4.7.0 Error: too many failed authentication attempts"
@@ -62,7 +62,7 @@ def hash_password(password: str, ln: int = 14, r: int = 8, p: int = 1) -> str:
 
 def verify_password(entry: str, password: bytes) -> bool:
     """Whether ``password`` is the one ``entry`` (from ``hash_password``) was made of."""
-    m = _PHC.fullmatch(entry)
+    m = PHC.fullmatch(entry)
     if m is None:
         return False
     ln, r, p = int(m.group(1)), int(m.group(2)), int(m.group(3))
@@ -72,32 +72,6 @@ def verify_password(entry: str, password: bytes) -> bool:
     return hmac.compare_digest(got, want)
 
 
-def load_password_file(path: str) -> dict[str, str]:
-    """user -> hash from a ``user:hash`` file; ConfigError naming the line otherwise."""
-    key = "smtpd_sasl_password_file"
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        raise ConfigError(f"{key}: {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{key}: {path}: {getattr(e, 'strerror', None) or e}") from None
-    users: dict[str, str] = {}
-    for n, line in enumerate(lines, 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        user, sep, entry = line.partition(":")
-        m = _PHC.fullmatch(entry)
-        if not sep or not _USER.fullmatch(user) or m is None:
-            raise ConfigError(f"{key}: {path} line {n}: expected user:$scrypt$ln=..,r=..,p=..$SALT$HASH"
-                              " (python -m queue_ref.relay.smtpd_sasl_auth USER makes one)")
-        if not 1 <= int(m.group(1)) <= 20 or int(m.group(2)) < 1 or int(m.group(3)) < 1:
-            raise ConfigError(f"{key}: {path} line {n}: scrypt parameters out of range")
-        if user in users:
-            raise ConfigError(f"{key}: {path} line {n}: user {user!r} again")
-        users[user] = entry
-    return users
 
 
 def _printable(text: str) -> str:
