@@ -100,9 +100,14 @@ def test_the_lockstep_listing_reads_every_listed_entry_back() -> None:
     from conformance.harness.check_catalog import NO_CRASH
     from tests.conformance_support import RescheduleLosesBody
 
-    cert = certify(RescheduleLosesBody, models=["process-kill"], only=[
-        "lockstep", "bad-input", "many-recipients", "limits", "threads"], seed=3)
-    failed = {(r.check, f.clause) for r in cert.results for f in r.findings}
+    # the lockstep's random walk reaches a reschedule and a read-back within a few seeds
+    # (which seed depends on the draws of the checks before it in the process)
+    for seed in (3, 4, 5, 6):
+        cert = certify(RescheduleLosesBody, models=["process-kill"], only=[
+            "lockstep", "bad-input", "many-recipients", "limits", "threads"], seed=seed)
+        failed = {(r.check, f.clause) for r in cert.results for f in r.findings}
+        if failed:
+            break
     assert failed == {("lockstep", "C6")}
     finding = next(f for r in cert.results for f in r.findings)
     assert finding.model == NO_CRASH and "reads back" in finding.detail
