@@ -23,7 +23,7 @@ def trigger_of(path: str, call: str) -> str:
 
 
 class InjectedError(RuntimeError):
-    pass
+    """What the chosen call raises: no backend raises it, so the relay meets it as a bug."""
 
 
 class _Enqueuer:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import os
-import shutil
 import smtplib
 import socket
 import ssl
@@ -198,7 +197,6 @@ def _cram_file(tmp_path: Path) -> str:
     return str(path)
 
 
-@pytest.mark.skipif(shutil.which("fetchmail") is None, reason="fetchmail is not installed")
 def test_fetchmail_odmr_client_takes_the_domains_mail(tmp_path: Path) -> None:
     """Debian's fetchmail as the ODMR client: EHLO, AUTH CRAM-MD5, ATRN, then it relays
     what the relay sends to its ``smtphost``, a sink standing for the customer's MTA."""
