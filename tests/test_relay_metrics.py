@@ -79,3 +79,50 @@ def test_concurrent_sessions_share_group_commit_rounds(tmp_path):
     # than twice the requests only because rounds were shared: some served several
     assert served >= 40 and rounds < 2 * served, (rounds, served)
     assert max(sizes) >= 2, sizes
+
+
+
+def test_mail_delivered_while_a_listing_ran_is_not_claimed_again(tmp_path):
+    """A message that arrives and is delivered while a scan lists the queue (the listing
+    is stopped until then) is not taken back into the window when the scan ends: the scan
+    adds back what was pushed meanwhile, less what was claimed since.  Taken back, the
+    ``queued`` gauge counted it and a job claimed the consumed entry again."""
+    import threading
+    import time
+
+    with Sink() as sink, RelayThread(relay_config(
+            str(tmp_path / "q"), relayhost=f"[127.0.0.1]:{sink.port}",
+            metrics_listen="127.0.0.1:0", log_json=True, queue_scan_interval=0.2)) as r:
+        sched = r.relay.scheduler
+        assert sched is not None
+        listing, go_on = threading.Event(), threading.Event()
+        real_list, real_claim = sched._list_window, sched._claim
+        claimed: list[str] = []
+
+        def paused_listing():  # a storage thread: stopped until the mail was delivered
+            listing.set()
+            assert go_on.wait(30)
+            return real_list()
+
+        def counted_claim(handles):
+            claimed.extend(h.entry_id for h in handles)
+            return real_claim(handles)
+
+        sched._claim = counted_claim
+        sched._list_window = paused_listing
+        assert listing.wait(10), "no scan started"
+        with smtplib.SMTP("127.0.0.1", r.port, timeout=10) as c:
+            c.sendmail("a@example.org", ["b@example.net"], b"Subject: m\r\n\r\nhi\r\n")
+        sink.wait_for(1)
+        r.wait_events(1, status="sent")
+        assert sched._scanning and len(claimed) == 1
+        sched._list_window = real_list
+        go_on.set()
+        deadline = time.monotonic() + 1.0  # a stale handle is due now: claimed at once
+        while time.monotonic() < deadline and len(claimed) == 1:
+            time.sleep(0.01)
+        assert claimed == claimed[:1], "the delivered entry was claimed again"
+        assert sched.sizes()["queued"] == 0
+        assert r.relay.metrics_port is not None
+        m = scrape(r.relay.metrics_port)
+    assert m[("queue_ref_relay_queue_entries", (("state", "queued"),))] == 0

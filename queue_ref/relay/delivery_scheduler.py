@@ -134,8 +134,9 @@ class DeliveryScheduler:
         self._latest: dict[str, QueuedMail] = {}  # entry id -> the handle to use
         self._claimed: set[str] = set()  # entry ids our jobs hold inflight
         self._scanning = False
-        self._added_in_scan: list[QueuedMail] = []
-        self._taken_in_scan: set[str] = set()  # entry ids claimed while a listing ran
+        #: while a listing runs: entries pushed (and not claimed since), entries claimed
+        self._added_in_scan: dict[str, QueuedMail] = {}
+        self._taken_in_scan: set[str] = set()
         self._scan_task: asyncio.Task[None] | None = None
         #: The due time from which the last listing kept no entry (the window was full:
         #: more entries were queued than ``qmgr_message_active_limit``), else None.
@@ -194,7 +195,7 @@ class DeliveryScheduler:
 
     def _push(self, h: QueuedMail) -> None:
         if self._scanning:
-            self._added_in_scan.append(h)
+            self._added_in_scan[h.entry_id] = h
         self._latest[h.entry_id] = h
         heapq.heappush(self._heap, (h.schedule.at, next(self._seq), h.entry_id, h))
 
@@ -244,7 +245,7 @@ class DeliveryScheduler:
         meanwhile (less what was claimed meanwhile)."""
         loop = asyncio.get_running_loop()
         self._scanning = True
-        self._added_in_scan = []
+        self._added_in_scan = {}
         self._taken_in_scan = set()
         try:
             listed, total = await loop.run_in_executor(self.executor, self._list_window)
@@ -259,9 +260,8 @@ class DeliveryScheduler:
             self._event.set()
         taken = self._taken_in_scan | self._claimed
         latest = {h.entry_id: h for h in listed if h.entry_id not in taken}
-        for h in self._added_in_scan:
-            latest[h.entry_id] = h
-        self._added_in_scan = []
+        latest.update(self._added_in_scan)  # pushed meanwhile and not claimed since
+        self._added_in_scan = {}
         self._taken_in_scan = set()
         limit = self.config.qmgr_message_active_limit
         self.listed = total
@@ -324,8 +324,9 @@ class DeliveryScheduler:
                 continue  # superseded by a newer handle, or ours already
             del self._latest[entry_id]
             self._claimed.add(entry_id)
-            if self._scanning:
+            if self._scanning:  # the listing may have seen it queued, or it came since
                 self._taken_in_scan.add(entry_id)
+                self._added_in_scan.pop(entry_id, None)
             due.setdefault(h.message_id, []).append(h)
         for message_id, handles in due.items():
             task = asyncio.get_running_loop().create_task(self._job(handles), name=message_id)
