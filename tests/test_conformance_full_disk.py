@@ -72,3 +72,13 @@ def test_a_replay_names_its_scenario() -> None:
     with pytest.raises(ValueError, match="full-disk:<seed>"):
         full_disk_check.replay(Backend.from_factory("conformance.examples.backends:fs"),
                                "full-disk:x")
+
+
+def test_a_queue_that_never_takes_mail_again_after_a_full_disk_is_c9() -> None:
+    """The LevelDB queue whose spent reserve is never made again: restarted and drained,
+    it still refuses new mail for a full disk."""
+    res = full_disk_check.run(
+        Backend.from_factory(f"{BROKEN}:kv_leveldb_reserve_spent_for_good"), 1)
+    assert res.status is Status.FAIL
+    assert any(f.clause == "C9" and "the drained queue still refuses new mail" in f.detail
+               for f in res.findings), res.findings

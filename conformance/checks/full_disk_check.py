@@ -27,8 +27,10 @@ round that ends with an error reports it and the next one runs):
   delivers the rest, and holds nothing.  A backend that declares it cannot drain a full
   disk (the LevelDB queue: its compactions write new tables before freeing the old ones)
   has the first two rounds only, may raise ``NoSpaceError`` while delivering on a full
-  disk, and is then restarted once space is freed: it must take new mail and deliver
-  everything after that; the certificate says so.
+  disk, and is then restarted once space is freed: it must deliver everything after
+  that, and then take new mail (a reserve it keeps aside may refuse new mail while the
+  queue's own mail fills the disk); the certificate says so.  Every round ends with the
+  drained queue taking a new message and delivering it.
 
 Every message read back must hold the bytes acknowledged (C6).
 
@@ -184,33 +186,47 @@ class _Round:
               free: Callable[[], None] | None = None) -> Storage:
         """Deliver everything and require it all delivered and the queue empty.  A backend
         that declares it cannot drain a full disk and refuses a delivery for one is given
-        room (``free``), restarted and drained again (``again``: when that is).  The
-        open queue, to close."""
+        room (``free``), restarted and drained again (``again``: when that is).  Then
+        (``free`` called if it was not) the drained queue must take new mail.  The open
+        queue, to close."""
         try:
             got = self.deliver(q, None, when)
         except _NeedsRestart as e:
             got = set(e.args[0])
             if free is not None:
                 free()
-            q = self.restart(q, backend, again.removeprefix("reopened "))
+                free = None
+            q = self.restart(q, backend)
             got |= self.deliver(q, None, again, restarted=True)
+            when = again
         self.all_delivered(got, when)
         self.empty(q, when)
+        if free is not None:  # the other file goes before the queue is asked for new mail
+            free()
+        self.takes_mail_again(q, when)
         return q
 
-    def restart(self, q: Storage, backend: Backend, when: str) -> Storage:
+    def restart(self, q: Storage, backend: Backend) -> Storage:
         """Close and reopen a queue that declares it cannot drain a full disk, once space
-        is freed; it must take new mail again (C9: it "works again once space is freed,
-        after a restart if need be")."""
+        is freed (C9: it "works again once space is freed, after a restart if need be")."""
         q.close()
         q = backend.open(self.root)
         self.ch.send({"restarted": self.name})
-        if self.enqueue(q) is None:
-            self.fail("C9", f"{when}, the queue restarted still refuses new mail for a full "
-                            "disk: it works again once space is freed")
-            q.close()
-            raise _Stop
         return q
+
+    def takes_mail_again(self, q: Storage, when: str) -> None:
+        """The drained queue takes a new message and delivers it.  A queue restarted after
+        a full disk is asked only once drained: a store that keeps room aside (LevelDB's
+        reserve) may refuse new mail until its own mail no longer fills the disk."""
+        mid = self.enqueue(q)
+        if mid is None:
+            self.fail("C9", f"{when}, the drained queue still refuses new mail for a full "
+                            "disk: it works again once space is freed")
+            raise _Stop
+        when = f"{when}, a new message"
+        if mid not in self.deliver(q, None, when, restarted=True):
+            self.fail("C1", f"{when}: the message acknowledged was not delivered")
+        self.empty(q, when)
 
     def all_delivered(self, delivered: set[str], when: str) -> None:
         missing = sorted(set(self.bodies) - delivered)
@@ -307,6 +323,7 @@ def _drained_while_full(r: _Round, backend: Backend) -> None:
         rest = r.deliver(q, None, "reopened on the full disk")
         r.all_delivered(first | rest, "reopened on the full disk")
         r.empty(q, "reopened on the full disk")
+        r.takes_mail_again(q, "reopened on the full disk")
     finally:
         q.close()
 

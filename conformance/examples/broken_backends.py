@@ -1400,3 +1400,34 @@ def kv_log_reserve_kept_at_open(root: str, io: IO | None = None) -> Storage:
             return None  # the bug: the reserve stays however full the disk is
 
     return ReserveKept.open_log(root, io)
+
+
+def kv_leveldb_reserve_spent_for_good(root: str) -> Storage:
+    """The KV queue over LevelDB that, once its disk reserve was spent for a full disk,
+    marks it spent on disk and never makes it again: however much space is freed, and
+    after a restart and the queue drained, new mail is refused for a full disk.  Only the
+    full-disk check fails it (C9)::
+
+        queue-ref certify conformance.examples.broken_backends:kv_leveldb_reserve_spent_for_good \\
+            --only full-disk
+    """
+    import os
+
+    from queue_ref.kv.kv_queue import KvQueue
+    from queue_ref.kv.reserve import Reserve
+
+    class SpentForGood(Reserve):
+        def ensure(self) -> bool:
+            if os.path.exists(self.path + ".spent"):
+                return self.held  # the bug: a spent reserve is never made again
+            return super().ensure()
+
+        def release(self) -> bool:
+            with open(self.path + ".spent", "w"):  # a marker of a few bytes
+                pass
+            return super().release()
+
+    q = KvQueue.open_leveldb(root)
+    if q._reserve is not None:
+        q._reserve = SpentForGood(q._reserve.directory, q._reserve.size)
+    return q
