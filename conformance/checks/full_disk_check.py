@@ -112,6 +112,7 @@ class _Round:
         self.drains = drains  # Limits.drains_full_disk
         self.root = os.path.join(mnt, "q")
         self.bodies: dict[str, bytes] = {}
+        self.refused = ""  # the last NoSpaceError's message
         subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK}", "tmpfs", mnt],
                        check=True, capture_output=True)
 
@@ -127,7 +128,8 @@ class _Round:
             with q.enqueue(f"s{n}@example.org") as enq:
                 enq.write(body)
                 mid = enq.commit([Recipient(f"r{n}@example.net", Schedule(0))])[0].message_id
-        except NoSpaceError:
+        except NoSpaceError as e:
+            self.refused = str(e)
             return None
         except Exception as e:
             self.fail("C9", f"enqueue {n + 1} on a filling disk raised {type(e).__name__} "
@@ -221,7 +223,7 @@ class _Round:
         mid = self.enqueue(q)
         if mid is None:
             self.fail("C9", f"{when}, the drained queue still refuses new mail for a full "
-                            "disk: it works again once space is freed")
+                            f"disk ({self.refused}): it works again once space is freed")
             raise _Stop
         when = f"{when}, a new message"
         if mid not in self.deliver(q, None, when, restarted=True):

@@ -1403,10 +1403,11 @@ def kv_log_reserve_kept_at_open(root: str, io: IO | None = None) -> Storage:
 
 
 def kv_leveldb_reserve_spent_for_good(root: str) -> Storage:
-    """The KV queue over LevelDB that, once its disk reserve was spent for a full disk,
-    marks it spent on disk and never makes it again: however much space is freed, and
-    after a restart and the queue drained, new mail is refused for a full disk.  Only the
-    full-disk check fails it (C9)::
+    """The KV queue over LevelDB that, once its disk reserve was given up for a full disk
+    (at an open on a disk another file filled, or at a write refused), marks it spent on
+    disk and never makes it again: however much space is freed, and after a restart and
+    the queue drained, new mail is refused for a full disk.  Only the full-disk check
+    fails it (C9)::
 
         queue-ref certify conformance.examples.broken_backends:kv_leveldb_reserve_spent_for_good \\
             --only full-disk
@@ -1414,7 +1415,11 @@ def kv_leveldb_reserve_spent_for_good(root: str) -> Storage:
     import os
 
     from queue_ref.kv.kv_queue import KvQueue
-    from queue_ref.kv.reserve import Reserve
+    from queue_ref.kv.reserve import NAME, Reserve
+
+    def mark(directory: str) -> None:
+        with open(os.path.join(directory, NAME + ".spent"), "w"):  # a few bytes' marker
+            pass
 
     class SpentForGood(Reserve):
         def ensure(self) -> bool:
@@ -1423,11 +1428,18 @@ def kv_leveldb_reserve_spent_for_good(root: str) -> Storage:
             return super().ensure()
 
         def release(self) -> bool:
-            with open(self.path + ".spent", "w"):  # a marker of a few bytes
-                pass
+            mark(self.directory)
             return super().release()
 
-    q = KvQueue.open_leveldb(root)
+    class Queue(KvQueue):
+        @staticmethod
+        def _release_reserve_for_recovery(path: str, reserve: int) -> None:
+            had = os.path.exists(os.path.join(path, NAME))
+            KvQueue._release_reserve_for_recovery(path, reserve)
+            if had and not os.path.exists(os.path.join(path, NAME)):
+                mark(path)
+
+    q = Queue.open_leveldb(root)
     if q._reserve is not None:
         q._reserve = SpentForGood(q._reserve.directory, q._reserve.size)
     return q

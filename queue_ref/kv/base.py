@@ -48,6 +48,14 @@ class WriteBatch:
 class KV(abc.ABC):
     #: Whether deleting keys works while the disk is full (``Limits.drains_full_disk``).
     drains_full_disk = True
+    #: Free space the engine's own rewrites (compactions) may need, up to as much as it
+    #: holds: new mail is refused while less than the smaller of the two is free.
+    #: 0: none (such an engine has no ``disk_bytes``).
+    compaction_headroom = 0
+
+    def disk_bytes(self) -> int:
+        """The bytes of the engine's files (engines with a ``compaction_headroom``)."""
+        raise NotImplementedError
 
     @abc.abstractmethod
     def get(self, key: bytes) -> bytes | None:

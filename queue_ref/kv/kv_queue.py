@@ -89,6 +89,10 @@ def _check_path(path: object) -> None:
         raise InvalidInputError(f"path must be a non-empty str without NUL, got {path!r}")
 
 
+#: Seconds between the counts of what it holds a queue short of headroom makes, to
+#: decide whether a compaction would give room back (_check_headroom).
+COMPACT_EVERY = 10.0
+
 class KvQueue(Storage):
     """A durable mail queue over an ordered KV engine (which it owns and closes).
 
@@ -110,6 +114,10 @@ class KvQueue(Storage):
         self._kv = kv
         self._at: tuple[IO, str] | None = None  # see close()
         self._reserve: Reserve | None = None  # see reserve.py
+        self._cleanups = 0  # entries cleaned up since the open
+        #: _check_headroom's last count of what the queue holds: when (time.monotonic()),
+        #: the cleanups made by then, the keys counted
+        self._measured = (-COMPACT_EVERY, 0, 0)
         try:
             self._core = Core(kv, sync_all=sync_all, clock=clock,
                               owner=owner if owner is not None else f"pid {os.getpid()}")
@@ -409,7 +417,45 @@ class KvQueue(Storage):
                 raise NoSpaceError(
                     f"the disk of {r.directory} is full: new mail is refused until space is "
                     "freed (delivering, dropping and cleaning up queued mail still work)")
+        self._check_headroom()
         return KvEnqueuer(self, mail_from, checked)
+
+    def _check_headroom(self) -> None:
+        """NoSpaceError while less space is free than the engine's compactions may need
+        (``KV.compaction_headroom``, or all it holds if that is less)."""
+        headroom = self._kv.compaction_headroom
+        if not headroom or self._at is None:
+            return
+        path = self._at[1]
+        try:
+            free = free_bytes(path)
+            if free >= headroom:
+                return
+            need = min(headroom, self._kv.disk_bytes())
+            if free < need and self._may_measure():
+                # Delivered mail takes room until compacted away; a compaction writes
+                # what is live, so it is tried only with room for that twice over.
+                live = self.footprint()
+                self._measured = (time.monotonic(), self._cleanups, live.objects)
+                if 2 * live.bytes < free:
+                    with contextlib.suppress(OSError, StorageIOError):
+                        self.compact()
+                    free, need = free_bytes(path), min(headroom, self._kv.disk_bytes())
+        except OSError as e:
+            raise io_error("enqueue: measuring free space", e, None) from e
+        if free < need:
+            raise NoSpaceError(
+                f"the disk of {path} is nearly full: {free} bytes free, less than the "
+                f"{need} the queue's database may need to compact what it holds; new mail "
+                "is refused until space is freed (delivering still works)")
+
+    def _may_measure(self) -> bool:
+        """Whether a queue short of headroom counts what it holds again (it iterates every
+        key): every ``COMPACT_EVERY`` seconds, or sooner once cleanups since the last count
+        could have taken most of what it counted (a key in eight)."""
+        at, cleanups, objects = self._measured
+        return (time.monotonic() - at >= COMPACT_EVERY
+                or self._cleanups - cleanups >= max(1, objects // 8))
 
     def _out_of_space(self) -> None:
         """A write failed for a full disk: release the reserve, for draining."""
@@ -620,6 +666,7 @@ class KvQueue(Storage):
             self._core.release(b, mid)
             b.delete(ckey)
             self._core.write(b, sync=False)
+        self._cleanups += 1
         return True
 
     # ---- lifecycle ------------------------------------------------------------------
