@@ -287,3 +287,23 @@ def test_qshape_text_is_an_aligned_table_of_the_json_counts(
     assert [r[0] for r in rows] == [r["domain"] for r in shape["rows"]]
     assert rows[0][0] == "TOTAL" and lines[1].startswith("     TOTAL ")
     assert [[int(n) for n in r[1:]] for r in rows] == [r["counts"] for r in shape["rows"]]
+
+
+def test_show_lists_a_messages_entries_in_delivery_and_no_other_messages(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A sender holds one entry of the first message in delivery: ``show`` of that message
+    lists it "in delivery" beside its queued entry; ``show`` of a later message lists only
+    its own two entries (not another message's entry in delivery)."""
+    q = tmp_path / "q"
+    ids = fill(q, "fs")
+    assert ids == sorted(ids)  # ids grow with time: an earlier message's id sorts first
+    with open_queue(str(q), "fs") as sender:
+        first = next(h for h in sender.list_queue() if h.entry_id == f"{ids[0]}.0")
+        assert sender.send_start(first) is not None
+        _, own = run_json(capsys, "show", "--queue", str(q), ids[0])
+        assert [(r["entry_id"], r["state"]) for r in own["recipients"]] == [
+            (f"{ids[0]}.0", "inflight"), (f"{ids[0]}.1", "queued")]
+        _, later = run_json(capsys, "show", "--queue", str(q), ids[2])
+        assert [r["entry_id"] for r in later["recipients"]] == [f"{ids[2]}.0", f"{ids[2]}.1"]
+        code, out, _ = run(capsys, "show", "--queue", str(q), ids[2])
+        assert code == 0 and "in delivery" not in out and ids[0] not in out
