@@ -56,7 +56,8 @@ def test_concurrent_sessions_share_group_commit_rounds(tmp_path):
     from queue_ref.relay.relay_metrics import group_commit_counts
 
     with Sink() as sink, RelayThread(relay_config(
-            str(tmp_path / "q"), relayhost=f"[127.0.0.1]:{sink.port}")) as r:
+            str(tmp_path / "q"), relayhost=f"[127.0.0.1]:{sink.port}",
+            metrics_listen="127.0.0.1:0", log_json=True)) as r:
         before = group_commit_counts(r.relay.store)
         assert before is not None
 
@@ -71,9 +72,17 @@ def test_concurrent_sessions_share_group_commit_rounds(tmp_path):
         for t in threads:
             t.join(60)
         sink.wait_for(40)
-        after = group_commit_counts(r.relay.store)
+        r.wait_events(40, status="sent")
+        assert r.relay.metrics_port is not None
+        for _ in range(50):  # the metrics, read while no sync round runs: the store's counts
+            after = group_commit_counts(r.relay.store)
+            m = scrape(r.relay.metrics_port)
+            if group_commit_counts(r.relay.store) == after:
+                break
         sizes = dict(r.relay.store._group.round_sizes)  # type: ignore[attr-defined]
     assert after is not None
+    assert m[("queue_ref_group_commit_rounds_total", ())] == after[0]
+    assert m[("queue_ref_group_commit_requests_total", ())] == after[1]
     rounds, served = after[0] - before[0], after[1] - before[1]
     # a commit alone takes two rounds (its data, then its link), so rounds are fewer
     # than twice the requests only because rounds were shared: some served several
