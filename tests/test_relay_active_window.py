@@ -130,3 +130,28 @@ def test_the_relay_is_ready_before_the_recovery_which_comes_before_the_listing(
 def test_the_window_must_hold_an_entry(tmp_path: Path, value: int) -> None:
     with pytest.raises(ConfigError, match="qmgr_message_active_limit: must be at least 1"):
         RelayConfig(queue=str(tmp_path / "q"), qmgr_message_active_limit=value).validate()
+
+
+def test_no_more_entries_are_claimed_than_max_deliveries(tmp_path: Path) -> None:
+    """Five due entries, ``max_deliveries = 2`` and a next hop that stalls in DATA: two
+    entries are in delivery and three stay queued (claimed, they would wait for a slot
+    in delivery while no other process of the queue may take them)."""
+    queue = str(tmp_path / "q")
+    rcpts = fill(queue, [int(time.time()) - 10] * 5)
+    with Sink() as sink:
+        for rcpt in rcpts:
+            sink.state.script[rcpt] = "slow"  # DATA answered after a minute
+        with RelayThread(relay_config(
+                queue, relayhost=f"[127.0.0.1]:{sink.port}", log_json=True, max_deliveries=2,
+                shutdown_timeout=1.0)) as r:
+            scheduler = r.relay.scheduler
+            assert scheduler is not None
+            assert r.wait_events(1, "relay", what="queue listed")
+            deadline = time.monotonic() + 20
+            while sink.state.connections < 2:
+                assert time.monotonic() < deadline, "no delivery started"
+                time.sleep(0.01)
+            for _ in range(20):  # while both deliveries stall
+                assert r.call(scheduler.sizes) == {"queued": 3, "inflight": 2, "held": 0}
+                time.sleep(0.01)
+            assert sink.state.connections == 2
