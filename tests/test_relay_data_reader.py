@@ -264,3 +264,27 @@ def test_aiosmtpd_reads_those_messages_the_same_way() -> None:
     for wire, reply in zip(wires_sent, replies, strict=True):
         ours = _reference(wire + b"QUIT\r\n", 3000)[0]
         assert reply.startswith(ours.error.split()[0].encode() if ours.error else b"250")
+
+
+@pytest.mark.parametrize("size_limit", [None, 3000])
+def test_lines_about_the_limit_cut_at_every_byte_near_their_end(size_limit: int | None) -> None:
+    """Lines of LINE_LIMIT - 3 to LINE_LIMIT + 4 bytes (CRLF not counted), each cut at
+    every one of its last bytes and its CRLF: a line whose bytes so far already overrun
+    the limit is judged by its length then (CRLF included), as aiosmtpd judges it."""
+    for n in range(LINE_LIMIT - 3, LINE_LIMIT + 5):
+        line = b"q" * n + b"\r\n"
+        wire = b"ok\r\n" + line + b"end\r\n.\r\nNOOP\r\n"
+        for cut in range(3 + n - 3, 3 + n + 4):
+            _same(wire, [cut], size_limit)
+
+
+@pytest.mark.parametrize("n", range(LINE_LIMIT - 3, LINE_LIMIT + 5))
+def test_a_last_line_about_the_limit_ending_a_piece(n: int) -> None:
+    """More than a piece of data arrives at once, so the reader takes it up to the
+    terminator's CRLF: the last line, ``n`` bytes, is then a piece's unended tail, judged
+    by its length with the CRLF still to come, as aiosmtpd judges the whole line."""
+    filler = b"f" * 98 + b"\r\n"
+    last = b"q" * n + b"\r\n"
+    wire = filler * (PIECE // len(filler) + 1) + last + b".\r\nNOOP\r\n"
+    got = _same(wire, [])
+    assert (got.error == LINE_TOO_LONG) is (n + 2 > LINE_LIMIT)
