@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 JOBS   ?= 2
 
-.PHONY: setup sysdeps demo test lint typecheck pytest crosshair bench explore certify clean
+.PHONY: setup sysdeps demo test test-thorough lint typecheck pytest crosshair bench explore certify clean
 
 # Debian packages from .ci/apt-packages.txt: installed when missing and we are root
 # (a fresh machine of this kind); otherwise only listed, so a user can install them.
@@ -44,7 +44,11 @@ typecheck: setup
 	$(BIN)/mypy
 
 pytest: setup
-	$(BIN)/pytest -q -n $(JOBS) --timeout=900 --durations=25
+	$(BIN)/pytest -q -n $(JOBS) --timeout=900 --durations=25 -m "not thorough"
+
+# further seeds of the checks' broken variants (about 10 minutes on 2 cores), outside CI
+test-thorough: setup
+	$(BIN)/pytest -q -n $(JOBS) --timeout=1800 -m thorough
 
 test: lint typecheck pytest
 

@@ -468,7 +468,7 @@ def test_one_trial_in_eight_streams_large_bodies_in_pieces() -> None:
 KEEPS_CHUNKS = f"{BROKEN}:kv_failed_commit_keeps_chunks"
 
 
-@pytest.mark.parametrize("seed", [2, 4])
+@pytest.mark.parametrize("seed", [2, pytest.param(4, marks=pytest.mark.thorough)])
 def test_a_large_commit_refused_for_a_full_disk_must_leave_nothing(seed: int) -> None:
     """The KV queue once kept a large body's chunks after its commit failed for a full
     disk (the engine had cut the log back: nothing of the commit was written) until the
