@@ -27,6 +27,7 @@ that property on the project's backends.
 
 from __future__ import annotations
 
+import random
 import time
 
 from hypothesis import strategies as st
@@ -34,8 +35,10 @@ from hypothesis import strategies as st
 from queue_ref.storage import MAX_ADDRESS, MAX_REASON, Schedule
 from queue_ref.storage import MAX_SCHEDULE as MAX_SCHEDULE
 
-__all__ = ["MAX_DOMAIN", "MAX_LOCAL", "NOW", "addresses", "bodies", "fit_address",
-           "reasons", "refused_addresses", "refused_schedules", "schedules", "senders"]
+__all__ = ["CORPUS_BODY", "CORPUS_RCPTS", "CORPUS_SCHEDULES", "CORPUS_SENDER", "MAX_DOMAIN",
+           "MAX_LOCAL", "NOW", "addresses", "bodies", "draw_address", "draw_body",
+           "draw_reason", "draw_schedule", "draw_sender", "fit_address", "reasons",
+           "refused_addresses", "refused_schedules", "schedules", "senders"]
 
 #: RFC 5321 4.5.3.1: octets of a local part, and of a domain.
 MAX_LOCAL = 64
@@ -131,6 +134,114 @@ def fit_address(address: str, limit: int) -> str:
     if keep <= 0:
         return address[-limit:]
     return local[len(local) - keep:] + at + domain
+
+
+# ---- plain draws: the same data without the Hypothesis engine -------------------------
+#
+# Callers that run outside Hypothesis (threads and child processes of the concurrency
+# checks) draw from a seeded ``random.Random``: half the time one of the examples above,
+# else data made the way the strategies make it.  The same seed gives the same data.
+
+def _draw_text(rng: random.Random, alphabet: str, lo: int, hi: int) -> str:
+    return "".join(rng.choice(alphabet) for _ in range(rng.randint(lo, hi)))
+
+
+def _draw_local(rng: random.Random) -> str:
+    while True:
+        if rng.random() < 0.7:
+            local = ".".join(_draw_text(rng, _ATEXT + _UTF8, 1, 12)
+                             for _ in range(rng.randint(1, 3)))
+        else:
+            raw = _draw_text(rng, ' abcXY@."\\' + _UTF8, 0, 16)
+            local = '"' + raw.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if _octets(local) <= MAX_LOCAL:
+            return local
+
+
+def _draw_label(rng: random.Random) -> str:
+    if rng.random() < 0.7:
+        label = _draw_text(rng, _LDH, 1, rng.choice((8, 63)))
+        if label[0] == "-":
+            label = "a" + label[1:]
+        return label[:-1] + "Z" if label[-1] == "-" else label
+    return _draw_text(rng, _UTF8 + "abcXY", 1, 10)
+
+
+def _draw_domain(rng: random.Random) -> str:
+    k = rng.random()
+    if k < 0.05:
+        return "[{}.{}.{}.{}]".format(*(rng.randrange(256) for _ in range(4)))
+    if k < 0.1:
+        return f"[IPv6:{rng.getrandbits(128):x}::1]"
+    while True:
+        name = ".".join(_draw_label(rng) for _ in range(rng.randint(1, 4)))
+        name += rng.choice(("", "", "."))
+        if _octets(name) <= MAX_DOMAIN:
+            return name
+
+
+def draw_address(rng: random.Random) -> str:
+    """An address as ``addresses`` gives them: one of ``EXAMPLES`` or a generated one (a
+    dot-atom or quoted local part, UTF-8 or not, at a domain of LDH or UTF-8 labels, with
+    a trailing dot or not, or an IP literal), within the RFC limits."""
+    if rng.random() < 0.5:
+        return rng.choice(EXAMPLES)
+    return _draw_local(rng) + "@" + _draw_domain(rng)
+
+
+def draw_sender(rng: random.Random) -> str:
+    """A sender: the null sender now and then, else ``draw_address``."""
+    return "" if rng.random() < 0.1 else draw_address(rng)
+
+
+def draw_body(rng: random.Random, *, long_lines: bool = True) -> bytes:
+    """A body as ``bodies`` gives them: pieces of mail (dot lines, bare CR and LF, NUL,
+    bytes that are not UTF-8), random bytes, now and then a line of 998, 1001 or (with
+    ``long_lines``) 70 000 octets, and one of ``ENDINGS``."""
+    parts: list[bytes] = []
+    for _ in range(rng.randint(0, 8)):
+        k = rng.random()
+        if k < 0.6:
+            parts.append(rng.choice(_PIECES))
+        elif k < 0.95:
+            parts.append(rng.randbytes(rng.randint(0, 40)))
+        else:
+            parts.append(_long_line(rng.choice((998, 1001, 70_000) if long_lines
+                                               else (998, 1001))))
+    return b"".join(parts) + rng.choice(ENDINGS)
+
+
+#: Characters a drawn reason is made of: ASCII, CR, LF, NUL, tab, 2- to 4-octet UTF-8,
+#: and forms NFC would change.
+_REASON_CHARS = "abcXYZ 0129.:-<>@\r\n\x00\t" + _UTF8 + "e\u0301\u212b\u00c5\u2603"
+
+
+def draw_reason(rng: random.Random) -> str:
+    """A reason: one of ``REASON_EXAMPLES`` or up to 200 characters of text."""
+    if rng.random() < 0.5:
+        return rng.choice(REASON_EXAMPLES)
+    return _draw_text(rng, _REASON_CHARS, 0, 200)
+
+
+def draw_schedule(rng: random.Random) -> Schedule:
+    """A schedule as ``schedules`` gives them: a time of ``TIMES`` (the past, now, 2038
+    and beyond, the largest) or any up to MAX_SCHEDULE, a count likewise, a reason."""
+    at = rng.choice(TIMES) if rng.random() < 0.5 else rng.randint(0, MAX_SCHEDULE)
+    attempts = rng.choice(COUNTS) if rng.random() < 0.5 else rng.randint(0, MAX_SCHEDULE)
+    return Schedule(at, attempts, draw_reason(rng))
+
+
+#: One message of mail's data that a check reading the queue back can start from, so that
+#: a store getting one of its fields wrong fails on every seed: a decomposed UTF-8
+#: sender (NFC would compose it), recipients with an upper-case local part, the Angstrom
+#: sign (NFC and lower-casing change it) and a domain with a trailing dot, schedules past
+#: 2038 and in the past with reasons of CRLF and decomposed UTF-8, and a body of dot
+#: lines, bare CR and LF, a NUL, a byte that is not UTF-8 and a final CRLF.
+CORPUS_SENDER = "Pe\u0301rez@b.example"
+CORPUS_RCPTS = ("Rcpt@a.example", "\u212bngstr\u00f6m@c.example.")
+CORPUS_SCHEDULES = (Schedule(2**31, 1, "421 4.4.2 Pe\u0301rez\r\ntimed out"),
+                    Schedule(0, 0, "\u212b \u00c5"))
+CORPUS_BODY = b"Subject: corpus\r\n\r\n.\r\n..x\r\nbare\rCR, bare\nLF, \x00, \xff\r\nend\r\n"
 
 
 # ---- what the contract refuses ------------------------------------------------------------
