@@ -5,11 +5,21 @@ worked on at once by several threads sharing one Storage and, when the backend d
 ``Capability.MULTI_PROCESS``, by child processes with Storages of their own.  Each caller
 does a few random operations (``conformance.concurrency.history_workers``) through the
 handles it holds, so they collide on the same entries; then each gives back what it
-holds, and the queue is drained.  The whole recorded history must be linearizable
-against ``spec``'s model (``conformance.concurrency.linearizability``: an exhaustive
+holds (reading its claims back first), and the queue is drained: ``list_domain`` of
+every domain committed to (with ``Capability.DOMAIN_INDEX``; the setup's domains are
+listed before the callers start too), then every entry left claimed, read back and
+sent.  The whole recorded history must be linearizable against
+``spec``'s model (``conformance.concurrency.linearizability``: an exhaustive
 Wing-Gong/Lowe search per entry, bounded; a search that hits its bound makes the check
-an ERROR, never a pass).  Nothing may be left once everything is cleaned up (C8), and a
-body read back must be the one committed (C6).
+an ERROR, never a pass), every schedule handed back being the model's with its reason
+(C5), every listing listing what the model holds (API); nothing may be left once
+everything is cleaned up (C8), and what a read gives back must be what was committed
+(the sender, the recipient and the body, byte for byte: C6).
+
+The data is mail's (``conformance.lockstep.mail_data``): the first message of every
+round is the corpus (a decomposed UTF-8 sender, an upper-case local part, the Angstrom
+sign, a domain with a trailing dot, a schedule past 2038, reasons with CRLF, a body of
+dot lines, bare CR and LF and a final CRLF), the rest is drawn from the round's seed.
 
 Targeted races (backends with ``Capability.IO_SEAM``): ``conformance.concurrency.paused_races``
 stops one caller before each mutating call of its transition and runs a competing call.
@@ -26,7 +36,6 @@ Scenario ids, replayed with ``queue-ref certify FACTORY --scenario ID``:
 from __future__ import annotations
 
 import json
-import random
 import shutil
 import tempfile
 import threading
@@ -36,7 +45,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from conformance.concurrency.history_workers import Worker, WorkerPlan, drain, worker_process
+from conformance.concurrency.history_workers import (
+    Mail,
+    Worker,
+    WorkerPlan,
+    drain,
+    worker_process,
+)
 from conformance.concurrency.linearizability import Recorded, Verdict, check_history
 from conformance.concurrency.paused_races import BY_NAME, RaceRun, run_all, run_race
 from conformance.crashexplore.traced_runs import scratch_base
@@ -46,7 +61,14 @@ from conformance.harness.check_results import CheckResult, Finding, Status, fini
 from conformance.harness.child_process import Child
 from conformance.harness.suite_profiles import QUICK, Profile
 from conformance.harness.suite_profiles import get as get_profile
-from queue_ref.storage import Capability, Schedule
+from conformance.lockstep.mail_data import (
+    CORPUS_BODY,
+    CORPUS_RCPTS,
+    CORPUS_SCHEDULES,
+    CORPUS_SENDER,
+    fit_address,
+)
+from queue_ref.storage import Capability
 
 CHECK = "linearizable"
 #: How often a replay runs a round again to see its failure once more.
@@ -83,22 +105,36 @@ def _workers(backend: Backend, n: int) -> Iterator[list[Child]]:
             c.close()
 
 
+def _domains(history: list[Recorded]) -> list[str]:
+    """The domains of every recipient committed in ``history``, as committed."""
+    return sorted({r.rpartition("@")[2] for rec in history if rec.call == "enqueue"
+                   for r in rec.rcpts})
+
+
 def run_round(backend: Backend, hold: bool, seed: int, rnd: int, threads: int, ops: int,
-              children: list[Child]) -> tuple[list[Recorded], list[tuple[str, str]]]:
-    """One round; its history and the problems seen outside the model."""
+              children: list[Child], domains: bool = False
+              ) -> tuple[list[Recorded], list[tuple[str, str]]]:
+    """One round; its history and the problems seen outside the model.  ``domains``: the
+    backend declares ``Capability.DOMAIN_INDEX``."""
     root = tempfile.mkdtemp(prefix="queue-ref-linearizable-", dir=scratch_base())
     store = backend.open(root)
     errors: list[BaseException] = []
     try:
-        setup = Worker(store, WorkerPlan("setup", 0, 0, hold))
-        rng = random.Random(_plan_seed(seed, rnd, "setup"))
-        for _ in range(2):
-            setup.enqueue(2, [Schedule(rng.randrange(1, 1000)), Schedule(rng.randrange(1, 1000))])
+        setup = Worker(store, WorkerPlan("setup", _plan_seed(seed, rnd, "setup"), 0, hold))
+        limit = store.limits.max_address
+        corpus = Mail(fit_address(CORPUS_SENDER, limit),
+                      tuple(fit_address(r, limit) for r in CORPUS_RCPTS), CORPUS_BODY)
+        setup.enqueue(2, CORPUS_SCHEDULES, corpus)
+        setup.enqueue(2, [setup.draw_schedule(), setup.draw_schedule()])
+        if domains:  # before anyone moves them: each domain lists its entries
+            for d in _domains(setup.history):
+                setup.listing("list_domain", d)
         for k, c in enumerate(children):  # one at a time: opening is no race of this check
-            plan = WorkerPlan(f"p{k}", _plan_seed(seed, rnd, f"p{k}"), ops, hold)
+            plan = WorkerPlan(f"p{k}", _plan_seed(seed, rnd, f"p{k}"), ops, hold, domains)
             c.tell(json.dumps({"root": root, "plan": plan.to_json()}))
             _collect(c, "ready", [])
-        workers = [Worker(store, WorkerPlan(f"t{k}", _plan_seed(seed, rnd, f"t{k}"), ops, hold))
+        workers = [Worker(store, WorkerPlan(f"t{k}", _plan_seed(seed, rnd, f"t{k}"), ops,
+                                            hold, domains))
                    for k in range(threads)]
         line = threading.Barrier(threads + 1)
 
@@ -127,15 +163,16 @@ def run_round(backend: Backend, hold: bool, seed: int, rnd: int, threads: int, o
         history = setup.history + [r for w in workers for r in w.history] + _ops(got)
         for w in workers:
             history += w.finish()
-        problems = [p for w in workers for p in w.problems]
+        problems = setup.problems + [p for w in workers for p in w.problems]
         for c in children:
             c.tell("finish")
             msgs: list[dict[str, Any]] = []
             _collect(c, "closed", msgs)
             history += _ops(msgs)
             problems += [(cl, d) for m in msgs for cl, d in m.get("problems", ())]
-        left = drain(store, hold)
+        left = drain(store, hold, _domains(history))
         history += left.history
+        problems += left.problems
         fp = store.footprint()
         if fp.objects or fp.bytes:
             problems.append(("C8", f"after every caller finished and the queue was drained, "
@@ -155,8 +192,10 @@ def _judge_round(history: list[Recorded], problems: list[tuple[str, str]], verdi
                  scenario: str) -> list[Finding]:
     out = [Finding(c, d, scenario, NO_CRASH) for c, d in problems + _errors_of(history)]
     if verdict.linearizable is False:
-        out.append(Finding(verdict.clause, f"the history is not linearizable: {verdict.detail}",
-                           scenario, NO_CRASH, verdict.lines))
+        what = ("a read gave back other data than committed" if verdict.clause == "C6"
+                else "the history is not linearizable")
+        out.append(Finding(verdict.clause, f"{what}: {verdict.detail}", scenario, NO_CRASH,
+                           verdict.lines))
     return out
 
 
@@ -175,6 +214,7 @@ def run(backend: Backend, profile: Profile, seed: int,
         capabilities: frozenset[Capability]) -> CheckResult:
     start = time.perf_counter()
     hold = Capability.HOLD in capabilities
+    domains = Capability.DOMAIN_INDEX in capabilities
     procs = profile.linearizable_processes if Capability.MULTI_PROCESS in capabilities else 0
     findings: list[Finding] = []
     unknown: list[str] = []
@@ -187,7 +227,7 @@ def run(backend: Backend, profile: Profile, seed: int,
         for rnd in range(profile.linearizable_rounds):
             history, problems = run_round(backend, hold, seed, rnd,
                                           profile.linearizable_threads,
-                                          profile.linearizable_ops, children)
+                                          profile.linearizable_ops, children, domains)
             verdict = check_history(history, profile.linearizable_bound)
             stats["rounds"] += 1
             stats["histories"] += 1
@@ -243,7 +283,8 @@ def replay(backend: Backend, scenario: str) -> list[Finding]:
     with _workers(backend, procs) as children:
         for _ in range(REPLAY_TRIES):
             history, problems = run_round(backend, hold, seed, rnd, prof.linearizable_threads,
-                                          prof.linearizable_ops, children)
+                                          prof.linearizable_ops, children,
+                                          Capability.DOMAIN_INDEX in caps)
             found = _judge_round(history, problems,
                                  check_history(history, prof.linearizable_bound), scenario)
             if found:

@@ -2,14 +2,26 @@
 
 A ``Worker`` is one caller (a thread of the parent, or a child process with a Storage of
 its own).  Its choices come from its plan's seed: which operation next, which of the
-entries it holds a handle for, which schedule.  It acts only through handles it holds
-(from its listings, its enqueues and its transitions), stale ones included, so callers
-collide on the few entries of the queue.  Every call is recorded with its invocation and
-return times (``time.monotonic_ns``: one clock for every process on Linux) as a
-``Recorded`` of ``conformance.concurrency.linearizability``.
+entries it holds a handle for, and the mail's data.  It acts only through handles it
+holds (from its listings, its enqueues and its transitions), stale ones included, so
+callers collide on the few entries of the queue.  Every call is recorded with its
+invocation and return times (``time.monotonic_ns``: one clock for every process on
+Linux) as a ``Recorded`` of ``conformance.concurrency.linearizability``.
 
-Besides the history a worker reports what no model step shows: a body read back through
-``read_inflight`` that is not the one committed (C6).
+The data is mail's (``conformance.lockstep.mail_data``, drawn with the plan's seeded
+random, no Hypothesis engine): senders and recipients as RFC 5321 and RFC 6531 allow
+them (cut to the backend's ``Limits.max_address``), bodies with and without a final
+CRLF, dot lines, bare CR and LF, schedules in the past, now and far in the future with
+reasons.  An enqueue records what it committed, a ``read_inflight`` what it read (the
+sender, the recipient, its index, the body's size and SHA-256): the linearizability
+check compares the two.  With ``domains`` (``Capability.DOMAIN_INDEX``) a worker also
+calls ``list_domain`` of a domain it committed to or of a drawn address, in a case
+drawn too.
+
+Besides the history a worker reports what no model step shows (``problems``): a read
+that fails, or whose metadata is another entry's or of another size than the body
+read (C6), a commit whose handles do not carry the schedules committed (C5), a schedule whose fields
+are not plain ints and a str (C5).
 
 ``worker_process`` is the body of a child process: it serves one round after another
 (open the queue named, wait at the start line, run, finish, close) over its channel.
@@ -20,14 +32,23 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from conformance.concurrency.linearizability import Recorded, Sched
+from conformance.concurrency.linearizability import READ, Recorded, Sched, body_token
 from conformance.harness.backend_factory import Backend
 from conformance.harness.child_process import Channel
+from conformance.lockstep.field_compare import schedule_diff
+from conformance.lockstep.mail_data import (
+    draw_address,
+    draw_body,
+    draw_schedule,
+    draw_sender,
+    fit_address,
+)
 from queue_ref.storage import (
+    Capability,
     Handle,
     HeldMail,
     InflightMail,
@@ -45,6 +66,7 @@ WEIGHTS: dict[str, int] = {
     "cleanup": 2, "list_queue": 2, "find_pending_cleanup": 1, "enqueue": 1, "read": 1,
 }
 HOLD_WEIGHTS: dict[str, int] = {"hold": 1, "release": 1, "list_held": 1, "drop_held": 1}
+DOMAIN_WEIGHTS: dict[str, int] = {"list_domain": 1}
 TAKES: dict[str, type[Handle]] = {
     "send_start": QueuedMail, "reschedule": QueuedMail, "drop": QueuedMail, "hold": QueuedMail,
     "send_cancel": InflightMail, "send_done": InflightMail, "read": InflightMail,
@@ -56,11 +78,16 @@ REFILL: dict[type[Handle], str] = {
     HeldMail: "list_held",
 }
 CHANGES_SCHEDULE = frozenset({"reschedule", "send_cancel"})
+LISTING_CALLS = frozenset({"list_queue", "find_pending_cleanup", "list_held", "list_domain"})
 
 
-def body_for(mail_from: str) -> bytes:
-    """The body every message of these checks carries, told by its sender."""
-    return f"Subject: race\r\n\r\nfrom {mail_from}\r\n".encode() * 3
+@dataclass(frozen=True)
+class Mail:
+    """What one enqueue commits: the sender, the recipients' addresses, the body."""
+
+    mail_from: str
+    rcpts: tuple[str, ...]
+    body: bytes
 
 
 @dataclass(frozen=True)
@@ -69,13 +96,10 @@ class WorkerPlan:
     seed: int
     ops: int
     hold: bool = False
+    domains: bool = False  # the backend declares Capability.DOMAIN_INDEX
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _sched(s: Schedule) -> Sched:
-    return (s.at, s.attempts)
 
 
 class Worker:
@@ -89,8 +113,10 @@ class Worker:
         self.problems: list[tuple[str, str]] = []  # (clause, detail) seen outside the model
         self.held: dict[type[Handle], dict[str, Handle]] = {
             t: {} for t in (QueuedMail, InflightMail, PendingCleanupMail, HeldMail)}
-        self._enqueued = 0
-        ops = dict(WEIGHTS, **(HOLD_WEIGHTS if plan.hold else {}))
+        self.limit = store.limits.max_address
+        self.domains: list[str] = []  # domains of the recipients it committed
+        ops = dict(WEIGHTS, **(HOLD_WEIGHTS if plan.hold else {}),
+                   **(DOMAIN_WEIGHTS if plan.domains else {}))
         self._names = list(ops)
         self._weights = list(ops.values())
 
@@ -116,37 +142,87 @@ class Worker:
     def _keep(self, h: Handle) -> None:
         self.held[type(h)][h.entry_id] = h
 
+    def _sched(self, s: Schedule, where: str) -> Sched:
+        """``s`` as the history records it; a schedule whose fields are not a plain int,
+        int and str (a bool, a float, a subclass) is a problem of its own (C5)."""
+        at, attempts, reason = s.at, s.attempts, s.reason
+        if not (type(at) is int and type(attempts) is int and type(reason) is str):
+            self.problems.append(("C5", f"{self.plan.name}: {where} gave a schedule of "
+                                        f"{type(at).__name__}, {type(attempts).__name__}, "
+                                        f"{type(reason).__name__}: {s!r}"[:600]))
+            return (int(at), int(attempts), str(reason))
+        return (at, attempts, reason)
+
+    # ---- the data ----------------------------------------------------------------------------
+
+    def draw_mail(self, n_rcpts: int) -> Mail:
+        """A message of mail's data, addresses cut to the backend's limit."""
+        rng = self.rng
+        return Mail(fit_address(draw_sender(rng), self.limit),
+                    tuple(fit_address(draw_address(rng), self.limit) for _ in range(n_rcpts)),
+                    draw_body(rng))
+
+    def draw_domain(self) -> str:
+        """A domain to ask ``list_domain`` for: of a recipient it committed, or of a drawn
+        address; as it is, upper- or lower-cased (domains compare lower-cased)."""
+        rng = self.rng
+        if self.domains and rng.random() < 0.6:
+            domain = rng.choice(self.domains)
+        else:
+            domain = draw_address(rng).rpartition("@")[2]
+        form = rng.randrange(3)
+        return domain if form == 0 else domain.upper() if form == 1 else domain.lower()
+
     # ---- the calls -----------------------------------------------------------------------------
 
-    def enqueue(self, n_rcpts: int, schedules: list[Schedule]) -> list[QueuedMail]:
-        mail_from = f"{self.plan.name}.{self._enqueued}@example.org"
-        self._enqueued += 1
+    def enqueue(self, n_rcpts: int, schedules: Sequence[Schedule],
+                mail: Mail | None = None) -> list[QueuedMail]:
+        """Commit ``mail`` (drawn when None) to its first ``n_rcpts`` recipients with
+        ``schedules``; the body is written in pieces."""
+        if mail is None:
+            mail = self.draw_mail(n_rcpts)
+        rcpts = [Recipient(mail.rcpts[i], schedules[i]) for i in range(n_rcpts)]
+        body = mail.body
+        piece = max(self.rng.choice((1, 7, 512, 65536)), len(body) // 64, 1)
 
         def commit() -> list[QueuedMail]:
-            with self.store.enqueue(mail_from) as enq:
-                enq.write(body_for(mail_from))
-                return enq.commit([Recipient(f"r{i}@example.net", schedules[i])
-                                   for i in range(n_rcpts)])
+            with self.store.enqueue(mail.mail_from) as enq:
+                for k in range(0, len(body), piece):
+                    enq.write(body[k:k + piece])
+                return enq.commit(rcpts)
 
         got, err, t0, t1 = self._record(commit)
         if err is not None:
             self._error("enqueue", err, t0, t1)
             return []
-        self.history.append(Recorded(self.plan.name, "enqueue", t0, t1, "moved",
-                                     entries=tuple(h.entry_id for h in got),
-                                     schedules=tuple(_sched(s) for s in schedules[:n_rcpts])))
+        self.history.append(Recorded(
+            self.plan.name, "enqueue", t0, t1, "moved", entries=tuple(h.entry_id for h in got),
+            schedules=tuple(self._sched(r.schedule, "the caller") for r in rcpts),
+            mail_from=mail.mail_from, rcpts=tuple(r.address for r in rcpts),
+            body=body_token(body)))
+        self.domains.extend(r.address.rpartition("@")[2] for r in rcpts)
+        if len(got) != len(rcpts):
+            self.problems.append(("C2", f"{self.plan.name}: a commit of {len(rcpts)} recipients "
+                                        f"returned {len(got)} handles"))
+        for i, (h, r) in enumerate(zip(got, rcpts, strict=False)):
+            diff = schedule_diff(h.schedule, r.schedule)
+            if diff is not None:
+                self.problems.append(("C5", f"{self.plan.name}: commit returned for recipient "
+                                            f"{i} ({h.entry_id}) a handle whose {diff}"))
         for h in got:
             self._keep(h)
         return list(got)
 
-    def listing(self, call: str) -> list[Handle]:
-        got, err, t0, t1 = self._record(lambda: list(getattr(self.store, call)()))
+    def listing(self, call: str, arg: str | None = None) -> list[Handle]:
+        fn = getattr(self.store, call)
+        got, err, t0, t1 = self._record(lambda: list(fn() if arg is None else fn(arg)))
         if err is not None:
             self._error(call, err, t0, t1)
             return []
         self.history.append(Recorded(self.plan.name, call, t0, t1, "listed",
                                      entries=tuple(h.entry_id for h in got),
-                                     schedules=tuple(_sched(h.schedule) for h in got)))
+                                     schedules=tuple(self._sched(h.schedule, call) for h in got),
+                                     arg=arg or ""))
         for h in got:
             self._keep(h)
         return list(got)
@@ -154,7 +230,7 @@ class Worker:
     def transition(self, call: str, h: Handle, schedule: Schedule | None = None) -> Any:
         self.held[type(h)].pop(h.entry_id, None)
         fn = getattr(self.store, call)
-        arg = None if schedule is None else _sched(schedule)
+        arg = None if schedule is None else self._sched(schedule, "the caller")
         got, err, t0, t1 = self._record(lambda: fn(h) if schedule is None else fn(h, schedule))
         if err is not None:
             self._error(call, err, t0, t1, h.entry_id, arg)
@@ -162,39 +238,55 @@ class Worker:
         moved = got is not None and got is not False
         self.history.append(Recorded(
             self.plan.name, call, t0, t1, "moved" if moved else "vanished", h.entry_id, arg,
-            _sched(got.schedule) if isinstance(got, Handle) else None))
+            self._sched(got.schedule, call) if isinstance(got, Handle) else None))
         if isinstance(got, Handle):
             self._keep(got)
         return got
 
     def read(self, h: InflightMail) -> None:
-        """Read the body back (not part of the history): it must be the one committed."""
+        """Read the entry back: what it read goes into the history (compared there with
+        what its enqueue committed); a failure, or metadata of another entry or of another
+        body size than read, is a problem here.  (``meta.schedule`` is not compared: a
+        transition that wrongly succeeded beside the claim, C7, may have changed it.)"""
+        t0 = time.monotonic_ns()
         try:
             with self.store.read_inflight(h) as r:
-                body, sender = r.read_all(), r.meta.mail_from
+                body, meta = r.read_all(), r.meta
         except Exception as e:
             self.problems.append(("C6", f"{self.plan.name}: read_inflight of {h.entry_id}, "
                                         f"which it holds, raised {type(e).__name__}: {e}"))
             return
-        if body != body_for(sender):
-            self.problems.append(("C6", f"{self.plan.name}: read_inflight of {h.entry_id} gave "
-                                        f"{len(body)} bytes that are not the body committed"))
+        t1 = time.monotonic_ns()
+        who = f"{self.plan.name}: read_inflight of {h.entry_id}"
+        if meta.entry_id != h.entry_id:
+            self.problems.append(("C6", f"{who} gave the metadata of entry {meta.entry_id}"))
+        if meta.body_size != len(body):
+            self.problems.append(("C6", f"{who} gave meta.body_size {meta.body_size} with a "
+                                        f"body of {len(body)} octets"))
+        self.history.append(Recorded(
+            self.plan.name, READ, t0, t1, "read", h.entry_id,
+            mail_from=meta.mail_from, rcpts=(meta.rcpt,), body=body_token(bytes(body)),
+            index=meta.rcpt_index))
 
     # ---- the plan ------------------------------------------------------------------------------
 
-    def _schedule(self) -> Schedule:
-        return Schedule(self.rng.randrange(1, 10**6), self.rng.randrange(0, 5))
+    def draw_schedule(self) -> Schedule:
+        """A schedule of mail's data (``mail_data.draw_schedule``), with a reason."""
+        return draw_schedule(self.rng)
 
     def step(self) -> None:
         """One drawn operation (or the listing that gets a handle it needs)."""
         name = self.rng.choices(self._names, self._weights)[0]
         slot = self.rng.randrange(1 << 16)
-        schedule = self._schedule()
+        schedule = self.draw_schedule()
         if name == "enqueue":
             n = 1 + self.rng.randrange(2)
-            self.enqueue(n, [schedule, self._schedule()])
+            self.enqueue(n, [schedule, self.draw_schedule()])
             return
-        if name in ("list_queue", "find_pending_cleanup", "list_held"):
+        if name == "list_domain":
+            self.listing(name, self.draw_domain())
+            return
+        if name in LISTING_CALLS:
             self.listing(name)
             return
         want = TAKES[name]
@@ -223,26 +315,37 @@ class Worker:
         return self.history
 
     def finish(self) -> list[Recorded]:
-        """Give back what it holds: claims sent or put back, retired entries cleaned up."""
+        """Give back what it holds: claims read back, then sent or put back; retired
+        entries cleaned up."""
         start = len(self.history)
         for entry in sorted(self.held[InflightMail]):
             h = self.held[InflightMail][entry]
+            assert isinstance(h, InflightMail)
+            self.read(h)
             if self.rng.random() < 0.5:
                 self.transition("send_done", h)
             else:
-                self.transition("send_cancel", h, self._schedule())
+                self.transition("send_cancel", h, self.draw_schedule())
         for entry in sorted(self.held[PendingCleanupMail]):
             self.transition("cleanup", self.held[PendingCleanupMail][entry])
         return self.history[start:]
 
 
-def drain(store: Storage, hold: bool) -> Worker:
-    """Retire and clean up everything left (recorded by a worker named ``drain``), then
-    list once more: every listing must be empty."""
+def drain(store: Storage, hold: bool, domains: Iterable[str] = ()) -> Worker:
+    """List each of ``domains`` (as committed and upper-cased) where the backend declares
+    a domain index, then deliver everything left, reading each entry back (claim, read,
+    ``send_done``), retire what is held, and clean up (recorded by a worker named
+    ``drain``); then list once more: every listing must be empty."""
     w = Worker(store, WorkerPlan("drain", 0, 0, hold))
+    if Capability.DOMAIN_INDEX in store.capabilities:
+        for form in dict.fromkeys(f for d in domains for f in (d, d.upper())):
+            w.listing("list_domain", form)
     for h in w.listing("list_queue"):
         assert isinstance(h, QueuedMail)
-        w.transition("drop", h)
+        f = w.transition("send_start", h)
+        if isinstance(f, InflightMail):
+            w.read(f)
+            w.transition("send_done", f)
     if hold:
         for h in w.listing("list_held"):
             w.transition("drop_held", h)

@@ -36,10 +36,23 @@ What the contract asks of concurrent callers beyond one model step per call (C7)
   ``find_pending_cleanup``) cleaned up before the call returned may carry any schedule
   on its PendingCleanupMail: the entry is gone, and the filesystem queue reads the
   schedule back after its move.
+
+What is compared, byte for byte: every schedule a call hands back (a transition's
+handle, each handle of ``list_queue``, ``list_domain`` and ``list_held``) against the
+model's, time, count and ``reason`` (the model's schedules carry the reasons the calls
+gave), a mismatch being C5 (not ``find_pending_cleanup``'s: a retired entry's schedule
+is never used again, and the filesystem queue, listing an entry another caller is
+retiring or cleaning up, may read an older one); ``list_domain(d)`` is a listing of
+the QUEUED entries whose recipient's domain (after the last ``@``) is ``d`` lower-cased,
+and lists no entry of another domain (API); a ``read_inflight`` recorded in the history
+(the sender, the recipient, its index and the body's size and SHA-256 read back) must be
+what the entry's enqueue committed (C6).  Reads and the committed data are compared
+without the search: an entry's envelope and body never change.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,18 +63,47 @@ from spec.states import TABLE, EntryState, Op, Outcome
 #: The listings a history records, and the state each lists.
 LISTINGS: dict[str, EntryState] = {
     "list_queue": EntryState.QUEUED,
+    "list_domain": EntryState.QUEUED,
     "find_pending_cleanup": EntryState.PENDING_CLEANUP,
     "list_held": EntryState.HELD,
 }
+#: A read of an INFLIGHT entry's envelope and body (compared with its enqueue's data).
+READ = "read_inflight"
 #: The transitions a history records, by the name of the Storage method.
 TRANSITIONS: dict[str, Op] = {op.value: op for op in Op if op is not Op.ENQUEUE}
 #: The operations that retire an entry (after them it is never delivered: C3).
 RETIRING = frozenset({Op.SEND_DONE, Op.DROP, Op.DROP_HELD})
 #: Which clause to name first when several calls cannot be linearized.
-PRIORITY = ("C7", "C3", "C2", "C14", "C5", "API")
+PRIORITY = ("C7", "C3", "C2", "C14", "C6", "C5", "API")
 NEVER = 2**63  # the return time of a call that raised: it may take effect at any time
 
-Sched = tuple[int, int]
+#: A schedule as a history records it: (at, attempts, reason); (at, attempts) is one
+#: whose reason is "".
+Sched = tuple[int, int] | tuple[int, int, str]
+
+
+def body_token(body: bytes) -> str:
+    """A body as a history records it: its size and SHA-256 (equal only for the same
+    octets)."""
+    return f"{len(body)}:{hashlib.sha256(body).hexdigest()}"
+
+
+def _shown_sched(s: Sched | Schedule | None) -> str:
+    """A schedule for a report: ``at=T/N``, and its reason in ASCII escapes, cut."""
+    if s is None:
+        return "none"
+    at, attempts, reason = ((s.at, s.attempts, s.reason) if isinstance(s, Schedule)
+                            else (s[0], s[1], s[2] if len(s) > 2 else ""))
+    shown = f"at={at}/{attempts}"
+    if reason:
+        r = ascii(reason)
+        shown += f" reason={r[:60]}{'...' if len(r) > 60 else ''}"
+    return shown
+
+
+def _shown_body(token: str) -> str:
+    size, _, digest = token.partition(":")
+    return f"{size} octets (sha256 {digest[:12]})"
 
 
 @dataclass(frozen=True)
@@ -69,9 +111,13 @@ class Recorded:
     """One call of a history.
 
     ``outcome`` is ``moved`` (a handle, or True from cleanup), ``vanished`` (None, or
-    False from cleanup), ``listed`` (a listing) or ``error``.  ``entries`` are the entries
-    an enqueue created (in recipient order) or those a listing gave, ``schedules`` their
-    schedules (an enqueue's recipients', a listing's handles').
+    False from cleanup), ``listed`` (a listing), ``read`` (``read_inflight``) or
+    ``error``.  ``entries`` are the entries an enqueue created (in recipient order) or
+    those a listing gave, ``schedules`` their schedules (an enqueue's recipients', a
+    listing's handles').  An enqueue records what it committed (``mail_from``, the
+    recipients' addresses ``rcpts``, ``body`` as ``body_token``); a read what it read
+    (``mail_from``, ``rcpts`` of one address, ``index`` the recipient's, ``body``);
+    ``arg`` is the domain ``list_domain`` was asked for.
     """
 
     worker: str
@@ -85,21 +131,33 @@ class Recorded:
     entries: tuple[str, ...] = ()
     schedules: tuple[Sched, ...] = ()
     error: str = ""
+    mail_from: str = ""
+    rcpts: tuple[str, ...] = ()
+    body: str = ""
+    arg: str = ""
+    index: int = -1
 
     def to_json(self) -> dict[str, Any]:
         return {"w": self.worker, "c": self.call, "i": self.invoke_ns, "r": self.response_ns,
                 "o": self.outcome, "e": self.entry, "s": self.schedule,
                 "g": self.got_schedule, "es": list(self.entries),
-                "ss": [list(s) for s in self.schedules], "x": self.error}
+                "ss": [list(s) for s in self.schedules], "x": self.error,
+                "f": self.mail_from, "rc": list(self.rcpts), "b": self.body, "a": self.arg,
+                "ix": self.index}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Recorded:
         def sched(v: Any) -> Sched | None:
-            return None if v is None else (int(v[0]), int(v[1]))
+            if v is None:
+                return None
+            return (int(v[0]), int(v[1])) if len(v) < 3 else (int(v[0]), int(v[1]), str(v[2]))
 
+        scheds = tuple(sched(v) for v in d.get("ss", ()))
         return cls(d["w"], d["c"], int(d["i"]), int(d["r"]), d["o"], d.get("e", ""),
                    sched(d.get("s")), sched(d.get("g")), tuple(d.get("es", ())),
-                   tuple((int(a), int(b)) for a, b in d.get("ss", ())), d.get("x", ""))
+                   tuple(s for s in scheds if s is not None), d.get("x", ""),
+                   d.get("f", ""), tuple(d.get("rc", ())), d.get("b", ""), d.get("a", ""),
+                   int(d.get("ix", -1)))
 
     @property
     def returns_ns(self) -> int:
@@ -112,15 +170,24 @@ class Recorded:
         when = f"[{(self.invoke_ns - t0) / 1e6:.3f}..{(self.response_ns - t0) / 1e6:.3f} ms]"
         if self.call == "enqueue":
             what = f"enqueue -> {', '.join(self.entries) or '?'}"
+            if self.rcpts:
+                what += (f" (from {ascii(self.mail_from)[:80]} to "
+                         f"{', '.join(ascii(r)[:80] for r in self.rcpts)}, "
+                         f"{_shown_body(self.body)})")
+        elif self.call == READ:
+            what = (f"{READ}({self.entry}) -> from {ascii(self.mail_from)[:80]} to "
+                    f"{ascii(self.rcpts[0] if self.rcpts else '')[:80]} [{self.index}], "
+                    f"{_shown_body(self.body)}")
         elif self.call in LISTINGS:
-            what = f"{self.call} -> [{', '.join(self.entries)}]"
+            arg = ascii(self.arg) if self.call == "list_domain" else ""
+            what = f"{self.call}({arg}) -> [{', '.join(self.entries)}]"
         else:
-            arg = "" if self.schedule is None else f", at={self.schedule[0]}/{self.schedule[1]}"
+            arg = "" if self.schedule is None else f", {_shown_sched(self.schedule)}"
             answers = ({"moved": "True", "vanished": "False"} if self.call == "cleanup"
                        else {"moved": "handle", "vanished": "None"})
             got = answers.get(self.outcome, self.outcome)
             if self.got_schedule is not None:
-                got += f" at={self.got_schedule[0]}/{self.got_schedule[1]}"
+                got += f" {_shown_sched(self.got_schedule)}"
             what = f"{self.call}({self.entry}{arg}) -> {got}"
         if self.error:
             what += f" ({self.error})"
@@ -171,7 +238,27 @@ class _Part:
 
 
 def _sched(s: Sched | None) -> Schedule | None:
-    return None if s is None else Schedule(s[0], s[1])
+    return None if s is None else Schedule(*s)
+
+
+def _domain(address: str) -> str:
+    """The domain ``list_domain`` finds an address under: after its last ``@`` (the whole
+    address without one), lower-cased."""
+    return address.rpartition("@")[2].lower()
+
+
+def _read_diff(read: Recorded, enq: Recorded, i: int) -> str | None:
+    """How what ``read`` read differs from what ``enq`` committed for its recipient ``i``
+    (None: not at all)."""
+    rcpt = read.rcpts[0] if len(read.rcpts) == 1 else None
+    for name, got, want in (("meta.mail_from", read.mail_from, enq.mail_from),
+                            ("meta.rcpt", rcpt, enq.rcpts[i]),
+                            ("meta.rcpt_index", read.index, i)):
+        if not (type(got) is type(want) and got == want):
+            return f"{name} is {ascii(got)[:300]}, committed {ascii(want)[:300]}"
+    if read.body != enq.body:
+        return f"the body read is {_shown_body(read.body)}, committed {_shown_body(enq.body)}"
+    return None
 
 
 def _parts(history: Sequence[Recorded]) -> tuple[list[_Part], list[tuple[str, str, str]]]:
@@ -184,10 +271,23 @@ def _parts(history: Sequence[Recorded]) -> tuple[list[_Part], list[tuple[str, st
                 made[e] = (rec, i)
     parts: dict[str, _Part] = {}
     for e, (rec, i) in made.items():
-        rcpts = tuple((f"r{j}", Schedule(*s)) for j, s in enumerate(rec.schedules))
+        names = rec.rcpts if len(rec.rcpts) == len(rec.schedules) else \
+            tuple(f"r{j}" for j in range(len(rec.schedules)))
+        rcpts = tuple((names[j], Schedule(*s)) for j, s in enumerate(rec.schedules))
         parts[e] = _Part(e, (0, i), rcpts, [_Item(rec)])
     for rec in history:
-        if rec.call in TRANSITIONS and rec.entry:
+        if rec.call == READ and rec.outcome == "read":
+            if rec.entry not in made:
+                static.append(("C2", rec.entry, f"{READ} by {rec.worker} read entry "
+                                                f"{rec.entry}, which no enqueue of the "
+                                                "history created"))
+                continue
+            enq, i = made[rec.entry]
+            diff = _read_diff(rec, enq, i) if enq.rcpts else None
+            if diff is not None:
+                static.append(("C6", rec.entry, f"{READ} of {rec.entry} by {rec.worker}: "
+                                                f"{diff}"))
+        elif rec.call in TRANSITIONS and rec.entry:
             if rec.entry not in parts:
                 static.append(("C2", rec.entry, f"{rec.call} acted on entry {rec.entry}, "
                                                 "which no enqueue of the history created"))
@@ -205,6 +305,14 @@ def _parts(history: Sequence[Recorded]) -> tuple[list[_Part], list[tuple[str, st
                     static.append(("C2", e, f"{rec.call} listed entry {e}, which no enqueue "
                                             "of the history created"))
             for e, part in parts.items():
+                if rec.call == "list_domain":
+                    rcpt = part.rcpts[part.key[1]][0]
+                    if _domain(rcpt) != rec.arg.lower():
+                        if e in seen:
+                            static.append(("API", e, f"list_domain({rec.arg!a}) by "
+                                                     f"{rec.worker} listed entry {e}, whose "
+                                                     f"recipient is {ascii(rcpt)[:300]}"))
+                        continue  # not the domain's: nothing to search
                 part.items.append(_Item(rec, e in seen, seen.get(e)))
     for part in parts.values():
         moving = [it.rec for it in part.items
@@ -385,15 +493,18 @@ def _explain(part: _Part, it: _Item, models: tuple[Model, ...]) -> tuple[str, st
     rec = it.rec
     state, sched = _state(models[0], part.key)
     now = f"the entry is {state.value}" + ("" if sched is None else
-                                           f" (at={sched.at}/{sched.attempts})")
+                                           f" ({_shown_sched(sched)})")
     who = f"{rec.call} by {rec.worker}"
+    if rec.call == "list_domain":
+        who = f"list_domain({rec.arg!a}) by {rec.worker}"
     if rec.call in LISTINGS:
         want = LISTINGS[rec.call]
         if not it.listed:
             return "API", (f"{who} left out entry {part.entry}, {now}, and no other call "
                            "moved it meanwhile")
         if state is want:
-            return "C5", f"{who} listed {part.entry} with schedule {it.listed_schedule}, {now}"
+            return "C5", (f"{who} listed {part.entry} with schedule "
+                          f"{_shown_sched(it.listed_schedule)}, {now}")
         if state is EntryState.INFLIGHT:
             return "C7", f"{who} listed {part.entry} as {want.value} while it is claimed"
         if state in (EntryState.PENDING_CLEANUP, EntryState.GONE):
@@ -411,8 +522,8 @@ def _explain(part: _Part, it: _Item, models: tuple[Model, ...]) -> tuple[str, st
                        "moved it meanwhile")
     _, outcome = models[0].apply(op, part.key, _sched(rec.schedule))
     if outcome is Outcome.MOVED:
-        return "C5", (f"{who} on {part.entry} returned schedule {rec.got_schedule}, "
-                      f"but {now} before it")
+        return "C5", (f"{who} on {part.entry} returned schedule "
+                      f"{_shown_sched(rec.got_schedule)}, but {now} before it")
     if state is EntryState.ABSENT:
         return "C2", f"{who} on {part.entry} succeeded before its enqueue could have committed"
     if state in (EntryState.PENDING_CLEANUP, EntryState.GONE) and op is not Op.CLEANUP:
@@ -449,7 +560,8 @@ def check_history(history: Sequence[Recorded], bound: int = 200_000) -> Verdict:
             clause, detail = min(found, key=lambda f: PRIORITY.index(f[0]))
             shown = sorted((it.rec for it in part.items
                             if it.rec.call not in LISTINGS or it.listed
-                            or it.rec.call == "list_queue"), key=lambda r: r.invoke_ns)
+                            or it.rec.call in ("list_queue", "list_domain")),
+                           key=lambda r: r.invoke_ns)
             lines = tuple(r.describe(t0) for r in shown)
             return Verdict(False, clause, detail, part.entry, lines, total, len(parts), calls)
     contended = sum(it.may_vanish for p in parts for it in p.items

@@ -150,7 +150,10 @@ def _act(w: Worker, call: str, entry: str, io: FaultyIO) -> Callable[[], object]
     if call == "list_queue":
         return lambda: w.listing("list_queue")
     h = _entry(w, _TAKES[call], entry)
-    sched = Schedule(777, 3) if w.plan.name == "A" else Schedule(555, 2)
+    # A's and B's schedules differ in every field, the reason too: one with A's time
+    # and B's reason (or none) is no schedule either set (C5)
+    sched = (Schedule(777, 3, "A: 421 4.7.0 try later\r\n") if w.plan.name == "A"
+             else Schedule(555, 2, "B: 451 \u212b"))
     arg = sched if call in ("reschedule", "send_cancel") else None
 
     def act() -> object:
@@ -193,7 +196,8 @@ def run_race(backend: Backend, race: Race, k: int, bound: int) -> RaceRun:
     errors: list[BaseException] = []
     try:
         setup = Worker(store, WorkerPlan("setup", 0, 0, race.hold))
-        mails = setup.enqueue(2, [Schedule(100, 0), Schedule(200, 1)])
+        mails = setup.enqueue(2, [Schedule(100, 0, "first Pe\u0301rez"),
+                                  Schedule(200, 1, "452 4.2.2 full\r\n")])
         if len(mails) != 2:
             raise RuntimeError(f"race setup: the enqueue failed: {setup.history[-1].error}")
         a = Worker(store, WorkerPlan("A", 1, 0, race.hold))
@@ -226,7 +230,7 @@ def run_race(backend: Backend, race: Race, k: int, bound: int) -> RaceRun:
             store_b.close()
         left = drain(store, race.hold)
         fp = store.footprint()
-        problems = a.problems + b.problems
+        problems = setup.problems + a.problems + b.problems + left.problems
         if not race.other:  # B's own Storage works outside the seam: no whole trace
             problems += _sync_cover(io)
         if fp.objects or fp.bytes:
