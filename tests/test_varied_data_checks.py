@@ -1,4 +1,4 @@
-"""Mail as varied as real mail in the linearizable check.
+"""Mail as varied as real mail in the linearizable and lifecycle-edges checks.
 
 * the plain draws of ``conformance/lockstep/mail_data.py`` (what the history workers use,
   outside Hypothesis) are deterministic from their seed and within the contract, and
@@ -8,8 +8,9 @@
   sender, recipient, index and body against its enqueue's (C6), every schedule with its
   reason (C5), ``list_domain`` against the model's entries of the domain (API);
 * the broken variants of ``conformance/examples/broken_mail_data.py`` fail the
-  linearizable check on one round (seed 1, as ``queue-ref certify --seed 1`` derives it);
-  the backends they break pass the same round.
+  linearizable check on one round (seed 1, as ``queue-ref certify --seed 1`` derives it)
+  and, where they apply (the multi-process filesystem ones), a trial of lifecycle-edges;
+  the backends they break pass the same runs.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from dataclasses import replace
 import pytest
 
 from conformance.certify.suite_runner import check_seed
-from conformance.checks import linearizability_check
+from conformance.checks import lifecycle_edges_check, linearizability_check
+from conformance.checks.lifecycle_edges_judge import Run, Trial, judge_trial
 from conformance.concurrency.linearizability import Recorded, body_token, check_history
+from conformance.crashexplore.recovered_queue import Recovered, RecoveredEntry
 from conformance.examples import broken_mail_data
 from conformance.harness.backend_factory import Backend
 from conformance.harness.check_results import CheckResult, Status
@@ -37,9 +40,12 @@ from conformance.lockstep.mail_data import (
 from queue_ref.storage import (
     MAX_SCHEDULE,
     Capability,
+    Schedule,
     validate_address,
     validate_schedule,
 )
+from spec.model import Model
+from spec.states import Op
 
 # ---- the plain draws ---------------------------------------------------------------------
 
@@ -192,3 +198,50 @@ def test_the_linearizable_check_fails_each_variant(variant: str) -> None:
 def test_the_backends_the_variants_break_pass_the_same_round(factory: str) -> None:
     res = _linearizable(Backend.from_factory(factory), 1)
     assert res.status is Status.PASS, [(f.clause, f.detail, f.steps) for f in res.findings]
+
+
+#: The multi-process variants (the filesystem queue's), and what lifecycle-edges finds
+#: when two recoveries run at once (the observer reads back every entry it claimed).
+EDGES = {
+    "fs_local_part_lowered": ({"C6"}, "meta.rcpt"),
+    "fs_far_future_unlisted": ({"API", "C1", "C8"}, "did not list the queued entries"),
+    "fs_body_final_crlf_stripped": ({"C6"}, "other bytes than committed"),
+}
+EDGES_TRIAL = "lifecycle-edges:open:pair:0"
+
+
+@pytest.mark.parametrize("variant", sorted(EDGES))
+def test_a_lifecycle_edges_trial_fails_each_variant_it_can_run(variant: str) -> None:
+    clauses, words = EDGES[variant]
+    backend = Backend.from_factory(getattr(broken_mail_data, variant), variant)
+    found = lifecycle_edges_check.replay(backend, EDGES_TRIAL)
+    assert found and {f.clause for f in found} <= clauses, found
+    assert any(words in f.detail for f in found), [f.detail for f in found]
+
+
+def test_the_filesystem_queue_passes_that_trial() -> None:
+    fs = Backend.from_factory("conformance.examples.backends:fs")
+    with lifecycle_edges_check.Bench(fs, seam=True) as bench:
+        out = lifecycle_edges_check.run_trial(bench, Trial("open", "pair", 0))
+    assert out.stopped and out.findings == [], out.findings
+
+
+def test_the_lifecycle_judge_compares_reasons() -> None:
+    """A claim whose handle lost its schedule's reason is C5 (a listing's too)."""
+    r = Run()
+    r.model, _ = Model().enqueue("P\u00e9rez@b.example", b"x\r\n",
+                                 [("Rcpt@a.example", Schedule(5, 1, "why\r\n"))])
+    r.msgids["m0"] = 0
+    r.keys["m0.0"] = (0, 0)
+    seen = {"observed": True, "listed": ["m0.0"], "adopted": {},
+            "listed_schedules": {"m0.0": [5, 1, "why"]}, "claimed": {"m0.0": [5, 1, ""]}}
+    after, _ = r.model.apply(Op.SEND_START, (0, 0))
+    rec = Recovered(tuple(RecoveredEntry("m0", "m0.0", 0, "Rcpt@a.example", "P\u00e9rez@b.example",
+                                         m.digest, e.schedule, e.state)
+                          for (mid, _i), e in after.restart().entries.items()
+                          for m in [after.messages[mid]]))
+    found = judge_trial(r, Trial("send_start", "single", 0), seen, {"moved": False}, None,
+                        {"finished": []}, rec)
+    c5 = [d for c, d in found if c == "C5"]
+    assert any("listed (0, 0)" in d and "reason" in d for d in c5), found
+    assert any("claimed (0, 0)" in d and "reason" in d for d in c5), found

@@ -4,9 +4,20 @@ The *actor* (``actor``) runs one operation of a trial on command and stands stil
 it: at a stop point of its I/O seam (``harness.stop_gate_io``), where it waits for the
 parent's "release", or wherever SIGSTOP finds it once it has said "starting".  The
 *observer* (``observer``) opens the queue on command, calls ``find_inflight``, lists the
-queue and claims every entry it lists; on "finish" it sends what it claimed
-(``send_done``, and ``cleanup`` of every other one).  Both answer with one JSON line per
+queue and claims every entry it lists; on "finish" it reads back and sends what it
+claimed (``send_done``, and ``cleanup`` of every other one).  Both answer with one JSON line per
 step (``harness.child_process``) and are reused from trial to trial.
+
+The queue holds mail's data (``conformance.lockstep.mail_data``): a decomposed UTF-8
+sender and the null sender, upper-case and quoted local parts, the Angstrom sign, UTF-8
+and trailing-dot domains, ``Postmaster``; schedules in the past, at ``2**31 - 1`` and
+beyond it to the largest, with reasons of CRLF, NUL and 2-octet UTF-8; bodies with and
+without a final CRLF, dot lines, bare CR and LF.  The entries the actor works on (and
+its bystander) are due no later than ``2**31 - 1``, the two others after it.  Schedules
+travel as ``[at, attempts, reason]``; what the observer reads back (``read_back``: the
+sender, the recipient, its index, the body's SHA-256 and size, ``meta.body_size``,
+``meta.schedule`` and the handle's) goes to the parent whole, to be compared there with
+what was committed.
 """
 
 from __future__ import annotations
@@ -19,8 +30,15 @@ from typing import Any
 from conformance.harness.backend_factory import Backend
 from conformance.harness.child_process import Channel
 from conformance.harness.stop_gate_io import StopGateIO
+from conformance.lockstep.mail_data import (
+    CORPUS_BODY,
+    CORPUS_RCPTS,
+    CORPUS_SCHEDULES,
+    CORPUS_SENDER,
+    MAX_SCHEDULE,
+)
 from queue_ref.io import OsIO
-from queue_ref.storage import QueueError, Recipient, Schedule, Storage
+from queue_ref.storage import InflightMail, QueueError, Recipient, Schedule, Storage
 from spec.model import EntryKey
 
 CHECK = "lifecycle-edges"
@@ -28,29 +46,41 @@ OPS = ("open", "enqueue", "send_start", "send_done", "send_cancel", "reschedule"
        "cleanup", "hold", "release")
 HOLD_OPS = ("hold", "release")
 TARGETS = ("single", "pair")
+#: The last second a signed 32-bit time_t holds: the actor's entries are due by then.
+TIME_T_MAX = 2**31 - 1
 # The queue every trial starts from: message 0 has two recipients, 1 one, 2 two.
-PREFIX: tuple[tuple[str, tuple[tuple[str, int], ...], bytes], ...] = (
-    ("a@edges.example", (("r0@x.example", 100), ("r1@y.example", 101)),
-     b"Subject: zero\r\n\r\nfirst\r\n"),
-    ("b@edges.example", (("s0@x.example", 110),), b"Subject: one\r\n\r\nsecond\r\n"),
-    ("c@edges.example", (("t0@z.example", 120), ("t1@z.example", 121)),
-     b"Subject: two\r\n\r\nthird\r\n"),
+PREFIX: tuple[tuple[str, tuple[tuple[str, Schedule], ...], bytes], ...] = (
+    (CORPUS_SENDER, ((CORPUS_RCPTS[0], Schedule(0, 0, "first try \u00e9")),
+                     (CORPUS_RCPTS[1], CORPUS_SCHEDULES[0])),
+     CORPUS_BODY),
+    ("", (('"john doe"@A.EXAMPLE.', Schedule(1, 255, "x\x00y\r\rz\n")),),
+     b"Subject: one\r\n\r\n..\r\n.\r\nbare CR\r"),
+    ("\u7528\u6237@\u4f8b\u5b50.\u5e7f\u544a",
+     (("x@B\u00fccher.example", Schedule(MAX_SCHEDULE, MAX_SCHEDULE, "\u00e9" * 500)),
+      ("Postmaster", Schedule(TIME_T_MAX, 2, "421 4.4.2 Pe\u0301rez\r\n"))),
+     b"Subject: two\r\n\r\nbare LF\n\r\n.\r\n"),
 )
 TARGET_KEY: dict[str, EntryKey] = {"single": (1, 0), "pair": (0, 0)}
 BYSTANDER: EntryKey = (2, 1)  # the actor holds it INFLIGHT throughout
-RESCHEDULE = Schedule(500, 1)
-CANCEL = Schedule(600, 2)
+RESCHEDULE = Schedule(TIME_T_MAX, 1, "452 4.2.2 Pe\u0301rez: mailbox full\r\n")
+CANCEL = Schedule(7, 2, "421 4.7.0 \u212b try again later\r\n\x00")
 # The enqueue under test: one recipient and a small body, or two and a body written
-# in several pieces before the commit.
-NEW_SENDER = "n@edges.example"
-NEW_BODY = {"single": b"Subject: new\r\n\r\nsmall\r\n",
+# in several pieces before the commit.  Its recipients' domains are some the queue
+# already holds (in other cases): a new domain's index costs the filesystem queue more
+# steps before the commit point, and the quick profile's sample of stop points would
+# find the window around it less often.
+NEW_SENDER = '"a\\"b"@a.example'
+NEW_BODY = {"single": b"Subject: new\r\n\r\n.\r\nsmall\r\n",
              "pair": b"Subject: new\r\n\r\n" + b"x" * 150_000 + b"\r\n"}
-NEW_RCPTS = {"single": (("u0@x.example", 130),),
-             "pair": (("u0@x.example", 130), ("u1@y.example", 131))}
+NEW_RCPTS: dict[str, tuple[tuple[str, Schedule], ...]] = {
+    "single": (("U0@A.example", Schedule(0, 0, "\u2603")),),
+    "pair": (("U0@A.example", Schedule(0, 0, "\u2603")),
+             ("\u00e9" * 32 + "@C.EXAMPLE.", Schedule(TIME_T_MAX, 0, "P\u00e9rez\r\n")))}
 
 
-def sched_list(s: Schedule) -> list[int]:
-    return [s.at, s.attempts]
+def sched_list(s: Schedule) -> list[Any]:
+    """A schedule as the children send it: ``[at, attempts, reason]``."""
+    return [s.at, s.attempts, s.reason]
 
 
 # ---- the children --------------------------------------------------------------------
@@ -178,7 +208,7 @@ def _operate(ch: Channel, store: Storage, gate: StopGateIO | None, cmd: dict[str
     t0 = time.perf_counter()
     try:
         if op == "enqueue":
-            rcpts = [Recipient(r, Schedule(at)) for r, at in NEW_RCPTS[target]]
+            rcpts = [Recipient(r, s) for r, s in NEW_RCPTS[target]]
             with store.enqueue(NEW_SENDER) as enq:
                 body = NEW_BODY[target]
                 for i in range(0, len(body), 65536):
@@ -235,6 +265,7 @@ def _observe(ch: Channel, backend: Backend, root: str) -> None:
                 claims.append(f)
         claims[:0] = adopted
         ch.send({"observed": True, "listed": [h.entry_id for h in listed],
+                 "listed_schedules": {h.entry_id: sched_list(h.schedule) for h in listed},
                  "adopted": {f.entry_id: sched_list(f.schedule) for f in adopted},
                  "claimed": claimed})
     except Exception as e:
@@ -245,9 +276,10 @@ def _observe(ch: Channel, backend: Backend, root: str) -> None:
     try:
         for i, f in enumerate(claims):
             assert store is not None
+            read = read_back(store, f)
             p = store.send_done(f)
             cleaned = store.cleanup(p) if p is not None and i % 2 == 0 else None
-            finished_.append([f.entry_id, p is not None, cleaned])
+            finished_.append([f.entry_id, p is not None, cleaned, read])
         assert store is not None
         ch.send({"finished": finished_, "delivered": _deliver_rest(store)})
     except Exception as e:
@@ -257,24 +289,44 @@ def _observe(ch: Channel, backend: Backend, root: str) -> None:
     ch.send({"closed": True})
 
 
+def read_back(store: Storage, f: InflightMail) -> dict[str, Any]:
+    """What ``read_inflight`` gives for the claim ``f``: the metadata's sender, recipient,
+    index, body size and schedule, the body's size and SHA-256, the handle's schedule;
+    or the error it raised."""
+    try:
+        with store.read_inflight(f) as r:
+            body = r.read_all()
+            meta = r.meta
+    except QueueError as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"mail_from": meta.mail_from, "rcpt": meta.rcpt, "index": meta.rcpt_index,
+            "body_size": meta.body_size, "size": len(body),
+            "digest": hashlib.sha256(body).hexdigest(), "schedule": sched_list(meta.schedule),
+            "handle": sched_list(f.schedule)}
+
+
 def _deliver_rest(store: Storage) -> list[list[Any]]:
     """While the actor still has the queue open (so no recovery that runs alone can mend
     anything meanwhile), deliver every entry still queued, one at a time as a relay does:
     claim, read the body whole, ``send_done``, ``cleanup``.  A store that lost count of
     a message's holders frees a body another entry still needs, whose read then fails.
-    [entry id, sha256 of the body, schedule, error or None] for each entry claimed."""
+    [entry id, sha256 of the body, schedule, error or None, ``read_back``] for each entry
+    claimed."""
     out: list[list[Any]] = []
     for h in store.list_queue():
         try:
             f = store.send_start(h)
             if f is None:
                 continue
-            with store.read_inflight(f) as r:
-                digest = hashlib.sha256(r.read_all()).hexdigest()
+            read = read_back(store, f)
+            if "error" in read:
+                out.append([h.entry_id, None, sched_list(f.schedule), read["error"]])
+                continue
+            digest = read["digest"]
             p = store.send_done(f)
             if p is not None:
                 store.cleanup(p)
-            out.append([f.entry_id, digest, sched_list(f.schedule), None])
+            out.append([f.entry_id, digest, sched_list(f.schedule), None, read])
         except QueueError as e:
             out.append([h.entry_id, None, sched_list(h.schedule), f"{type(e).__name__}: {e}"])
     return out

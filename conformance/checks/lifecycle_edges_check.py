@@ -40,6 +40,14 @@ of an enqueue in progress (C2); nothing fails, since no fault is injected; after
 reopening the queue is exactly the model's (nothing committed lost: C1/C4, nothing
 finished back: C3, nothing quarantined or altered: C6, no leak: C8).
 
+The queue holds mail's data (``lifecycle_edges_actors.PREFIX``: UTF-8, upper-case and
+quoted addresses, the null sender, trailing-dot domains, schedules from 0 to the largest
+with reasons, bodies with and without a final CRLF), and every field read back is
+compared with what was committed, byte for byte: the schedule (its reason too) of every
+handle listed, claimed or returned by the operation (C5); the sender, recipient, index,
+``meta.body_size`` and body of every entry the observer claimed or delivered (C6), and
+``meta.schedule`` against its handle's (C5); the reopened queue's entries likewise.
+
 Scenario ids: ``lifecycle-edges:<op>:<target>:<stop>`` (``<stop>`` a stop point, or
 ``sig<microseconds>`` for a SIGSTOP delay); ``queue-ref certify FACTORY --scenario ID``
 runs that trial again.
@@ -79,7 +87,7 @@ from conformance.harness.check_catalog import NO_CRASH
 from conformance.harness.check_results import CheckResult, Finding, finished
 from conformance.harness.child_process import Child, sleep_precise
 from conformance.harness.suite_profiles import Profile
-from queue_ref.storage import Capability, Recipient, Schedule
+from queue_ref.storage import Capability, Recipient
 from spec.states import Op
 
 #: How long the observer must sit asleep, using no CPU, while the actor stands still before
@@ -230,9 +238,8 @@ def _prefix(backend: Backend, root: str) -> Run:
         for sender, rcpts, body in PREFIX:
             with store.enqueue(sender) as enq:
                 enq.write(body)
-                got = enq.commit([Recipient(r, Schedule(at)) for r, at in rcpts])
-            run_.model, m = run_.model.enqueue(sender, body,
-                                               [(r, Schedule(at)) for r, at in rcpts])
+                got = enq.commit([Recipient(r, s) for r, s in rcpts])
+            run_.model, m = run_.model.enqueue(sender, body, list(rcpts))
             run_.msgids[got[0].message_id] = m
             for i, g in enumerate(got):
                 run_.keys[g.entry_id] = (m, i)

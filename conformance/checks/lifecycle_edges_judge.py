@@ -7,6 +7,12 @@ listed and claimed and what the operation returned (a linearizability check of a
 history of one pending operation).  Then the observer's sends are applied, both close,
 and the reopened queue must be exactly the model's restart (``spec.crash.judge`` at
 rest) with nothing found while reading it back.
+
+Every field read back is compared with what was committed, byte for byte: each schedule
+a listing, a claim or the operation handed back, its reason too (C5); what the observer
+read while delivering the rest, the sender, the recipient and its index, the body (its
+SHA-256 and size, and ``meta.body_size``), and ``meta.schedule`` against the claim's
+(C6, C5); the reopened queue's entries likewise (``spec.crash.judge``).
 """
 
 from __future__ import annotations
@@ -22,12 +28,12 @@ from conformance.checks.lifecycle_edges_actors import (
     NEW_SENDER,
     RESCHEDULE,
     TARGET_KEY,
-    sched_list,
 )
 from conformance.crashexplore.recovered_queue import to_views
+from conformance.lockstep.field_compare import same_value, schedule_diff
 from queue_ref.storage import Schedule
 from spec.crash import judge
-from spec.model import Call, EntryKey, Model
+from spec.model import Call, EntryKey, Message, Model
 from spec.model import run as run_call
 from spec.states import EntryState, Op
 from spec.states import Outcome as ModelOutcome
@@ -64,13 +70,23 @@ class Run:
 def _call(op: str, target: str, run_: Run) -> Call:
     if op == "enqueue":
         return Call(Op.ENQUEUE, mail_from=NEW_SENDER, body=NEW_BODY[target],
-                    rcpts=tuple((r, Schedule(at)) for r, at in NEW_RCPTS[target]))
+                    rcpts=tuple(NEW_RCPTS[target]))
     key = TARGET_KEY[target]
     sched = {"reschedule": RESCHEDULE, "send_cancel": CANCEL}.get(op)
     return Call(Op(op), key, sched)
 
 
 Problems = list[tuple[str, str]]
+
+
+def _sched_diff(got: Any, want: Schedule) -> str | None:
+    """None if ``got`` (``[at, attempts, reason]`` as a child sent it; ``[at, attempts]``
+    is one without a reason) is ``want`` exactly, else what differs."""
+    try:
+        sched = Schedule(*got)
+    except Exception:
+        return f"{got!r} is no schedule"
+    return schedule_diff(sched, want)
 
 
 def _state_clause(state: EntryState) -> str:
@@ -107,10 +123,13 @@ def judge_trial(run_: Run, trial: Trial, seen: dict[str, Any], result: dict[str,
         found += _judge_open(run_, seen, child_claims)
     else:
         found += _judge_concurrent(run_, trial, seen, result, snapshot)
-    for eid, sent, cleaned in done.get("finished", []):
+    for eid, sent, cleaned, *read in done.get("finished", []):
         key = run_.keys.get(eid)
         if key is None:
             continue
+        msg = run_.model.messages.get(key[0])
+        if read and msg is not None:
+            found += _read_back(read[0], msg, key, "the observer, sending what it claimed,")
         if not sent:
             found.append(("C7", f"the observer's claim of {key} was taken from it: send_done "
                                 "returned None"))
@@ -134,7 +153,7 @@ def _judge_delivered(run_: Run, delivered: list[list[Any]]) -> Problems:
     every entry still queued: each read back whole (C6), none lost (C1: a store that lost
     count of a message's holders frees a body another entry still needs)."""
     found: Problems = []
-    for eid, digest, sched, error in delivered:
+    for eid, digest, sched, error, *rest in delivered:
         key = run_.keys.get(eid)
         who = "the observer, delivering what was left while the actor lived,"
         if key is None:
@@ -144,14 +163,47 @@ def _judge_delivered(run_: Run, delivered: list[list[Any]]) -> Problems:
             found.append(("C1", f"{who} could not read queued entry {key} ({error}): its "
                                 "message was committed and nothing was damaged"))
             continue
+        msg = run_.model.messages.get(key[0])
         claim = _claim(run_, eid, sched, who)
         if claim:
             found += claim
             continue
-        if digest != run_.model.messages[key[0]].digest:
+        assert msg is not None  # the claim found the entry queued
+        if rest:
+            found += _read_back(rest[0], msg, key, who)
+        elif digest != msg.digest:
             found.append(("C6", f"{who} read entry {key} with other bytes than committed"))
         run_.apply(Op.SEND_DONE, key)
         run_.apply(Op.CLEANUP, key)
+    return found
+
+
+def _read_back(read: dict[str, Any], msg: Message, key: EntryKey, who: str) -> Problems:
+    """What ``read_inflight`` gave for a claim of ``key`` (``lifecycle_edges_actors
+    .read_back``) against what was committed: the sender, the recipient and its index,
+    ``meta.body_size``, the body (C6; a read that fails, C1), and ``meta.schedule``
+    against the handle's (C5)."""
+    if "error" in read:
+        return [("C1", f"{who} could not read entry {key}, which it held ({read['error']}): "
+                       "its message was committed and nothing was damaged")]
+    found: Problems = []
+    for name, want in (("mail_from", msg.mail_from), ("rcpt", msg.rcpts[key[1]]),
+                       ("index", key[1]), ("body_size", len(msg.body))):
+        got = read.get(name)
+        if not same_value(got, want):
+            found.append(("C6", f"{who} read entry {key}: meta.{name} is "
+                                f"{ascii(got)[:300]}, committed {ascii(want)[:300]}"))
+    if read.get("digest") != msg.digest:
+        found.append(("C6", f"{who} read entry {key} with other bytes than committed "
+                            f"({read.get('size')} octets, committed {len(msg.body)})"))
+    try:
+        handle = Schedule(*read["handle"])
+    except Exception:
+        return [*found, ("API", f"{who} read entry {key} through a handle whose schedule is "
+                                f"{read.get('handle')!r}")]
+    diff = _sched_diff(read.get("schedule"), handle)
+    if diff is not None:
+        found.append(("C5", f"{who} read entry {key}: meta.{diff} (its handle's)"))
     return found
 
 
@@ -168,7 +220,8 @@ def _judge_open(run_: Run, seen: dict[str, Any], child: dict[str, Any] | None) -
             continue
         # adopted before a recovery requeued it: the same as claiming it
         found += _claim(run_, eid, sched, "the observer (find_inflight)")
-    found += _listing(run_, seen["listed"], set(), "the observer")
+    found += _listing(run_, seen["listed"], set(), "the observer",
+                      seen.get("listed_schedules"))
     for eid in seen["listed"]:
         found += _claim(run_, eid, seen["claimed"].get(eid), "the observer")
     if child is not None and "result" in child:
@@ -199,14 +252,18 @@ def _claim(run_: Run, eid: str, sched: list[int] | None, who: str) -> Problems:
     if moved:
         want = run_.model.entries[key].schedule
         run_.apply(Op.SEND_START, key)
-        if sched != sched_list(want):
-            return [("C5", f"{who} claimed {key} with schedule {sched}, it is {sched_list(want)}")]
+        diff = _sched_diff(sched, want)
+        if diff is not None:
+            return [("C5", f"{who} claimed {key} with a handle whose {diff}")]
     return []
 
 
-def _listing(run_: Run, listed: list[str], touched: set[EntryKey], who: str) -> Problems:
+def _listing(run_: Run, listed: list[str], touched: set[EntryKey], who: str,
+             schedules: dict[str, Any] | None = None) -> Problems:
     """The listing against the model: nothing that is not queued, every queued entry the
-    operation under way does not touch (which may be out of sight while it runs)."""
+    operation under way does not touch (which may be out of sight while it runs), and
+    each entry it does not touch with the model's schedule (``schedules``: the listed
+    handles' by entry id)."""
     found: Problems = []
     keys = []
     for eid in listed:
@@ -219,6 +276,10 @@ def _listing(run_: Run, listed: list[str], touched: set[EntryKey], who: str) -> 
         if state is not EntryState.QUEUED:
             what = "held INFLIGHT by a live owner" if state is EntryState.INFLIGHT else state.value
             found.append((_state_clause(state), f"{who} listed {key} as queued, but it is {what}"))
+        elif schedules is not None and key not in touched:
+            diff = _sched_diff(schedules.get(eid), run_.model.entries[key].schedule)
+            if diff is not None:
+                found.append(("C5", f"{who} listed {key} with a handle whose {diff}"))
     if len(set(keys)) != len(keys):
         found.append(("C7", f"{who} listed an entry twice"))
     missing = set(run_.model.keys_in(EntryState.QUEUED)) - set(keys) - touched
@@ -249,8 +310,9 @@ def _judge_concurrent(run_: Run, trial: Trial, seen: dict[str, Any],
                                     f"(schedule {sched}) while its owner was alive"))
             touched = _touched(call, run_, result)
             if p == 0:
-                found += _apply_call(run_, call, moved, trial.op)
-            found += _listing(run_, seen["listed"], touched, "the observer")
+                found += _apply_call(run_, call, moved, trial.op, result)
+            found += _listing(run_, seen["listed"], touched, "the observer",
+                              seen.get("listed_schedules"))
             if call.op is Op.ENQUEUE and snapshot:
                 got = touched & {run_.keys[e] for e in seen["listed"] if e in run_.keys}
                 if got and got != touched:
@@ -259,9 +321,9 @@ def _judge_concurrent(run_: Run, trial: Trial, seen: dict[str, Any],
             for i, eid in enumerate(claims, 1):
                 found += _claim(run_, eid, seen["claimed"].get(eid), "the observer")
                 if p == i:
-                    found += _apply_call(run_, call, moved, trial.op)
+                    found += _apply_call(run_, call, moved, trial.op, result)
             if p == len(claims) + 1:
-                found += _apply_call(run_, call, moved, trial.op)
+                found += _apply_call(run_, call, moved, trial.op, result)
             if best is None or len(found) < len(best[0]):
                 best = (found, run_.model)
             if not found:
@@ -279,7 +341,11 @@ def _touched(call: Call, run_: Run, result: dict[str, Any]) -> set[EntryKey]:
     return {call.key}
 
 
-def _apply_call(run_: Run, call: Call, moved: bool | None, op: str) -> Problems:
+def _apply_call(run_: Run, call: Call, moved: bool | None, op: str,
+                result: dict[str, Any] | None = None) -> Problems:
+    """The operation applied to the model at this point; what it answered must be the
+    model's answer there (C7), and the handle it returned must carry the entry's
+    schedule after it (C5)."""
     if moved is None:  # it failed: reported already; the model keeps the old state
         return []
     after, outcome = run_call(run_.model, call)
@@ -294,4 +360,10 @@ def _apply_call(run_: Run, call: Call, moved: bool | None, op: str) -> Problems:
         return [("C7", f"{op} of {call.key} returned None, as if another process had moved "
                        f"it, but none did ({run_.model.state_of(call.key).value})")]
     run_.model = after
+    got = (result or {}).get("schedule")
+    entry = after.entries.get(call.key) if call.key is not None else None
+    if moved and got is not None and entry is not None:
+        diff = _sched_diff(got, entry.schedule)
+        if diff is not None:
+            return [("C5", f"{op} of {call.key} returned a handle whose {diff}")]
     return []
