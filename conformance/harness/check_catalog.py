@@ -163,14 +163,16 @@ CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec("linearizable", "threads and processes do random operations on the few "
               "entries of one queue; the recorded history must be linearizable against the "
               "model (exhaustive Wing-Gong search); with the I/O seam, one caller is stopped "
-              "at each mutating call of its transition while another races it",
-              Kind.CONCURRENCY, ("C7", "C3", "C5", "C8", API)),
+              "at each mutating call of its transition while another races it; mail's "
+              "data, read back and compared byte for byte",
+              Kind.CONCURRENCY, ("C7", "C3", "C5", "C6", "C8", API)),
     CheckSpec("lifecycle-edges", "a process is stopped inside each operation (at every "
               "mutating call through the seam, else by SIGSTOP) while another opens the "
               "queue, lists it, finds inflight entries and claims what it sees; then both "
               "finish: linearizable against the model, no live owner's entry requeued or "
-              "adopted, nothing claimed twice, lost, quarantined or brought back",
-              Kind.CONCURRENCY, ("C4", "C7", "C2", "C1", "C3"), Level.OPTIONAL,
+              "adopted, nothing claimed twice, lost, quarantined or brought back; mail's "
+              "data, read back and compared byte for byte",
+              Kind.CONCURRENCY, ("C4", "C7", "C2", "C1", "C3", "C5", "C6"), Level.OPTIONAL,
               (Capability.MULTI_PROCESS,)),
     CheckSpec("bounded-disk", "the queue's whole directory tree, counted after it was "
               "drained: many messages at once (no more than the declared pool left), "
