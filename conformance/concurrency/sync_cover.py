@@ -28,17 +28,29 @@ order of the calls, not a power cut.  It cannot see a change made for the operat
 another thread (a group commit's leader running a caller's step), which counts as the other
 thread's; nor a change that no sync covered at all (crash exploration's); nor a sync that
 never happened because a backend never asked for one.
+
+A ride needs a sync of *another* thread, open while the operation's thread made its change
+(a thread's own sync began after its own earlier calls).  So a trace of one thread has
+nothing to judge, and a sync only overlaps anything if the seam holds it open:
+``BackgroundSyncHoldIO`` holds open the syncs of every thread but the one driving the
+operations, so that a backend's own background thread (a flusher, an early sync it starts
+and waits for) shows in the single-threaded checks' traces at no cost to a backend without
+one.  ``exposed`` picks, without replaying anything, the acknowledgements the rule can find
+uncovered; a check that judges a long trace after every step judges only those.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from faultinject.disk import DiskImage
 from faultinject.ops import Create, Link, Remove, Rename, SyncDir, SyncFile, SyncFs, Truncate, Write
 from faultinject.replay import replay
-from faultinject.trace import OperationSpan, TraceEvent
+from faultinject.seam import FaultPlan, FaultyIO
+from faultinject.trace import SYNC_CALLS, OperationSpan, TraceEvent
+from queue_ref.io import IO
 
 #: The operations judged: those whose success the contract makes durable (``send_start``
 #: and ``cleanup`` are not: a claim or a cleanup lost in a crash is redone after it).
@@ -48,6 +60,54 @@ JUDGED = frozenset({"commit", "send_done", "send_cancel", "reschedule", "drop", 
 CLAUSE_OF = {"commit": "C1", "send_done": "C3", "drop": "C3", "drop_held": "C3"}
 
 Key = tuple[str, int]  # ("data", inode) or ("names", directory inode)
+
+#: Seconds ``BackgroundSyncHoldIO`` holds open a sync of a thread other than its driver.
+BACKGROUND_HOLD = 0.01
+
+
+class BackgroundSyncHoldIO(FaultyIO):
+    """A ``FaultyIO`` whose syncs made by threads other than the one that created it (the
+    thread driving the Storage operations) are held open ``background_hold`` seconds, as
+    on a disk (``FaultyIO.sync_hold``): a change the driving thread makes meanwhile comes
+    after the sync's start in the trace, where the rule sees it.  The driving thread's own
+    syncs are held ``sync_hold`` (default 0: nothing else runs while it waits on them), so
+    a backend without threads of its own runs as fast, and records the same trace, as
+    under ``FaultyIO``."""
+
+    def __init__(self, root: str, plan: FaultPlan | None = None, inner: IO | None = None,
+                 *, sync_hold: float = 0.0, background_hold: float = BACKGROUND_HOLD) -> None:
+        if background_hold < 0:
+            raise ValueError(f"background_hold must be >= 0 seconds, not {background_hold}")
+        self.driver = threading.get_ident()
+        self.background_hold = background_hold
+        super().__init__(root, plan, inner, sync_hold=sync_hold)
+
+    @property
+    def sync_hold(self) -> float:
+        """How long the calling thread's syncs are held open."""
+        if threading.get_ident() == self.driver:
+            return self._own_hold
+        return self.background_hold
+
+    @sync_hold.setter
+    def sync_hold(self, seconds: float) -> None:
+        self._own_hold = seconds
+
+
+def exposed(events: Sequence[TraceEvent], operations: Sequence[OperationSpan]
+            ) -> list[OperationSpan]:
+    """The judged acknowledgements of ``operations`` during which a sync of another thread
+    that was open while some other call was made (an overlap) ended: the only ones
+    ``uncovered_acks`` can find uncovered (a ride is such a sync).  Reads the counters
+    only, no replay: a trace of one thread, or whose syncs were instants, gives none."""
+    spans = [s for s in operations
+             if s.outcome == "ok" and s.ended >= 0 and s.name in JUDGED]
+    if not spans:
+        return []
+    overlapping = [(e.thread, e.ended) for e in events
+                   if e.name in SYNC_CALLS and e.ended > e.began + 1]
+    return [s for s in spans
+            if any(t != s.thread and s.began < end < s.ended for t, end in overlapping)]
 
 
 @dataclass(frozen=True)
