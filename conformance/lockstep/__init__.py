@@ -14,7 +14,11 @@ worker that holds a stale handle; consumed, wrong-type and foreign handles must 
 * ``crashes``: for a backend that declares the I/O seam, a rule crashes inside the next
   operation under a persistence model, recovers, judges the result by the crash
   condition and goes on (``conformance.lockstep.crash_rules``).  Other backends skip only
-  that rule; the machine's docstring says so.
+  that rule; the machine's docstring says so;
+* ``traced`` (by default on without ``restarts``, always with the crash rule): a backend
+  that declares the I/O seam runs through a recording one, and after every step the
+  operations it acknowledged are judged by the sync-cover rule
+  (``conformance.concurrency.sync_cover``; ``MachineBase.check_sync_cover``).
 
 A difference raises ``ClauseViolation`` (an AssertionError) naming the clause.  Under
 pytest::
@@ -53,14 +57,25 @@ class LockstepMachine(CrashRules, HandleRules):
 
 def lockstep_machine(factory: Factory | Backend | str, *, restarts: bool = False,
                      listing: bool = False, crashes: bool = False,
+                     traced: bool | None = None,
                      name: str | None = None) -> type[LockstepMachine]:
     """A LockstepMachine subclass bound to ``factory`` (named ``name`` in reports).
 
-    With ``crashes`` the backend is opened once here to read its capabilities: the crash
-    rule is on only if it declares the I/O seam.
+    The backend is opened once here to read its capabilities: the crash rule (with
+    ``crashes``) is on only if it declares the I/O seam; so is ``traced``: the backend run
+    through a recording seam, every step judged by the sync-cover rule (always with the
+    crash rule).  ``traced`` None: on unless ``restarts`` is (the restart rule reopens
+    the queue in the same directory, and a backend opened through the seam may take its
+    names from what is on disk, as the project's example factories do for crash
+    exploration's reruns: an emptied queue reopened would hand out its message ids again,
+    which the machine refuses).
     """
     backend = factory if isinstance(factory, Backend) else Backend.from_factory(factory, name)
-    seam = crashes and backend.probe().has(Capability.IO_SEAM)
+    if traced is None:
+        traced = not restarts
+    has_seam = (crashes or traced) and backend.probe().has(Capability.IO_SEAM)
+    seam = crashes and has_seam
+    traced = has_seam
     doc = [f"{backend.name} and the model in lockstep.",
            "Restart rule: " + ("on." if restarts else "off."),
            "Listing rules: " + ("on, for the listings the backend declares." if listing
@@ -70,8 +85,10 @@ def lockstep_machine(factory: Factory | Backend | str, *, restarts: bool = False
                                      "SKIPPED: the backend declares no I/O seam "
                                      "(Capability.IO_SEAM), so no crash can be placed inside "
                                      "its calls; every other rule runs."))
+    doc.append("Sync-cover rule: " + ("on (the backend runs through the I/O seam)." if traced
+                                      else "off."))
     attrs = {"backend": backend, "restarts": restarts, "listing": listing, "crashes": seam,
-             "last_log": [], "__doc__": "\n".join(doc)}
+             "traced": traced, "last_log": [], "__doc__": "\n".join(doc)}
     cls_name = ("LockstepCrashes" if seam else "LockstepRestarts" if restarts
                 else "LockstepListing" if listing else "Lockstep")
     return type(cls_name, (LockstepMachine,), attrs)

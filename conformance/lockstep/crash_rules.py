@@ -54,7 +54,7 @@ RANDOM_STATES = 4
 
 
 class CrashRules(RestartRules):
-    @precondition(lambda self: self.io is not None)
+    @precondition(lambda self: self.crashes and self.io is not None)
     @rule(data=st.data())
     def crash(self, data: st.DataObject) -> None:
         """Crash at a random point of the next operation under a random persistence
@@ -66,6 +66,7 @@ class CrashRules(RestartRules):
         before = self.model
         first_event, first_call = len(io.events), io.mutating_count
         call = self.perform(name, data)
+        self.check_sync_cover()  # it ran to its end on this seam, which the crash leaves
         cut, site = self._crash_point(data, io, first_event, first_call)
         model = data.draw(st.sampled_from(sorted(MODELS)))
         states = crash_states(io.initial, io.events[:cut], model,

@@ -19,6 +19,15 @@ data is the tame data below or mail's (``mail_data``).  The machine with
 the crash rule skips the read-back: the syncs of its claim and cancel would make durable
 the very writes a crash must be able to lose.
 
+A machine that runs the backend through the I/O seam (``traced``: the crash rule's, and
+the others' for a backend that declares the seam) brackets every operation whose success
+the contract makes durable (``sync_cover.JUDGED``) with ``FaultyIO.operation``, and after
+every step judges the operations acknowledged since the last one by the sync-cover rule
+(``conformance.concurrency.sync_cover``): an acknowledgement that rode a sync begun before
+its change raises ``ClauseViolation``.  The seam holds open the syncs of any thread of the
+backend's own (``BackgroundSyncHoldIO``), so a backend that syncs in the background is
+seen; a backend without threads records the same trace as before and is not replayed.
+
 A difference raises ``ClauseViolation`` (an AssertionError) naming the clause it breaks.
 """
 
@@ -35,10 +44,12 @@ from typing import Any, ClassVar
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant
 
+from conformance.concurrency.sync_cover import BackgroundSyncHoldIO, exposed, uncovered_acks
 from conformance.crashexplore.traced_runs import ScratchIO, scratch_base
 from conformance.harness.backend_factory import Backend
 from conformance.lockstep import mail_data
 from conformance.lockstep.field_compare import meta_diff, schedule_diff
+from faultinject.fault_errors import ModelError
 from faultinject.seam import FaultyIO
 from queue_ref.memory import MemoryStorage
 from queue_ref.storage import (
@@ -180,6 +191,9 @@ class MachineBase(RuleBasedStateMachine):
     restarts: ClassVar[bool] = False
     listing: ClassVar[bool] = False
     crashes: ClassVar[bool] = False  # set only for backends that declare the I/O seam
+    #: run the backend through a recording seam (``self.io``), judged by the sync-cover
+    #: rule; set only for backends that declare the I/O seam (always with ``crashes``)
+    traced: ClassVar[bool] = False
     last_log: ClassVar[list[str]] = []
 
     def __init__(self) -> None:
@@ -188,9 +202,10 @@ class MachineBase(RuleBasedStateMachine):
         type(self).last_log = self.log
         self.model = Model()
         self.io: FaultyIO | None = None
+        self.judged_ops = 0  # operations of ``self.io`` the sync-cover rule has seen
         self.root = self._new_root()
         try:
-            if self.crashes:
+            if self.traced or self.crashes:
                 self.io = self._new_io(self.root)
             self.store: Storage = self._call("open", self._open)
         except BaseException:
@@ -213,10 +228,13 @@ class MachineBase(RuleBasedStateMachine):
 
     def _new_root(self) -> str:
         return tempfile.mkdtemp(prefix="queue-ref-lockstep-",
-                                dir=scratch_base() if self.crashes else None)
+                                dir=scratch_base() if self.traced or self.crashes else None)
 
     def _new_io(self, root: str) -> FaultyIO:
-        return FaultyIO(root, inner=ScratchIO())
+        """A recording seam on ``root`` whose background syncs are held open; starts the
+        count of operations judged by the sync-cover rule again."""
+        self.judged_ops = 0
+        return BackgroundSyncHoldIO(root, inner=ScratchIO())
 
     def _open(self) -> Storage:
         return self.backend.open(self.root, self.io)
@@ -232,8 +250,13 @@ class MachineBase(RuleBasedStateMachine):
 
     # ---- calling the backend -----------------------------------------------------------
 
-    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+    def _call(self, what: str, fn: Callable[[], Any], op: str | None = None) -> Any:
+        """``fn()``, its exceptions as clause violations; ``op`` names the Storage
+        operation it is, bracketed for the sync-cover rule when the machine has a seam."""
         try:
+            if op is not None and self.io is not None:
+                with self.io.operation(op):
+                    return fn()
             return fn()
         except ClauseViolation:
             raise
@@ -242,6 +265,30 @@ class MachineBase(RuleBasedStateMachine):
         except Exception as e:
             raise ClauseViolation(
                 "C9", f"{what} raised {type(e).__name__}: {e} (no fault was injected)") from e
+
+    def check_sync_cover(self) -> None:
+        """The operations acknowledged through ``self.io`` since the last check, judged by
+        the sync-cover rule (replayed only when a sync of another thread overlapped
+        one of them: ``sync_cover.exposed``).  Run after every step, and before the
+        crash rule leaves the seam behind."""
+        io = self.io
+        if io is None or len(io.operations) == self.judged_ops:
+            return
+        new = io.operations[self.judged_ops:]
+        self.judged_ops = len(io.operations)
+        with io._mutex:
+            events = list(io.events)
+        spans = exposed(events, new)
+        if not spans:
+            return
+        try:
+            found = uncovered_acks(io.initial, events, spans)
+        except ModelError as e:
+            raise ClauseViolation("C9", f"the trace cannot be replayed for the sync-cover "
+                                        f"rule: {e}") from e
+        if found:
+            u = found[0]
+            raise ClauseViolation(u.clause, "\n".join((u.detail(), "trace:", *u.excerpt)))
 
     def _expect_misuse(self, what: str, fn: Callable[[], object]) -> None:
         """``fn`` must raise MisuseError (C9 otherwise)."""
@@ -522,7 +569,8 @@ class MachineBase(RuleBasedStateMachine):
         self.read_at[key] = self.steps
         h = by_key[key]
         self._check_inspect(h, key)
-        f = self._call("send_start of a listed entry", lambda: self.store.send_start(h))
+        f = self._call("send_start of a listed entry", lambda: self.store.send_start(h),
+                       "send_start")
         if not isinstance(f, InflightMail):
             raise ClauseViolation("API", f"send_start of the listed queued entry {key} "
                                          f"returned {f!r}")
@@ -532,7 +580,7 @@ class MachineBase(RuleBasedStateMachine):
         self._check_read(f, key, f"the listed entry (read in pieces of {piece})", piece)
         sched = self.model.entries[key].schedule
         back = self._call("send_cancel of a listed entry",
-                          lambda: self.store.send_cancel(f, sched))
+                          lambda: self.store.send_cancel(f, sched), "send_cancel")
         if not isinstance(back, QueuedMail) or schedule_diff(back.schedule, sched):
             raise ClauseViolation("C5" if isinstance(back, QueuedMail) else "API",
                                   f"send_cancel of {key} with its own schedule {sched} "
@@ -543,6 +591,7 @@ class MachineBase(RuleBasedStateMachine):
     def listing_equals_model(self) -> None:
         if not hasattr(self, "store"):
             return
+        self.check_sync_cover()
         problems = check(self.model)
         assert problems == [], f"the model itself breaks its invariants: {problems}"
         listed = self._compare_listing("after the step")

@@ -105,7 +105,7 @@ class Operations(MachineBase):
                 enq.write(body[i:i + chunk])
             return enq.commit(rcpts)
 
-        got: list[QueuedMail] = self._call("enqueue/commit", go)
+        got: list[QueuedMail] = self._call("enqueue/commit", go, "commit")
         call = Call(Op.ENQUEUE, mail_from=a.mail_from, body=body,
                     rcpts=tuple((r.address, r.schedule) for r in rcpts))
         self.model, res = run(self.model, call)
@@ -210,7 +210,8 @@ class Operations(MachineBase):
                                           f"reason={schedule.reason[:40]!r}")
         self.log.append(f"{op.value}{key}{to}" + (" through a stale handle" if stale else ""))
         fn = getattr(self.store, op.value)
-        got = self._call(op.value, lambda: fn(h) if schedule is None else fn(h, schedule))
+        got = self._call(op.value, lambda: fn(h) if schedule is None else fn(h, schedule),
+                         op.value)
         self._transition(op, key, h, got, schedule)
         return Call(op, key, schedule)
 
@@ -327,5 +328,6 @@ class Operations(MachineBase):
             held = [x for x in self.pool if type(x[0]) is cls]
             self.pool = [x for x in self.pool if type(x[0]) is not cls]
             for h, key in held + (listed if op is Op.SEND_START else []):
-                got = self._call(op.value, partial(getattr(self.store, op.value), h))
+                got = self._call(op.value, partial(getattr(self.store, op.value), h),
+                                 op.value)
                 self._transition(op, key, h, got, None)
