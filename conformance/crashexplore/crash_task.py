@@ -62,6 +62,7 @@ from conformance.crashexplore.traced_runs import (
     run_workload,
     scratch_dir,
     sync_points,
+    uncovered,
 )
 from conformance.crashexplore.workloads import Workload
 from faultinject.disk import DiskImage
@@ -311,7 +312,9 @@ def _explore_points(task: Task, backend: BackendSpec, base: CaseInput, ref: Run,
 def rest_check(backend: BackendSpec, workload: Workload
                      ) -> tuple[Run, Violations, str, Recovered | None]:
     """Run without faults, close, reopen: the restart view of the final model, and
-    draining everything must leave zero objects (C8)."""
+    draining everything must leave zero objects (C8); the run's trace is judged by the
+    sync-cover rule (``traced_runs.uncovered``: an acknowledgement that rode a sync begun
+    before its change; a trace it cannot replay is an error, as for a crash point)."""
     with scratch_dir() as d:
         run = run_workload(backend, workload, root=d)
         if run.divergence is not None:
@@ -324,7 +327,11 @@ def rest_check(backend: BackendSpec, workload: Workload
                                 "although no fault was injected (the model has it succeed)"),
                          ), "", None
         rec = inspect(lambda: backend.open(d, ScratchIO()))
-    return run, judge_crashed(rec, run, run.models[-1], None), "", rec
+    try:
+        rode, err = tuple(uncovered(run)), ""
+    except ModelError as e:
+        rode, err = (), f"the trace cannot be replayed for the sync-cover rule: {e}"
+    return run, judge_crashed(rec, run, run.models[-1], None) + rode, err, rec
 
 
 def _op_at(ref: Run, m: int) -> str:

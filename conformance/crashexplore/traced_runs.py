@@ -2,7 +2,8 @@
 
 * ``run_workload``: run a workload on a fresh directory through ``FaultyIO`` (optionally
   crashing or failing at a mutating call), keeping the trace, the model state before
-  every call, and the ids the backend gave.
+  every call, the ids the backend gave, and each call's span for the sync-cover rule
+  (``uncovered``).
 * ``Run.rest_cut``: where in the trace of a run that did not crash a crash *at rest*
   falls: after a number of calls returned, with no operation in flight and the backend
   not closed (whatever it kept in its own memory dies with the process).
@@ -26,13 +27,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from conformance.concurrency.sync_cover import BackgroundSyncHoldIO, exposed, uncovered_acks
 from conformance.crashexplore.explored_backends import BackendSpec
 from conformance.crashexplore.workload_driver import Divergence, Driver, spare_plan
 from conformance.crashexplore.workloads import Workload
 from faultinject.disk import DiskImage
 from faultinject.fault_errors import Crash
-from faultinject.seam import FaultPlan, FaultyIO
-from faultinject.trace import SYNC_CALLS, TraceEvent
+from faultinject.seam import FaultPlan
+from faultinject.trace import SYNC_CALLS, OperationSpan, TraceEvent
 from queue_ref.io import OsIO
 from queue_ref.storage import (
     Footprint,
@@ -136,6 +138,8 @@ class Run:
     #: and right after a call failed, in the queue still open (None: not taken).
     footprints: dict[int, Footprint] = field(default_factory=dict)
     live_footprint: Footprint | None = None
+    #: each workload call's span on the seam's counter (``FaultyIO.operation``)
+    operations: list[OperationSpan] = field(default_factory=list)
 
     def returned(self) -> int:
         """How many calls of the workload returned (raising counts as not returning)."""
@@ -177,6 +181,10 @@ def run_workload(backend: BackendSpec, workload: Workload, plan: FaultPlan | Non
                  *, root: str | None = None) -> Run:
     """Run ``workload`` through ``FaultyIO`` with ``plan``; stop at a crash or an error.
 
+    The seam holds open the syncs of any thread of the backend's own
+    (``sync_cover.BackgroundSyncHoldIO``; the workload's thread's are instants, as
+    before), and each call is bracketed (``Run.operations``) for the sync-cover rule.
+
     A call that raises (an injected EIO) ends the run there.  The trace (``events``,
     ``trace_hash``) ends where the workload stopped: a power cut that follows sees the
     disk as the last call left it.  Unless the process "died", the queue is then closed
@@ -186,7 +194,7 @@ def run_workload(backend: BackendSpec, workload: Workload, plan: FaultPlan | Non
     if root is None:
         with scratch_dir() as d:
             return run_workload(backend, workload, plan, root=d)
-    io = FaultyIO(root, plan, inner=ScratchIO())
+    io = BackgroundSyncHoldIO(root, plan, inner=ScratchIO())
     models = [Model()]
     starts: list[int] = []
     ends: list[int] = []
@@ -199,7 +207,7 @@ def run_workload(backend: BackendSpec, workload: Workload, plan: FaultPlan | Non
         storage = backend.open(root, io)
         run.open_end = io.mutating_count
         run.open_events = len(io.events)
-        driver = Driver(storage)
+        driver = Driver(storage, operation=io.operation)
         driver.before_commit = lambda i: run.commit_starts.__setitem__(i, io.mutating_count)
         spares = spare_plan(workload)
         for i, call in enumerate(workload):
@@ -242,6 +250,7 @@ def run_workload(backend: BackendSpec, workload: Workload, plan: FaultPlan | Non
         run.message_ids = dict(driver.message_ids)
         run.entry_keys = dict(driver.entry_keys)
     run.events = list(io.events)
+    run.operations = list(io.operations)
     run.workload_end = len(run.events)
     run.trace_hash = io.trace_hash()
     run.mutating_total = io.mutating_count
@@ -254,6 +263,19 @@ def run_workload(backend: BackendSpec, workload: Workload, plan: FaultPlan | Non
         except Exception as e:  # after an injected fault a close may fail, and say so
             run.close_error = e
     return run
+
+
+def uncovered(run: Run) -> list[tuple[str, str]]:
+    """The sync-cover rule on ``run``'s trace (``conformance.concurrency.sync_cover``):
+    (clause, detail with the calls in between) of every acknowledgement that rode a sync
+    begun before its change.  Replays the trace only if a sync of another thread
+    overlapped a call (``sync_cover.exposed``).  Raises ``faultinject.ModelError`` if it
+    cannot be replayed."""
+    spans = exposed(run.events, run.operations)
+    if not spans:
+        return []
+    return [(u.clause, "\n".join((f"sync-cover rule: {u.detail()}; trace:", *u.excerpt)))
+            for u in uncovered_acks(run.initial, run.events, spans)]
 
 
 def _list_live(storage: Storage, run: Run) -> None:

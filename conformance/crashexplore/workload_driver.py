@@ -9,11 +9,17 @@ QUEUED, as a second worker would hold it.
 A backend answer that differs from the model's (a call the model says moves the entry
 returning ``None``, a stale call succeeding) raises ``Divergence`` naming the clause it
 breaks.  Everything else (``Crash``, ``StorageIOError``) passes through to the caller.
+
+``Driver.operation``, when set (``FaultyIO.operation``), brackets each call: an enqueue
+from ``enqueue`` to its commit's return as ``commit``, a transition by its name; the
+sync-cover rule judges the spans (``traced_runs.run_workload``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,13 +108,19 @@ class Driver:
     entry_keys: dict[str, EntryKey] = field(default_factory=dict)
     #: called with the call's index once an enqueue's body is written, before its commit
     before_commit: Callable[[int], None] | None = None
+    #: brackets each call by the name of its operation (``FaultyIO.operation``)
+    operation: Callable[[str], AbstractContextManager[object]] | None = None
+
+    def _bracket(self, name: str) -> AbstractContextManager[object]:
+        return contextlib.nullcontext() if self.operation is None else self.operation(name)
 
     def step(self, index: int, model: Model, call: Call) -> Model:
         """Perform ``call`` on the backend; returns the model after it."""
         after, result = run(model, call)
         if call.op is Op.ENQUEUE:
             assert isinstance(result, int)
-            self._enqueue(index, call, result)
+            with self._bracket("commit"):
+                self._enqueue(index, call, result)
             return after
         assert call.key is not None
         key = call.key
@@ -120,7 +132,8 @@ class Driver:
                 raise ValueError(f"call {index} {call.describe()} is stale but no spare "
                                  "handle was listed for it (see spare_plan)")
             handle = pool.pop(0)
-        got = self._call(call, handle)
+        with self._bracket(call.op.value):
+            got = self._call(call, handle)
         if result is Outcome.MOVED:
             if got is None or got is False:
                 raise Divergence(index, call, "C1",
