@@ -8,7 +8,13 @@ left.
 
 ``threads``: several threads enqueue at once, then race ``send_start`` on the same
 entries through their own listings: every entry is claimed exactly once; then every
-claim is sent and cleaned up concurrently and nothing is left.
+claim is sent and cleaned up concurrently and nothing is left.  A backend with the I/O
+seam runs through a recording ``FaultyIO`` (scratch syncs, each held open
+``THREAD_SYNC_HOLD`` seconds so that callers arrive while it runs), its commits and
+``send_done`` calls bracketed, and the trace is judged at the end by the sync-cover rule
+(``conformance.concurrency.sync_cover``): an acknowledgement that rode a sync begun before
+its change is C1 (commit) or C3 (send_done).  Which callers meet inside a sync is the
+threads' luck; what the rule makes of a trace is not.
 """
 
 from __future__ import annotations
@@ -20,20 +26,38 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
+from conformance.concurrency.sync_cover import uncovered_acks
+from conformance.crashexplore.traced_runs import ScratchIO, scratch_base
 from conformance.harness.backend_factory import Backend
 from conformance.harness.check_catalog import NO_CRASH
 from conformance.harness.check_results import CheckResult, Finding, finished
 from conformance.harness.suite_profiles import Profile
-from queue_ref.storage import InflightMail, QueuedMail, Recipient, Schedule, Storage
+from faultinject.fault_errors import ModelError
+from faultinject.seam import FaultyIO
+from queue_ref.storage import (
+    Capability,
+    InflightMail,
+    QueuedMail,
+    Recipient,
+    Schedule,
+    Storage,
+)
 
 BODY = b"Subject: many\r\n\r\n" + b"line of body\r\n" * 200
+#: Seconds the threads check holds each sync open, for a backend with the I/O seam.
+THREAD_SYNC_HOLD = 0.0005
 
 
-def _with_store(backend: Backend, fn: Callable[[Storage], None]) -> None:
-    root = tempfile.mkdtemp(prefix="queue-ref-scale-")
+def _with_store(backend: Backend, fn: Callable[[Storage], None],
+                io: Callable[[str], FaultyIO] | None = None) -> None:
+    """``fn`` on a queue opened in a fresh directory (through the seam ``io(root)`` makes,
+    if given)."""
+    root = tempfile.mkdtemp(prefix="queue-ref-scale-",
+                            dir=None if io is None else scratch_base())
     try:
-        store = backend.open(root)
+        store = backend.open(root) if io is None else backend.open(root, io(root))
         try:
             fn(store)
         finally:
@@ -114,6 +138,14 @@ def threads(backend: Backend, profile: Profile, seed: int) -> CheckResult:
     problems: list[str] = []
     errors: list[str] = []
     stats: dict[str, int | float] = {"threads": nthreads, "messages": nthreads * per}
+    seams: list[FaultyIO] = []  # the recording seam, for a backend that declares one
+
+    def traced(root: str) -> FaultyIO:
+        seams.append(FaultyIO(root, inner=ScratchIO(), sync_hold=THREAD_SYNC_HOLD))
+        return seams[0]
+
+    def operation(name: str) -> AbstractContextManager[object]:
+        return seams[0].operation(name) if seams else nullcontext()
 
     def run_threads(target: Callable[[int], None]) -> None:
         ts = [threading.Thread(target=_guard(target, errors), args=(k,))
@@ -128,7 +160,7 @@ def threads(backend: Backend, profile: Profile, seed: int) -> CheckResult:
 
         def produce(k: int) -> None:
             for m in range(per):
-                with store.enqueue(f"t{k}.m{m}@example.org") as enq:
+                with operation("commit"), store.enqueue(f"t{k}.m{m}@example.org") as enq:
                     enq.write(BODY)
                     committed[k] += enq.commit([Recipient(f"r{j}.t{k}.m{m}@example.net",
                                                           Schedule(m)) for j in range(2)])
@@ -162,7 +194,8 @@ def threads(backend: Backend, profile: Profile, seed: int) -> CheckResult:
 
         def finish(k: int) -> None:
             for f in claims[k]:
-                p = store.send_done(f)
+                with operation("send_done"):
+                    p = store.send_done(f)
                 if p is not None:
                     store.cleanup(p)
 
@@ -174,12 +207,30 @@ def threads(backend: Backend, profile: Profile, seed: int) -> CheckResult:
                                 f"{fp.objects} objects and {fp.bytes} bytes remain")
 
     start = time.perf_counter()
-    _with_store(backend, body)
+    seam = backend.takes_io and backend.probe().has(Capability.IO_SEAM)
+    _with_store(backend, body, traced if seam else None)
     problems += [f"C9|{e}" for e in errors]
     findings = [Finding(p.split("|")[0], p.split("|", 1)[1], f"threads:{seed}", NO_CRASH)
                 for p in problems]
+    if seams:
+        findings += _sync_cover(seams[0], f"threads:{seed}")
+        stats["sync_hold_seconds"] = THREAD_SYNC_HOLD
     return finished("threads", NO_CRASH, findings, seconds=time.perf_counter() - start,
                     seed=seed, stats=stats)
+
+
+def _sync_cover(io: FaultyIO, scenario: str) -> list[Finding]:
+    """The threads' commits and send_done calls judged by the sync-cover rule: one finding
+    per acknowledgement that rode a sync begun before its change, the calls of every
+    thread in between as its steps."""
+    with io._mutex:
+        events = list(io.events)
+    try:
+        found = uncovered_acks(io.initial, events, io.operations)
+    except ModelError as e:
+        return [Finding("C9", f"the trace cannot be replayed for the sync-cover rule: {e}",
+                        scenario, NO_CRASH)]
+    return [Finding(u.clause, u.detail(), scenario, NO_CRASH, u.excerpt) for u in found]
 
 
 def _guard(fn: Callable[[int], None], errors: list[str]) -> Callable[[int], None]:
