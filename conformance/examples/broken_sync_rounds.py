@@ -9,17 +9,25 @@ catch them, on C1 (commit), C3 (send_done, drop) or C9.  Never use them for mail
 
 LevelDB's own writer queue (``kv_leveldb``) is out of reach: plyvel goes to its C++ code,
 not through the I/O seam, so no variant of it can be stopped inside its fdatasync.
+
+``fs_commit_syncs_data_early`` rides a sync it started itself, in a thread of its own,
+before its change: one caller is enough, so the single-threaded checks that run the
+sync-cover rule (the lockstep, crash exploration) catch it too.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from queue_ref.fsqueue.groupsync import GroupSync
 from queue_ref.io import IO
 from queue_ref.storage import Storage
+
+if TYPE_CHECKING:
+    from queue_ref.fsqueue import FsQueue
 
 
 class RidingGroupSync(GroupSync):
@@ -73,6 +81,89 @@ def _riding_fs(mode: str, root: str, io: IO | None) -> Storage:
     assert isinstance(store, FsQueue)
     store._group = RidingGroupSync(store.io, mode, store.layout.data)
     return store
+
+
+class _EarlySync:
+    """``io.fsync_dir(path)`` in a thread of its own; the constructor returns once that
+    sync is under way: once the seam counts it begun (``FaultyIO.sync_count``; a disk's
+    fsync outlasts a rename, the seam's only when held open), else after a millisecond."""
+
+    def __init__(self, io: IO, path: str) -> None:
+        self.error: BaseException | None = None
+        begun = getattr(io, "sync_count", None)
+        self.thread = threading.Thread(target=self._run, args=(io, path), daemon=True)
+        self.thread.start()
+        if begun is None:
+            time.sleep(0.001)
+            return
+        deadline = time.monotonic() + 1.0
+        while (getattr(io, "sync_count", begun) == begun and self.thread.is_alive()
+               and time.monotonic() < deadline):
+            time.sleep(0.0001)
+
+    def _run(self, io: IO, path: str) -> None:
+        try:
+            io.fsync_dir(path)
+        except BaseException as e:  # raised in the caller's thread, by ``wait``
+            self.error = e
+
+    def wait(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+def _early_data_sync_queue() -> type[FsQueue]:
+    from queue_ref.fsqueue import FsQueue
+    from queue_ref.fsqueue.steps import MessageTx
+
+    class EarlyDataSync(FsQueue):
+        """``fsync`` mode; the commit starts the fsync of ``data/`` in a thread of its own
+        right before its commit rename (the disk works while it renames), waits for that
+        fsync after the rename, and leaves ``data/`` out of the fsyncs that follow (the
+        bug: that fsync began before the rename, so it may have missed it)."""
+
+        default_sync = "fsync"
+        _early = threading.local()
+
+        def _commit_rename(self, tx: MessageTx) -> None:
+            early = _EarlySync(self.io, self.layout.data)
+            try:
+                super()._commit_rename(tx)
+            except BaseException:
+                early.thread.join()
+                raise
+            self._early.sync = early
+
+        def _sync_committed(self, tx: MessageTx, links: bool) -> None:
+            early: _EarlySync | None = getattr(self._early, "sync", None)
+            self._early.sync = None
+            if early is None:
+                super()._sync_committed(tx, links)
+                return
+            early.wait()
+            dirs = [self.layout.tmp_owner(self.owner)]
+            if links:
+                dirs.append(self.layout.queue)
+            self._sync_dirs(*dirs)
+
+    return EarlyDataSync
+
+
+def fs_commit_syncs_data_early(root: str, io: IO | None = None) -> Storage:
+    """The filesystem queue in ``fsync`` mode whose commit starts the fsync of ``data/``
+    in a thread of its own before its commit rename, and acknowledges the commit once that
+    fsync (and the others after the rename) ended: the rename came after the fsync began,
+    so a power cut right after the acknowledgement may undo the commit.  One caller rides
+    its own early sync: the sync-cover rule catches it on C1 in every check that runs it
+    (lockstep, crash exploration, threads, group-commit, sync-rounds); crash exploration's
+    power cuts at rest after a commit see the loss too."""
+    cls = _early_data_sync_queue()
+    if io is None:
+        return cls(root)
+    from conformance.crashexplore.explored_backends import deterministic_fs
+
+    return deterministic_fs(cls)(root, io)
 
 
 def fs_rides_running_sync(root: str, io: IO | None = None) -> Storage:
