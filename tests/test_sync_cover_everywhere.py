@@ -146,11 +146,16 @@ def test_the_projects_seam_backends_pass_the_rule_in_crash_exploration(name: str
                                      "kv_log_rides_running_sync"])
 def test_the_threads_check_catches_a_caller_riding_a_running_round(variant: str) -> None:
     """Which callers meet inside a round is the threads' luck (10 of 10 seeds when this
-    was written); the rule judges whatever trace they made."""
-    res = scale_checks.threads(_backend(f"{RIDING}:{variant}"), QUICK, 1)
-    assert res.status is Status.FAIL
-    assert {f.clause for f in res.findings} <= {"C1", "C3"}
-    assert all("it rode" in f.detail and f.steps for f in res.findings)
+    was written, on a loaded machine a seed in six passes the KV log's): the rule judges
+    whatever trace they made, so the check is run on up to four seeds and must fail on
+    one, every finding the rule's."""
+    for seed in range(1, 5):
+        res = scale_checks.threads(_backend(f"{RIDING}:{variant}"), QUICK, seed)
+        assert {f.clause for f in res.findings} <= {"C1", "C3"}
+        assert all("it rode" in f.detail and f.steps for f in res.findings)
+        if res.status is Status.FAIL:
+            return
+    raise AssertionError(f"the threads check passed {variant} on seeds 1-4")
 
 
 @pytest.mark.parametrize("name", [*SEAM_BACKENDS, "kv_leveldb"])

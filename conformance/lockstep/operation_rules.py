@@ -31,7 +31,14 @@ from conformance.lockstep.machine_state import (
     enqueue_args,
     schedules,
 )
-from conformance.lockstep.mail_data import MAX_SCHEDULE, fit_address
+from conformance.lockstep.mail_data import (
+    CORPUS_BODY,
+    CORPUS_RCPTS,
+    CORPUS_SCHEDULES,
+    CORPUS_SENDER,
+    MAX_SCHEDULE,
+    fit_address,
+)
 from queue_ref.storage import (
     Handle,
     HeldMail,
@@ -54,14 +61,12 @@ BAD_INPUT = ("mail_from", "rcpt", "no-rcpts", "zone")
 #: The message every example starts with: mail's data in each category the random draws
 #: may miss on a given seed (``mail_corpus``).
 CORPUS = EnqueueArgs(
-    "Pe\u0301rez@b.example", (("ENVID", "corpus"),), (
-        Recipient("Rcpt@a.example", Schedule(0), "z1"),  # case, the past
-        Recipient("\u212bngstr\u00f6m@c.example", Schedule(2**31 + 5)),  # past 2038
-        Recipient("x@B\u00dcCHER.example.", Schedule(MAX_SCHEDULE, MAX_SCHEDULE,
-                                                    "421 4.4.2 Pe\u0301rez\r\ntimed out"), "z2"),
-    ), 0, 0, 7,
-    b"Subject: corpus\r\n\r\n.\r\n..x\r\nbare\rCR, bare\nLF, \x00, \xff\r\nend\r\n")
-CORPUS = replace(CORPUS, size=len(CORPUS.body))
+    CORPUS_SENDER, (("ENVID", "corpus"),), (
+        *(Recipient(a, sched, zone) for a, sched, zone in zip(
+            CORPUS_RCPTS, CORPUS_SCHEDULES, ("z1", "default"), strict=True)),
+        # a domain in UTF-8 and upper case with a trailing dot, due at the largest time
+        Recipient("x@B\u00dcCHER.example.", Schedule(MAX_SCHEDULE, MAX_SCHEDULE), "z2"),
+    ), len(CORPUS_BODY), 0, 7, CORPUS_BODY)
 
 
 class Operations(MachineBase):
