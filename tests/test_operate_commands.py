@@ -310,3 +310,24 @@ def test_show_lists_a_messages_entries_in_delivery_and_no_other_messages(
         assert [r["entry_id"] for r in later["recipients"]] == [f"{ids[2]}.0", f"{ids[2]}.1"]
         code, out, _ = run(capsys, "show", "--queue", str(q), ids[2])
         assert code == 0 and "in delivery" not in out and ids[0] not in out
+
+
+def test_show_of_a_damaged_message_exits_1_and_says_it_was_set_aside(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A body damaged on disk: ``show`` prints nothing of it, exits 1 with one line that
+    says what is wrong and that the message was quarantined, and the damaged bytes are
+    kept; the other messages are shown as before."""
+    q = tmp_path / "q"
+    ids = fill(q, "fs")
+    data = q / "data" / ids[1]
+    damaged = bytearray(data.read_bytes())
+    damaged[damaged.index(b"body 1")] ^= 1
+    data.write_bytes(bytes(damaged))
+    code, out, err = run(capsys, "show", "--queue", str(q), ids[1], "--body")
+    assert code == 1 and out == ""
+    assert len(err.strip().splitlines()) == 1 and err.strip().endswith("(quarantined)"), err
+    assert ids[1] in err
+    kept = list((q / "quarantine").iterdir())
+    assert any(not p.is_symlink() and p.read_bytes() == bytes(damaged) for p in kept), kept
+    code, out, _ = run(capsys, "show", "--queue", str(q), ids[2])
+    assert code == 0 and "Subject: message 2" in out
