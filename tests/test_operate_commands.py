@@ -221,6 +221,8 @@ def test_the_relay_configuration_names_the_queue(
     assert summary["messages"] == len(ids)
     _, res = run_json(capsys, "hold", "--config", str(conf), ids[0])
     assert res["changed"] == 2
+    code, out, err = run(capsys, "mailq", "--config", str(conf), "--backend", "fs")
+    assert code == 2 and out == "" and "is not a fs queue" in err  # --backend wins
     conf.write_text("queue = 3\n")
     for argv in (["mailq", "--config", str(conf)], ["mailq"],
                  ["mailq", "--queue", str(q), "--config", str(conf)]):
