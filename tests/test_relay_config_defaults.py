@@ -69,3 +69,39 @@ def test_every_setting_is_documented_with_its_default() -> None:
             assert got == want, (name, got, written)
         checked.append(name)
     assert len(checked) >= 40 and "smtp_mx_address_limit" in checked, checked
+
+
+AT_LEAST_1 = ("message_size_limit", "smtpd_recipient_limit", "hopcount_limit",
+              "default_destination_concurrency_limit", "max_deliveries",
+              "smtp_mx_address_limit", "processes", "qmgr_message_active_limit",
+              "smtpd_auth_failure_limit")
+#: (setting, values accepted, values refused): each bound exactly where docs/relay.md puts it
+BOUNDS: list[tuple[str, tuple[Any, ...], tuple[Any, ...]]] = [
+    *((name, (1,), (0,)) for name in AT_LEAST_1),
+    ("processes", (256,), (257,)),
+    ("bounce_size_limit", (0,), (-1,)),
+    ("smtp_line_length_limit", (0, 80), (1, 79)),
+    ("dns_port", (1, 65535), (0, 65536)),
+    ("smtp_port", (1, 65535), (0, 65536)),
+    ("backoff_jitter", (0.0, 0.999), (1.0, -0.01)),
+    ("anvil_rate_time_unit", (0.001,), (0.0,)),
+    ("maximal_backoff_time", (300.0,), (299.0,)),  # not below minimal_backoff_time (300)
+]
+
+
+def test_every_bound_of_a_setting_is_exact() -> None:
+    """The least (and most) value of each numeric setting is taken, the next refused with
+    a message naming the setting: a limit of 1 failed AUTH, a line limit of 80 or a jitter
+    just below 1 are settings an operator may want."""
+    from queue_ref.relay.config_values import ConfigError
+
+    for name, good, bad in BOUNDS:
+        for value in good:
+            RelayConfig(queue="/q", myhostname="mx.example.org", **{name: value}).validate()
+        for value in bad:
+            try:
+                RelayConfig(queue="/q", myhostname="mx.example.org", **{name: value}).validate()
+            except ConfigError as e:
+                assert name.split("_time")[0] in str(e), (name, value, e)
+            else:
+                raise AssertionError(f"{name} = {value!r} was taken")
