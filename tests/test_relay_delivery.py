@@ -253,6 +253,8 @@ def test_a_delay_warning_is_sent_once_while_retries_go_on(tmp_path, warning):
     block = list(msg.iter_parts())[1].get_payload()[1]
     assert block["Action"] == "delayed" and block["Status"] == "4.2.0"
     assert "Will-Retry-Until" in block
+    assert block["Remote-MTA"] == "dns; mx1.ok.test"  # the server that deferred it
+    assert block["Diagnostic-Code"] == "smtp; 450 4.2.0 Mailbox busy, try later"
 
 
 def test_shutdown_puts_a_delivery_in_progress_back_with_its_schedule(tmp_path):
