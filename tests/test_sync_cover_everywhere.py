@@ -179,3 +179,20 @@ def test_a_plain_seam_keeps_syncs_instant(tmp_path: object) -> None:
         io.close(fd)
     assert all(e.ended == e.began + 1 for e in io.events)
     assert exposed(io.events, io.operations) == []
+
+
+# ---- io-errors -------------------------------------------------------------------------------
+
+def test_the_io_errors_check_judges_its_faulted_traces_by_the_rule() -> None:
+    """io-errors records a trace per trial (one call failing with EIO or ENOSPC): the rule
+    judges it too; the variant that rides its own sync is found by it in the first trials,
+    and the filesystem queue's trials give the rule nothing."""
+    from conformance.checks import io_errors_check
+
+    variant = _backend(f"{RIDING}:fs_commit_syncs_data_early")
+    trials = io_errors_check.sweep_trials(variant)[:6]
+    found = [f for trial, w in trials for f in io_errors_check.run_trial(variant, trial, w)]
+    assert any(f.clause == "C1" and f.detail.startswith("sync-cover rule:") for f in found)
+    fs = _backend("fs")
+    for trial, w in io_errors_check.sweep_trials(fs)[:6]:
+        assert io_errors_check.run_trial(fs, trial, w) == []

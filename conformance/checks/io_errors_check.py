@@ -50,6 +50,7 @@ from conformance.crashexplore.traced_runs import (
     events_through,
     run_workload,
     scratch_dir,
+    uncovered,
 )
 from conformance.crashexplore.workloads import LIFE, Workload, enqueue_call, random_workload
 from conformance.harness.backend_factory import Backend
@@ -469,19 +470,22 @@ def run_trial(backend: Backend, trial: FaultTrial, workload: Workload) -> list[F
                          *(f"{i}: {c.describe()}" for i, c in enumerate(workload))))]
     with scratch_dir("queue-ref-faults-") as root:
         run = run_workload(spec, workload, plan, root=root)
+        # the sync-cover rule on the faulted trace (a failed sync covers nothing); a trace
+        # it cannot replay raises ModelError: the check's error, never a pass
+        rode = uncovered(run)
         out = _outcome(run, workload, name)
         if out is None:
-            return []
+            return [Finding(c, d, trial.scenario, NO_CRASH, ()) for c, d in rode]
         steps = tuple(_steps(trial, workload, run, out))
 
         def findings(found: list[tuple[str, str]] | tuple[tuple[str, str], ...]
                      ) -> list[Finding]:
-            return [Finding(c, d, trial.scenario, NO_CRASH, steps) for c, d in found]
+            return [Finding(c, d, trial.scenario, NO_CRASH, steps) for c, d in [*rode, *found]]
 
         if out.problems:
             return findings(out.problems)
-        if run.stopped_in == OPEN:
-            return []  # opening failed on the fault and said so: nothing was acknowledged
+        if run.stopped_in == OPEN:  # opening failed on the fault and said so
+            return findings([])  # nothing was acknowledged
         if out.failed is not None:
             # Failed: the state before or after the failed call, nothing else.
             i = out.failed
