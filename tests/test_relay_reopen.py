@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.relay_failing_disk import trigger_of
+from tests.relay_failing_disk import open_trigger_of, trigger_of
 from tests.relay_support import Sink, relay_process
 
 
@@ -69,3 +69,31 @@ def test_a_failed_sync_makes_the_relay_reopen_its_queue_and_go_on(tmp_path: Path
     assert len(subjects) in (3, 4)
     err = "".join(proc.err_lines)
     assert "ReopenRequiredError" in err and "reopening the queue" in err
+
+
+def test_a_reopening_that_fails_is_tried_again(tmp_path: Path) -> None:
+    """The queue cannot be opened again at the first try (the disk is not back yet): the
+    relay logs the failure with the wait before the next try (1 s, then doubling), tries
+    again and goes on."""
+    queue = str(tmp_path / "q")
+    with Sink() as sink, relay_process(
+            ["--queue", queue, "--listen", "127.0.0.1:0", "--backend",
+             "tests.relay_failing_disk:fs", "--relayhost", f"[127.0.0.1]:{sink.port}"]
+            ) as (proc, port):
+        send(port, "before")
+        sink.wait_for(1)
+        wait_log(proc, "status=sent")
+        time.sleep(1.0)  # its cleanup synced too: the next sync is the next commit's
+        Path(open_trigger_of(queue)).touch()  # the first reopening fails
+        Path(trigger_of(queue)).touch()  # the next sync of the queue fails
+        with pytest.raises(smtplib.SMTPDataError) as refused:
+            send(port, "during")
+        assert refused.value.smtp_code == 451
+        wait_log(proc, "reopened the queue", timeout=15)
+        send(port, "after")
+        sink.wait_for(2)
+        assert proc.poll() is None
+    err = "".join(proc.err_lines)
+    assert re.search(r"what=reopening the queue, retry_in=1\.00 \(StorageIOError: .*injected EIO", err), \
+        err[-2000:]
+    assert not Path(open_trigger_of(queue)).exists()
