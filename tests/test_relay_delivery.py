@@ -298,3 +298,18 @@ def test_plain_addresses_are_quoted_as_aiosmtplib_quotes_them(address):
         assert ours is not None
     else:
         assert ours is None
+
+
+def test_shutdown_after_commits_does_not_wait_out_its_timeout(tmp_path):
+    """Mail was committed and delivered; nothing is in progress: stopping the relay takes
+    far less than ``shutdown_timeout`` (it waits for commits in progress, not for one that
+    ended)."""
+    with dns_server() as dns, Sink() as sink:
+        r = RelayThread(config(tmp_path, dns, sink, shutdown_timeout=8.0))
+        with r:
+            send(r.port, "alice@ok.test", ["bob@ok.test"])
+            sink.wait_for(1)
+            r.wait_events(1, status="sent")
+            assert r.relay.receiver.commits == 0
+            started = time.monotonic()
+        assert time.monotonic() - started < 4.0
