@@ -61,10 +61,12 @@ def deferred(r: RelayThread, n: int) -> None:
         time.sleep(0.02)
 
 
-def serve_turned(sock: socket.socket, replies: dict[str, str]) -> list[tuple[str, list[str], bytes]]:
+def serve_turned(sock: socket.socket, replies: dict[str, str], data_reply: str = "",
+                 lines: list[str] | None = None) -> list[tuple[str, list[str], bytes]]:
     """Be the SMTP server on ``sock`` after ATRN's 250: the greeting, then each command
-    answered (``replies``: recipient -> its RCPT reply, else 250) until QUIT; the
-    messages taken (sender, recipients accepted, content)."""
+    answered (``replies``: recipient -> its RCPT reply, else 250; ``data_reply``, when
+    given, answers DATA instead of 354) until QUIT; the messages taken (sender,
+    recipients accepted, content).  ``lines`` gets every command line read."""
     f = sock.makefile("rb")
     sock.sendall(b"220 customer.test ESMTP\r\n")
     got: list[tuple[str, list[str], bytes]] = []
@@ -73,6 +75,8 @@ def serve_turned(sock: socket.socket, replies: dict[str, str]) -> list[tuple[str
         line = f.readline().decode()
         if not line:
             return got
+        if lines is not None:
+            lines.append(line.rstrip("\r\n"))
         verb = line[:4].upper()
         if verb == "EHLO":
             sock.sendall(b"250-customer.test\r\n250-8BITMIME\r\n250 SIZE 1000000\r\n")
@@ -85,6 +89,8 @@ def serve_turned(sock: socket.socket, replies: dict[str, str]) -> list[tuple[str
             if reply.startswith("250"):
                 rcpts.append(rcpt)
             sock.sendall(reply.encode() + b"\r\n")
+        elif verb == "DATA" and data_reply:
+            sock.sendall(data_reply.encode() + b"\r\n")
         elif verb == "DATA":
             sock.sendall(b"354 go ahead\r\n")
             data = b""
@@ -268,3 +274,26 @@ def test_failed_auth_on_the_odmr_port_reaches_the_limit(tmp_path: Path) -> None:
         with _odmr(r, user="") as c:
             right = base64.b64encode(f"\0alice\0{PASSWORD}".encode()).decode()
             assert c.docmd("AUTH", f"PLAIN {right}")[0] == 421  # blocked for the window
+
+
+def test_a_data_command_refused_on_the_turned_connection_defers_and_resets(
+        tmp_path: Path) -> None:
+    """The ATRN client answers DATA with 451: the relay sends no content, resets the
+    transaction and quits; the recipient is deferred with that reply, its mail kept."""
+    with Sink() as sink, RelayThread(_config(tmp_path, sink)) as r:
+        smtp_send(r.port, "a@example.org", [f"one@{DOMAIN}"])
+        deferred(r, 1)
+        lines: list[str] = []
+        with _odmr(r) as c:
+            code, _ = c.docmd("ATRN", DOMAIN)
+            assert code == 250
+            got = serve_turned(c.sock, {}, data_reply="451 4.3.0 try later", lines=lines)
+        r.wait_events(2, "delivery", status="deferred")
+        last = r.events("delivery")[-1]
+    assert got == []
+    verbs = [line.split(" ", 1)[0].split(":", 1)[0].upper() for line in lines]
+    assert verbs[verbs.index("DATA"):] == ["DATA", "RSET", "QUIT"], lines
+    assert last["to"] == f"one@{DOMAIN}" and last["dsn"] == "4.3.0"
+    assert "451 4.3.0 try later" in last["reason"]
+    (left,) = queued_entries(str(tmp_path / "q"))
+    assert left.rcpt == f"one@{DOMAIN}"
