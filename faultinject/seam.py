@@ -35,7 +35,7 @@ trace, and it is performed, and ends, under the lock again.  So the trace says w
 sync can promise: nothing about changes made after it began.  Every event records its
 thread and the counter values at its entry and exit (``TraceEvent.began``/``ended``);
 ``operation(name)`` brackets one Storage operation of the calling thread on the same
-counter (``operations``), for the sync-cover rule (``conformance.concurrency.sync_cover``).
+counter (``operations``), for the sync-cover rule (``conformance.harness.sync_cover``).
 """
 
 from __future__ import annotations

@@ -11,10 +11,10 @@ import threading
 import pytest
 
 from conformance.checks import sync_rounds_check
-from conformance.concurrency.sync_cover import uncovered_acks
 from conformance.crashexplore.traced_runs import ScratchIO
 from conformance.harness.backend_factory import Backend
 from conformance.harness.check_results import Status
+from conformance.harness.sync_cover import uncovered_acks
 from faultinject.disk import snapshot
 from faultinject.seam import FaultyIO
 from faultinject.trace import OperationSpan, TraceEvent

@@ -1,4 +1,4 @@
-"""The lockstep's mail data (``conformance/lockstep/mail_data.py``) and what it catches.
+"""The lockstep's mail data (``conformance/harness/mail_data.py``) and what it catches.
 
 * every generated address and schedule is one the contract allows, and the limits are
   reached (a 64-octet local part, a 255-octet domain, an address of MAX_ADDRESS
@@ -26,9 +26,7 @@ from hypothesis import strategies as st
 from conformance.certify.suite_runner import check_seed
 from conformance.examples import broken_mail_data
 from conformance.harness.backend_factory import Backend
-from conformance.harness.suite_profiles import get as get_profile
-from conformance.lockstep import run_lockstep
-from conformance.lockstep.mail_data import (
+from conformance.harness.mail_data import (
     EXAMPLES,
     MAX_DOMAIN,
     MAX_LOCAL,
@@ -38,6 +36,8 @@ from conformance.lockstep.mail_data import (
     refused_schedules,
     schedules,
 )
+from conformance.harness.suite_profiles import get as get_profile
+from conformance.lockstep import run_lockstep
 from queue_ref.fsqueue import FsQueue
 from queue_ref.kv.kv_queue import KvQueue
 from queue_ref.memory import MemoryStorage

@@ -18,7 +18,6 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from conformance.checks import crash_exploration_check, scale_checks
-from conformance.concurrency.sync_cover import BackgroundSyncHoldIO, exposed
 from conformance.crashexplore.crash_task import rest_check
 from conformance.crashexplore.explored_backends import BackendSpec
 from conformance.crashexplore.traced_runs import ScratchIO, run_workload
@@ -26,6 +25,7 @@ from conformance.crashexplore.workloads import enumerate_steps
 from conformance.harness.backend_factory import Backend
 from conformance.harness.check_results import Status
 from conformance.harness.suite_profiles import QUICK
+from conformance.harness.sync_cover import BackgroundSyncHoldIO, exposed
 from conformance.lockstep import ClauseViolation, lockstep_machine, run_lockstep
 from faultinject.seam import FaultyIO
 

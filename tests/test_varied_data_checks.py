@@ -1,6 +1,6 @@
 """Mail as varied as real mail in the linearizable and lifecycle-edges checks.
 
-* the plain draws of ``conformance/lockstep/mail_data.py`` (what the history workers use,
+* the plain draws of ``conformance/harness/mail_data.py`` (what the history workers use,
   outside Hypothesis) are deterministic from their seed and within the contract, and
   reach what the strategies reach (UTF-8, trailing dots, far-future schedules, reasons,
   bodies with and without a final CRLF);
@@ -28,8 +28,7 @@ from conformance.crashexplore.recovered_queue import Recovered, RecoveredEntry
 from conformance.examples import broken_mail_data
 from conformance.harness.backend_factory import Backend
 from conformance.harness.check_results import CheckResult, Status
-from conformance.harness.suite_profiles import QUICK
-from conformance.lockstep.mail_data import (
+from conformance.harness.mail_data import (
     ENDINGS,
     MAX_LOCAL,
     draw_address,
@@ -37,6 +36,7 @@ from conformance.lockstep.mail_data import (
     draw_schedule,
     draw_sender,
 )
+from conformance.harness.suite_profiles import QUICK
 from queue_ref.storage import (
     MAX_SCHEDULE,
     Capability,

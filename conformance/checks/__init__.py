@@ -15,7 +15,7 @@ streaming_check            streaming
 damage_at_rest_check       damage-at-rest (the ways a file is damaged: ``file_damage``)
 disk_growth_check          bounded-disk
 group_commit_check         group-commit
-sync_rounds_check          sync-rounds (the rule it judges by: ``concurrency.sync_cover``)
+sync_rounds_check          sync-rounds (the rule it judges by: ``harness.sync_cover``)
 sync_rounds_crash_check    sync-rounds-crash (sync-rounds' runs, power cut at their calls)
 linearizability_check      linearizable (the search: ``concurrency.linearizability``)
 lifecycle_edges_check      lifecycle-edges (the children: ``lifecycle_edges_actors``;

@@ -40,7 +40,6 @@ import threading
 import time
 from dataclasses import replace
 
-from conformance.concurrency.sync_cover import uncovered_acks
 from conformance.crashexplore.disk_recovery import recover_image
 from conformance.crashexplore.explored_backends import BackendSpec
 from conformance.crashexplore.traced_runs import ScratchIO, scratch_dir
@@ -48,6 +47,7 @@ from conformance.harness.backend_factory import Backend
 from conformance.harness.check_catalog import NO_CRASH
 from conformance.harness.check_results import CheckResult, Finding, finished
 from conformance.harness.suite_profiles import Profile
+from conformance.harness.sync_cover import uncovered_acks
 from faultinject.fault_errors import ModelError
 from faultinject.models import crash_states
 from faultinject.seam import FaultPlan, FaultyIO

@@ -30,8 +30,8 @@ import time
 from conformance.harness.backend_factory import Backend
 from conformance.harness.check_catalog import NO_CRASH
 from conformance.harness.check_results import CheckResult, Finding, finished
-from conformance.lockstep.field_compare import same_value, schedule_diff
-from conformance.lockstep.mail_data import REASON_EXAMPLES
+from conformance.harness.field_compare import same_value, schedule_diff
+from conformance.harness.mail_data import REASON_EXAMPLES
 from queue_ref.storage import (
     MAX_SCHEDULE,
     Capability,

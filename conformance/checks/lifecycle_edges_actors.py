@@ -8,7 +8,7 @@ queue and claims every entry it lists; on "finish" it reads back and sends what 
 claimed (``send_done``, and ``cleanup`` of every other one).  Both answer with one JSON line per
 step (``harness.child_process``) and are reused from trial to trial.
 
-The queue holds mail's data (``conformance.lockstep.mail_data``): a decomposed UTF-8
+The queue holds mail's data (``conformance.harness.mail_data``): a decomposed UTF-8
 sender and the null sender, upper-case and quoted local parts, the Angstrom sign, UTF-8
 and trailing-dot domains, ``Postmaster``; schedules in the past, at ``2**31 - 1`` and
 beyond it to the largest, with reasons of CRLF, NUL and 2-octet UTF-8; bodies with and
@@ -29,14 +29,14 @@ from typing import Any
 
 from conformance.harness.backend_factory import Backend
 from conformance.harness.child_process import Channel
-from conformance.harness.stop_gate_io import StopGateIO
-from conformance.lockstep.mail_data import (
+from conformance.harness.mail_data import (
     CORPUS_BODY,
     CORPUS_RCPTS,
     CORPUS_SCHEDULES,
     CORPUS_SENDER,
     MAX_SCHEDULE,
 )
+from conformance.harness.stop_gate_io import StopGateIO
 from queue_ref.io import OsIO
 from queue_ref.storage import InflightMail, QueueError, Recipient, Schedule, Storage
 from spec.model import EntryKey

@@ -30,7 +30,7 @@ from conformance.checks.lifecycle_edges_actors import (
     TARGET_KEY,
 )
 from conformance.crashexplore.recovered_queue import to_views
-from conformance.lockstep.field_compare import same_value, schedule_diff
+from conformance.harness.field_compare import same_value, schedule_diff
 from queue_ref.storage import Schedule
 from spec.crash import judge
 from spec.model import Call, EntryKey, Message, Model

@@ -16,7 +16,7 @@ an ERROR, never a pass), every schedule handed back being the model's with its r
 everything is cleaned up (C8), and what a read gives back must be what was committed
 (the sender, the recipient and the body, byte for byte: C6).
 
-The data is mail's (``conformance.lockstep.mail_data``): the first message of every
+The data is mail's (``conformance.harness.mail_data``): the first message of every
 round is the corpus (a decomposed UTF-8 sender, an upper-case local part, the Angstrom
 sign, a domain with a trailing dot, a schedule past 2038, reasons with CRLF, a body of
 dot lines, bare CR and LF and a final CRLF), the rest is drawn from the round's seed.
@@ -59,15 +59,15 @@ from conformance.harness.backend_factory import Backend
 from conformance.harness.check_catalog import NO_CRASH
 from conformance.harness.check_results import CheckResult, Finding, Status, finished
 from conformance.harness.child_process import Child
-from conformance.harness.suite_profiles import QUICK, Profile
-from conformance.harness.suite_profiles import get as get_profile
-from conformance.lockstep.mail_data import (
+from conformance.harness.mail_data import (
     CORPUS_BODY,
     CORPUS_RCPTS,
     CORPUS_SCHEDULES,
     CORPUS_SENDER,
     fit_address,
 )
+from conformance.harness.suite_profiles import QUICK, Profile
+from conformance.harness.suite_profiles import get as get_profile
 from queue_ref.storage import Capability
 
 CHECK = "linearizable"

@@ -12,7 +12,7 @@ claim is sent and cleaned up concurrently and nothing is left.  A backend with t
 seam runs through a recording ``FaultyIO`` (scratch syncs, each held open
 ``THREAD_SYNC_HOLD`` seconds so that callers arrive while it runs), its commits and
 ``send_done`` calls bracketed, and the trace is judged at the end by the sync-cover rule
-(``conformance.concurrency.sync_cover``): an acknowledgement that rode a sync begun before
+(``conformance.harness.sync_cover``): an acknowledgement that rode a sync begun before
 its change is C1 (commit) or C3 (send_done).  Which callers meet inside a sync is the
 threads' luck; what the rule makes of a trace is not.
 """
@@ -28,12 +28,12 @@ from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
-from conformance.concurrency.sync_cover import uncovered_acks
 from conformance.crashexplore.traced_runs import ScratchIO, scratch_base
 from conformance.harness.backend_factory import Backend
 from conformance.harness.check_catalog import NO_CRASH
 from conformance.harness.check_results import CheckResult, Finding, finished
 from conformance.harness.suite_profiles import Profile
+from conformance.harness.sync_cover import uncovered_acks
 from faultinject.fault_errors import ModelError
 from faultinject.seam import FaultyIO
 from queue_ref.storage import (

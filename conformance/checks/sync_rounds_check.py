@@ -12,7 +12,7 @@ j = 0, 1, ... until A makes no more), one run on a fresh queue:
    seconds; at most ``B_LIMIT``), or returns;
 4. A is let go; both finish.
 
-The trace is judged by the sync-cover rule (``conformance.concurrency.sync_cover``): an
+The trace is judged by the sync-cover rule (``conformance.harness.sync_cover``): an
 operation that returned success must have had, for each change it waited on a sync for, a
 covering sync that began after the change and ended before it returned.  A backend whose
 running round acknowledges a caller that arrived during its sync (the caller's change came
@@ -30,11 +30,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from conformance.concurrency.sync_cover import uncovered_acks
 from conformance.crashexplore.traced_runs import ScratchIO, scratch_dir
 from conformance.harness.backend_factory import Backend
 from conformance.harness.check_catalog import NO_CRASH
 from conformance.harness.check_results import CheckResult, Finding, finished
+from conformance.harness.sync_cover import uncovered_acks
 from faultinject.fault_errors import ModelError
 from faultinject.seam import FaultyIO
 from faultinject.trace import OperationSpan

@@ -8,7 +8,7 @@ callers collide on the few entries of the queue.  Every call is recorded with it
 invocation and return times (``time.monotonic_ns``: one clock for every process on
 Linux) as a ``Recorded`` of ``conformance.concurrency.linearizability``.
 
-The data is mail's (``conformance.lockstep.mail_data``, drawn with the plan's seeded
+The data is mail's (``conformance.harness.mail_data``, drawn with the plan's seeded
 random, no Hypothesis engine): senders and recipients as RFC 5321 and RFC 6531 allow
 them (cut to the backend's ``Limits.max_address``), bodies with and without a final
 CRLF, dot lines, bare CR and LF, schedules in the past, now and far in the future with
@@ -39,8 +39,8 @@ from typing import Any
 from conformance.concurrency.linearizability import READ, Recorded, Sched, body_token
 from conformance.harness.backend_factory import Backend
 from conformance.harness.child_process import Channel
-from conformance.lockstep.field_compare import schedule_diff
-from conformance.lockstep.mail_data import (
+from conformance.harness.field_compare import schedule_diff
+from conformance.harness.mail_data import (
     draw_address,
     draw_body,
     draw_schedule,

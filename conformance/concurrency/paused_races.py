@@ -10,7 +10,7 @@ took effect in, their answers and the final state must be the model's for that o
 
 Syncs are held open ``SYNC_HOLD`` seconds (``FaultyIO.sync_hold``), so that once A is let
 go its syncs and B's changes may overlap, and A's and B's operations are judged by the
-sync-cover rule too (``conformance.concurrency.sync_cover``): neither may return on a sync
+sync-cover rule too (``conformance.harness.sync_cover``): neither may return on a sync
 that began before its change.
 
 Each race is named ``<a>-vs-<b>`` (``<a>-two-recipients`` when A and B act on the two
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 from conformance.concurrency.history_workers import Worker, WorkerPlan, drain
 from conformance.concurrency.linearizability import Recorded, Verdict, check_history
-from conformance.concurrency.sync_cover import uncovered_acks
 from conformance.crashexplore.traced_runs import ScratchIO, scratch_base
 from conformance.harness.backend_factory import Backend
+from conformance.harness.sync_cover import uncovered_acks
 from faultinject.fault_errors import ModelError
 from faultinject.seam import FaultyIO
 from queue_ref.storage import (

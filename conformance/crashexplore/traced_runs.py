@@ -27,10 +27,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from conformance.concurrency.sync_cover import BackgroundSyncHoldIO, exposed, uncovered_acks
 from conformance.crashexplore.explored_backends import BackendSpec
 from conformance.crashexplore.workload_driver import Divergence, Driver, spare_plan
 from conformance.crashexplore.workloads import Workload
+from conformance.harness.sync_cover import BackgroundSyncHoldIO, exposed, uncovered_acks
 from faultinject.disk import DiskImage
 from faultinject.fault_errors import Crash
 from faultinject.seam import FaultPlan
@@ -266,7 +266,7 @@ def run_workload(backend: BackendSpec, workload: Workload, plan: FaultPlan | Non
 
 
 def uncovered(run: Run) -> list[tuple[str, str]]:
-    """The sync-cover rule on ``run``'s trace (``conformance.concurrency.sync_cover``):
+    """The sync-cover rule on ``run``'s trace (``conformance.harness.sync_cover``):
     (clause, detail with the calls in between) of every acknowledgement that rode a sync
     begun before its change.  Replays the trace only if a sync of another thread
     overlapped a call (``sync_cover.exposed``).  Raises ``faultinject.ModelError`` if it

@@ -2,7 +2,7 @@
 real mail data, without any crash: what a stored address is, which entries a listing
 shows, what a body is.  Each passes the lockstep's tame data (lower-case ASCII local
 parts, random bodies, schedules up to 10**9) and is caught once the data is as varied as
-mail (``conformance/lockstep/mail_data.py``); ``docs/certify.md`` names the check and
+mail (``conformance/harness/mail_data.py``); ``docs/certify.md`` names the check and
 the clause.  Never use them for mail.
 
     queue-ref certify conformance.examples.broken_mail_data:fs_local_part_lowered \\

@@ -18,7 +18,7 @@ worker that holds a stale handle; consumed, wrong-type and foreign handles must 
 * ``traced`` (by default on without ``restarts``, always with the crash rule): a backend
   that declares the I/O seam runs through a recording one, and after every step the
   operations it acknowledged are judged by the sync-cover rule
-  (``conformance.concurrency.sync_cover``; ``MachineBase.check_sync_cover``).
+  (``conformance.harness.sync_cover``; ``MachineBase.check_sync_cover``).
 
 A difference raises ``ClauseViolation`` (an AssertionError) naming the clause.  Under
 pytest::

@@ -23,7 +23,7 @@ A machine that runs the backend through the I/O seam (``traced``: the crash rule
 the others' for a backend that declares the seam) brackets every operation whose success
 the contract makes durable (``sync_cover.JUDGED``) with ``FaultyIO.operation``, and after
 every step judges the operations acknowledged since the last one by the sync-cover rule
-(``conformance.concurrency.sync_cover``): an acknowledgement that rode a sync begun before
+(``conformance.harness.sync_cover``): an acknowledgement that rode a sync begun before
 its change raises ``ClauseViolation``.  The seam holds open the syncs of any thread of the
 backend's own (``BackgroundSyncHoldIO``), so a backend that syncs in the background is
 seen; a backend without threads records the same trace as before and is not replayed.
@@ -44,11 +44,11 @@ from typing import Any, ClassVar
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant
 
-from conformance.concurrency.sync_cover import BackgroundSyncHoldIO, exposed, uncovered_acks
 from conformance.crashexplore.traced_runs import ScratchIO, scratch_base
+from conformance.harness import mail_data
 from conformance.harness.backend_factory import Backend
-from conformance.lockstep import mail_data
-from conformance.lockstep.field_compare import meta_diff, schedule_diff
+from conformance.harness.field_compare import meta_diff, schedule_diff
+from conformance.harness.sync_cover import BackgroundSyncHoldIO, exposed, uncovered_acks
 from faultinject.fault_errors import ModelError
 from faultinject.seam import FaultyIO
 from queue_ref.memory import MemoryStorage

@@ -18,7 +18,15 @@ from functools import partial
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
 
-from conformance.lockstep.field_compare import meta_diff, schedule_diff
+from conformance.harness.field_compare import meta_diff, schedule_diff
+from conformance.harness.mail_data import (
+    CORPUS_BODY,
+    CORPUS_RCPTS,
+    CORPUS_SCHEDULES,
+    CORPUS_SENDER,
+    MAX_SCHEDULE,
+    fit_address,
+)
 from conformance.lockstep.machine_state import (
     BODY_SIZES,
     READ_CHUNKS,
@@ -30,14 +38,6 @@ from conformance.lockstep.machine_state import (
     body_bytes,
     enqueue_args,
     schedules,
-)
-from conformance.lockstep.mail_data import (
-    CORPUS_BODY,
-    CORPUS_RCPTS,
-    CORPUS_SCHEDULES,
-    CORPUS_SENDER,
-    MAX_SCHEDULE,
-    fit_address,
 )
 from queue_ref.storage import (
     Handle,

@@ -16,7 +16,7 @@ import contextlib
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
 
-from conformance.lockstep.field_compare import schedule_diff
+from conformance.harness.field_compare import schedule_diff
 from conformance.lockstep.machine_state import ClauseViolation, EnqueueArgs
 from conformance.lockstep.operation_rules import Operations
 from queue_ref.storage import (
