@@ -90,6 +90,12 @@ def test_etrn_ends_the_wait_at_once(tmp_path: Path) -> None:
                                       minimal_backoff_time=600.0, maximal_backoff_time=600.0)
                          ) as r:
             r.wait_events(3, status="deferred", timeout=10)
+            # a deferral is logged just before its send_cancel: wait until all three are
+            # queued again, else ETRN may find nothing waiting yet (251)
+            deadline = time.monotonic() + 10
+            while r.call(lambda: r.relay.scheduler.sizes()["inflight"]):
+                assert time.monotonic() < deadline, "the deferred entries stayed in flight"
+                time.sleep(0.02)
             del mx.state.at["connect"]
             with smtplib.SMTP("127.0.0.1", r.port, timeout=10) as c:
                 c.ehlo("flaky.example")
