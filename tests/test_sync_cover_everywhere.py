@@ -12,6 +12,7 @@ each of them, and a backend without threads of its own is never replayed for the
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
@@ -55,8 +56,8 @@ def test_only_other_threads_syncs_are_held_open(tmp_path: object) -> None:
         io.fsync(fd)  # the driver's own: began and ended with nothing in between
         syncer = threading.Thread(target=io.syncfs, args=(root,))
         syncer.start()
-        while io.sync_count < 2:
-            pass
+        while io.sync_count < 2:  # the other thread's syncfs has begun
+            time.sleep(0.0001)
         io.write(fd, b"mail")  # while the other thread's syncfs is open
         syncer.join()
         io.close(fd)

@@ -33,7 +33,7 @@ from conformance.harness.backend_factory import Backend
 from conformance.harness.check_catalog import NO_CRASH
 from conformance.harness.check_results import CheckResult, Finding, finished
 from conformance.harness.suite_profiles import Profile
-from conformance.harness.sync_cover import uncovered_acks
+from conformance.harness.sync_cover import uncovered_on
 from faultinject.fault_errors import ModelError
 from faultinject.seam import FaultyIO
 from queue_ref.storage import (
@@ -223,10 +223,8 @@ def _sync_cover(io: FaultyIO, scenario: str) -> list[Finding]:
     """The threads' commits and send_done calls judged by the sync-cover rule: one finding
     per acknowledgement that rode a sync begun before its change, the calls of every
     thread in between as its steps."""
-    with io._mutex:
-        events = list(io.events)
     try:
-        found = uncovered_acks(io.initial, events, io.operations)
+        found = uncovered_on(io)
     except ModelError as e:
         return [Finding("C9", f"the trace cannot be replayed for the sync-cover rule: {e}",
                         scenario, NO_CRASH)]

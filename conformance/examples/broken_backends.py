@@ -1413,13 +1413,13 @@ def kv_leveldb_reserve_spent_for_good(root: str) -> Storage:
             --only full-disk
     """
     import os
+    from pathlib import Path
 
     from queue_ref.kv.kv_queue import KvQueue
     from queue_ref.kv.reserve import NAME, Reserve
 
     def mark(directory: str) -> None:
-        with open(os.path.join(directory, NAME + ".spent"), "w"):  # a few bytes' marker
-            pass
+        Path(directory, NAME + ".spent").touch()  # an empty marker
 
     class SpentForGood(Reserve):
         def ensure(self) -> bool:

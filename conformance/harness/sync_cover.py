@@ -204,3 +204,14 @@ def uncovered_acks(initial: DiskImage, events: Sequence[TraceEvent],
             out.append(Uncovered(CLAUSE_OF.get(span.name, "C9"), span, what, change, rode,
                                  _excerpt(events, min(rode.began, change.began), span.ended)))
     return out
+
+
+def uncovered_on(io: FaultyIO, operations: Sequence[OperationSpan] | None = None
+                 ) -> list[Uncovered]:
+    """The rule on the trace ``io`` has recorded so far, for ``operations`` (all of its
+    spans by default), replaying it only if some of them are ``exposed``.  Raises
+    ``faultinject.ModelError`` if the trace cannot be replayed."""
+    with io._mutex:  # other threads may still be adding events
+        events = list(io.events)
+    spans = exposed(events, io.operations if operations is None else operations)
+    return uncovered_acks(io.initial, events, spans) if spans else []

@@ -48,7 +48,7 @@ from conformance.crashexplore.traced_runs import ScratchIO, scratch_base
 from conformance.harness import mail_data
 from conformance.harness.backend_factory import Backend
 from conformance.harness.field_compare import meta_diff, schedule_diff
-from conformance.harness.sync_cover import BackgroundSyncHoldIO, exposed, uncovered_acks
+from conformance.harness.sync_cover import BackgroundSyncHoldIO, uncovered_on
 from faultinject.fault_errors import ModelError
 from faultinject.seam import FaultyIO
 from queue_ref.memory import MemoryStorage
@@ -276,13 +276,8 @@ class MachineBase(RuleBasedStateMachine):
             return
         new = io.operations[self.judged_ops:]
         self.judged_ops = len(io.operations)
-        with io._mutex:
-            events = list(io.events)
-        spans = exposed(events, new)
-        if not spans:
-            return
         try:
-            found = uncovered_acks(io.initial, events, spans)
+            found = uncovered_on(io, new)
         except ModelError as e:
             raise ClauseViolation("C9", f"the trace cannot be replayed for the sync-cover "
                                         f"rule: {e}") from e
