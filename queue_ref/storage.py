@@ -16,6 +16,10 @@ With ``Capability.HOLD`` (C14) an operator may set a queued entry aside::
     HeldMail     --release---->   QueuedMail       (the schedule it had)
     HeldMail     --drop_held-->   PendingCleanupMail
 
+``send_finish(done, cancel)`` makes the ``send_done`` and ``send_cancel`` transitions of
+many entries (a delivery's outcomes) in one call and, where the backend can, one durable
+step (C15): each entry moves as its own call would, and on return all are durable.
+
 What every method guarantees (the clauses are in ``spec/CONTRACT.md``):
 
 * **On success** the effect is durable: it survives a crash, power loss included (C1, C9).
@@ -57,6 +61,7 @@ __all__ = [
     "DamagedStoreError",
     "Enqueuer",
     "EntryMeta",
+    "Finished",
     "Footprint",
     "Handle",
     "HeldMail",
@@ -102,6 +107,10 @@ class StorageIOError(QueueError):
     def __init__(self, message: str, handle: Handle | None = None) -> None:
         super().__init__(message)
         self.handle = handle
+        #: From ``send_finish``: a live handle for the old state of every entry of the
+        #: batch, in its order (``done``, then ``cancel``); each entry is in its old or its
+        #: new state, so a retry with them moves it or returns None (C15).
+        self.handles: tuple[Handle, ...] = ()
 
 
 class NoSpaceError(StorageIOError):
@@ -354,6 +363,15 @@ class PendingCleanupMail(Handle):
 
 
 H = TypeVar("H", bound=Handle)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """What ``send_finish`` returns: each entry's result, as its own call would return it,
+    in the order given (None: the entry was no longer INFLIGHT, and nothing changed)."""
+
+    done: list[PendingCleanupMail | None]
+    cancelled: list[QueuedMail | None]
 
 
 # ---- streams --------------------------------------------------------------------------
@@ -612,6 +630,35 @@ class Storage(abc.ABC):
         ``schedule.reason`` is why the attempt failed; it is stored with the schedule in
         the same durable step (C5) and every listing hands it back in ``handle.schedule``."""
 
+    def send_finish(self, done: Sequence[InflightMail] = (),
+                    cancel: Sequence[tuple[InflightMail, Schedule]] = ()) -> Finished:
+        """``send_done`` of every entry of ``done`` and ``send_cancel`` of every pair of
+        ``cancel``, in one call (C15): the relay's outcomes of one delivery.
+
+        Each entry moves exactly as its own call would (None where it was no longer
+        INFLIGHT), and when the call returns every move is durable.  A backend may make
+        them in one durable step (one sync for all); this default makes the calls one by
+        one.  After a crash inside it, each entry is in its old or its new state, each on
+        its own.  Every handle and schedule is checked before anything changes: a
+        misused handle (or one entry twice) raises ``MisuseError``, a bad schedule
+        ``InvalidInputError``, and nothing moves.  On ``StorageIOError`` its ``handles`` are
+        live handles for the old state of every entry of the batch (``handle`` is None):
+        retrying with them completes each move or returns None.  An entry found corrupt is
+        quarantined (as its own call would) and answers None, and the others move."""
+        dones, cancels = self._take_batch(done, cancel)
+        for h in (*dones, *(h for h, _ in cancels)):
+            self._give_back(h)  # each call below takes its own
+        got_done: list[PendingCleanupMail | None] = []
+        got_cancel: list[QueuedMail | None] = []
+        try:
+            for h in dones:
+                got_done.append(_or_none(self.send_done, h))
+            for h, s in cancels:
+                got_cancel.append(_or_none(self.send_cancel, h, s))
+        except StorageIOError as e:
+            raise self._batch_failed(e, dones, cancels) from None
+        return Finished(got_done, got_cancel)
+
     @abc.abstractmethod
     def drop(self, mail: QueuedMail) -> PendingCleanupMail | None:
         """Remove a QUEUED entry without sending it; it is never sent (C3)."""
@@ -702,7 +749,48 @@ class Storage(abc.ABC):
             raise MisuseError(f"this {cls.__name__} for entry {handle.entry_id} was used already")
         return handle
 
+    def _take_batch(self, done: Sequence[InflightMail],
+                    cancel: Sequence[tuple[InflightMail, Schedule]]
+                    ) -> tuple[list[InflightMail], list[tuple[InflightMail, Schedule]]]:
+        """Check every handle and schedule of a ``send_finish``, then consume all the
+        handles at once; on any misuse nothing is consumed (C11)."""
+        dones = [self._peek(h, InflightMail) for h in done]
+        cancels = []
+        for pair in cancel:
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise MisuseError("cancel takes (InflightMail, Schedule) pairs")
+            cancels.append((self._peek(pair[0], InflightMail), validate_schedule(pair[1])))
+        every = [*dones, *(h for h, _ in cancels)]
+        if len({id(h) for h in every}) != len(every) or \
+                len({h.entry_id for h in every}) != len(every):
+            raise MisuseError("send_finish names one entry more than once")
+        with self._handle_lock:
+            if not all(h._live for h in every):
+                raise MisuseError("a handle of this batch was used already")
+            for h in every:
+                h._live = False
+        return dones, cancels
+
+    def _batch_failed(self, e: StorageIOError, dones: Sequence[InflightMail],
+                      cancels: Sequence[tuple[InflightMail, Schedule]]) -> StorageIOError:
+        """``e``, handing back a live handle for the old state of every entry of the
+        batch (each entry is in its old or its new state)."""
+        e.handle = None
+        e.handles = tuple(self._give_back(h) for h in (*dones, *(h for h, _ in cancels)))
+        return e
+
     def _give_back(self, handle: H) -> H:
         """Re-arm a consumed handle, to hand back with a StorageIOError."""
         handle._live = True
         return handle
+
+
+R = TypeVar("R")
+
+
+def _or_none(call: Callable[..., R], *args: object) -> R | None:
+    """One call of a batch: a corrupt entry (quarantined by the call) answers None."""
+    try:
+        return call(*args)
+    except CorruptionError:
+        return None

@@ -17,7 +17,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from spec.contract_errors import ScheduleError
-from spec.states import LIVE_STATES, TABLE, EntryState, Op, Outcome, after_restart, step
+from spec.states import (
+    BATCH_OPS,
+    LIVE_STATES,
+    TABLE,
+    EntryState,
+    Op,
+    Outcome,
+    after_restart,
+    step,
+)
 
 EntryKey = tuple[int, int]
 
@@ -162,7 +171,7 @@ class Model:
     ) -> tuple[Model, Outcome]:
         """Apply a single-entry operation.  Returns the new model and the outcome.
 
-        pre: op != Op.ENQUEUE
+        pre: op != Op.ENQUEUE and op != Op.SEND_FINISH
         pre: (schedule is not None) == TABLE[op].changes_schedule
         pre: all(k in self.retired for k in self.keys_in(EntryState.PENDING_CLEANUP))
         post: (__return__[1] == Outcome.MOVED) == (self.state_of(key) == TABLE[op].source)
@@ -173,6 +182,8 @@ class Model:
         """
         if op is Op.ENQUEUE:
             raise ValueError("use Model.enqueue for ENQUEUE")
+        if op is Op.SEND_FINISH:
+            raise ValueError("use Model.finish for SEND_FINISH")
         t = TABLE[op]
         if t.changes_schedule and schedule is None:
             raise ValueError(f"{op.value} needs a schedule")
@@ -194,6 +205,23 @@ class Model:
             if not any(k[0] == key[0] for k in entries):
                 messages = {m: v for m, v in messages.items() if m != key[0]}
         return replace(self, entries=entries, retired=retired, messages=messages), outcome
+
+    def finish(self, parts: Sequence[Call]) -> tuple[Model, tuple[Outcome, ...]]:
+        """A SEND_FINISH (rule 7): each part applied in turn, as if called alone.
+
+        pre: all(c.op in BATCH_OPS and c.key is not None for c in parts)
+        pre: len({c.key for c in parts}) == len(parts)
+        post: len(__return__[1]) == len(parts)
+        post: __return__[0].next_id == self.next_id and self.retired <= __return__[0].retired
+        """
+        check_parts(parts)
+        model = self
+        outcomes = []
+        for c in parts:
+            assert c.key is not None
+            model, outcome = model.apply(c.op, c.key, c.schedule)
+            outcomes.append(outcome)
+        return model, tuple(outcomes)
 
     def restart(self) -> Model:
         """The model as recovery after a restart must leave it (rule 5).
@@ -222,8 +250,12 @@ class Call:
     mail_from: str = ""
     body: bytes = b""
     rcpts: tuple[tuple[str, Schedule], ...] = ()
+    #: the steps of a SEND_FINISH call (rule 7), each a single-entry call of BATCH_OPS
+    parts: tuple[Call, ...] = ()
 
     def describe(self) -> str:
+        if self.op is Op.SEND_FINISH:
+            return f"send_finish({'; '.join(p.describe() for p in self.parts)})"
         if self.op is Op.ENQUEUE:
             rc = ", ".join(f"{r}@{s.at}" for r, s in self.rcpts)
             return f"enqueue(from={self.mail_from!r}, body={len(self.body)}B, rcpts=[{rc}])"
@@ -235,9 +267,36 @@ class Call:
         return f"{self.op.value}({', '.join(args)})"
 
 
+def check_parts(parts: Sequence[Call]) -> None:
+    """The steps of a SEND_FINISH: single-entry calls of BATCH_OPS on distinct entries."""
+    for c in parts:
+        if c.op not in BATCH_OPS or c.key is None or c.parts:
+            raise ValueError(f"a send_finish step must be send_done or send_cancel of one "
+                             f"entry, not {c.describe()}")
+    if len({c.key for c in parts}) != len(parts):
+        raise ValueError("a send_finish names one entry more than once")
+
+
+def finish_call(parts: Sequence[Call]) -> Call:
+    """A SEND_FINISH call of ``parts`` (rule 7)."""
+    check_parts(parts)
+    return Call(Op.SEND_FINISH, parts=tuple(parts))
+
+
+def keys_of(call: Call) -> list[EntryKey]:
+    """The entries a call names (every step's of a SEND_FINISH; none for an enqueue)."""
+    if call.op is Op.SEND_FINISH:
+        return [k for p in call.parts if (k := p.key) is not None]
+    return [] if call.key is None else [call.key]
+
+
 def run(model: Model, call: Call) -> tuple[Model, Outcome | int]:
-    """Apply one workload call to the model."""
+    """Apply one workload call to the model.  A SEND_FINISH answers MOVED when any of its
+    steps moved (``Model.finish`` gives each step's outcome)."""
     if call.op is Op.ENQUEUE:
         return model.enqueue(call.mail_from, call.body, call.rcpts)
+    if call.op is Op.SEND_FINISH:
+        after, outcomes = model.finish(call.parts)
+        return after, Outcome.MOVED if Outcome.MOVED in outcomes else Outcome.VANISHED
     assert call.key is not None
     return model.apply(call.op, call.key, call.schedule)

@@ -30,6 +30,10 @@ Rules, which the table below encodes and nothing else may add to:
 6. A HELD entry is never claimed (no operation takes it to INFLIGHT); only ``release``
    (back to QUEUED) and ``drop_held`` (to PENDING_CLEANUP) move it.  Postfix's hold
    queue and ZMailer's freezer (seed 004).
+7. SEND_FINISH is no row of the table: it is one call of several SEND_DONE and
+   SEND_CANCEL steps on distinct entries (``BATCH_OPS``; a delivery's outcomes), each
+   entry moving by its own row as if called alone.  Crashed inside, each entry is
+   where its own step before or after would leave it, independently of the others.
 
 No I/O lives here.
 """
@@ -60,6 +64,7 @@ class Op(enum.Enum):
     HOLD = "hold"
     RELEASE = "release"
     DROP_HELD = "drop_held"
+    SEND_FINISH = "send_finish"  # rule 7: steps of BATCH_OPS, not a transition
 
 
 class Outcome(enum.Enum):
@@ -98,6 +103,9 @@ LIVE_STATES = frozenset({EntryState.QUEUED, EntryState.HELD, EntryState.INFLIGHT
 
 #: States from which an entry may still be delivered (a HELD one once released).
 DELIVERABLE = frozenset({EntryState.QUEUED, EntryState.HELD, EntryState.INFLIGHT})
+
+#: The steps one SEND_FINISH call may make (rule 7).
+BATCH_OPS = frozenset({Op.SEND_DONE, Op.SEND_CANCEL})
 
 #: The operations of the hold capability (``Capability.HOLD`` of a Storage).
 HOLD_OPS = frozenset({Op.HOLD, Op.RELEASE, Op.DROP_HELD})

@@ -69,7 +69,12 @@ def test_enumeration_is_exhaustive_and_deterministic() -> None:
                 assert call.op in (Op.SEND_START, Op.RESCHEDULE)
             assert before.next_id <= 2
     ops = {c.op for s in steps for c in s.workload}
-    assert ops == set(Op) - HOLD_OPS  # the hold operations: workloads.hold_workloads
+    # the hold operations: workloads.hold_workloads; send_finish needs two INFLIGHT
+    # entries first, so it appears at bound 4
+    assert ops == set(Op) - HOLD_OPS - {Op.SEND_FINISH}
+    four = [s.workload for s in enumerate_steps(4) if s.workload
+            and s.workload[-1].op is Op.SEND_FINISH]
+    assert four and all(len(w) == 4 for w in four)
     # two recipients at most, bodies distinct per message
     enq = [c for s in steps for c in s.workload if c.op is Op.ENQUEUE]
     assert {len(c.rcpts) for c in enq} == {1, 2}

@@ -88,6 +88,29 @@ def _no_commit_dir_fsync(root: str, io: IO) -> Storage:
     return NoCommitDirFsync(root, io, owner=f"{owner:016x}", clock=jumpy_clock())
 
 
+class _FinishKeepsOldSchedules(FsQueue):
+    """A send_finish that requeues its cancelled entries with the schedules they had: the
+    attempt count and reason of the failed delivery are lost (C5)."""
+
+    def send_finish(self, done=(), cancel=()):  # type: ignore[no-untyped-def]
+        return super().send_finish(done, [(h, h.schedule) for h, _ in cancel])
+
+
+def test_send_finish_rule_compares_each_step_with_the_model() -> None:
+    """The lockstep's send_finish rule folds the steps into the model and compares every
+    answer: a batch that keeps the old schedules is C5 on its first cancelled step."""
+    broken = Backend.from_factory(lambda root, io: _FinishKeepsOldSchedules(root, io),
+                                  "fs-finish-keeps-old-schedules")
+    machine = lockstep_machine(broken)
+    with pytest.raises(ClauseViolation) as info:
+        run_state_machine_as_test(machine, settings=settings(
+            max_examples=100, stateful_step_count=20, derandomize=True, database=None,
+            phases=[Phase.explicit, Phase.generate], deadline=None, print_blob=False,
+            suppress_health_check=list(HealthCheck)))
+    assert info.value.clause == "C5", info.value
+    assert "send_cancel" in info.value.detail
+
+
 def test_crash_rule_catches_a_commit_without_directory_fsync() -> None:
     """NoCommitDirFsync acknowledges an enqueue whose commit rename is not yet durable:
     a power cut during a later operation may lose the message (C1).  Opened as crash

@@ -40,6 +40,7 @@ from spec import (
     judge,
     run,
 )
+from spec.model import finish_call
 from spec.invariants import check
 from spec.states import LIVE_STATES, RESTART
 from tests.conftest import thorough
@@ -97,7 +98,7 @@ def calls(m: Model, b: Bound) -> Iterator[Call]:
                 yield Call(Op.ENQUEUE, mail_from=sender(mid), body=body(mid),
                            rcpts=tuple((rcpt(mid, i), s) for i, s in enumerate(scheds)))
     for key in itertools.product(range(b.messages), range(b.max_rcpts)):
-        for op in Op:
+        for op in TABLE:
             if op is Op.ENQUEUE:
                 continue
             if TABLE[op].changes_schedule:
@@ -254,7 +255,7 @@ def test_vanished_covers_every_non_source_state() -> None:
             s = m.state_of(c.key)
             if run(m, c)[1] is Outcome.VANISHED:
                 hit.add((s, c.op))
-    want = {(s, op) for s in EntryState for op in Op
+    want = {(s, op) for s in EntryState for op in TABLE
             if op is not Op.ENQUEUE and s is not TABLE[op].source}
     assert hit == want
 
@@ -450,3 +451,77 @@ def test_crash_inside_send_start_and_send_done() -> None:
     assert {(v.msg, v.index) for v in old - new} == {(0, 0)}
     assert judge(m2, done, old) == [] and judge(m2, done, new) == []
     assert clauses(m2, done, new - {next(iter(new))}) <= {"C1", "C4"}
+
+
+# ---- SEND_FINISH (rule 7, C15) -----------------------------------------------------------
+
+
+def _inflight_pairs(b: Bound) -> Iterator[Model]:
+    """Every reachable state of the bound with at least two INFLIGHT entries."""
+    for m in explore(b).states:
+        if len(m.keys_in(EntryState.INFLIGHT)) >= 2:
+            yield m
+
+
+def _batches(m: Model) -> Iterator[tuple[Call, ...]]:
+    keys = m.keys_in(EntryState.INFLIGHT)
+    for ops in itertools.product((Op.SEND_DONE, Op.SEND_CANCEL), repeat=len(keys)):
+        yield tuple(Call(op, k, S2 if op is Op.SEND_CANCEL else None)
+                    for op, k in zip(ops, keys, strict=True))
+
+
+def test_send_finish_is_the_fold_of_its_steps() -> None:
+    n = 0
+    for m in _inflight_pairs(CI_BOUND):
+        for parts in _batches(m):
+            after, outcomes = m.finish(parts)
+            want = m
+            for p in parts:
+                want, _ = run(want, p)
+            assert after == want and outcomes == (Outcome.MOVED,) * len(parts)
+            assert run(m, finish_call(parts)) == (after, Outcome.MOVED)
+            assert check(after) == []
+            n += 1
+    assert n > 100
+
+
+def test_send_finish_steps_are_checked() -> None:
+    k = (0, 0)
+    for bad in ([Call(Op.SEND_DONE, k), Call(Op.SEND_CANCEL, k, S1)],  # one entry twice
+                [Call(Op.SEND_START, k)], [Call(Op.SEND_DONE, None)],
+                [finish_call([Call(Op.SEND_DONE, k)])]):
+        with pytest.raises(ValueError):
+            finish_call(bad)
+    with pytest.raises(ValueError):
+        Model().apply(Op.SEND_FINISH, k)
+
+
+def test_judge_allows_each_entry_of_a_batch_old_or_new_on_its_own() -> None:
+    """Inside a SEND_FINISH every mixture of the steps' old and new views is allowed (rule
+    7), and nothing else: an entry outside the batch changed, a done entry listed with
+    another schedule, a cancelled one with a third schedule."""
+    checked = 0
+    for m in _inflight_pairs(CI_BOUND):
+        for parts in _batches(m):
+            call = finish_call(parts)
+            old = m.restart().view()
+            per_step = []
+            for p in parts:
+                one, _ = run(m, p)
+                per_step.append((old - one.restart().view(), one.restart().view() - old))
+            for pick in itertools.product((False, True), repeat=len(parts)):
+                view = set(old)
+                for (gone, came), take in zip(per_step, pick, strict=True):
+                    if take:
+                        view = (view - gone) | came
+                assert judge(m, call, frozenset(view)) == [], (call.describe(), pick)
+                checked += 1
+            for gone, came in per_step:
+                if came:  # a cancel: a schedule neither old nor new is C5
+                    (v,) = came
+                    assert clauses(m, call, frozenset((old - gone) | {
+                        _with_schedule(v, OTHER)})) == {"C5"}
+            outside = [v for v in old if (v.msg, v.index) not in {p.key for p in parts}]
+            for v in outside:
+                assert clauses(m, call, frozenset(old - {v})) & {"C1", "C4"}
+    assert checked > 300

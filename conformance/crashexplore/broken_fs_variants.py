@@ -33,7 +33,7 @@ from queue_ref.storage import (
     Schedule,
     StorageIOError,
 )
-from spec.model import Call
+from spec.model import Call, finish_call
 from spec.states import Op
 
 # ---- enqueue ------------------------------------------------------------------------------
@@ -154,6 +154,14 @@ class NoDoneDirFsync(_Fsync):
         return self._issue(PendingCleanupMail, h.entry_id, h.message_id, h.schedule, h._extra)
 
 
+class NoFinishDirFsync(_Fsync):
+    """send_finish renames every link (to cleanup/, back to queue/) without fsyncing the
+    directories: the batch's one round left out."""
+
+    def _sync_finished(self, *dirs: str) -> None:
+        pass
+
+
 class NoDropDirFsync(_Fsync):
     """drop renames the link to cleanup/ without fsyncing the directories."""
 
@@ -184,7 +192,8 @@ class NoHoldDirFsync(_Fsync):
 class NoScheduleFsync(_Fsync):
     """The new schedule record is renamed into place without having been fsynced."""
 
-    def _write_schedule_temp(self, e: EntryName, schedule: Schedule) -> str:
+    def _write_schedule_temp(self, e: EntryName, schedule: Schedule, *,
+                             round_after: bool = False) -> str:
         tmp = self.layout.sched_tmp(e, self.owner)
         if_exists(self.io.unlink, tmp)
         fd = self.io.open_create(tmp)
@@ -411,6 +420,11 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("fs-broken-swallow-eio", SwallowFsyncError, "C9", (_E1,)),
     Variant("fs-broken-nosync-done", NoDoneDirFsync, "C3",
             (_E1, _START, Call(Op.SEND_DONE, _K), Call(Op.CLEANUP, _K))),
+    Variant("fs-broken-nosync-finish", NoFinishDirFsync, "C3",
+            (_E2, _START, Call(Op.SEND_START, (0, 1)),
+             finish_call([Call(Op.SEND_DONE, _K),
+                          Call(Op.SEND_CANCEL, (0, 1), Schedule(1100, 1, "451 busy"))]),
+             Call(Op.CLEANUP, _K))),
     Variant("fs-broken-nosync-drop", NoDropDirFsync, "C3",
             (_E1, Call(Op.DROP, _K), Call(Op.CLEANUP, _K))),
     Variant("fs-broken-nosync-schedule", NoScheduleFsync, "C1", (_E1, _RESCHED, _START)),

@@ -21,7 +21,7 @@ from __future__ import annotations
 from conformance.crashexplore.recovered_queue import Recovered, to_views
 from conformance.crashexplore.traced_runs import Run
 from spec.crash import CLAUSES, allowed_views, judge
-from spec.model import Call, EntryView, Model, run
+from spec.model import Call, EntryView, Model, keys_of, run
 from spec.states import EntryState, Op
 
 Violations = tuple[tuple[str, str], ...]
@@ -79,8 +79,8 @@ def overstated_counts(rec: Recovered, before: Model, call: Call | None) -> Viola
                              f"progress ({_interrupted(call)})"))
     models = [before] if call is None else [before, run(before, call)[0]]
     held = {k for m in models for k in m.keys_in(EntryState.INFLIGHT)}
-    if call is not None and call.key is not None:
-        held.add(call.key)  # a transition may claim its entry while it moves it
+    if call is not None:
+        held.update(keys_of(call))  # a transition may claim its entry while it moves it
     if report.requeued > len(held):
         found.append(("C10", f"recovery reports {report.requeued} entries requeued; the "
                              f"dead owner held at most {len(held)} claimed or in a "

@@ -35,6 +35,7 @@ import json
 import re
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 from conformance.crashexplore.workloads import (
     LIFE,
@@ -71,11 +72,26 @@ def _sched(s: Schedule | None) -> list[int | str] | None:
     return [s.at, s.attempts, s.reason] if s.reason else [s.at, s.attempts]
 
 
+def _row(c: Call) -> list[object]:
+    row: list[object] = [c.op.value, list(c.key) if c.key else None, _sched(c.schedule),
+                         c.mail_from, c.body.decode("latin-1"),
+                         [[r, s.at, s.attempts] for r, s in c.rcpts]]
+    if c.parts:
+        row.append([_row(p) for p in c.parts])
+    return row
+
+
+def _call(row: list[Any]) -> Call:
+    op, key, sched, mail_from, body, rcpts, *parts = row
+    return Call(Op(op), (key[0], key[1]) if key else None,
+                Schedule(*sched) if sched else None, mail_from, body.encode("latin-1"),
+                tuple((r, Schedule(at, att)) for r, at, att in rcpts),
+                tuple(_call(p) for p in parts[0]) if parts else ())
+
+
 def encode_workload(workload: Workload) -> str:
     """``x<base32>``: the calls themselves, for workloads made neither way."""
-    rows = [[c.op.value, list(c.key) if c.key else None, _sched(c.schedule), c.mail_from,
-             c.body.decode("latin-1"), [[r, s.at, s.attempts] for r, s in c.rcpts]]
-            for c in workload]
+    rows = [_row(c) for c in workload]
     raw = zlib.compress(json.dumps(rows, separators=(",", ":")).encode(), 9)
     return "x" + base64.b32encode(raw).decode().rstrip("=").lower()
 
@@ -106,11 +122,7 @@ def decode_workload(wid: str) -> Workload:
     try:
         raw = base64.b32decode(text + "=" * (-len(text) % 8))
         rows = json.loads(zlib.decompress(raw))
-        return tuple(
-            Call(Op(op), (key[0], key[1]) if key else None,
-                 Schedule(*sched) if sched else None, mail_from, body.encode("latin-1"),
-                 tuple((r, Schedule(at, att)) for r, at, att in rcpts))
-            for op, key, sched, mail_from, body, rcpts in rows)
+        return tuple(_call(row) for row in rows)
     except (ValueError, TypeError, zlib.error) as e:
         raise ScenarioError(f"workload id {wid[:20]}... does not decode: {e}") from e
 

@@ -122,6 +122,10 @@ class Driver:
             with self._bracket("commit"):
                 self._enqueue(index, call, result)
             return after
+        if call.op is Op.SEND_FINISH:
+            with self._bracket(call.op.value):
+                self._finish(index, model, call)
+            return after
         assert call.key is not None
         key = call.key
         if result is Outcome.MOVED:
@@ -152,6 +156,36 @@ class Driver:
             raise Divergence(index, call, clause,
                              f"a stale handle acted on an entry that is {was.value}")
         return after
+
+    def _finish(self, index: int, model: Model, call: Call) -> None:
+        """A SEND_FINISH: one ``send_finish`` of every step, each answer checked as its
+        own call's would be.  Every step must move (no stale InflightMail exists)."""
+        after, outcomes = model.finish(call.parts)
+        if Outcome.VANISHED in outcomes:
+            raise ValueError(f"call {index} {call.describe()}: a send_finish step whose "
+                             "entry is not INFLIGHT has no handle to pass")
+        done = [p for p in call.parts if p.op is Op.SEND_DONE]
+        cancel = [p for p in call.parts if p.op is Op.SEND_CANCEL]
+        got = self.storage.send_finish(
+            [self.handles.pop(p.key) for p in done if p.key is not None],  # type: ignore[misc]
+            [(self.handles.pop(p.key), p.schedule) for p in cancel  # type: ignore[misc]
+             if p.key is not None and p.schedule is not None])
+        if len(got.done) != len(done) or len(got.cancelled) != len(cancel):
+            raise Divergence(index, call, "API",
+                             f"send_finish answered {len(got.done)} and "
+                             f"{len(got.cancelled)} results for {len(done)} and {len(cancel)}")
+        for p, h in [*zip(done, got.done, strict=True), *zip(cancel, got.cancelled,
+                                                              strict=True)]:
+            assert p.key is not None
+            if h is None:
+                raise Divergence(index, call, "C1",
+                                 f"send_finish answered VANISHED for entry {p.key}, which "
+                                 "was INFLIGHT")
+            want = after.entries[p.key].schedule
+            if h.schedule != want:
+                raise Divergence(index, call, "C5", f"the new handle of entry {p.key} has "
+                                                    f"schedule {h.schedule}, not {want}")
+            self.handles[p.key] = h
 
     def take_spares(self, keys: Iterable[EntryKey]) -> None:
         """List the queue and keep one more handle of each entry of ``keys``; an entry the

@@ -7,6 +7,8 @@ A workload is a tuple of ``spec.model.Call``.  Two sources:
   the order of ``_options``).  Each operation is valid in the model state it meets, except
   a few *stale* ones: ``send_start`` or ``reschedule`` through a handle listed while the
   entry was still QUEUED (the race of a second worker), which the model answers VANISHED.
+  Where two or more entries are INFLIGHT, one ``send_finish`` of all of them (done and
+  cancelled in turn) is an option too: it first appears at bound 4.
   Because a sequence and all its prefixes are enumerated, a crash inside operation ``i``
   of a long sequence is the crash inside the last operation of its prefix of length
   ``i + 1``: the explorer crashes each sequence only inside its last operation.
@@ -27,7 +29,7 @@ import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from spec.model import Call, EntryKey, Model, Schedule, run
+from spec.model import Call, EntryKey, Model, Schedule, finish_call, run
 from spec.states import EntryState, Op, Outcome
 
 Workload = tuple[Call, ...]
@@ -108,6 +110,12 @@ def _options(history: Sequence[Model], model: Model, max_messages: int,
             out.append(Call(Op.SEND_DONE, key))
         elif state is EntryState.PENDING_CLEANUP:
             out.append(Call(Op.CLEANUP, key))
+    inflight = model.keys_in(EntryState.INFLIGHT)
+    if len(inflight) >= 2:  # one delivery's outcomes at once: done and cancelled in turn
+        out.append(finish_call([
+            Call(Op.SEND_DONE, key) if i % 2 == 0 else
+            Call(Op.SEND_CANCEL, key, _bumped(model, key, attempt=True))
+            for i, key in enumerate(inflight)]))
     if stale:
         for key in stale_candidates(history, model):
             out.append(Call(Op.SEND_START, key))
@@ -214,6 +222,8 @@ def targeted_workloads(max_length: int = 4) -> list[Workload]:
         key: tuple[Op, int]
         if call.op is Op.ENQUEUE:
             key = (call.op, len(call.rcpts))
+        elif call.op is Op.SEND_FINISH and res is Outcome.MOVED:
+            key = (call.op, len(call.parts))
         elif res is Outcome.MOVED and call.key is not None:
             key = (call.op, len(step.before.messages[call.key[0]].rcpts))
         else:

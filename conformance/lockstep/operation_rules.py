@@ -49,11 +49,11 @@ from queue_ref.storage import (
     Recipient,
     Schedule,
 )
-from spec.model import Call, EntryKey, run
+from spec.model import Call, EntryKey, finish_call, run
 from spec.states import HOLD_OPS, TABLE, EntryState, Op
 
 #: The operations the crash rule may crash inside, by rule name.
-CRASHABLE = ("enqueue", "enqueue_aborted", *(op.value for op in TAKES))
+CRASHABLE = ("enqueue", "enqueue_aborted", *(op.value for op in TAKES), Op.SEND_FINISH.value)
 
 BAD_INPUT = ("mail_from", "rcpt", "no-rcpts", "zone")
 
@@ -245,6 +245,43 @@ class Operations(MachineBase):
     def send_done(self, data: st.DataObject) -> None:
         self._act(data, Op.SEND_DONE)
 
+    @precondition(lambda self: self._has(InflightMail))
+    @rule(data=st.data())
+    def send_finish(self, data: st.DataObject) -> None:
+        self._finish(data)
+
+    def _finish(self, data: st.DataObject) -> Call:
+        """``send_finish`` of some INFLIGHT entries (C15), each done or cancelled with a
+        drawn schedule, through any handle the pool holds of it (a stale one included):
+        each answer compared as its own call's, the model folding the steps in order."""
+        keys = sorted({k for h, k in self.pool if type(h) is InflightMail})
+        chosen = data.draw(st.lists(st.sampled_from(keys), min_size=1, max_size=len(keys),
+                                    unique=True))
+        parts: list[tuple[Op, Handle, EntryKey, Schedule | None]] = []
+        for key in chosen:
+            held = [x for x in self.pool if type(x[0]) is InflightMail and x[1] == key]
+            h, _ = held[data.draw(st.integers(0, len(held) - 1))]
+            self.pool.remove((h, key))
+            cancel = data.draw(st.booleans())
+            parts.append((Op.SEND_CANCEL if cancel else Op.SEND_DONE, h, key,
+                          data.draw(schedules) if cancel else None))
+        done = [x for x in parts if x[0] is Op.SEND_DONE]
+        back = [x for x in parts if x[0] is Op.SEND_CANCEL]
+        self.log.append("send_finish(" + "; ".join(
+            f"{op.value}{key}" + ("" if s is None else f" to at={s.at}, attempts={s.attempts}")
+            for op, _, key, s in [*done, *back]) + ")")
+        got = self._call("send_finish", lambda: self.store.send_finish(
+            [h for _, h, _, _ in done],
+            [(h, s) for _, h, _, s in back if s is not None]), "send_finish")
+        if len(got.done) != len(done) or len(got.cancelled) != len(back):
+            raise ClauseViolation("API", f"send_finish answered {len(got.done)} and "
+                                         f"{len(got.cancelled)} results for {len(done)} "
+                                         f"and {len(back)}")
+        for (op, h, key, s), answer in zip([*done, *back], [*got.done, *got.cancelled],
+                                           strict=True):
+            self._transition(op, key, h, answer, s)
+        return finish_call([Call(op, key, s) for op, _, key, s in [*done, *back]])
+
     @precondition(lambda self: self._has(PendingCleanupMail))
     @rule(data=st.data())
     def cleanup(self, data: st.DataObject) -> None:
@@ -270,6 +307,8 @@ class Operations(MachineBase):
     def can_perform(self, name: str) -> bool:
         if name in ("enqueue", "enqueue_aborted"):
             return True
+        if name == Op.SEND_FINISH.value:
+            return self._has(InflightMail)
         if Op(name) in HOLD_OPS and not self.holds:
             return False
         return self._has(TAKES[Op(name)])
@@ -282,6 +321,8 @@ class Operations(MachineBase):
                                   data.draw(st.integers(0, 2**32)))
             return None
         op = Op(name)
+        if op is Op.SEND_FINISH:
+            return self._finish(data)
         return self._act(data, op, data.draw(schedules) if TABLE[op].changes_schedule else None)
 
     # ---- reading and draining ----------------------------------------------------------

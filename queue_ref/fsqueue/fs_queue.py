@@ -37,7 +37,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from types import TracebackType
@@ -76,6 +76,7 @@ from queue_ref.storage import (
     CorruptionError,
     Enqueuer,
     EntryMeta,
+    Finished,
     Footprint,
     Handle,
     HeldMail,
@@ -732,6 +733,66 @@ class FsQueue(FsMetadata, Storage):
                 return None
             self._sync_move(self.layout.inflight, self.layout.queue)
         return self._issue(QueuedMail, h.entry_id, h.message_id, schedule)
+
+    def send_finish(self, done: Sequence[InflightMail] = (),
+                    cancel: Sequence[tuple[InflightMail, Schedule]] = ()) -> Finished:
+        """Every move in three shared sync rounds at most, whatever the batch holds (C15):
+        the cancelled entries' schedule records written, one round (``syncfs``; each
+        fsynced in ``fsync`` mode); renamed into place, ``data/`` synced; then every link
+        renamed (to ``cleanup/`` or back to ``queue/``) and the directories synced once.
+        The order of each entry's steps is its single call's, so a crash leaves each
+        entry as its own call would."""
+        dones, cancels = self._take_batch(done, cancel)
+        lay = self.layout
+        try:
+            if self._poisoned is not None:
+                raise ReopenRequiredError(self._poisoned)
+            with self._guard("send_finish", None):
+                back = self._cancel_records(cancels)
+                moved_back = [e is not None and self._move_link(
+                    lay.inflight_link(e, self.owner), lay.queue_link(e)) for e in back]
+                moved_done = []
+                for h in dones:
+                    e = self._entry(h)
+                    moved_done.append(self._move_link(lay.inflight_link(e, self.owner),
+                                                      lay.cleanup_link(e)))
+                if any(moved_done) or any(moved_back):
+                    self._sync_finished(*([lay.cleanup] if any(moved_done) else []),
+                                        *([lay.queue] if any(moved_back) else []),
+                                        lay.inflight)
+        except StorageIOError as e:
+            raise self._batch_failed(e, dones, cancels) from None
+        return Finished(
+            [self._issue(PendingCleanupMail, h.entry_id, h.message_id, h.schedule, h._extra)
+             if ok else None for h, ok in zip(dones, moved_done, strict=True)],
+            [self._issue(QueuedMail, h.entry_id, h.message_id, s) if ok else None
+             for (h, s), ok in zip(cancels, moved_back, strict=True)])
+
+    def _sync_finished(self, *dirs: str) -> None:
+        """The one round after a batch's links moved: every move durable (C1, C3)."""
+        self._sync_dirs(*dirs)
+
+    def _cancel_records(self, cancels: Sequence[tuple[InflightMail, Schedule]]
+                        ) -> list[EntryName | None]:
+        """The new schedule record of every cancelled entry still claimed here, durable
+        and in place (temps, a round, renames, ``data/`` synced): each entry's name, None
+        for one no longer ours."""
+        out: list[EntryName | None] = []
+        temps = []
+        for h, schedule in cancels:
+            e = self._entry(h)
+            if readlink_or_none(self.io, self.layout.inflight_link(e, self.owner)) != e.target:
+                out.append(None)
+                continue
+            out.append(e)
+            temps.append((e, self._write_schedule_temp(e, schedule, round_after=True)))
+        if temps:
+            if self._group.covers_files:
+                self._sync_dirs()
+            for e, tmp in temps:
+                self._install_schedule(e, tmp)
+            self._sync_dirs(self.layout.data)
+        return out
 
     def drop(self, mail: QueuedMail) -> PendingCleanupMail | None:
         h = self._take(mail, QueuedMail)

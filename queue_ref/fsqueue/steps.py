@@ -407,13 +407,16 @@ class FsSteps:
 
     # ---- schedule records ------------------------------------------------------------
 
-    def _write_schedule_temp(self, e: EntryName, schedule: Schedule) -> str:
+    def _write_schedule_temp(self, e: EntryName, schedule: Schedule, *,
+                             round_after: bool = False) -> str:
         """Write the new schedule record to ``data/<msgid>.<i>.<owner>.tmp`` and make it
-        durable (C5)."""
+        durable (C5).  ``round_after``: in ``syncfs`` mode the caller makes it durable
+        with one round after writing several (``send_finish``)."""
         tmp = self.layout.sched_tmp(e, self.owner)
         if_exists(self.io.unlink, tmp)  # left by an earlier failed attempt of ours
+        sync = _no_sync if round_after and self._group.covers_files else self._sync_file
         try:
-            write_whole(self.io, tmp, encode_schedule(e.entry_id, schedule), self._sync_file)
+            write_whole(self.io, tmp, encode_schedule(e.entry_id, schedule), sync)
         except OSError:
             with suppress(OSError):  # else recovery removes it once this owner is dead
                 self.io.unlink(tmp)
@@ -527,3 +530,7 @@ class FsSteps:
         """Names in a link directory that belong to ``msgid``."""
         prefix = msgid + "."
         return [n for n in listdir_or_empty(self.io, directory) if n.startswith(prefix)]
+
+
+def _no_sync(fd: int) -> None:
+    """A file a later ``syncfs`` round makes durable."""

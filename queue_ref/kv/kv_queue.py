@@ -26,7 +26,7 @@ import contextlib
 import errno
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from types import TracebackType
 from typing import TypeVar
@@ -49,6 +49,7 @@ from queue_ref.storage import (
     DamagedStoreError,
     Enqueuer,
     EntryMeta,
+    Finished,
     Footprint,
     Handle,
     HeldMail,
@@ -581,6 +582,56 @@ class KvQueue(Storage):
             with self._core.mu:
                 self._core.inflight.discard((mid, idx))
         return self._issue(QueuedMail, h.entry_id, h.message_id, sched, new)
+
+    def send_finish(self, done: Sequence[InflightMail] = (),
+                    cancel: Sequence[tuple[InflightMail, Schedule]] = ()) -> Finished:
+        """Every move in one synced batch (C15): all the entries' claims held at once,
+        each entry's records moved as its own call would, one ``write(sync=True)``.  An
+        entry found corrupt is quarantined and answers None."""
+        self._check_open()
+        dones, cancels = self._take_batch(done, cancel)
+        every = [*dones, *(h for h, _ in cancels)]
+        located = [self._locate(h) for h in every]
+        hold = self._core.claims.hold(
+            excl=[cl.entry(mid, idx) for mid, idx, _ in located],
+            shared=(cl.EVERYTHING, *dict.fromkeys(cl.message(mid) for mid, _, _ in located)))
+        b = WriteBatch()
+        out: list[Handle | None] = []
+        left: list[tuple[int, int]] = []
+        try:
+            with _IoGuard(self, "send_finish", None, hold):
+                for i, (h, (mid, idx, ref)) in enumerate(zip(every, located, strict=True)):
+                    ikey = keys.inflight(mid, idx)
+                    try:
+                        rec = self._core.entry(ikey, mid, idx, kv_records.INFLIGHT, ref)
+                    except CorruptionError:
+                        rec = None  # quarantined: no longer INFLIGHT
+                    if rec is None:
+                        out.append(None)
+                        continue
+                    b.delete(ikey)
+                    left.append((mid, idx))
+                    if i < len(dones):
+                        new = Stored.of(rec.moved(kv_records.CLEANUP))
+                        b.put(keys.cleanup(mid, idx), new.raw)
+                        out.append(self._issue(PendingCleanupMail, h.entry_id, h.message_id,
+                                               rec.schedule, new))
+                        continue
+                    sched = cancels[i - len(dones)][1]
+                    new = Stored.of(rec.moved(kv_records.QUEUED, schedule=sched))
+                    b.put(keys.zone(rec.zone, mid, idx), new.raw)
+                    b.put(keys.domain(keys.domain_of(rec.address), mid, idx),
+                          kv_records.domain_value(mid, idx, rec.zone))
+                    out.append(self._issue(QueuedMail, h.entry_id, h.message_id, sched, new))
+                self._core.write(b, sync=True)
+                with self._core.mu:
+                    self._core.inflight.difference_update(left)
+        except StorageIOError as e:
+            for issued in out:
+                if issued is not None:
+                    issued._live = False  # never handed out: the batch failed
+            raise self._batch_failed(e, dones, cancels) from None
+        return Finished(out[:len(dones)], out[len(dones):])  # type: ignore[arg-type]
 
     def drop(self, mail: QueuedMail) -> PendingCleanupMail | None:
         h = self._take(mail, QueuedMail)
