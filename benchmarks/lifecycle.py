@@ -21,6 +21,10 @@ Figures:
   backend; bytes left on disk once drained and closed (for the KV queue, also after
   ``compact()`` before closing);
 * one message to 1,000 recipients (enqueue, then every entry's lifecycle);
+* 100-recipient messages (4 producers, 24 messages a round, three interleaved rounds):
+  each message enqueued, every entry claimed, delivered and cleaned up, its outcomes in
+  one ``send_finish`` (C15) against one ``send_done`` per recipient
+  (``wide_100_rcpts``, ``ratio_send_finish_to_each``);
 * peak Python memory while enqueuing and reading back a 100 MB body (in a child process);
 * the raw log ceiling: append 16 records of 4 KiB, one fdatasync, repeatedly.
 
@@ -258,6 +262,68 @@ def many_recipients(q: Storage, n: int) -> dict[str, float]:
             "entries_per_s": n / (t2 - t1)}
 
 
+def wide_one(q: Storage, now: int, rcpts: int, batch: bool) -> None:
+    """One message of ``rcpts`` recipients (as a mailing list sends): every entry claimed,
+    all delivered, cleaned up; the outcomes in one ``send_finish`` or one call each."""
+    with q.enqueue("list@example.org") as enq:
+        enq.write(BODY)
+        mails = enq.commit([Recipient(f"r{i}@d{i % 7}.example.net", Schedule(now))
+                            for i in range(rcpts)])
+    inflight = [q.send_start(m) for m in mails]
+    claimed = [m for m in inflight if m is not None]
+    assert len(claimed) == rcpts
+    done = q.send_finish(claimed).done if batch else [q.send_done(m) for m in claimed]
+    for d in done:
+        assert d is not None
+        q.cleanup(d)
+
+
+def wide_rate(q: Storage, producers: int, messages: int, rcpts: int, batch: bool) -> float:
+    """Messages per second of ``wide_one``, ``producers`` threads sharing ``messages``."""
+    now = int(time.time())
+    per = shares(messages, producers)
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(producers + 1)
+
+    def work(n: int) -> None:
+        try:
+            barrier.wait()
+            for _ in range(n):
+                wide_one(q, now, rcpts, batch)
+        except BaseException as e:  # reported after join
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in per]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return messages / elapsed
+
+
+def wide(q: Storage, rounds_: int, messages: int, rcpts: int = 100, producers: int = 4
+         ) -> dict[str, object]:
+    """The 100-recipient lifecycle, its outcomes in one ``send_finish`` per message against
+    one ``send_done`` per recipient, in interleaved rounds on one queue."""
+    wide_rate(q, producers, producers, rcpts, True)  # warm
+    batch: list[float] = []
+    single_calls: list[float] = []
+    for r in range(rounds_):
+        for b in ((True, False) if r % 2 == 0 else (False, True)):
+            os.sync()
+            (batch if b else single_calls).append(wide_rate(q, producers, messages, rcpts, b))
+    return {"recipients": rcpts, "producers": producers, "messages": messages,
+            "messages_per_s_send_finish": spread(batch),
+            "messages_per_s_send_done_each": spread(single_calls),
+            "ratio_send_finish_to_each": spread(
+                [x / y for x, y in zip(batch, single_calls, strict=True)])}
+
+
 BIG_CHILD = r"""
 import sys, tracemalloc, time
 sys.path.insert(0, sys.argv[3])
@@ -393,6 +459,15 @@ def single(base: str, name: str, messages: int, rcpts: int, big_mb: int,
     res[f"one_message_{rcpts}_rcpts"] = many_recipients(q, rcpts)
     q.close()
     shutil.rmtree(root)
+    root = os.path.join(base, f"{name}-wide")
+    q = open_backend(name, root)
+    res["wide_100_rcpts"] = w = wide(q, 3, 24)
+    q.close()
+    shutil.rmtree(root)
+    say(f"{name}: 100-recipient messages, 4 producers: send_finish "
+        f"{w['messages_per_s_send_finish']['median']:.1f}/s, send_done each "
+        f"{w['messages_per_s_send_done_each']['median']:.1f}/s "
+        f"({w['ratio_send_finish_to_each']['median']:.2f}x)")
     peak = big_body_peak(name, base, big_mb * 1024 * 1024)
     res[f"peak_memory_{big_mb}MB_body_bytes"] = peak
     say(f"{name}: 1 producer {res['lifecycle_1p_per_s']:.0f}/s; {rcpts} rcpts "

@@ -31,7 +31,8 @@ The sink dumps every transaction (``smtp-sink -D``) into a FIFO this script read
 recipient is timestamped as it arrives.  Installs Postfix if it is missing (Debian, as
 root, non-interactive).  The last line is one JSON object with every figure and the ratios
 ours/Postfix: ``relay_vs_postfix`` (median over rounds of the delivered/s ratio of the
-``bulk`` scenario) and ``p99_vs_postfix`` (median of the p99 ratio; below 1 is better).
+``bulk`` scenario) and ``p99_vs_postfix`` (median of the p99 ratio; below 1 is better),
+and the same two per scenario (``relay_vs_postfix_wide``, ``p99_vs_postfix_wide``, ...).
 """
 
 from __future__ import annotations
@@ -517,6 +518,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(relays) == 2:
         out["relay_vs_postfix"] = summary[main_sc]["ratio"]["delivered"]
         out["p99_vs_postfix"] = summary[main_sc]["ratio"]["p99"]
+        for name in wanted:  # the same two figures per shape
+            out[f"relay_vs_postfix_{name}"] = summary[name]["ratio"]["delivered"]
+            out[f"p99_vs_postfix_{name}"] = summary[name]["ratio"]["p99"]
     ours = [r.rss_max_mb for r in runs if r.relay == "queue-ref"]
     if ours:
         out["queue_ref_rss_max_mb"] = max(ours)

@@ -3,7 +3,12 @@ chosen call raises an unexpected error (``RuntimeError``, what no backend should
 once, when the file ``<queue>.fail-<call>`` exists: a bug in a backend or in the relay,
 met at a moment the test chooses.  Calls: send_start, read_inflight, send_done, cleanup,
 send_cancel, and enqueue and commit of a message with the null sender (the relay's own
-bounces: the receiver's commits of the test's mail are not touched)."""
+bounces: the receiver's commits of the test's mail are not touched).  The relay hands a
+job's outcomes over in one ``send_finish``: ``send_done`` and ``send_cancel`` fail it when
+it holds such outcomes (before it moves anything), ``send_finish`` fails it after it moved
+the first half of its entries, one by one (a backend that broke off in the middle).  The
+file ``<queue>.io-send_finish`` makes the next batch fail as a disk does
+(``StorageIOError``, every handle given back, nothing moved)."""
 
 from __future__ import annotations
 
@@ -12,14 +17,18 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from queue_ref.fsqueue import FsQueue
-from queue_ref.storage import Enqueuer, QueuedMail, Recipient
+from queue_ref.storage import Enqueuer, QueuedMail, Recipient, StorageIOError
 
 CALLS = ("send_start", "read_inflight", "send_done", "cleanup", "send_cancel", "enqueue",
-         "commit")
+         "commit", "send_finish")
 
 
 def trigger_of(path: str, call: str) -> str:
     return os.path.abspath(path).rstrip("/") + f".fail-{call}"
+
+
+def io_trigger_of(path: str) -> str:
+    return os.path.abspath(path).rstrip("/") + ".io-send_finish"
 
 
 class InjectedError(RuntimeError):
@@ -80,6 +89,24 @@ class FaultyStepsQueue(FsQueue):
     def send_done(self, mail: Any) -> Any:
         self.maybe_fail("send_done")
         return super().send_done(mail)
+
+    def send_finish(self, done: Any = (), cancel: Any = ()) -> Any:
+        if done:
+            self.maybe_fail("send_done")
+        if cancel:
+            self.maybe_fail("send_cancel")
+        try:
+            os.unlink(io_trigger_of(self.root))
+        except FileNotFoundError:
+            pass
+        else:
+            raise StorageIOError("send_finish: injected EIO before anything moved")
+        if os.path.exists(trigger_of(self.root, "send_finish")):
+            half = list(done)[: max(1, len(done) // 2)]
+            for h in half:  # moved, and their new handles lost with the error
+                super().send_done(h)
+            self.maybe_fail("send_finish")
+        return super().send_finish(done, cancel)
 
     def cleanup(self, mail: Any) -> Any:
         self.maybe_fail("cleanup")

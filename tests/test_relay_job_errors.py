@@ -16,7 +16,7 @@ import pytest
 
 import queue_ref.relay.delivery_scheduler as delivery_scheduler
 from queue_ref.opener import open_queue
-from tests.relay_faulty_steps import CALLS, trigger_of
+from tests.relay_faulty_steps import CALLS, io_trigger_of, trigger_of
 from tests.relay_support import DnsServer, RelayThread, Sink, relay_config, smtp_send
 
 ZONE = {
@@ -164,3 +164,33 @@ def test_a_bounce_returns_at_most_64_kib_of_headers_cut_at_a_line_end():
     head = original_headers(huge)
     assert len(head) <= MAX_HEADERS and head.endswith(b"\r\n") and huge.startswith(head)
     assert head.count(b"\r\n") == head.count(b"X-Filler-")  # whole lines only
+
+
+def test_a_batch_the_disk_fails_is_handed_over_entry_by_entry(tmp_path):
+    """send_finish fails as a disk does (StorageIOError, every handle given back): the
+    relay logs it with the queue id and makes each transition on its own, so the sent
+    recipient is not sent again, the deferred one is retried and the bounce goes out."""
+    body = b"Subject: batch lost\r\n\r\nhello\r\n"
+    with DnsServer(ZONE) as dns, Sink() as sink:
+        with RelayThread(_config(tmp_path, dns, sink)) as rt:
+            Path(io_trigger_of(str(tmp_path / "q"))).touch()
+            qid = smtp_send(rt.port, "alice@sender.test",
+                            ["ok@ok.test", "reject@ok.test", "flaky@ok.test"], body)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                if {"ok@ok.test", "flaky@ok.test", "alice@sender.test"} <= set(
+                        sink.state.rcpts()):
+                    break
+                time.sleep(0.05)
+            sizes = _wait_drained(rt)
+            errors = rt.events("error")
+            deliveries = rt.events("delivery")
+        got = sink.state.rcpts()
+    assert not Path(io_trigger_of(str(tmp_path / "q"))).exists(), "the fault never fired"
+    assert {"ok@ok.test", "flaky@ok.test", "alice@sender.test"} <= set(got), got
+    assert got.count("ok@ok.test") == 1, got  # its send_done was made alone, not repeated
+    assert sizes["queued"] == 0 and sizes["inflight"] == 0, sizes
+    assert [e for e in errors if e.get("what") == "send_finish" and e["queue_id"] == qid]
+    flaky = [d["status"] for d in deliveries if d["to"] == "flaky@ok.test"]
+    assert flaky[0] == "deferred" and flaky[-1] == "sent", flaky
+    assert _left_in(tmp_path / "q") == []

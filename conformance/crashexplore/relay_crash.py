@@ -159,6 +159,13 @@ class _Watch:
         self._on_done(mail.entry_id)
         return out
 
+    def send_finish(self, done: Any = (), cancel: Any = ()) -> Any:
+        out = self._store.send_finish(done, cancel)
+        for mail, got in zip(done, out.done, strict=True):
+            if got is not None:
+                self._on_done(mail.entry_id)
+        return out
+
 
 class _NullStream:
     def write(self, text: str, /) -> int:
@@ -185,6 +192,10 @@ class CancelAsDone(DeliveryScheduler):
         if what == "send_cancel":
             return super()._retrying("send_done", self.store.send_done, args[0])
         return super()._retrying(what, call, *args)
+
+    def _hand_over(self, job: Any, done: list[Any], cancel: list[Any],
+                   requeued: list[QueuedMail]) -> None:
+        super()._hand_over(job, [*done, *(e for e, _ in cancel)], [], requeued)
 
 
 class AtrnByMx(DeliveryScheduler):

@@ -23,6 +23,9 @@ every outcome finished in one more hop:
   unless the message is older than its lifetime: then it is bounced;
 * 5xx: a bounce.
 
+A job's transitions are made in one ``send_finish`` (C15): a message to a hundred
+recipients pays one durable step for its outcomes, not a hundred.
+
 A bounce is enqueued and committed *before* its failed entries are finished, so a crash in
 between can duplicate a bounce but never lose one.  If the bounce cannot be built or
 committed, the failed entries go back to the queue instead (tried again later, never lost).
@@ -550,18 +553,51 @@ class DeliveryScheduler:
             requeued.extend(warn)
         for e, r, status in done + failed:
             self._record(job, e, r, status, now, arrival)
-            job.settled.add(e.mail.entry_id)
-            pending = self._retrying("send_done", self.store.send_done, e.mail)
-            if isinstance(pending, PendingCleanupMail):
-                self._retrying("cleanup", self.store.cleanup, pending)
         for e, r in deferred:
-            schedule = schedules[e.mail.entry_id]
             domain = e.rcpt.rpartition("@")[2].lower()
             if self.on_parked is not None and domain in self.config.ondemand_domains \
                     and domain not in self.config.atrn_domains:
                 self.on_parked(domain)
             self._record(job, e, r, "deferred", now, arrival)
-            job.settled.add(e.mail.entry_id)
+        self._hand_over(job, [e for e, _, _ in done + failed],
+                        [(e, schedules[e.mail.entry_id]) for e, _ in deferred], requeued)
+
+    def _hand_over(self, job: _Job, done: list[_Entry], cancel: list[tuple[_Entry, Schedule]],
+                   requeued: list[QueuedMail]) -> None:
+        """Every outcome to the queue in one ``send_finish`` (C15: one durable step where
+        the backend can), then the cleanups.  If the batch fails, each entry goes on its
+        own (``_retrying``, with the handles the error gave back), as before batches."""
+        ids = [e.mail.entry_id for e in done] + [e.mail.entry_id for e, _ in cancel]
+        try:
+            got = self.store.send_finish([e.mail for e in done],
+                                         [(e.mail, s) for e, s in cancel])
+        except StorageIOError as err:
+            job.settled.update(ids)
+            self.log.emit("error", job.message_id, what="send_finish",
+                          reason=f"{type(err).__name__}: {err}")
+            self._queue_error(err)
+            if isinstance(err, ReopenRequiredError):
+                return  # the reopened queue's recovery puts every entry back
+            self._one_by_one(done, cancel, requeued)
+            return
+        except Exception as err:  # what no backend should raise: each entry alone
+            job.settled.update(ids)
+            self._job_error("send_finish", job.message_id, err)
+            self._one_by_one(done, cancel, requeued)
+            return
+        job.settled.update(ids)
+        for pending in got.done:
+            if pending is not None:
+                self._retrying("cleanup", self.store.cleanup, pending)
+        requeued.extend(q for q in got.cancelled if q is not None)
+
+    def _one_by_one(self, done: list[_Entry], cancel: list[tuple[_Entry, Schedule]],
+                    requeued: list[QueuedMail]) -> None:
+        for e in done:
+            pending = self._retrying("send_done", self.store.send_done, e.mail)
+            if isinstance(pending, PendingCleanupMail):
+                self._retrying("cleanup", self.store.cleanup, pending)
+        for e, schedule in cancel:
             queued = self._retrying("send_cancel", self.store.send_cancel, e.mail, schedule)
             if isinstance(queued, QueuedMail):
                 requeued.append(queued)
