@@ -40,8 +40,8 @@ from spec import (
     judge,
     run,
 )
-from spec.model import finish_call
 from spec.invariants import check
+from spec.model import finish_call
 from spec.states import LIVE_STATES, RESTART
 from tests.conftest import thorough
 
