@@ -24,8 +24,9 @@ chroot; ``relayhost`` the sink) started fresh for each run; queue-ref is ``queue
   (``smtp-source`` does not report when each of its messages was accepted);
 * CPU seconds per message of the relay's whole process tree (exited children included:
   their parent reaped them), and its largest RSS;
-* what the sink got: messages (transactions) delivered, duplicates, and any lost (a loss
-  fails the run).
+* what the sink got: messages (transactions) delivered, duplicates (a recipient of a
+  message delivered twice), ``split`` (transactions beyond one per message), and any
+  lost (a loss fails the run).
 
 The sink dumps every transaction (``smtp-sink -D``) into a FIFO this script reads, so each
 recipient is timestamped as it arrives.  Installs Postfix if it is missing (Debian, as
@@ -175,10 +176,13 @@ class Sink:
 
     The sink dumps each transaction to a file of its own (``-d``) in a tmpfs directory
     watched with inotify (``IN_CLOSE_WRITE``), so arrivals are seen when the sink finishes
-    writing them, without polling.  A dump records one ``X-Rcpt-Args`` line per transaction
-    (the last recipient's), so the sink counts transactions; both relays deliver each
-    message in one transaction (Postfix: ``smtp_destination_recipient_limit = 1000``), so
-    transactions = messages.
+    writing them, without polling.  A dump has an ``X-Rcpt-Args`` line per recipient and
+    the message's ``Message-Id`` (smtp-source numbers its messages), so the sink counts
+    transactions and each (message, recipient) it got: ``rcpt_dups`` counts a recipient of
+    a message received again (a duplicate delivery).  Both relays mostly deliver a message
+    in one transaction (Postfix: ``smtp_destination_recipient_limit = 1000``); a message
+    whose entries two delivery jobs claimed arrives in two, which the run reports as
+    ``split``, not as a duplicate.
     """
 
     def __init__(self, work: Path) -> None:
@@ -190,6 +194,8 @@ class Sink:
         self.transactions = 0
         self.arrived: dict[str, float] = {}  # probe recipient -> first arrival
         self.probe_dups = 0
+        self.delivered: set[tuple[str, str]] = set()  # (Message-Id, recipient) received
+        self.rcpt_dups = 0  # recipients of one message received again
         self.changed = threading.Condition(self.lock)
         self._inotify = _Inotify(self.dir)
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -204,16 +210,27 @@ class Sink:
         for name in self._inotify.closed_files():
             now = time.monotonic()
             path = self.dir / name
-            rcpt = ""
+            rcpts: list[str] = []
+            msgid = ""
             with contextlib.suppress(OSError), open(path, "rb") as f:
-                for line in f:
+                for line in f:  # the headers: smtp-sink's own, then the message's
                     if line.startswith(b"X-Rcpt-Args: <"):
-                        rcpt = line[14:line.index(b">")].decode()
+                        rcpts.append(line[14:line.index(b">")].decode())
+                    elif line[:11].lower() == b"message-id:":
+                        msgid = line[11:].strip().decode(errors="replace")
+                    elif line in (b"\n", b"\r\n"):
                         break
+            rcpt = rcpts[-1] if rcpts else ""
             with contextlib.suppress(OSError):
                 path.unlink()
             with self.changed:
                 self.transactions += 1
+                for r in rcpts:  # smtp-source's Message-Id names each of its messages
+                    key = (msgid, r)
+                    if key in self.delivered:
+                        self.rcpt_dups += 1
+                    else:
+                        self.delivered.add(key)
                 if rcpt.startswith("probe-"):
                     if rcpt in self.arrived:
                         self.probe_dups += 1
@@ -344,6 +361,7 @@ class Run:
     delivered_messages: int = 0
     lost: int = 0
     duplicates: int = 0
+    split: int = 0  # transactions beyond one per message (a message delivered in parts)
     errors: list[str] = field(default_factory=list)
 
 
@@ -416,7 +434,8 @@ def run_once(relay: Relay, sc: Scenario, work: Path, timeout: float, rnd: int) -
                 res.errors.append(why)
             res.lost = expected - sink.transactions
             t_done = time.monotonic()
-        res.duplicates = max(0, sink.transactions - expected) if res.lost == 0 else 0
+        res.duplicates = sink.rcpt_dups  # a recipient of one message delivered twice
+        res.split = max(0, sink.transactions - expected) if res.lost == 0 else 0
         res.accepted_per_s = round(sc.messages / (t_accepted - t0), 1)
         res.delivered_per_s = round(sc.messages / (t_done - t0), 1)
         lat = sorted((sink.arrived[r] - t) * 1000 for r, t in sent.items() if r in sink.arrived)
@@ -480,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"  delivered {r.delivered_per_s:8.1f}/s  p50 {r.p50_ms:7.1f} ms"
                           f"  p99 {r.p99_ms:7.1f} ms  cpu {r.cpu_s_per_msg * 1000:6.2f} ms/msg"
                           f"  rss {r.rss_max_mb:6.1f} MB  lost {r.lost}  dup {r.duplicates}"
+                          f"  split {r.split}"
                           + (f"  errors: {r.errors[:2]}" if r.errors else ""), flush=True)
     finally:
         if not args.work:
