@@ -155,3 +155,29 @@ def test_no_more_entries_are_claimed_than_max_deliveries(tmp_path: Path) -> None
                 assert r.call(scheduler.sizes) == {"queued": 3, "inflight": 2, "held": 0}
                 time.sleep(0.01)
             assert sink.state.connections == 2
+
+
+def test_a_message_reaching_the_last_delivery_slot_goes_in_one_transaction(
+        tmp_path: Path) -> None:
+    """``max_deliveries = 2``, one slot held by a delivery that stalls in DATA: a message
+    of five recipients then takes the last slot whole, one job and one transaction (the
+    dispatch stopped at the limit after its first entry, and the other four went in a
+    second transaction once a slot was free)."""
+    queue = str(tmp_path / "q")
+    (slow,) = fill(queue, [int(time.time()) - 10])
+    wide = [f"w{i}@example.net" for i in range(5)]
+    with Sink() as sink:
+        sink.state.script[slow] = "slow"  # DATA answered after a minute
+        with RelayThread(relay_config(
+                queue, relayhost=f"[127.0.0.1]:{sink.port}", log_json=True, max_deliveries=2,
+                shutdown_timeout=1.0)) as r:
+            assert r.wait_events(1, "relay", what="queue listed")
+            deadline = time.monotonic() + 20
+            while sink.state.connections < 1:
+                assert time.monotonic() < deadline, "the slow delivery never started"
+                time.sleep(0.01)
+            smtp_send(r.port, "list@example.org", wide)
+            sink.wait_for(1)
+            time.sleep(0.3)  # a second transaction of the message would come now
+            got = [m for m in sink.state.messages if m.mail_from == "list@example.org"]
+            assert [sorted(m.rcpts) for m in got] == [sorted(wide)]

@@ -320,8 +320,9 @@ class DeliveryScheduler:
         now = self.clock()
         due: dict[str, list[QueuedMail]] = {}
         while self._heap and self._heap[0][0] <= now:
-            if len(self._jobs) + len(due) >= self.config.max_deliveries:
-                break
+            if self._heap[0][3].message_id not in due and \
+                    len(self._jobs) + len(due) >= self.config.max_deliveries:
+                break  # a new job would pass the limit; a message's next entry joins its job
             _, _, entry_id, h = heapq.heappop(self._heap)
             if self._latest.get(entry_id) is not h or entry_id in self._claimed:
                 continue  # superseded by a newer handle, or ours already
