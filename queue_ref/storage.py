@@ -111,6 +111,9 @@ class StorageIOError(QueueError):
         #: batch, in its order (``done``, then ``cancel``); each entry is in its old or its
         #: new state, so a retry with them moves it or returns None (C15).
         self.handles: tuple[Handle, ...] = ()
+        #: From ``send_finish``, when some moves were made durable before the failure:
+        #: their new handles (None for every other entry, which is old or new).
+        self.finished: Finished | None = None
 
 
 class NoSpaceError(StorageIOError):
@@ -643,7 +646,9 @@ class Storage(abc.ABC):
         misused handle (or one entry twice) raises ``MisuseError``, a bad schedule
         ``InvalidInputError``, and nothing moves.  On ``StorageIOError`` its ``handles`` are
         live handles for the old state of every entry of the batch (``handle`` is None):
-        retrying with them completes each move or returns None.  An entry found corrupt is
+        retrying with them completes each move or returns None; its ``finished``, when
+        not None, holds the new handle of every entry whose move was made durable before
+        the failure (a retry through its old handle would answer None).  An entry found corrupt is
         quarantined (as its own call would) and answers None, and the others move."""
         dones, cancels = self._take_batch(done, cancel)
         for h in (*dones, *(h for h, _ in cancels)):
@@ -656,7 +661,12 @@ class Storage(abc.ABC):
             for h, s in cancels:
                 got_cancel.append(_or_none(self.send_cancel, h, s))
         except StorageIOError as e:
-            raise self._batch_failed(e, dones, cancels) from None
+            err = self._batch_failed(e, dones, cancels)
+            if any(got_done) or any(got_cancel):  # those calls returned: durable
+                err.finished = Finished(
+                    got_done + [None] * (len(dones) - len(got_done)),
+                    got_cancel + [None] * (len(cancels) - len(got_cancel)))
+            raise err from None
         return Finished(got_done, got_cancel)
 
     @abc.abstractmethod

@@ -104,7 +104,7 @@ def test_send_finish_rule_compares_each_step_with_the_model() -> None:
     machine = lockstep_machine(broken)
     with pytest.raises(ClauseViolation) as info:
         run_state_machine_as_test(machine, settings=settings(
-            max_examples=100, stateful_step_count=20, derandomize=True, database=None,
+            max_examples=400, stateful_step_count=30, derandomize=True, database=None,
             phases=[Phase.explicit, Phase.generate], deadline=None, print_blob=False,
             suppress_health_check=list(HealthCheck)))
     assert info.value.clause == "C5", info.value

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from conformance.examples import backends
+from faultinject import FaultPlan, FaultyIO, crash_states, materialize
 from queue_ref.fsqueue import FsQueue
 from queue_ref.io import OsIO
 from queue_ref.kv.kv_queue import KvQueue
@@ -233,3 +234,80 @@ def test_multi_root_batch_spans_the_roots(tmp_path: os.PathLike[str]) -> None:
         assert sorted(listed(q)) == sorted(m.entry_id for m in mails[5:])
     finally:
         q.close()
+
+
+class _FailSecondCleanupRename(FaultyIO):
+    """The second rename into ``cleanup/`` of the armed batch fails with ENOSPC (a link
+    directory that cannot grow), after the first one moved."""
+
+    armed = False
+    seen = 0
+
+    def rename(self, src: str, dst: str) -> None:
+        if self.armed and "/cleanup/" in dst:
+            self.seen += 1
+            if self.seen == 2:
+                self.plan = FaultPlan(fail_at=self.mutating_count, fail_errno=errno.ENOSPC)
+        super().rename(src, dst)
+
+
+@pytest.mark.parametrize("mode", ["syncfs", "fsync"])
+def test_links_moved_before_a_failed_rename_are_durable_and_handed_back_new(
+        tmp_path: os.PathLike[str], mode: str) -> None:
+    """A batch whose second link rename fails: the first entry's move is made durable
+    before the error (a retry through its old handle would answer None and sync nothing,
+    and a power cut would bring the delivered entry back: C3), and the error's
+    ``finished`` hands back its new handle; no crash state of any model requeues it."""
+    root = os.path.join(tmp_path, "q")
+    os.mkdir(root)
+    io = _FailSecondCleanupRename(root)
+    q = FsQueue(root, io, sync=mode)
+    a, b, c = claimed(q, 3)
+    io.armed = True
+    with pytest.raises(StorageIOError) as err:
+        q.send_finish([a, b], [(c, Schedule(50, 1, "later"))])
+    e = err.value
+    assert e.finished is not None
+    assert isinstance(e.finished.done[0], PendingCleanupMail)
+    (back,) = e.finished.cancelled  # moved back before the done links, and made durable
+    assert e.finished.done[1] is None and isinstance(back, QueuedMail)
+    assert (back.entry_id, back.schedule) == (c.entry_id, Schedule(50, 1, "later"))
+    assert q.send_done(a) is None  # the old handle: the entry is no longer INFLIGHT
+    events = list(io.events)
+    q.close()
+    for model in ("ext4-ordered", "weak"):
+        for st in crash_states(io.initial, events, model, exhaustive_limit=8,
+                               random_states=8):
+            d = os.path.join(tmp_path, f"s{model}{st.key}")
+            materialize(st.image, d)
+            r = FsQueue(d, sync=mode)
+            try:
+                assert a.entry_id not in listed(r), (model, st.key, st.description)
+            finally:
+                r.close()
+
+
+class _SecondDoneFails(MemoryStorage):
+    calls = 0
+
+    def send_done(self, mail: InflightMail) -> PendingCleanupMail | None:
+        self.calls += 1
+        if self.calls == 2:
+            h = self._take(mail, InflightMail)
+            raise StorageIOError("EIO", self._give_back(h))
+        return super().send_done(mail)
+
+
+def test_the_default_batch_hands_back_what_it_finished_before_a_failure() -> None:
+    s = _SecondDoneFails()
+    mails = claimed(s, 3)
+    with pytest.raises(StorageIOError) as err:
+        s.send_finish(mails)
+    e = err.value
+    assert e.finished is not None
+    assert isinstance(e.finished.done[0], PendingCleanupMail)
+    assert e.finished.done[1:] == [None, None]
+    assert [h.entry_id for h in e.handles] == [m.entry_id for m in mails]
+    assert s.cleanup(e.finished.done[0])  # the handle the error gave is live
+    again = s.send_finish(list(e.handles[1:]))  # type: ignore[arg-type]
+    assert all(again.done)

@@ -521,7 +521,17 @@ def test_judge_allows_each_entry_of_a_batch_old_or_new_on_its_own() -> None:
                     (v,) = came
                     assert clauses(m, call, frozenset((old - gone) | {
                         _with_schedule(v, OTHER)})) == {"C5"}
+                else:  # a done entry listed with another schedule is C5 too
+                    (v,) = gone
+                    assert clauses(m, call, frozenset((old - {v}) | {
+                        _with_schedule(v, OTHER)})) == {"C5"}
             outside = [v for v in old if (v.msg, v.index) not in {p.key for p in parts}]
-            for v in outside:
+            for v in outside:  # an entry outside the batch: lost, or changed
                 assert clauses(m, call, frozenset(old - {v})) & {"C1", "C4"}
+                assert clauses(m, call, frozenset((old - {v}) | {
+                    _with_schedule(v, OTHER)})) == {"C5"}
+                gone_state = EntryState.HELD if v.state is EntryState.QUEUED \
+                    else EntryState.QUEUED
+                assert clauses(m, call, frozenset((old - {v}) | {
+                    replace(v, state=gone_state)})) & {"C10", "C14"}
     assert checked > 300

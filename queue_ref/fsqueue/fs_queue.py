@@ -744,24 +744,49 @@ class FsQueue(FsMetadata, Storage):
         entry as its own call would."""
         dones, cancels = self._take_batch(done, cancel)
         lay = self.layout
+        moved_back: list[bool] = []
+        moved_done: list[bool] = []
+        synced = False
+
+        def sync_moved() -> None:
+            nonlocal synced
+            if any(moved_done) or any(moved_back):
+                self._sync_finished(*([lay.cleanup] if any(moved_done) else []),
+                                    *([lay.queue] if any(moved_back) else []), lay.inflight)
+                synced = True
+
         try:
             if self._poisoned is not None:
                 raise ReopenRequiredError(self._poisoned)
             with self._guard("send_finish", None):
-                back = self._cancel_records(cancels)
-                moved_back = [e is not None and self._move_link(
-                    lay.inflight_link(e, self.owner), lay.queue_link(e)) for e in back]
-                moved_done = []
-                for h in dones:
-                    e = self._entry(h)
-                    moved_done.append(self._move_link(lay.inflight_link(e, self.owner),
-                                                      lay.cleanup_link(e)))
-                if any(moved_done) or any(moved_back):
-                    self._sync_finished(*([lay.cleanup] if any(moved_done) else []),
-                                        *([lay.queue] if any(moved_back) else []),
-                                        lay.inflight)
+                try:
+                    for e in self._cancel_records(cancels):
+                        moved_back.append(e is not None and self._move_link(
+                            lay.inflight_link(e, self.owner), lay.queue_link(e)))
+                    for h in dones:
+                        e = self._entry(h)
+                        moved_done.append(self._move_link(lay.inflight_link(e, self.owner),
+                                                          lay.cleanup_link(e)))
+                except Exception:
+                    # the links moved before the failure are made durable all the same: a
+                    # retry through the handle given back would answer None and sync
+                    # nothing (C3); a failed sync poisons the queue (ReopenRequiredError)
+                    sync_moved()
+                    raise
+                sync_moved()
         except StorageIOError as e:
-            raise self._batch_failed(e, dones, cancels) from None
+            err = self._batch_failed(e, dones, cancels)
+            if synced:
+                err.finished = self._finished(dones, cancels, moved_done, moved_back)
+            raise err from None
+        return self._finished(dones, cancels, moved_done, moved_back)
+
+    def _finished(self, dones: Sequence[InflightMail],
+                  cancels: Sequence[tuple[InflightMail, Schedule]],
+                  moved_done: list[bool], moved_back: list[bool]) -> Finished:
+        """The new handles of the entries whose links moved (None for the others)."""
+        moved_done = moved_done + [False] * (len(dones) - len(moved_done))
+        moved_back = moved_back + [False] * (len(cancels) - len(moved_back))
         return Finished(
             [self._issue(PendingCleanupMail, h.entry_id, h.message_id, h.schedule, h._extra)
              if ok else None for h, ok in zip(dones, moved_done, strict=True)],

@@ -68,6 +68,7 @@ from queue_ref.relay.smtp_delivery import RcptResult, SmtpDeliverer
 from queue_ref.storage import (
     Capability,
     CorruptionError,
+    Finished,
     InflightMail,
     PendingCleanupMail,
     QueuedMail,
@@ -552,16 +553,19 @@ class DeliveryScheduler:
         warn = self._delay_warning(job, deferred, schedules, now, arrival)
         if warn:
             requeued.extend(warn)
-        for e, r, status in done + failed:
-            self._record(job, e, r, status, now, arrival)
-        for e, r in deferred:
-            domain = e.rcpt.rpartition("@")[2].lower()
-            if self.on_parked is not None and domain in self.config.ondemand_domains \
-                    and domain not in self.config.atrn_domains:
-                self.on_parked(domain)
-            self._record(job, e, r, "deferred", now, arrival)
-        self._hand_over(job, [e for e, _, _ in done + failed],
-                        [(e, schedules[e.mail.entry_id]) for e, _ in deferred], requeued)
+        try:  # the log first, as before each single call; whatever raises there, the
+            # outcomes still reach the queue (a sent entry must not go back as unsettled)
+            for e, r, status in done + failed:
+                self._record(job, e, r, status, now, arrival)
+            for e, r in deferred:
+                domain = e.rcpt.rpartition("@")[2].lower()
+                if self.on_parked is not None and domain in self.config.ondemand_domains \
+                        and domain not in self.config.atrn_domains:
+                    self.on_parked(domain)
+                self._record(job, e, r, "deferred", now, arrival)
+        finally:
+            self._hand_over(job, [e for e, _, _ in done + failed],
+                            [(e, schedules[e.mail.entry_id]) for e, _ in deferred], requeued)
 
     def _hand_over(self, job: _Job, done: list[_Entry], cancel: list[tuple[_Entry, Schedule]],
                    requeued: list[QueuedMail]) -> None:
@@ -578,8 +582,9 @@ class DeliveryScheduler:
                           reason=f"{type(err).__name__}: {err}")
             self._queue_error(err)
             if isinstance(err, ReopenRequiredError):
-                return  # the reopened queue's recovery puts every entry back
-            self._one_by_one(done, cancel, requeued)
+                self._take_finished(err.finished, requeued)
+                return  # the reopened queue's recovery puts every other entry back
+            self._one_by_one(done, cancel, requeued, err.finished)
             return
         except Exception as err:  # what no backend should raise: each entry alone
             job.settled.update(ids)
@@ -587,18 +592,33 @@ class DeliveryScheduler:
             self._one_by_one(done, cancel, requeued)
             return
         job.settled.update(ids)
+        self._take_finished(got, requeued)
+
+    def _take_finished(self, got: Finished | None, requeued: list[QueuedMail]) -> None:
+        """The entries a batch moved: the done ones cleaned up, the cancelled ones back in
+        the schedule."""
+        if got is None:
+            return
         for pending in got.done:
             if pending is not None:
                 self._retrying("cleanup", self.store.cleanup, pending)
         requeued.extend(q for q in got.cancelled if q is not None)
 
     def _one_by_one(self, done: list[_Entry], cancel: list[tuple[_Entry, Schedule]],
-                    requeued: list[QueuedMail]) -> None:
-        for e in done:
+                    requeued: list[QueuedMail], finished: Finished | None = None) -> None:
+        """After a failed batch: each entry the batch did not finish (``finished``: what it
+        made durable before failing) on its own, with retries."""
+        got = finished or Finished([None] * len(done), [None] * len(cancel))
+        self._take_finished(finished, requeued)
+        for e, moved in zip(done, got.done, strict=True):
+            if moved is not None:
+                continue
             pending = self._retrying("send_done", self.store.send_done, e.mail)
             if isinstance(pending, PendingCleanupMail):
                 self._retrying("cleanup", self.store.cleanup, pending)
-        for e, schedule in cancel:
+        for (e, schedule), back in zip(cancel, got.cancelled, strict=True):
+            if back is not None:
+                continue
             queued = self._retrying("send_cancel", self.store.send_cancel, e.mail, schedule)
             if isinstance(queued, QueuedMail):
                 requeued.append(queued)

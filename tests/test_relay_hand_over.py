@@ -1,0 +1,82 @@
+"""The scheduler's hand-over of a job's outcomes (``_hand_over``, C15's batch) when
+something fails on the way: nothing delivered goes back to the queue, nothing the batch
+finished is left behind (a memory queue, a real scheduler, no network)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+from queue_ref.memory import MemoryStorage
+from queue_ref.relay.delivery_log import DeliveryLog
+from queue_ref.relay.delivery_scheduler import DeliveryScheduler, _Entry, _Job
+from queue_ref.relay.smtp_delivery import RcptResult
+from queue_ref.storage import InflightMail, PendingCleanupMail, Recipient, Schedule, StorageIOError
+from tests.relay_support import relay_config
+
+
+def _job(store: MemoryStorage, rcpts: list[str]) -> tuple[_Job, list[InflightMail]]:
+    with store.enqueue("s@example.org", {"arrival": "0"}) as enq:
+        enq.write(b"Subject: x\r\n\r\nbody\r\n")
+        queued = enq.commit([Recipient(r, Schedule(0)) for r in rcpts])
+    mails = [store.send_start(q) for q in queued]
+    assert all(mails)
+    job = _Job(mails[0].message_id, "s@example.org", {"arrival": "0"},  # type: ignore[union-attr]
+               b"body")
+    job.entries = [_Entry(m, r, m.schedule) for m, r in zip(mails, rcpts, strict=True)]  # type: ignore[arg-type]
+    return job, mails  # type: ignore[return-value]
+
+
+def test_an_error_while_logging_outcomes_still_hands_them_over(tmp_path: Path) -> None:
+    """Something raises after the sent recipient was logged (here the on-demand hook of
+    the deferred one): the sent entry is finished, not put back as unsettled (it would be
+    delivered again), and the deferred one is back in the queue."""
+    store = MemoryStorage()
+    out = io.StringIO()
+    s = DeliveryScheduler(store, relay_config(str(tmp_path / "q"),
+                                              ondemand_domains=["parked.test"]),
+                          None, None, DeliveryLog(json_lines=True, stream=out),  # type: ignore[arg-type]
+                          None, clock=lambda: 1.0)
+
+    def boom(domain: str) -> None:
+        raise RuntimeError("Event loop is closed")
+
+    s.on_parked = boom
+    job, mails = _job(store, ["ok@ok.test", "p@parked.test"])
+    requeued = s._finish(job, [(job.entries[0], RcptResult(250, "2.0.0", "ok", "mx.ok.test")),
+                               (job.entries[1], RcptResult(450, "4.0.0", "later", "mx"))])
+    assert [h.entry_id for h in requeued] == [mails[1].entry_id]
+    assert [q.entry_id for q in store.list_queue()] == [mails[1].entry_id]
+    assert list(store.find_pending_cleanup()) == []  # the sent entry cleaned up
+    events = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [e["status"] for e in events if e["event"] == "delivery"
+            and e["to"] == "ok@ok.test"] == ["sent"]
+
+
+class _SecondDoneFails(MemoryStorage):
+    calls = 0
+
+    def send_done(self, mail: InflightMail) -> PendingCleanupMail | None:
+        self.calls += 1
+        if self.calls == 2:
+            h = self._take(mail, InflightMail)
+            raise StorageIOError("EIO", self._give_back(h))
+        return super().send_done(mail)
+
+
+def test_what_a_failed_batch_finished_is_cleaned_up_and_the_rest_goes_alone(
+        tmp_path: Path) -> None:
+    """The batch fails on its second entry after the first moved: the first is cleaned
+    up through the handle the error gave back, the others are finished one by one."""
+    store = _SecondDoneFails()
+    out = io.StringIO()
+    s = DeliveryScheduler(store, relay_config(str(tmp_path / "q")), None, None,  # type: ignore[arg-type]
+                          DeliveryLog(json_lines=True, stream=out), None, clock=lambda: 1.0)
+    job, _ = _job(store, ["a@ok.test", "b@ok.test", "c@ok.test"])
+    s._hand_over(job, job.entries, [], [])
+    assert list(store.find_pending_cleanup()) == []
+    assert list(store.list_queue()) == []
+    assert store.footprint().objects == 0
+    errors = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [e["what"] for e in errors if e["event"] == "error"] == ["send_finish"]
