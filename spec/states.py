@@ -123,8 +123,10 @@ RESTART: dict[EntryState, EntryState] = {
 
 
 def step(state: EntryState, op: Op) -> tuple[Outcome, EntryState]:
-    """Apply ``op`` to one entry in ``state`` (rules 1 and 2).
+    """Apply ``op`` to one entry in ``state`` (rules 1 and 2).  ``op`` is a row of the
+    table (SEND_FINISH is not: rule 7).
 
+    pre: op in TABLE
     post: (__return__[0] == Outcome.MOVED) == (state == TABLE[op].source)
     post: __return__[0] != Outcome.MOVED or __return__[1] == TABLE[op].target
     post: __return__[0] != Outcome.VANISHED or __return__[1] == state
