@@ -116,5 +116,11 @@ def test_the_suite_runs_it_once_for_every_model_and_replays_its_scenario() -> No
     assert cert.certified_models() == ["process-kill"]
     lost = by_model["weak"].findings[0]
     assert lost.model == "weak" and lost.scenario.startswith("sync-rounds-crash:")
-    assert [f.clause for f in replay(Backend.from_factory(f"{RIDING}:kv_log_rides_running_sync"),
-                                     lost.scenario)] == [lost.clause]
+    # this variant rides a sync that is already running: whether a replayed caller meets
+    # the other's sync still running depends on thread timing (about one replay in three
+    # missed it, on the code before send_finish too), so the scenario is replayed five
+    # times: it must show the clause at least once and nothing else ever
+    broken = Backend.from_factory(f"{RIDING}:kv_log_rides_running_sync")
+    replays = [[f.clause for f in replay(broken, lost.scenario)] for _ in range(5)]
+    assert [lost.clause] in replays, replays
+    assert all(r in ([], [lost.clause]) for r in replays), replays
