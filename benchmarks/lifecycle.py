@@ -101,6 +101,13 @@ def run_producers(q: Storage, producers: int, messages: int,
     """Messages per second of the full lifecycle, ``producers`` threads sharing ``messages``.
     ``ready`` is called once the threads wait to start (a process pool's start signal)."""
     now = int(time.time())
+    return run_threads(producers, messages, lambda: lifecycle_one(q, now), ready)
+
+
+def run_threads(producers: int, messages: int, one: Callable[[], None],
+                ready: Callable[[], None] | None = None) -> float:
+    """Calls of ``one`` per second, ``producers`` threads sharing ``messages`` calls, all
+    started at once; the first error of any thread is raised after they all ended."""
     per = shares(messages, producers)
     errors: list[BaseException] = []
     barrier = threading.Barrier(producers + 1)
@@ -109,7 +116,7 @@ def run_producers(q: Storage, producers: int, messages: int,
         try:
             barrier.wait()
             for _ in range(n):
-                lifecycle_one(q, now)
+                one()
         except BaseException as e:  # reported after join
             errors.append(e)
 
@@ -281,29 +288,7 @@ def wide_one(q: Storage, now: int, rcpts: int, batch: bool) -> None:
 def wide_rate(q: Storage, producers: int, messages: int, rcpts: int, batch: bool) -> float:
     """Messages per second of ``wide_one``, ``producers`` threads sharing ``messages``."""
     now = int(time.time())
-    per = shares(messages, producers)
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(producers + 1)
-
-    def work(n: int) -> None:
-        try:
-            barrier.wait()
-            for _ in range(n):
-                wide_one(q, now, rcpts, batch)
-        except BaseException as e:  # reported after join
-            errors.append(e)
-
-    threads = [threading.Thread(target=work, args=(n,)) for n in per]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - t0
-    if errors:
-        raise errors[0]
-    return messages / elapsed
+    return run_threads(producers, messages, lambda: wide_one(q, now, rcpts, batch))
 
 
 def wide(q: Storage, rounds_: int, messages: int, rcpts: int = 100, producers: int = 4

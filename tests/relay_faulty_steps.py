@@ -31,6 +31,15 @@ def io_trigger_of(path: str) -> str:
     return os.path.abspath(path).rstrip("/") + ".io-send_finish"
 
 
+def _take_trigger(path: str) -> bool:
+    """Whether the trigger file ``path`` was there (it is gone now: it fires once)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
 class InjectedError(RuntimeError):
     """What the chosen call raises: no backend raises it, so the relay meets it as a bug."""
 
@@ -67,11 +76,8 @@ class _Enqueuer:
 
 class FaultyStepsQueue(FsQueue):
     def maybe_fail(self, call: str) -> None:
-        try:
-            os.unlink(trigger_of(self.root, call))
-        except FileNotFoundError:
-            return
-        raise InjectedError(f"injected failure of {call}")
+        if _take_trigger(trigger_of(self.root, call)):
+            raise InjectedError(f"injected failure of {call}")
 
     def enqueue(self, mail_from: str, params: Mapping[str, str] | None = None) -> Any:
         if not mail_from:
@@ -95,11 +101,7 @@ class FaultyStepsQueue(FsQueue):
             self.maybe_fail("send_done")
         if cancel:
             self.maybe_fail("send_cancel")
-        try:
-            os.unlink(io_trigger_of(self.root))
-        except FileNotFoundError:
-            pass
-        else:
+        if _take_trigger(io_trigger_of(self.root)):
             raise StorageIOError("send_finish: injected EIO before anything moved")
         if os.path.exists(trigger_of(self.root, "send_finish")):
             half = list(done)[: max(1, len(done) // 2)]

@@ -12,8 +12,9 @@ from queue_ref.memory import MemoryStorage
 from queue_ref.relay.delivery_log import DeliveryLog
 from queue_ref.relay.delivery_scheduler import DeliveryScheduler, _Entry, _Job
 from queue_ref.relay.smtp_delivery import RcptResult
-from queue_ref.storage import InflightMail, PendingCleanupMail, Recipient, Schedule, StorageIOError
+from queue_ref.storage import InflightMail, Recipient, Schedule
 from tests.relay_support import relay_config
+from tests.test_send_finish import SecondDoneFails
 
 
 def _job(store: MemoryStorage, rcpts: list[str]) -> tuple[_Job, list[InflightMail]]:
@@ -54,22 +55,11 @@ def test_an_error_while_logging_outcomes_still_hands_them_over(tmp_path: Path) -
             and e["to"] == "ok@ok.test"] == ["sent"]
 
 
-class _SecondDoneFails(MemoryStorage):
-    calls = 0
-
-    def send_done(self, mail: InflightMail) -> PendingCleanupMail | None:
-        self.calls += 1
-        if self.calls == 2:
-            h = self._take(mail, InflightMail)
-            raise StorageIOError("EIO", self._give_back(h))
-        return super().send_done(mail)
-
-
 def test_what_a_failed_batch_finished_is_cleaned_up_and_the_rest_goes_alone(
         tmp_path: Path) -> None:
     """The batch fails on its second entry after the first moved: the first is cleaned
     up through the handle the error gave back, the others are finished one by one."""
-    store = _SecondDoneFails()
+    store = SecondDoneFails()
     out = io.StringIO()
     s = DeliveryScheduler(store, relay_config(str(tmp_path / "q")), None, None,  # type: ignore[arg-type]
                           DeliveryLog(json_lines=True, stream=out), None, clock=lambda: 1.0)

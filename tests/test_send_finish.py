@@ -287,7 +287,9 @@ def test_links_moved_before_a_failed_rename_are_durable_and_handed_back_new(
                 r.close()
 
 
-class _SecondDoneFails(MemoryStorage):
+class SecondDoneFails(MemoryStorage):
+    """A memory queue whose second ``send_done`` fails as a disk does."""
+
     calls = 0
 
     def send_done(self, mail: InflightMail) -> PendingCleanupMail | None:
@@ -299,7 +301,7 @@ class _SecondDoneFails(MemoryStorage):
 
 
 def test_the_default_batch_hands_back_what_it_finished_before_a_failure() -> None:
-    s = _SecondDoneFails()
+    s = SecondDoneFails()
     mails = claimed(s, 3)
     with pytest.raises(StorageIOError) as err:
         s.send_finish(mails)
