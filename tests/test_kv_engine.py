@@ -36,7 +36,7 @@ from queue_ref.kv.engine_errors import DatabaseCorruptError, DatabaseLockedError
 from queue_ref.kv.leveldb import LevelDBEngine
 from queue_ref.kv.logengine import LogEngine
 from queue_ref.kv.logengine.format import encode_batch
-from queue_ref.storage import ClosedError, Recipient, Schedule
+from queue_ref.storage import ClosedError, InvalidInputError, Recipient, Schedule
 
 Engine = LogEngine | LevelDBEngine
 Opener = Callable[[str], Engine]
@@ -462,8 +462,10 @@ def test_log_engine_drops_dead_data_without_explicit_compaction(tmp_path: Path) 
             kv.write(b, sync=False)
             peak = max(peak, kv.disk_usage())
         assert sorted(k for k, _ in kv.iterate()) == live
-        # 4000 x 512 bytes went through; at most a few memtables' worth stays on disk.
-        assert peak < 6 * 64 * 1024, peak
+        # 4000 x 512 bytes went through; at most one log's and two memtables' worth
+        # stays on disk (the log's limit is eight memtables: 512 KiB).
+        assert peak < kv.log_limit + 2 * kv.memtable_limit, peak
+        assert peak < 4000 * 512 // 3, peak
     finally:
         kv.close()
 
@@ -1280,3 +1282,43 @@ def test_a_failed_directory_sync_fails_the_leveldb_engine_until_reopened(tmp_pat
         assert len(list(q.list_queue())) >= 1
     finally:
         q.close()
+
+
+def _logs(path: str) -> list[str]:
+    return sorted(n for n in os.listdir(path) if n.endswith(".log"))
+
+
+def test_values_put_and_deleted_between_flushes_never_reach_a_table(tmp_path: Path) -> None:
+    """Bodies in flight live and die in the memtable: the log's own limit (eight times the
+    memtable's unless given) forces a flush, not the dead bytes the log holds; once the
+    log passes ``log_limit`` a flush starts a new log, and a live value is kept."""
+    path = str(tmp_path / "db")
+    kv = LogEngine(path, memtable_limit=64 * 1024)
+    assert kv.log_limit == 8 * 64 * 1024
+    first = _logs(path)
+    for i in range(20):  # 400 KiB through the log, at most 20 KiB live at a time
+        kv.put(b"body%02d" % i, os.urandom(20 * 1024))
+        kv.delete(b"body%02d" % i)
+    kv.put(b"live", b"x" * 100)
+    assert _logs(path) == first  # no flush: under the memtable's and the log's limits
+    assert not list(Path(path).glob("*.tbl"))
+    kv.close()
+
+    kv = LogEngine(path, memtable_limit=64 * 1024, log_limit=100 * 1024)
+    try:
+        before = _logs(path)
+        for i in range(10):  # 200 KiB through the log: past the log's limit
+            kv.put(b"body%02d" % i, os.urandom(20 * 1024))
+            kv.delete(b"body%02d" % i)
+        assert _logs(path) != before  # flushed: a new log
+        assert kv.get(b"live") == b"x" * 100
+        assert [k for k, _ in kv.iterate()] == [b"live"]
+    finally:
+        kv.close()
+
+
+@pytest.mark.parametrize("limits", [{"memtable_limit": 0}, {"log_limit": 0},
+                                    {"log_limit": True}, {"log_limit": 1.5}])
+def test_engine_limits_must_be_positive_ints(tmp_path: Path, limits: dict[str, object]) -> None:
+    with pytest.raises(InvalidInputError, match=next(iter(limits))):
+        LogEngine(str(tmp_path / "db"), **limits)  # type: ignore[arg-type]

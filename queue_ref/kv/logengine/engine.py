@@ -8,10 +8,10 @@ appended to the log and enters the memtable at once, unless it touches a key of 
 that is appended but not yet in the memtable (then it queues behind that group).  So the
 log order and the memtable order agree on every key, the log stays one ordered sequence
 (a synced batch makes every batch appended before it durable), and a thread's unsynced
-write never waits for another thread's fsync.  Once the memtable or the log passes
-``memtable_limit`` bytes, the writer that noticed flushes (below) in an exclusive turn;
-flushes and compactions run in the writers' path, never in a background thread, so a
-single-threaded run's sequence of disk calls is deterministic.
+write never waits for another thread's fsync.  Once the memtable passes
+``memtable_limit`` bytes or the log ``log_limit``, the writer that noticed flushes (below)
+in an exclusive turn; flushes and compactions run in the writers' path, never in a
+background thread, so a single-threaded run's sequence of disk calls is deterministic.
 
 Flush (and ``compact()``, which merges everything): merge the memtable with the tables the
 policy picks (``merge.py``) into ``<n>.tbl.tmp``, fsync it, rename it to ``<n>.tbl``;
@@ -23,7 +23,7 @@ old log, the old manifest and the merged tables deleted.  A crash anywhere leave
 one (whose tables do); recovery deletes the files that neither names.
 
 Recovery reads ``CURRENT``, the manifest, each live table (every block's CRC is checked),
-and replays the one live log, which is at most about ``memtable_limit`` bytes: reopening
+and replays the one live log, which is at most about ``log_limit`` bytes: reopening
 costs time in proportion to live data, not history.  A torn log tail (short, bad CRC,
 unparseable, with no intact record after it) is dropped and the log is truncated there
 durably.  Damage in the middle of the log (intact records after a bad one) is survived:
@@ -92,6 +92,10 @@ BACKEND = "kv-log"
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
+def _is_size(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def _check_ops(ops: Sequence[tuple[object, object]]) -> None:
     for key, value in ops:
         if not isinstance(key, bytes):
@@ -109,15 +113,25 @@ class LogEngine(KV):
     #: The class of a table file opened for reading (a class attribute, as ``_replay``).
     _table: type[Table] = Table
 
-    def __init__(self, path: str, io: IO | None = None, *, memtable_limit: int = 4 << 20) -> None:
-        if not isinstance(memtable_limit, int) or isinstance(memtable_limit, bool) or (
-                memtable_limit <= 0):
-            raise InvalidInputError(f"memtable_limit must be a positive int, got {memtable_limit!r}")
+    def __init__(self, path: str, io: IO | None = None, *, memtable_limit: int = 8 << 20,
+                 log_limit: int | None = None) -> None:
+        """Open (or create) the store at ``path``.  ``memtable_limit``: the bytes of live
+        writes held in memory before a flush; ``log_limit``: the size of the live log that
+        forces a flush (default eight times ``memtable_limit``), which bounds the replay at
+        the next open.  A message body put and deleted between two flushes is never
+        written to a table: the defaults let a relay's bodies in flight (megabytes each)
+        live and die in the memtable."""
+        if log_limit is None:
+            log_limit = 8 * memtable_limit if _is_size(memtable_limit) else 0
+        for name, value in (("memtable_limit", memtable_limit), ("log_limit", log_limit)):
+            if not _is_size(value):
+                raise InvalidInputError(f"{name} must be a positive int, got {value!r}")
         if not isinstance(path, str) or not path or "\x00" in path:
             raise InvalidInputError(f"path must be a non-empty str without NUL, got {path!r}")
         self.path = os.path.abspath(path)
         self.io: IO = io if io is not None else OsIO()
         self.memtable_limit = memtable_limit
+        self.log_limit = log_limit
         self._mu = threading.Lock()  # guards _mem and _tables for readers
         self._writers = WriterQueue()
         # Guards appending to the log, the order of memtable updates, _pending (groups
@@ -378,8 +392,8 @@ class LogEngine(KV):
         log = self._log
         if log is None:  # closed
             return False
-        limit = self.memtable_limit
-        return self._mem.approx_bytes > limit or log.size + self._buffered > limit
+        return (self._mem.approx_bytes > self.memtable_limit
+                or log.size + self._buffered > self.log_limit)
 
     def _maintain(self, *, full: bool, force: bool = False) -> list[str]:
         """Flush the memtable merged with the tables the policy picks (all if ``full``).
