@@ -29,6 +29,7 @@ from queue_ref.relay.mx_routing import Nexthop
 from queue_ref.relay.relay_config import RelayConfig
 from queue_ref.relay.smtp_address import plain_quoted
 from queue_ref.relay.smtp_line_folding import LINE_LENGTH_LIMIT, fold_long_lines, has_long_line
+from queue_ref.relay.smtp_pipelining import pipelined_replies
 from queue_ref.relay.smtp_tls_policy import TlsPolicies
 from queue_ref.relay.tls_summary import NO_TLS, summary_of
 
@@ -269,25 +270,54 @@ class SmtpDeliverer:
         results: list[RcptResult | None] = [None] * len(rcpts)
         stage = "MAIL FROM"
         try:
-            try:
-                await _mail(smtp, mail_from, options, encoding)
-            except aiosmtplib.SMTPSenderRefused as e:
-                r = RcptResult(e.code, dsn_of(e.code, e.message), _reply(e.code, e.message), relay)
-                await _rset(smtp)
-                self._release(conn)
-                return [r for _ in rcpts]
-            except (aiosmtplib.SMTPServerDisconnected, ConnectionError):
-                smtp.close()
-                return None
-            stage = "RCPT TO"
-            accepted = []
-            for i, rcpt in enumerate(rcpts):
+            group = _pipeline_group(smtp, mail_from, rcpts, options)
+            if group is not None:
+                piped = await pipelined_replies(smtp, group, 1 + len(rcpts))
+                if not piped.replies and piped.error is not None:
+                    smtp.close()  # dead before MAIL was answered
+                    return None
+                mail = piped.replies[0]
+                if mail.code != aiosmtplib.SMTPStatus.completed:
+                    r = RcptResult(mail.code, dsn_of(mail.code, mail.message),
+                                   _reply(mail.code, mail.message), relay)
+                    if piped.error is not None:
+                        smtp.close()
+                    else:
+                        await _rset(smtp)
+                        self._release(conn)
+                    return [r for _ in rcpts]
+                stage = "RCPT TO"
+                accepted = []
+                for i, reply in enumerate(piped.replies[1:]):
+                    if reply.code in (aiosmtplib.SMTPStatus.completed,
+                                      aiosmtplib.SMTPStatus.will_forward):
+                        accepted.append(i)
+                    else:
+                        results[i] = RcptResult(reply.code, dsn_of(reply.code, reply.message),
+                                                _reply(reply.code, reply.message), relay)
+                if piped.error is not None:
+                    raise piped.error
+            else:
                 try:
-                    await _rcpt(smtp, rcpt, encoding)
-                    accepted.append(i)
-                except aiosmtplib.SMTPRecipientRefused as e:
-                    results[i] = RcptResult(e.code, dsn_of(e.code, e.message),
-                                            _reply(e.code, e.message), relay)
+                    await _mail(smtp, mail_from, options, encoding)
+                except aiosmtplib.SMTPSenderRefused as e:
+                    r = RcptResult(e.code, dsn_of(e.code, e.message), _reply(e.code, e.message),
+                                   relay)
+                    await _rset(smtp)
+                    self._release(conn)
+                    return [r for _ in rcpts]
+                except (aiosmtplib.SMTPServerDisconnected, ConnectionError):
+                    smtp.close()
+                    return None
+                stage = "RCPT TO"
+                accepted = []
+                for i, rcpt in enumerate(rcpts):
+                    try:
+                        await _rcpt(smtp, rcpt, encoding)
+                        accepted.append(i)
+                    except aiosmtplib.SMTPRecipientRefused as e:
+                        results[i] = RcptResult(e.code, dsn_of(e.code, e.message),
+                                                _reply(e.code, e.message), relay)
             if not accepted:
                 await _rset(smtp)
                 self._release(conn)
@@ -315,6 +345,21 @@ class SmtpDeliverer:
             text = f"lost connection with {relay} while sending {stage}: {_why(e)}"
             return [x or RcptResult(0, "4.4.2", text, relay) for x in results]
         return [x if x is not None else RcptResult(0, "4.4.2", "no reply", relay) for x in results]
+
+
+def _pipeline_group(smtp: aiosmtplib.SMTP, mail_from: str, rcpts: list[str],
+                    options: list[str]) -> bytes | None:
+    """MAIL and every RCPT as one group of command lines (RFC 2920), when the server
+    offers PIPELINING and every address is in its common, ASCII form; else None (one
+    command at a time, through aiosmtplib)."""
+    if not smtp.supports_extension("pipelining"):
+        return None
+    sender = plain_quoted(mail_from)
+    quoted = [plain_quoted(r) for r in rcpts]
+    if sender is None or None in quoted:
+        return None
+    head = b" ".join([b"MAIL FROM:" + sender, *(o.encode("ascii") for o in options)])
+    return b"".join([head, b"\r\n", *(b"RCPT TO:" + q + b"\r\n" for q in quoted if q)])
 
 
 def _needs_smtputf8(mail_from: str, rcpts: list[str], body: bytes) -> bool:
