@@ -70,3 +70,32 @@ def test_what_a_failed_batch_finished_is_cleaned_up_and_the_rest_goes_alone(
     assert store.footprint().objects == 0
     errors = [json.loads(line) for line in out.getvalue().splitlines()]
     assert [e["what"] for e in errors if e["event"] == "error"] == ["send_finish"]
+
+
+def test_a_jobs_outcome_lines_go_to_the_log_in_one_write(tmp_path: Path) -> None:
+    """A 100-recipient job: its hundred ``delivery`` lines reach the log stream in one
+    write, sent and deferred alike, in outcome order."""
+    store = MemoryStorage()
+    writes: list[str] = []
+
+    class Stream:
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    s = DeliveryScheduler(store, relay_config(str(tmp_path / "q")), None, None,  # type: ignore[arg-type]
+                          DeliveryLog(json_lines=True, stream=Stream()), None, clock=lambda: 1.0)
+    rcpts = [f"r{i}@ok.test" for i in range(100)]
+    job, _ = _job(store, rcpts)
+    results = [RcptResult(250, "2.0.0", "ok", "mx") if i % 3 else
+               RcptResult(450, "4.0.0", "later", "mx") for i in range(100)]
+    s._finish(job, list(zip(job.entries, results, strict=True)))
+    batches = [w for w in writes if '"delivery"' in w]
+    assert len(batches) == 1
+    lines = [json.loads(x) for x in batches[0].splitlines()]
+    assert len(lines) == 100
+    assert {x["to"]: x["status"] for x in lines} == {
+        r: ("sent" if i % 3 else "deferred") for i, r in enumerate(rcpts)}

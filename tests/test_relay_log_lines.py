@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import json
 import smtplib
+import threading
 import time
 
+import pytest
+
 from queue_ref.opener import open_queue
+from queue_ref.relay.delivery_log import DeliveryLog
 from queue_ref.storage import Recipient, Schedule
 from tests.relay_support import DnsServer, RelayThread, Sink, relay_config
 
@@ -81,3 +85,51 @@ def test_the_started_record_names_the_listening_address_and_port(tmp_path):
         [started] = [e for e in rt.events("relay") if e["what"] == "started"]
         assert started["smtp"] == f"127.0.0.1:{rt.port}"
         assert started["queue"] == str(tmp_path / "q") and started["backend"] == "fs"
+
+
+class _Writes:
+    """A stream that keeps each write apart."""
+
+    def __init__(self) -> None:
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_a_batch_of_records_is_one_write_even_when_its_block_raises() -> None:
+    out = _Writes()
+    log = DeliveryLog(stream=out)
+    with log.batch():
+        for i in range(100):
+            log.emit("delivery", "Q1", to=f"r{i}@example.net", status="sent")
+        with log.batch():  # nested: joins the outer batch
+            log.emit("delivery", "Q1", to="last@example.net", status="sent")
+        assert out.writes == []  # held until the block ends
+    assert len(out.writes) == 1
+    lines = out.writes[0].splitlines()
+    assert len(lines) == 101 and lines[0].endswith("to=<r0@example.net>, status=sent")
+    assert lines[-1].endswith("to=<last@example.net>, status=sent")
+
+    with pytest.raises(RuntimeError), log.batch():
+        log.emit("delivery", "Q2", to="a@example.net", status="deferred")
+        raise RuntimeError("the hook failed")
+    assert len(out.writes) == 2 and "Q2: to=<a@example.net>" in out.writes[1]
+    log.emit("relay", what="after")  # no batch open: written at once
+    assert len(out.writes) == 3
+
+
+def test_another_threads_records_are_not_held_by_a_batch() -> None:
+    out = _Writes()
+    log = DeliveryLog(stream=out)
+    with log.batch():
+        log.emit("delivery", "Q1", to="a@example.net", status="sent")
+        t = threading.Thread(target=log.emit, args=("relay",), kwargs={"what": "other"})
+        t.start()
+        t.join()
+        assert len(out.writes) == 1 and "other" in out.writes[0]
+    assert len(out.writes) == 2 and "Q1" in out.writes[1]

@@ -26,6 +26,8 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 __all__ = ["DeliveryLog", "LogStream"]
@@ -58,6 +60,26 @@ class DeliveryLog:
             self._stream = sys.stderr
         self._lock = threading.Lock()
         self._pid = os.getpid()
+        self._batches = threading.local()  # .lines: this thread's batch, if one is open
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Hold this thread's records until the block ends, then write them at once: a
+        job's hundred outcome lines cost one write, not a hundred (Postfix's smtp logs
+        each recipient, and each line is a syslog call).  The records are written when
+        the block ends by an exception too; other threads' records are never held, and
+        never land among a batch's.  Nested blocks join the outer one."""
+        if getattr(self._batches, "lines", None) is not None:
+            yield
+            return
+        lines: list[str] = []
+        self._batches.lines = lines
+        try:
+            yield
+        finally:
+            self._batches.lines = None
+            if lines:
+                self._write("".join(lines))
 
     def emit(self, event: str, queue_id: str = "", **fields: Any) -> None:
         now = time.time()
@@ -66,9 +88,16 @@ class DeliveryLog:
             "event": event, "queue_id": queue_id}
         record.update({k: v for k, v in fields.items() if v is not None})
         line = json.dumps(record, sort_keys=False) if self.json_lines else self.text(record)
+        held = getattr(self._batches, "lines", None)
+        if held is not None:
+            held.append(line + "\n")
+        else:
+            self._write(line + "\n")
+
+    def _write(self, text: str) -> None:
         with self._lock:
             try:
-                self._stream.write(line + "\n")
+                self._stream.write(text)
                 self._stream.flush()
             except (OSError, ValueError):
                 pass  # a closed or broken log must not stop mail

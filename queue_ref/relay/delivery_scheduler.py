@@ -553,16 +553,18 @@ class DeliveryScheduler:
         warn = self._delay_warning(job, deferred, schedules, now, arrival)
         if warn:
             requeued.extend(warn)
-        try:  # the log first, as before each single call; whatever raises there, the
-            # outcomes still reach the queue (a sent entry must not go back as unsettled)
-            for e, r, status in done + failed:
-                self._record(job, e, r, status, now, arrival)
-            for e, r in deferred:
-                domain = e.rcpt.rpartition("@")[2].lower()
-                if self.on_parked is not None and domain in self.config.ondemand_domains \
-                        and domain not in self.config.atrn_domains:
-                    self.on_parked(domain)
-                self._record(job, e, r, "deferred", now, arrival)
+        try:  # the log first (one write), as before each single call; whatever raises
+            # there, the outcomes still reach the queue (a sent entry must not go back as
+            # unsettled)
+            with self.log.batch():
+                for e, r, status in done + failed:
+                    self._record(job, e, r, status, now, arrival)
+                for e, r in deferred:
+                    domain = e.rcpt.rpartition("@")[2].lower()
+                    if self.on_parked is not None and domain in self.config.ondemand_domains \
+                            and domain not in self.config.atrn_domains:
+                        self.on_parked(domain)
+                    self._record(job, e, r, "deferred", now, arrival)
         finally:
             self._hand_over(job, [e for e, _, _ in done + failed],
                             [(e, schedules[e.mail.entry_id]) for e, _ in deferred], requeued)
