@@ -157,7 +157,8 @@ def measure_relay(root: str, sink: Sink, timeout: float) -> dict[str, float]:
         t1 = time.monotonic()
         with smtplib.SMTP("127.0.0.1", port, timeout=timeout) as c:
             c.sendmail("a@example.org", [rcpt], BODY)
-        accept_s = time.monotonic() - t1
+            accept_s = time.monotonic() - t1  # at the 250: the relay may deliver before
+            # the QUIT that follows is answered
         arrived = sink.wait(rcpt, timeout)
         if arrived is None:
             raise SystemExit(f"scale: the new message was not delivered in {timeout} s "

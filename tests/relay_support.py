@@ -162,6 +162,9 @@ class _SinkHandler:
     async def handle_EHLO(self, server: SMTP, session: Session, envelope: Envelope, hostname: str,
                           responses: list[str]) -> list[str]:
         session.host_name = hostname
+        # PIPELINING as Postfix's smtpd offers it (aiosmtpd reads pipelined commands but
+        # does not say so): the relay's client then sends MAIL and its RCPTs as a group
+        responses = [*responses[:-1], "250-PIPELINING", responses[-1]]
         return [r for r in responses if r[4:].split(" ")[0].upper() not in self.state.without]
 
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
