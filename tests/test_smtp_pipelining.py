@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -217,3 +218,172 @@ def test_a_reply_too_many_is_a_protocol_error_and_nothing_is_sent() -> None:
     assert {(r.code, r.dsn) for r in second} == {(0, "4.4.2")}  # the server does it again
     assert s.connections == 2  # the confused session was not used again
     assert s.transactions == 2
+
+
+# ---- replies out of place: a raw server per scenario ------------------------------------
+
+Session = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+def run_raw(session: Session, rcpts: list[str], *, times: int = 1, timeout: float = 5.0
+            ) -> tuple[list[list[RcptResult]], float]:
+    async def main() -> tuple[list[list[RcptResult]], float]:
+        server = await asyncio.start_server(session, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        d = SmtpDeliverer(RelayConfig(smtp_timeout=timeout, smtp_connect_timeout=5.0))
+        hop = Nexthop("127.0.0.1", "127.0.0.1", port)
+        t0 = time.monotonic()
+        try:
+            return ([await d.deliver([hop], "a@example.org", rcpts, BODY, {})
+                     for _ in range(times)], time.monotonic() - t0)
+        finally:
+            await d.close()
+            server.close()
+            await server.wait_closed()
+    return asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def replying(replies: dict[bytes, bytes], *, pipelining: bool = True,
+             bodies: list[bytes] | None = None, late: bytes = b"",
+             connections: list[int] | None = None) -> Session:
+    """A server answering each verb as ``replies`` says (DATA: 354, the body kept in
+    ``bodies``, then its reply); ``late``: sent 50 ms after the last RCPT's reply."""
+    async def session(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if connections is not None:
+            connections.append(1)
+        writer.write(b"220 raw ESMTP\r\n")
+        try:
+            while line := await reader.readline():
+                verb = line[:4].upper()
+                if verb == b"EHLO":
+                    writer.write(b"250-raw\r\n" + (b"250-PIPELINING\r\n" if pipelining else b"")
+                                 + b"250 8BITMIME\r\n")
+                elif verb == b"DATA" and replies.get(b"DATA", b"354") == b"354":
+                    writer.write(b"354 go on\r\n")
+                    got = await reader.readuntil(b"\r\n.\r\n")
+                    if bodies is not None:
+                        bodies.append(got)
+                    writer.write(replies.get(b"DOT", b"250 2.0.0 queued") + b"\r\n")
+                elif verb == b"QUIT":
+                    writer.write(b"221 bye\r\n")
+                    await writer.drain()
+                    return
+                else:
+                    writer.write(replies.get(verb, b"250 2.0.0 ok") + b"\r\n")
+                    if verb == b"RCPT" and late and b"last@" in line:
+                        await writer.drain()
+                        await asyncio.sleep(0.05)
+                        writer.write(late)
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+    return session
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
+def test_a_stray_reply_read_as_the_answer_to_data_sends_nothing_and_defers(
+        pipelining: bool) -> None:
+    """A surplus 250 that comes after the group, in a later segment, is what the client
+    reads as DATA's reply: no body went out, so nobody is "sent"; the recipients are
+    deferred as after a protocol error, and the connection is not used again."""
+    bodies: list[bytes] = []
+    conns: list[int] = []
+    session = replying({}, pipelining=pipelining, bodies=bodies, connections=conns,
+                       late=b"250 2.0.0 surplus\r\n")
+    (first, second), _ = run_raw(session, ["a@example.net", "last@example.net"], times=2)
+    assert bodies == []
+    for r in first + second:
+        assert (r.outcome, r.dsn) == ("deferred", "4.5.0")
+        assert "protocol error" in r.text and "surplus" in r.text
+    assert len(conns) == 2
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
+@pytest.mark.parametrize("verb,reply", [(b"MAIL", b"251 2.1.0 odd"), (b"RCPT", b"252 2.1.5 odd"),
+                                        (b"DATA", b"250 2.0.0 odd")])
+def test_a_positive_reply_where_a_step_wants_another_is_never_sent(
+        pipelining: bool, verb: bytes, reply: bytes) -> None:
+    bodies: list[bytes] = []
+    session = replying({verb: reply}, pipelining=pipelining, bodies=bodies)
+    [results], _ = run_raw(session, ["a@example.net", "b@example.net"])
+    assert bodies == []
+    assert {(r.outcome, r.dsn) for r in results} == {("deferred", "4.5.0")}
+    assert all("odd" in r.text for r in results)
+
+
+def test_a_final_2xx_other_than_250_is_sent() -> None:
+    bodies: list[bytes] = []
+    [results], _ = run_raw(replying({b"DOT": b"251 2.0.0 taken"}, bodies=bodies),
+                           ["a@example.net"])
+    assert len(bodies) == 1 and [(r.code, r.outcome) for r in results] == [(251, "sent")]
+
+
+@pytest.mark.parametrize("pipelining", [True, False])
+def test_a_421_to_mail_defers_and_the_connection_is_not_reused(pipelining: bool) -> None:
+    conns: list[int] = []
+    session = replying({b"MAIL": b"421 4.3.2 shutting down", b"RCPT": b"503 5.5.1 need MAIL"},
+                       pipelining=pipelining, connections=conns)
+    (first, second), _ = run_raw(session, ["b@example.net"], times=2)
+    for r in first + second:
+        assert (r.code, r.outcome) == (421, "deferred") or r.dsn == "4.4.2"
+    assert len(conns) == 2
+
+
+def test_a_421_to_a_rcpt_sends_no_data_and_defers_the_rest() -> None:
+    bodies: list[bytes] = []
+    conns: list[int] = []
+
+    async def session(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conns.append(1)
+        writer.write(b"220 raw ESMTP\r\n")
+        n = 0
+        while line := await reader.readline():
+            verb = line[:4].upper()
+            if verb == b"EHLO":
+                writer.write(b"250-raw\r\n250 PIPELINING\r\n")
+            elif verb == b"RCPT":
+                n += 1
+                writer.write(b"421 4.3.2 going down\r\n" if n == 2 else b"250 2.1.5 ok\r\n")
+            elif verb == b"DATA":
+                writer.write(b"354 go\r\n")
+                bodies.append(await reader.readuntil(b"\r\n.\r\n"))
+                writer.write(b"250 2.0.0 queued\r\n")
+            else:
+                writer.write(b"250 2.0.0 ok\r\n")
+            await writer.drain()
+        writer.close()
+
+    [results], _ = run_raw(session, ["a@example.net", "b@example.net", "c@example.net"])
+    assert bodies == []
+    assert all(r.outcome == "deferred" for r in results)
+    assert "421" in results[1].text
+
+
+def test_each_reply_of_the_group_must_come_whole_within_the_timeout() -> None:
+    """A server that drips MAIL's reply a byte per 0.5 s (4 s in all) against a 1 s
+    timeout: the group fails after about a second, as one command at a time would."""
+    async def session(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"220 raw ESMTP\r\n")
+        try:
+            while line := await reader.readline():
+                verb = line[:4].upper()
+                if verb == b"EHLO":
+                    writer.write(b"250-raw\r\n250 PIPELINING\r\n")
+                elif verb == b"MAIL":
+                    for ch in b"250 ok\r\n":
+                        await asyncio.sleep(0.5)
+                        writer.write(bytes([ch]))
+                        await writer.drain()
+                else:
+                    writer.write(b"250 2.0.0 ok\r\n")
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    [results], took = run_raw(session, ["b@example.net"], timeout=1.0)
+    assert took < 2.5
+    assert [r.outcome for r in results] == ["deferred"]

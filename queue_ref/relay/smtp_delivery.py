@@ -278,10 +278,9 @@ class SmtpDeliverer:
                     return None
                 mail = piped.replies[0]
                 if mail.code != aiosmtplib.SMTPStatus.completed:
-                    r = RcptResult(mail.code, dsn_of(mail.code, mail.message),
-                                   _reply(mail.code, mail.message), relay)
-                    if piped.error is not None:
-                        smtp.close()
+                    r = _refusal(mail.code, mail.message, relay)
+                    if piped.error is not None or mail.code == _CLOSING:
+                        smtp.close()  # the server is closing: not reused
                     else:
                         await _rset(smtp)
                         self._release(conn)
@@ -292,17 +291,18 @@ class SmtpDeliverer:
                     if reply.code in (aiosmtplib.SMTPStatus.completed,
                                       aiosmtplib.SMTPStatus.will_forward):
                         accepted.append(i)
-                    else:
-                        results[i] = RcptResult(reply.code, dsn_of(reply.code, reply.message),
-                                                _reply(reply.code, reply.message), relay)
+                        continue
+                    if reply.code == _CLOSING:  # what follows is not to be trusted
+                        raise aiosmtplib.SMTPServerDisconnected(_reply(reply.code,
+                                                                       reply.message))
+                    results[i] = _refusal(reply.code, reply.message, relay)
                 if piped.error is not None:
                     raise piped.error
             else:
                 try:
                     await _mail(smtp, mail_from, options, encoding)
                 except aiosmtplib.SMTPSenderRefused as e:
-                    r = RcptResult(e.code, dsn_of(e.code, e.message), _reply(e.code, e.message),
-                                   relay)
+                    r = _refusal(e.code, e.message, relay)
                     await _rset(smtp)
                     self._release(conn)
                     return [r for _ in rcpts]
@@ -316,8 +316,7 @@ class SmtpDeliverer:
                         await _rcpt(smtp, rcpt, encoding)
                         accepted.append(i)
                     except aiosmtplib.SMTPRecipientRefused as e:
-                        results[i] = RcptResult(e.code, dsn_of(e.code, e.message),
-                                                _reply(e.code, e.message), relay)
+                        results[i] = _refusal(e.code, e.message, relay)
             if not accepted:
                 await _rset(smtp)
                 self._release(conn)
@@ -328,7 +327,7 @@ class SmtpDeliverer:
                 r = RcptResult(resp.code, dsn_of(resp.code, resp.message),
                                _reply(resp.code, resp.message), relay)
             except aiosmtplib.SMTPDataError as e:
-                r = RcptResult(e.code, dsn_of(e.code, e.message), _reply(e.code, e.message), relay)
+                r = _refusal(e.code, e.message, relay)
                 await _rset(smtp)
             for i in accepted:
                 results[i] = r
@@ -340,11 +339,36 @@ class SmtpDeliverer:
             smtp.close()
             text = f"{relay} does not support SMTPUTF8 and an address needs it"
             return [x or RcptResult(550, "5.6.7", text, relay) for x in results]
+        except _ProtocolError as e:
+            smtp.close()
+            text = f"protocol error with {relay} after {stage}: {e}"
+            return [x or RcptResult(0, "4.5.0", text, relay) for x in results]
         except (TimeoutError, aiosmtplib.SMTPException, OSError) as e:
             smtp.close()
             text = f"lost connection with {relay} while sending {stage}: {_why(e)}"
             return [x or RcptResult(0, "4.4.2", text, relay) for x in results]
         return [x if x is not None else RcptResult(0, "4.4.2", "no reply", relay) for x in results]
+
+
+#: Line endings as aiosmtplib's ``data()`` makes them CRLF.
+_LINE_ENDINGS = re.compile(rb"(?:\r\n|\n|\r(?!\n))")
+#: A reply that says the server is closing the connection (RFC 5321 3.8).
+_CLOSING = 421
+
+
+class _ProtocolError(aiosmtplib.SMTPException):
+    """A reply that is neither the one a step expects nor a refusal (4xx, 5xx): a 2xx or
+    3xx where MAIL wanted 250, RCPT 250 or 251, DATA 354.  Taken as a refusal, a 2xx
+    would count as "sent" for recipients whose body never went out (a stray reply read
+    as the answer to DATA, say), so the connection is closed and every recipient not
+    settled yet is deferred."""
+
+
+def _refusal(code: int, message: str, relay: str) -> RcptResult:
+    """The result of a refusing reply; ``_ProtocolError`` for one that does not refuse."""
+    if code < 400:
+        raise _ProtocolError(f"unexpected reply {_reply(code, message)}")
+    return RcptResult(code, dsn_of(code, message), _reply(code, message), relay)
 
 
 def _pipeline_group(smtp: aiosmtplib.SMTP, mail_from: str, rcpts: list[str],
@@ -394,17 +418,19 @@ def wire_body(body: bytes, line_limit: int = LINE_LENGTH_LIMIT) -> bytes | None:
 
 
 async def _data(smtp: aiosmtplib.SMTP, body: bytes, line_limit: int) -> aiosmtplib.SMTPResponse:
-    """``smtp.data(body)``, with the payload made by ``wire_body`` when it can: DATA through
-    ``execute_command``, then the payload and its reply through the protocol's ``write``
-    and ``read_response`` (the steps ``data()`` takes itself, with the same errors).
-    Lines longer than ``line_limit`` are folded either way."""
+    """DATA, the payload ``wire_body`` makes (a body with a bare CR or LF gets CRLF there
+    first, as aiosmtplib's ``data()`` would give it), and its reply, through the
+    protocol's ``write`` and ``read_response``.  Lines longer than ``line_limit`` are
+    folded.  A reply to DATA other than 354 that refuses nothing is ``_ProtocolError``;
+    a refusal, or a final reply that is not 2xx, is ``SMTPDataError``."""
     wire = wire_body(body, line_limit)
     if wire is None:
-        if line_limit and has_long_line(body, line_limit):
-            body = fold_long_lines(body, line_limit)
-        return await smtp.data(body)
+        wire = wire_body(_LINE_ENDINGS.sub(b"\r\n", body), line_limit)
+        assert wire is not None
     start = await smtp.execute_command(b"DATA")
     if start.code != aiosmtplib.SMTPStatus.start_input:
+        if start.code < 400:
+            raise _ProtocolError(f"unexpected reply to DATA {_reply(start.code, start.message)}")
         raise aiosmtplib.SMTPDataError(start.code, start.message)
     protocol = smtp.protocol
     if protocol is None:
@@ -417,7 +443,7 @@ async def _data(smtp: aiosmtplib.SMTP, body: bytes, line_limit: int) -> aiosmtpl
     except (aiosmtplib.SMTPServerDisconnected, aiosmtplib.SMTPTimeoutError):
         smtp.close()
         raise
-    if resp.code != aiosmtplib.SMTPStatus.completed:
+    if resp.code // 100 != 2:
         raise aiosmtplib.SMTPDataError(resp.code, resp.message)
     return resp
 

@@ -104,7 +104,8 @@ def _next_reply(buffer: bytearray) -> aiosmtplib.SMTPResponse | None:
 async def pipelined_replies(smtp: aiosmtplib.SMTP, commands: bytes, count: int
                             ) -> PipelineResult:
     """Write ``commands`` (``count`` whole command lines) in one write on ``smtp``'s
-    connection and read their ``count`` replies, each within ``smtp.timeout``."""
+    connection and read their ``count`` replies, each whole within ``smtp.timeout`` of
+    the one before (a server that sends a byte at a time does not stretch it)."""
     result = PipelineResult()
     transport = smtp.transport
     if transport is None or transport.is_closing():
@@ -113,18 +114,26 @@ async def pipelined_replies(smtp: aiosmtplib.SMTP, commands: bytes, count: int
     own = transport.get_protocol()
     collector = _Collector()
     transport.set_protocol(collector)
+    loop = asyncio.get_running_loop()
+    timeout = smtp.timeout
+
+    def deadline() -> float | None:  # each reply within the timeout, as aiosmtplib's
+        return None if timeout is None else loop.time() + timeout
+
     try:
         transport.write(commands)  # type: ignore[attr-defined]
+        due = deadline()
         while len(result.replies) < count:
             reply = _next_reply(collector.buffer)
             if reply is not None:
                 result.replies.append(reply)
+                due = deadline()
                 continue
             if collector.lost is not None:
                 raise collector.lost
             if len(collector.buffer) > MAX_GROUP:
                 raise aiosmtplib.SMTPResponseException(-1, "replies too long")
-            await collector.more(smtp.timeout)
+            await collector.more(None if due is None else max(0.0, due - loop.time()))
         if collector.buffer:
             raise aiosmtplib.SMTPResponseException(
                 -1, "the server sent more replies than commands")
