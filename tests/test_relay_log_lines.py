@@ -133,3 +133,37 @@ def test_another_threads_records_are_not_held_by_a_batch() -> None:
         t.join()
         assert len(out.writes) == 1 and "other" in out.writes[0]
     assert len(out.writes) == 2 and "Q1" in out.writes[1]
+
+
+def test_a_reply_that_is_not_utf8_costs_no_line_of_its_batch(tmp_path) -> None:
+    """A next hop's reply with a Latin-1 byte reaches the record as a surrogate: the log
+    file escapes it, and the other records of the batch are written all the same."""
+    path = tmp_path / "relay.log"
+    log = DeliveryLog(path=str(path))
+    with log.batch():
+        for i in range(10):
+            reason = "550 Empf\udce4nger unbekannt" if i == 4 else "250 ok"
+            log.emit("delivery", "Q1", to=f"r{i}@example.net", status="sent", reason=reason)
+    log.close()
+    lines = path.read_text(encoding="utf-8").splitlines()
+    assert len(lines) == 10
+    assert "Empf\\udce4nger" in lines[4]
+
+    class Ascii:  # a stream that takes ASCII only
+        def __init__(self) -> None:
+            self.text = ""
+
+        def write(self, text: str) -> int:
+            text.encode("ascii")
+            self.text += text
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    out = Ascii()
+    log = DeliveryLog(stream=out)
+    with log.batch():
+        log.emit("delivery", "Q2", to="a@example.net", status="sent", reason="250 ok")
+        log.emit("delivery", "Q2", to="b@example.net", status="bounced", reason="550 \udce4")
+    assert len(out.text.splitlines()) == 2

@@ -53,7 +53,9 @@ class DeliveryLog:
         if stream is not None:
             self._stream = stream
         elif path:
-            self._file = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+            # a reply's bytes that are not UTF-8 reach records as surrogates: escaped
+            self._file = open(path, "a", encoding="utf-8", errors="backslashreplace",  # noqa: SIM115
+                              buffering=1)
             self._stream = self._file
             self._own = True
         else:
@@ -97,7 +99,11 @@ class DeliveryLog:
     def _write(self, text: str) -> None:
         with self._lock:
             try:
-                self._stream.write(text)
+                try:
+                    self._stream.write(text)
+                except UnicodeEncodeError:  # a stream that cannot take a reply's bytes:
+                    # escaped, so that one record does not cost a batch its other lines
+                    self._stream.write(text.encode("ascii", "backslashreplace").decode("ascii"))
                 self._stream.flush()
             except (OSError, ValueError):
                 pass  # a closed or broken log must not stop mail
