@@ -1322,3 +1322,48 @@ def test_values_put_and_deleted_between_flushes_never_reach_a_table(tmp_path: Pa
 def test_engine_limits_must_be_positive_ints(tmp_path: Path, limits: dict[str, object]) -> None:
     with pytest.raises(InvalidInputError, match=next(iter(limits))):
         LogEngine(str(tmp_path / "db"), **limits)  # type: ignore[arg-type]
+
+
+def test_the_log_limit_is_a_sixteenth_of_a_small_file_system() -> None:
+    from queue_ref.kv.logengine.engine import default_log_limit
+    mib = 1 << 20
+    assert default_log_limit(8 * mib, None) == 64 * mib  # size unknown: eight memtables
+    assert default_log_limit(8 * mib, 100 * 1024 * mib) == 64 * mib  # a big disk
+    assert default_log_limit(8 * mib, 24 * mib) == 24 * mib // 16  # 1.5 MiB on 24 MiB
+    assert default_log_limit(8 * mib, 512 * 1024) == 64 * 1024  # never below 64 KiB
+
+
+class NoRoomForTables(OsIO):
+    """A disk with no room for a new table: creating one fails with ENOSPC."""
+
+    def open_create(self, path: str, *, exclusive: bool = True, append: bool = False) -> int:
+        if path.endswith(".tbl.tmp"):
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return super().open_create(path, exclusive=exclusive, append=append)
+
+
+def test_a_log_past_its_limit_opens_on_a_full_disk_and_flushes_once_there_is_room(
+        tmp_path: Path) -> None:
+    """A store closed with its log past the limit (its last flush found the disk full)
+    opens on a still full disk as it is: the flush at opening waits for room, as a
+    writer's does; nothing is lost, and the next opening with room flushes."""
+    path = str(tmp_path / "db")
+    kv = LogEngine(path, memtable_limit=1 << 20, log_limit=1 << 20)
+    model = {b"k%03d" % i: os.urandom(1000) for i in range(60)}
+    for k, v in model.items():
+        kv.put(k, v)
+    kv.close()
+    before = log_files(tmp_path / "db")
+    kv = LogEngine(path, NoRoomForTables(), memtable_limit=1 << 20, log_limit=16 * 1024)
+    try:
+        assert dict(kv.iterate()) == model
+        assert log_files(tmp_path / "db") == before  # not flushed: no room
+        kv.put(b"more", b"x")
+    finally:
+        kv.close()
+    kv = LogEngine(path, memtable_limit=1 << 20, log_limit=16 * 1024)
+    try:
+        assert dict(kv.iterate()) == {**model, b"more": b"x"}
+        assert log_files(tmp_path / "db") != before  # flushed at opening
+    finally:
+        kv.close()

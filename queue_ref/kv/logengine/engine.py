@@ -92,6 +92,33 @@ BACKEND = "kv-log"
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
+def default_log_limit(memtable_limit: int, fs_bytes: int | None) -> int:
+    """Eight memtables of log, but at most a sixteenth of the file system the store is on
+    (when its size is known), and at least 64 KiB: a log holds the bytes of deleted
+    values too until its flush, and on a small disk those filled it while little mail
+    was queued (a 24 MiB file system refused new mail with a 64 MiB limit)."""
+    limit = 8 * memtable_limit
+    if fs_bytes is not None and fs_bytes > 0:
+        limit = min(limit, max(64 * 1024, fs_bytes // 16))
+    return limit
+
+
+def _fs_bytes(path: str) -> int | None:
+    """The size of the file system ``path`` is (or would be created) on; None if unknown."""
+    probe = os.path.abspath(path) if isinstance(path, str) and "\x00" not in path else ""
+    while probe:
+        try:
+            st = os.statvfs(probe)
+        except OSError:
+            parent = os.path.dirname(probe)
+            if parent == probe:
+                return None
+            probe = parent
+            continue
+        return st.f_blocks * st.f_frsize
+    return None
+
+
 def _is_size(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
@@ -117,12 +144,13 @@ class LogEngine(KV):
                  log_limit: int | None = None) -> None:
         """Open (or create) the store at ``path``.  ``memtable_limit``: the bytes of live
         writes held in memory before a flush; ``log_limit``: the size of the live log that
-        forces a flush (default eight times ``memtable_limit``), which bounds the replay at
-        the next open.  A message body put and deleted between two flushes is never
+        forces a flush (default: ``default_log_limit``), which bounds the replay at the next
+        open.  A message body put and deleted between two flushes is never
         written to a table: the defaults let a relay's bodies in flight (megabytes each)
         live and die in the memtable."""
         if log_limit is None:
-            log_limit = 8 * memtable_limit if _is_size(memtable_limit) else 0
+            log_limit = (default_log_limit(memtable_limit, _fs_bytes(path))
+                         if _is_size(memtable_limit) else 0)
         for name, value in (("memtable_limit", memtable_limit), ("log_limit", log_limit)):
             if not _is_size(value):
                 raise InvalidInputError(f"{name} must be a positive int, got {value!r}")
@@ -286,7 +314,11 @@ class LogEngine(KV):
         if replayed.bad:
             self._set_aside_log(replayed)
         elif self._over_limit():
-            self._delete(self._maintain(full=False))
+            try:
+                self._delete(self._maintain(full=False))
+            except OSError as e:  # a full disk: the store opens as it is, and a later
+                if not self._survives_no_space(e):  # write flushes once there is room
+                    raise
 
     def _set_aside_log(self, replayed: Replayed) -> None:
         """After damage in the middle of the live log: flush what it holds intact into a
