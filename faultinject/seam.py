@@ -499,9 +499,11 @@ class FaultyIO(IO):
     def rmdir(self, path: str) -> None:
         self._call("rmdir", (self.rel(path),), lambda: self.inner.rmdir(path))
 
-    def listdir(self, path: str) -> list[str]:
-        return self._call("listdir", (self.rel(path),), lambda: self.inner.listdir(path),
-                          record=tuple)
+    def listdir(self, path: str, *, ordered: bool = True) -> list[str]:
+        # recorded sorted: the trace does not depend on the file system's order
+        return self._call("listdir", (self.rel(path),),
+                          lambda: self.inner.listdir(path, ordered=ordered),
+                          record=lambda names: tuple(sorted(names)))
 
     def lstat(self, path: str) -> os.stat_result:
         return self._call("lstat", (self.rel(path),), lambda: self.inner.lstat(path),

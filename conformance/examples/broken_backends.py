@@ -100,8 +100,9 @@ def fs_listing_raw_oserror(root: str, io: IO | None = None) -> Storage:
     from queue_ref.fsqueue.diskutil import listdir_or_empty
 
     class RawListing(FsQueue):
-        def _listdir(self, directory: str) -> list[str]:
-            return listdir_or_empty(self.io, directory)  # the bug: no storage_error
+        def _listdir(self, directory: str, *, ordered: bool = True) -> list[str]:
+            # the bug: no storage_error
+            return listdir_or_empty(self.io, directory, ordered=ordered)
 
     if io is None:
         return RawListing(root, OsIO())

@@ -43,9 +43,9 @@ def lstat_or_none(io: IO, path: str) -> os.stat_result | None:
         return None
 
 
-def listdir_or_empty(io: IO, path: str) -> list[str]:
+def listdir_or_empty(io: IO, path: str, *, ordered: bool = True) -> list[str]:
     try:
-        return io.listdir(path)
+        return io.listdir(path, ordered=ordered)
     except FileNotFoundError:
         return []
 

@@ -32,7 +32,6 @@ from typing import Any
 
 from queue_ref.opener import open_queue, read_relay_pid, wake_relay
 from queue_ref.operate import queue_actions as qa
-from queue_ref.relay.relay_config import ConfigError, load_config
 from queue_ref.storage import (
     CorruptionError,
     InvalidInputError,
@@ -256,6 +255,10 @@ def _where(args: argparse.Namespace) -> tuple[list[str], str | None]:
         raise InvalidInputError("name the queue: --queue DIR or --config FILE (the relay's)")
     if args.config is None:
         return list(args.queue), args.backend
+    # the relay's configuration module brings asyncio and dnspython: imported only here,
+    # so a listing by --queue does not wait for them before its first line
+    from queue_ref.relay.relay_config import ConfigError, load_config
+
     try:
         cfg = load_config(args.config)
     except (ConfigError, OSError) as e:
