@@ -140,14 +140,14 @@ class LogEngine(KV):
     #: The class of a table file opened for reading (a class attribute, as ``_replay``).
     _table: type[Table] = Table
 
-    def __init__(self, path: str, io: IO | None = None, *, memtable_limit: int = 8 << 20,
+    def __init__(self, path: str, io: IO | None = None, *, memtable_limit: int = 4 << 20,
                  log_limit: int | None = None) -> None:
         """Open (or create) the store at ``path``.  ``memtable_limit``: the bytes of live
         writes held in memory before a flush; ``log_limit``: the size of the live log that
         forces a flush (default: ``default_log_limit``), which bounds the replay at the next
         open.  A message body put and deleted between two flushes is never
-        written to a table: the defaults let a relay's bodies in flight (megabytes each)
-        live and die in the memtable."""
+        written to a table: the log's limit lets a relay's bodies in flight (megabytes each)
+        live and die between flushes while the memtable has room for them."""
         if log_limit is None:
             log_limit = (default_log_limit(memtable_limit, _fs_bytes(path))
                          if _is_size(memtable_limit) else 0)
