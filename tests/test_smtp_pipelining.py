@@ -142,6 +142,7 @@ def deliver(script: Script, rcpts: list[str], *, times: int = 1) -> list[list[Rc
                         for _ in range(times)]
             finally:
                 await d.close()
+                await asyncio.sleep(0.05)  # closed transports finish closing in this loop
     return asyncio.run(asyncio.wait_for(run(), 60))
 
 
@@ -240,6 +241,7 @@ def run_raw(session: Session, rcpts: list[str], *, times: int = 1, timeout: floa
             await d.close()
             server.close()
             await server.wait_closed()
+            await asyncio.sleep(0.05)  # closed transports finish closing in this loop
     return asyncio.run(asyncio.wait_for(main(), 60))
 
 
