@@ -38,6 +38,17 @@ def owners(root: Path) -> list[str]:
     return sorted(os.listdir(root / "owners"))
 
 
+
+def _messages_of(q: FsQueue, sizes: tuple[int, ...]) -> list[str]:
+    """Commit one message per size, of that many recipients; their entry ids in order."""
+    want: list[str] = []
+    for n in sizes:
+        with q.enqueue("s@example.org") as enq:
+            enq.write(b"Subject: x\r\n\r\nbody\r\n")
+            want += [h.entry_id for h in enq.commit(
+                [Recipient(f"r{i}@example.net", Schedule(0)) for i in range(n)])]
+    return want
+
 def test_a_cleanly_closed_queue_opens_without_recovery_and_recovers_beside(
         tmp_path: Path) -> None:
     root = tmp_path / "q"
@@ -110,12 +121,7 @@ def test_listing_keeps_message_order_and_holds_no_object_per_name(tmp_path: Path
     after 9), junk skipped; the first entry costs the names, not an object per name."""
     root = tmp_path / "q"
     with FsQueue(str(root)) as q:
-        want = []
-        for n in (12, 1, 3):
-            with q.enqueue("s@example.org") as enq:
-                enq.write(b"Subject: x\r\n\r\nbody\r\n")
-                want += [h.entry_id for h in enq.commit(
-                    [Recipient(f"r{i}@example.net", Schedule(0)) for i in range(n)])]
+        want = _messages_of(q, (12, 1, 3))
         (root / "queue" / "junk").symlink_to("../data/junk")
         assert [h.entry_id for h in q.list_queue()] == want
         put(q, 3000)
@@ -162,12 +168,7 @@ def test_the_first_entry_costs_one_pass_over_the_names_in_any_directory_order(
     root = tmp_path / "q"
     q = FsQueue(str(root))
     try:
-        want = []
-        for n in (12, 1, 3):
-            with q.enqueue("s@example.org") as enq:
-                enq.write(b"Subject: x\r\n\r\nbody\r\n")
-                want += [h.entry_id for h in enq.commit(
-                    [Recipient(f"r{i}@example.net", Schedule(0)) for i in range(n)])]
+        want = _messages_of(q, (12, 1, 3))
         put(q, 3000)
     finally:
         q.close()
