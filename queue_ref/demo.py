@@ -29,7 +29,9 @@ RETRY_DELAY = 15 * 60  # first retry after 15 minutes, as Mailismus does
 
 
 def disk_tree(root: str) -> list[str]:
-    """Every path under ``root`` (relative), links shown with their targets, sorted."""
+    """Every path under ``root`` (relative), sorted: symlinks with their targets, files
+    with their size and, for a file of several names (a message file and its entries'
+    hard links), how many it has."""
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
@@ -41,7 +43,9 @@ def disk_tree(root: str) -> list[str]:
             if os.path.islink(p):
                 out.append(f"{shown} -> {os.readlink(p)}")
             else:
-                out.append(f"{shown} ({os.lstat(p).st_size} B)")
+                st = os.lstat(p)
+                names = f", {st.st_nlink} names" if st.st_nlink > 1 else ""
+                out.append(f"{shown} ({st.st_size} B{names})")
         for d in dirnames:
             if not os.listdir(os.path.join(dirpath, d)):
                 out.append((d if rel == "." else os.path.join(rel, d)) + "/")

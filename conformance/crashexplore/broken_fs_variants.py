@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from conformance.crashexplore.workloads import LIFE, Workload, enqueue_call
 from queue_ref.fsqueue import FsQueue
-from queue_ref.fsqueue.diskutil import if_exists, listdir_or_empty, readlink_or_none
+from queue_ref.fsqueue.diskutil import if_exists, is_link_file, listdir_or_empty, lstat_or_none
 from queue_ref.fsqueue.fs_records import Envelope, encode_schedule, trailer
 from queue_ref.fsqueue.fs_recovery import Recovery
 from queue_ref.fsqueue.layout import EntryName
@@ -113,7 +113,7 @@ class NoSyncAfterBody(_Fsync):
         self._write_envelope(tx, env)
         self._finish_body(tx)
         if n > 1:
-            self._create_refs(tx, n)
+            self._own_name(tx)
         self._publish_links(tx, n)
         self._commit_rename(tx)
 
@@ -127,7 +127,7 @@ class BodyAfterPublish(_Fsync):
         assert tx.body_fd is not None
         fd, tx.body_fd = tx.body_fd, None
         if n > 1:
-            self._create_refs(tx, n)
+            self._own_name(tx)
         self._publish_links(tx, n)
         self._sync_published(tx)
         self._commit_rename(tx)
@@ -227,21 +227,24 @@ class CleanupSharedData(_Fsync):
     """cleanup deletes the message file with its first entry, although other entries of
     the message still need it."""
 
-    def _release_entry(self, e: EntryName, *, single: bool | None = None,
-                       record: bool = True) -> None:
-        if_exists(self.io.unlink, self.layout.sched(e))
-        if_exists(self.io.unlink, self.layout.ref(e))
-        self._delete_message_data(e.msgid)
+    def _release_link(self, e: EntryName, link: str, *, single: bool | None = None,
+                      keep: str | None = None) -> tuple[bool, bool]:
+        kept = self._free_message(e.msgid, keep)
+        return self._unlink_link(link), kept
 
 
 class CleanupLinkFirst(_Fsync):
-    """cleanup unlinks the cleanup/ link first and releases the data afterwards."""
+    """cleanup unlinks the cleanup/ link first and releases the message file afterwards,
+    also when it is the file's last holder: a crash in between leaves a file no link
+    names."""
 
-    def _cleanup_entry(self, e: EntryName, *, single: bool | None = None,
-                       record: bool = True) -> bool:
-        removed = self._unlink_link(self.layout.cleanup_link(e))
-        self._release_entry(e, single=single, record=record)
-        return removed
+    def _release_link(self, e: EntryName, link: str, *, single: bool | None = None,
+                      keep: str | None = None) -> tuple[bool, bool]:
+        removed = self._unlink_link(link)
+        st = lstat_or_none(self.io, self.layout.msg_file(e.msgid))
+        if st is None or st.st_nlink > 1:
+            return removed, False
+        return removed, self._free_message(e.msgid, keep)
 
 
 class SpareNotCut(_Fsync):
@@ -344,11 +347,11 @@ class _UnlinkFirstRequeue(Recovery):
             for owner, path in links:
                 if owner == self.q.owner or self.alive(owner):
                     continue
-                if readlink_or_none(self.io, path) is None:
+                if not is_link_file(self.io, path):
                     continue
                 self.io.unlink(path)
                 self.q._sync_dirs(self.lay.inflight)
-                self.io.symlink(e.target, self.lay.queue_link(e))
+                self.io.link(self.lay.msg_file(e.msgid), self.lay.queue_link(e))
                 self.q._sync_dirs(self.lay.queue)
                 self.requeued += 1
                 self.queue[e] = self.lay.queue_link(e)

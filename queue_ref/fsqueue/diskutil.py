@@ -129,3 +129,12 @@ def tree_usage(io: IO, path: str, *, skip: re.Pattern[str] | None = None
         elif stat.S_ISREG(st.st_mode):
             size += st.st_size
     return objects, size
+
+
+def is_link_file(io: IO, path: str) -> bool:
+    """Whether ``path`` is an entry's link: a regular file (a hard link to its message
+    file; recovery checks that it is that file, see fs_recovery.py)."""
+    try:
+        return stat.S_ISREG(io.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False

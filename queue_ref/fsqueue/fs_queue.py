@@ -45,8 +45,8 @@ from types import TracebackType
 
 from queue_ref.fsqueue.diskutil import (
     if_exists,
+    is_link_file,
     listdir_or_empty,
-    readlink_or_none,
     storage_error,
     tree_usage,
 )
@@ -214,6 +214,7 @@ class FsQueue(FsMetadata, Storage):
     def _create_layout(self) -> None:
         """mkdir the root and its directories that are missing; fsync each parent."""
         parent = os.path.dirname(self.root)
+        fresh = not self.io.is_dir(self.layout.data)
         if not self.io.is_dir(self.root):
             with suppress(FileExistsError):
                 self.io.mkdir(self.root)
@@ -226,6 +227,8 @@ class FsQueue(FsMetadata, Storage):
                 except FileExistsError:
                     continue
                 created = True
+        if fresh:
+            self._mark_format()
         if created:
             self.io.fsync_dir(self.root)
 
@@ -340,15 +343,15 @@ class FsQueue(FsMetadata, Storage):
         sent and cleaned up by another caller in between has lost its schedule record,
         and the envelope's first schedule read then must not be listed as its schedule
         (a listing gives each entry as it was at one moment of the call)."""
-        if check_link and readlink_or_none(self.io, link) != e.target:
+        if check_link and not is_link_file(self.io, link):
             return None
         try:
             got = self._load_entry(e)
         except Corrupt as c:
-            if readlink_or_none(self.io, link) == e.target:  # not just cleaned up meanwhile
+            if is_link_file(self.io, link):  # not just cleaned up meanwhile
                 self._quarantine_corrupt(e, link, c)
             return None
-        if check_link and readlink_or_none(self.io, link) != e.target:
+        if check_link and not is_link_file(self.io, link):
             return None  # moved meanwhile: what was read may be of another state
         return got
 
@@ -507,7 +510,7 @@ class FsQueue(FsMetadata, Storage):
         link = self.layout.inflight_link(e, self.owner)
         try:
             with self._rw.shared():
-                if readlink_or_none(self.io, link) != e.target:
+                if not is_link_file(self.io, link):
                     raise self._gone(e)
                 try:
                     env = self._live_envelope(e.msgid)  # we hold the entry
@@ -666,7 +669,7 @@ class FsQueue(FsMetadata, Storage):
         is.  None if the link is gone (``check_link``) or the metadata is corrupt (then
         quarantined)."""
         link = self.layout.inflight_link(e, self.owner)
-        if check_link and readlink_or_none(self.io, link) != e.target:
+        if check_link and not is_link_file(self.io, link):
             return None
         try:
             env = self._live_envelope(e.msgid)
@@ -674,7 +677,7 @@ class FsQueue(FsMetadata, Storage):
                 return None
             sched, record = self._entry_schedule(e, env)
         except Corrupt as c:
-            if readlink_or_none(self.io, link) == e.target:
+            if is_link_file(self.io, link):
                 self._quarantine_corrupt(e, link, c)
             return None
         return sched, _Held(len(env.rcpts) == 1, record)
@@ -730,7 +733,7 @@ class FsQueue(FsMetadata, Storage):
         e = self._entry(h)
         mine = self.layout.inflight_link(e, self.owner)
         with self._guard("send_cancel", h):
-            if readlink_or_none(self.io, mine) != e.target:
+            if not is_link_file(self.io, mine):
                 return None
             self._write_schedule(e, schedule)
             if not self._move_link(mine, self.layout.queue_link(e)):
@@ -810,7 +813,7 @@ class FsQueue(FsMetadata, Storage):
         temps = []
         for h, schedule in cancels:
             e = self._entry(h)
-            if readlink_or_none(self.io, self.layout.inflight_link(e, self.owner)) != e.target:
+            if not is_link_file(self.io, self.layout.inflight_link(e, self.owner)):
                 out.append(None)
                 continue
             out.append(e)

@@ -4,10 +4,15 @@ Runs when a queue is opened and on ``recover()``, always holding ``owners/gate.l
 owners.py).  It is *exclusive* when every other owner is dead: no other process has the
 queue open and none can open it meanwhile.  Steps, in order:
 
-1. **Junk**: anything in queue/, inflight/, cleanup/, held/ that is not one of our links (a name we
-   never create, a regular file or directory, a symlink whose target is not exactly
-   ``../data/<msgid>`` for its own name) is moved to quarantine/ and reported.
-   Links are never followed; the check compares the link text.
+0. **The old format** (a queue without ``queue-ref.format``, whose entries were symlinks
+   counted by reference links ``data/<msgid>.<i>``): converted when exclusive (each
+   symlink of a committed message replaced by a hard link renamed over it, then the
+   reference links removed, then the marker written); beside a live process, refused
+   with a ``StorageIOError`` naming ``queue-ref repair``.
+1. **Junk**: anything in queue/, inflight/, cleanup/, held/ that is not one of our links (a
+   name we never create, a directory, a symlink, a file that is not the same inode as
+   its message file ``data/<msgid>`` when that exists) is moved to quarantine/ and
+   reported.  Links are never followed.
 2. **Duplicates** (an entry linked twice, possible after power loss because a rename
    persists in one directory before the other): cleanup wins over queue, held and
    inflight; held wins over queue and a dead owner's inflight (only an interrupted hold or
@@ -18,25 +23,23 @@ queue open and none can open it meanwhile.  Steps, in order:
 3. **Interrupted cleanups**: every cleanup/ link is cleaned up (steps tolerate missing data).
 4. **Uncommitted enqueues** of dead owners: the dangling links of their messages (a link
    whose message file is missing, of a message whose file is still under
-   ``tmp/<owner>/``), then those files and the hard links those messages had already
-   made.  A dangling link of a quarantined message goes to quarantine.  A dangling link
-   of a dead owner's message that is neither in ``tmp/`` nor quarantined belongs to a
-   committed message whose file was removed: if one of its hard links remains, the file
-   is restored from it; otherwise the message is lost, its links go to quarantine with
-   a note, and the report names it (``lost``), never silently.
+   ``tmp/<owner>/``), then those files.  A dangling link of a quarantined message goes
+   to quarantine.  A dangling link of a dead owner's message that is neither in
+   ``tmp/`` nor quarantined belongs to a committed message whose file name was removed:
+   the message is lost, its content (which its links still hold) is kept as
+   ``quarantine/<msgid>.unlinked``, its links go to quarantine with a note, and the
+   report names it (``lost``), never silently.
 5. **Requeue**: inflight links of dead owners go back to queue/ (INFLIGHT -> QUEUED).
 6. **Orphans** (exclusive only; otherwise only the schedule temp files of dead owners):
-   under data/, every name of a message no link names (its
-   hard links, schedule records), hard links and schedule records of entries no link
-   names, schedule temp files, and unknown names (quarantined).  A committed message
+   under data/, every name of a message no link names (its schedule records), schedule
+   records of entries no link names, schedule temp files, and unknown names
+   (quarantined).  A committed message
    file no link names is moved to quarantine (``<msgid>.unlinked``) and reported lost:
    its links were removed, or (after a power cut) its cleanup or an unacknowledged
-   commit was cut short; ``queue-ref repair`` puts an intact one back in the queue.  A
-   hard link of an entry no link names is reported too, then removed.
+   commit was cut short; ``queue-ref repair`` puts an intact one back in the queue.
 7. **Verification**: the metadata of every queued and held entry is checked; corrupt entries and
-   messages are quarantined.  Exclusive recoveries give an entry of a message of 2+
-   recipients its hard link back if damage took it (the link count is the reference
-   count: without it the other entries' cleanup would free the file).  Every queued and
+   messages are quarantined.  (An entry's link is its hold on the message file: step 1
+   made sure each one is that file, so the file's link count counts them.)  Every queued and
    held entry gets its domain index link back if a power cut lost it (the index is never
    synced); exclusive recoveries also remove index links of entries no link names
    (cleaned up, quarantined, uncommitted).
@@ -54,10 +57,12 @@ from __future__ import annotations
 import os
 import stat
 from collections import defaultdict
+from contextlib import suppress
 from os.path import join
 
 from queue_ref.fsqueue.diskutil import (
     if_exists,
+    is_link_file,
     listdir_or_empty,
     lstat_or_none,
     readlink_or_none,
@@ -75,7 +80,7 @@ from queue_ref.fsqueue.layout import (
     parse_inflight,
 )
 from queue_ref.fsqueue.metadata import Corrupt, FsMetadata
-from queue_ref.storage import RecoveryReport
+from queue_ref.storage import RecoveryReport, StorageIOError
 
 Inflight = dict[EntryName, list[tuple[str, str]]]  # entry -> [(owner, link path)]
 
@@ -103,6 +108,8 @@ class Recovery:
 
     def run(self) -> RecoveryReport:
         self.exclusive = not self.q._owners.others_alive()
+        if self.q.old_format:
+            self.convert_old_format()
         self.scan_links()
         self.resolve_duplicates()
         self.finish_cleanups()
@@ -128,19 +135,99 @@ class Recovery:
         self.problems.append(self.q._quarantine_junk(path, reason))
 
     def _link_ok(self, path: str, e: EntryName) -> bool:
-        """Is ``path`` exactly a link of ``e``?  Quarantines it if it is something else."""
-        try:
-            target = self.io.readlink(path)
-        except FileNotFoundError:
+        """Is ``path`` a link of ``e``: a hard link to its message file, or one that
+        dangles (its message file is missing: an uncommitted enqueue, a finished cleanup,
+        or a lost message; steps 3 and 4 decide)?  Quarantines anything else.  An
+        old-format symlink whose message file is missing is taken as dangling too; one
+        whose file is there was converted by ``convert_old_format`` (exclusive) or made
+        opening refuse."""
+        st = lstat_or_none(self.io, path)
+        if st is None:
             return False
-        except OSError:
-            if lstat_or_none(self.io, path) is not None:
-                self.junk(path, "not a symlink")
+        if stat.S_ISLNK(st.st_mode):
+            target = readlink_or_none(self.io, path)
+            if target == e.legacy_target and self._msg_stat(e.msgid) is None:
+                return True
+            self.junk(path, f"a symlink to {target!r}, not a hard link to its message file")
             return False
-        if target != e.target:
-            self.junk(path, f"symlink to {target!r} instead of its message file")
+        if not stat.S_ISREG(st.st_mode):
+            self.junk(path, "not a regular file")
+            return False
+        msg = self._msg_stat(e.msgid)
+        if msg is not None and (msg.st_dev, msg.st_ino) != (st.st_dev, st.st_ino):
+            self.junk(path, f"not a hard link to its message file data/{e.msgid}")
             return False
         return True
+
+    def _msg_stat(self, msgid: str) -> os.stat_result | None:
+        """``lstat`` of ``data/<msgid>``, once per message per scan."""
+        if msgid not in self.msg_stats:
+            self.msg_stats[msgid] = lstat_or_none(self.io, self.lay.msg_file(msgid))
+        return self.msg_stats[msgid]
+
+    # ---- 0. the old format -------------------------------------------------------------
+
+    def _old_format_names(self) -> tuple[list[tuple[str, EntryName]], list[str]]:
+        """Old-format names: symlinks ``-> ../data/<msgid>`` of committed messages in the
+        link directories, and reference links ``data/<msgid>.<i>``."""
+        links: list[tuple[str, EntryName]] = []
+        for d in (self.lay.queue, self.lay.inflight, self.lay.cleanup, self.lay.held):
+            for name in listdir_or_empty(self.io, d):
+                e = EntryName.parse(name.split("@")[0])
+                path = join(d, name)
+                if e is None or not self.io.is_symlink(path):
+                    continue
+                if (readlink_or_none(self.io, path) == e.legacy_target
+                        and self._msg_stat(e.msgid) is not None):
+                    links.append((path, e))
+        refs = []
+        for n in listdir_or_empty(self.io, self.lay.data):
+            m = DATA_RE.match(n)
+            if m is not None and m["index"] is not None and not m["sched"] and not m["owner"]:
+                refs.append(join(self.lay.data, n))
+        return links, refs
+
+    def convert_old_format(self) -> None:
+        """Turn a queue of the old format into the current one (exclusive only, and first,
+        so that every later step sees hard links): every symlink of a committed message
+        is replaced by a hard link to its file (made under this owner's ``tmp/`` and
+        renamed over the symlink: the entry is never without its link), then the
+        reference links go (the links now count the entries).  A crash in between leaves
+        a mix the next recovery finishes.  Beside a live process this refuses, naming
+        ``queue-ref repair``: only a queue no one else uses may change format."""
+        links, refs = self._old_format_names()
+        if not links and not refs:
+            self.q._mark_format()
+            self.q._sync_dirs(self.lay.root)
+            return
+        if not self.exclusive:
+            raise StorageIOError(
+                f"the queue at {self.lay.root} is in the old format (symlinks for entries, "
+                f"{len(links)} of them, and {len(refs)} reference links under data/), and "
+                "another process has it open: stop every process that uses it and run "
+                f"`queue-ref repair --queue {self.lay.root}` (or open it alone), which "
+                "converts it")
+        staging = self.lay.tmp_owner(self.q.owner)
+        with suppress(FileExistsError):
+            self.io.mkdir(staging)
+        changed: set[str] = set()
+        for path, e in links:
+            fresh = join(staging, f"convert.{e.entry_id}")
+            if_exists(self.io.unlink, fresh)
+            self.io.link(self.lay.msg_file(e.msgid), fresh)
+            self.io.rename(fresh, path)
+            changed.add(os.path.dirname(path))
+        if changed:
+            self.q._sync_dirs(*sorted(changed), staging)
+        for ref in refs:
+            if_exists(self.io.unlink, ref)
+        if refs:
+            self.q._sync_dirs(self.lay.data)
+        self.q._mark_format()
+        self.q._sync_dirs(self.lay.root)
+        self.problems.append(f"converted from the old format: {len(links)} symlinks made "
+                             f"hard links, {len(refs)} reference links removed")
+        self.msg_stats.clear()
 
     def scan_links(self) -> None:
         for name in listdir_or_empty(self.io, self.lay.queue):
@@ -332,23 +419,36 @@ class Recovery:
         self.q._write_note(f"{msgid}.lost", f"message {msgid}: its file data/{msgid} is "
                                  f"missing; entries {', '.join(entries)} lost; their links "
                                  "are kept here")
-        self.q._quarantine_links_of(msgid)
         kept = self._keep_a_hard_link(msgid)
+        self.q._quarantine_links_of(msgid)
         self.lost.add(msgid)
         self.damaged.append(f"quarantine/{msgid}.lost.note")
         self.problems.append(f"message {msgid} lost: its file data/{msgid} is missing; "
                              f"entries {', '.join(entries)}; links moved to quarantine/"
-                             + (f"; its content, still linked as data/{kept}, moved to "
+                             + (f"; its content, still linked as {kept}, kept as "
                                 f"quarantine/{msgid}.unlinked (`queue-ref repair` re-queues "
                                 "it if intact)" if kept else ""))
 
     def _keep_a_hard_link(self, msgid: str) -> str | None:
-        """Move one hard link of a message whose own name is gone to
-        ``quarantine/<msgid>.unlinked`` (the same file: its content is kept).  A failed
-        enqueue cut by a power cut can leave this too, so nothing is put back here."""
+        """Keep the content of a message whose own name is gone as
+        ``quarantine/<msgid>.unlinked``: a new name for one of its links (its entries'
+        links are hard links to the same file), or an old-format reference link moved
+        there.  A failed enqueue cut by a power cut can leave this too, so nothing is put
+        back here."""
         dest = self.lay.quarantined(f"{msgid}.unlinked")
         if self.io.exists(dest):
             return None
+        for d in (self.lay.queue, self.lay.held, self.lay.inflight):
+            for n in sorted(self.q._links_of_message(d, msgid)):
+                path = join(d, n)
+                if not is_link_file(self.io, path):
+                    continue
+                try:
+                    self.io.link(path, dest)
+                except (FileNotFoundError, FileExistsError):
+                    continue
+                self.q._sync_dirs(self.lay.quarantine)
+                return f"{os.path.basename(d)}/{n}"
         for n in sorted(listdir_or_empty(self.io, self.lay.data)):
             m = DATA_RE.match(n)
             if (m is None or m["msgid"] != msgid or m["index"] is None or m["sched"]
@@ -356,7 +456,7 @@ class Recovery:
                 continue
             if self.q._move_link(join(self.lay.data, n), dest):
                 self.q._sync_dirs(self.lay.data, self.lay.quarantine)
-                return n
+                return f"data/{n}"
         return None
 
     # ---- 5. requeue --------------------------------------------------------------------
@@ -510,16 +610,13 @@ class Recovery:
                     if_exists(self.io.unlink, link)
 
     def verify_queued(self) -> None:
-        relinked = False
         for e, path in sorted([*self.queue.items(), *self.held.items()]):
             try:
                 got = self.q._load_entry(e)
                 if got is not None and e.index < len(got[0].rcpts):
                     self._index(e, got[0].rcpts[e.index].address)
-                    if self.exclusive and len(got[0].rcpts) > 1:
-                        relinked |= self._restore_ref(e)
             except Corrupt as c:
-                if readlink_or_none(self.io, path) != e.target:
+                if not is_link_file(self.io, path):
                     continue  # taken and cleaned up by a live process meanwhile
                 where = self.q._quarantine_corrupt(e, path, c)
                 self.quarantined += 1
@@ -529,30 +626,3 @@ class Recovery:
                     rel = os.path.relpath(where, self.q.root)
                     if rel not in self.damaged:
                         self.damaged.append(rel)
-        if relinked:
-            self.q._sync_dirs(self.lay.data)
-
-    def _restore_ref(self, e: EntryName) -> bool:
-        """Exclusive only: give a verified entry of a message of 2+ recipients its hard
-        link ``data/<msgid>.<i>`` back if it is missing (or is another file, which goes
-        to quarantine).  The message's link count counts the entries that still need its
-        file; without the entry's link, the cleanup of the last other entry would free
-        the file while this one is queued (C1).  Nothing else removes the link of an
-        entry a link names, so a missing one is damage at rest: reported, and mended.
-        True if a link was made."""
-        ref, msg = self.lay.ref(e), self.lay.msg_file(e.msgid)
-        if e.msgid not in self.msg_stats:  # one lstat per message, not per entry
-            self.msg_stats[e.msgid] = lstat_or_none(self.io, msg)
-        have, want = lstat_or_none(self.io, ref), self.msg_stats[e.msgid]
-        if want is None or (have is not None and (have.st_dev, have.st_ino)
-                            == (want.st_dev, want.st_ino)):
-            return False
-        if have is not None:
-            self.junk(ref, "not a hard link of its message file")
-        try:
-            self.io.link(msg, ref)
-        except (FileExistsError, FileNotFoundError):  # mended or gone meanwhile
-            return False
-        self.problems.append(f"entry {e.entry_id}: its hard link data/{e.entry_id} was "
-                             "missing (its message's link count was one short); restored")
-        return True

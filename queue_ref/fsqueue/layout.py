@@ -6,15 +6,12 @@ Layout under the queue's root (seed 001, with ``tmp/``, ``quarantine/`` and ``ow
                                  envelope record (sender, params, body size and sha256, every
                                  recipient with its zone and initial schedule), then a
                                  fixed-size trailer giving the record's length
-    data/<msgid>.<i>             a hard link to data/<msgid> per recipient not yet cleaned up,
-                                 for messages of two or more recipients: the message's
-                                 reference count is its link count
     data/<msgid>.<i>.sched       the entry's schedule record, once rescheduled or cancelled
     data/<msgid>.<i>.<owner>.tmp a schedule record being written by <owner>
-    queue/<msgid>.<i>            symlink -> ../data/<msgid>           (QUEUED)
-    inflight/<msgid>.<i>@<owner> the same symlink, claimed by <owner>  (INFLIGHT)
-    cleanup/<msgid>.<i>          the same symlink                      (PENDING_CLEANUP)
-    held/<msgid>.<i>             the same symlink, set aside            (HELD)
+    queue/<msgid>.<i>            a hard link to data/<msgid>           (QUEUED)
+    inflight/<msgid>.<i>@<owner> the same link, claimed by <owner>     (INFLIGHT)
+    cleanup/<msgid>.<i>          the same link                         (PENDING_CLEANUP)
+    held/<msgid>.<i>             the same link, set aside              (HELD)
     domains/<h>/<msgid>.<i>      the domain index: a hard link to domains/<h>/anchor, for every
                                  entry whose recipient's domain hashes to <h> (the first
                                  32 hex digits of the SHA-256 of the lower-cased domain:
@@ -24,6 +21,19 @@ Layout under the queue's root (seed 001, with ``tmp/``, ``quarantine/`` and ``ow
     quarantine/                  corrupt entries, their notes, and junk found in our directories
     owners/<owner>.lock          flock-held while <owner> (one open FsQueue) is alive
     owners/gate.lock             serialises opening and recovery (see fs_recovery.py)
+    queue-ref.format             written when the queue is made (or converted): its entries
+                                 are hard links
+
+An entry's link is a hard link to its message file, made before the commit rename gives
+the file its name ``data/<msgid>``: the file's link count is one more than the entries
+that still hold it, so the last entry released frees it (Mailismus's hard links, seed
+003), and no entry allocates an inode of its own.
+
+The format before 2026-11-28 linked entries with symlinks
+``-> ../data/<msgid>`` and counted the entries of a message of 2+ recipients with hard
+links ``data/<msgid>.<i>``; it has no ``queue-ref.format``.  Recovery converts such a
+queue when no other process has it open; otherwise it refuses and names ``queue-ref
+repair`` (see fs_recovery.py).
 
 Ids are never built from addresses.  A message id is ``<time_ns:016x><counter:06x><owner>``:
 time-ordered, and unique across processes because ``owner`` is a fresh token per open queue
@@ -67,6 +77,8 @@ OWNER_LOCK_RE = re.compile(rf"(?P<owner>{_OWNER})\.lock\Z")
 
 SCHED = "sched"
 GATE = "gate.lock"
+FORMAT_MARKER = "queue-ref.format"
+FORMAT_TEXT = b"queue-ref filesystem queue: entries are hard links to their message files\n"
 
 
 def domain_of(address: str) -> str:
@@ -101,8 +113,8 @@ class EntryName:
         return f"{self.msgid}.{self.index}"
 
     @property
-    def target(self) -> str:
-        """The relative target every link of this entry must have, exactly."""
+    def legacy_target(self) -> str:
+        """The target of this entry's symlinks in the old format (converted by recovery)."""
         return f"../data/{self.msgid}"
 
     def inflight_name(self, owner: str) -> str:
@@ -138,6 +150,7 @@ class Layout:
         self.quarantine = join(root, "quarantine")
         self.owners = join(root, "owners")
         self.gate = join(self.owners, GATE)
+        self.format_marker = join(root, FORMAT_MARKER)
 
     def dirs(self) -> list[str]:
         return [join(self.root, d) for d in DIRS]
@@ -152,7 +165,8 @@ class Layout:
         return f"{self.data}/{msgid}"
 
     def ref(self, e: EntryName) -> str:
-        """``data/<msgid>.<i>``: the entry's hard link (messages of 2+ recipients)."""
+        """``data/<msgid>.<i>``: the entry's reference hard link in the old format (messages
+        of 2+ recipients); recovery removes it once the entry's links are hard links."""
         return f"{self.data}/{e.msgid}.{e.index}"
 
     def sched(self, e: EntryName) -> str:

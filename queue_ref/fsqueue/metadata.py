@@ -4,13 +4,15 @@ Quarantine layout:
 
 * ``<msgid>.note`` / ``<msgid>.msg``: a message whose envelope or body failed its checksum
   (the message file ``data/<msgid>``, moved), its schedule records as ``<entry>.sched``,
-  and every queue/inflight link of it as ``<link name>.link``.  Its hard links are
-  unlinked (they name the file that was moved).
-* ``<entry>.note`` / ``<entry>.sched`` / ``<link name>.link``: an entry whose schedule
-  record failed its checksum; the rest of its message stays in service.
+  and every queue/inflight link of it as ``<link name>.link`` (hard links to the same
+  file).  Old-format reference links ``data/<msgid>.<i>`` are unlinked.
+* ``<entry>.note`` / ``<entry>.sched`` / ``<entry>.msg``: an entry whose schedule record
+  failed its checksum; the rest of its message stays in service.  Its link is unlinked
+  (a hard link kept would hold the message file for good), or moved beside the file
+  as ``<link name>.link`` when the entry was the file's last holder.
 * ``junk.<owner>.<n>.<where>.<name>``: something in our directories that is not ours (a
-  regular file in a link directory, a symlink that points anywhere but its message file,
-  a name we never create).  Never followed, never deleted; reported by recovery.
+  file in a link directory that is not a hard link to its message file, a name we never
+  create).  Never followed, never deleted; reported by recovery.
 
 Each quarantine writes its note durably first, then moves things with renames whose
 directories are fsynced, so a crash leaves either the old place or quarantine/ for each
@@ -314,36 +316,57 @@ class FsMetadata(FsSteps):
 
     def _quarantine_entry(self, e: EntryName, link: str, reason: str) -> str:
         """Move an entry with a corrupt schedule record to quarantine/: note, a copy of the
-        body if other entries still hold it, link, then the record; the entry's hold on
-        the message is then released as in cleanup.  Returns the quarantined record's
-        path."""
+        body if other entries still hold it, the link, then the record; the entry's hold
+        on the message is then released as in cleanup.  Returns the quarantined record's
+        path.
+
+        The link is a hard link to the message file, so one kept in quarantine/ would
+        count as a holder for good: it is moved there only when the entry holds the file
+        alone (the file follows it, ``_body_keeper``); otherwise it is unlinked, and the
+        note names it."""
         self._write_note(e.entry_id, f"entry {e.entry_id}: {reason}")
         dest = self.layout.quarantined(f"{e.entry_id}.sched")
-        self._copy_body_aside(e)  # kept even if the link moved on meanwhile: another
+        self._copy_body_aside(e, link)  # kept even if the link moved on meanwhile: another
         # quarantiner of the entry may have found this copy there and made none of its own
-        if not self._move_link(link, self.layout.quarantined(f"{basename(link)}.link")):
+        alone = self._holds_alone(e, link)
+        if alone:
+            moved = self._move_link(link, self.layout.quarantined(f"{basename(link)}.link"))
+        else:
+            moved = self._unlink_link(link)
+        if not moved:
             return dest  # the entry moved on meanwhile: whoever holds it now sees the same
         self._sync_dirs(os.path.dirname(link), self.layout.quarantine)
         if self._move_link(self.layout.sched(e), dest):
             self._sync_dirs(self.layout.data, self.layout.quarantine)
-        if self._release_entry(e, keep=self._body_keeper(e)):
+        st = lstat_or_none(self.io, self.layout.msg_file(e.msgid))
+        if st is not None and (alone or st.st_nlink == 1) and self._free_message(
+                e.msgid, self._body_keeper(e)):
             self._sync_dirs(self.layout.data, self.layout.quarantine)
-        else:
-            self._sync_dirs(self.layout.data)
         return dest
 
-    def _copy_body_aside(self, e: EntryName) -> str | None:
+    def _holds_alone(self, e: EntryName, link: str) -> bool:
+        """Whether ``link`` is the only link of the entry's message file (its link count
+        is two: ``data/<msgid>`` and this link)."""
+        st = lstat_or_none(self.io, self.layout.msg_file(e.msgid))
+        mine = lstat_or_none(self.io, link)
+        return (st is not None and mine is not None and st.st_nlink <= 2
+                and (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino))
+
+    def _copy_body_aside(self, e: EntryName, link: str | None = None) -> str | None:
         """Copy the intact body of a quarantined entry to ``quarantine/<entry>.msg`` while
         other entries still hold its message file (their cleanup frees it later, and the
         entry's recipient would have nothing left to be sent from): durably, before the
         entry's link moves, so that a crash in between leaves the entry to quarantine
         again.  Another entry of the message set aside before has its copy there already:
-        this one is a hard link to it.  The path of the copy made, or None (this entry is
-        the file's last holder: its release keeps the file itself, see ``_body_keeper``;
-        a copy is there; or the copy failed, a full disk, which leaves things as they
-        were without one, and the report says so)."""
+        this one is a hard link to it.  ``link``: the entry's own link (else its old-format
+        reference link ``data/<msgid>.<i>``), which is not another holder.  The path of
+        the copy made, or None (this entry is the file's last holder: its release keeps
+        the file itself, see ``_body_keeper``; a copy is there; or the copy failed, a
+        full disk, which leaves things as they were without one, and the report says
+        so)."""
         src, dest = self.layout.msg_file(e.msgid), self._body_keeper(e)
-        st, own = lstat_or_none(self.io, src), lstat_or_none(self.io, self.layout.ref(e))
+        own = lstat_or_none(self.io, link if link is not None else self.layout.ref(e))
+        st = lstat_or_none(self.io, src)
         if dest is None or st is None or self.io.exists(dest):
             return None
         mine = own is not None and (own.st_dev, own.st_ino) == (st.st_dev, st.st_ino)
@@ -393,11 +416,17 @@ class FsMetadata(FsSteps):
         return self._quarantine_entry(e, link, c.reason)
 
     def _quarantine_stray(self, e: EntryName, link: str, reason: str) -> str:
-        """Move a link that names an entry its message does not have to quarantine/, with
-        a note; the message and its real entries are not touched."""
+        """Take a link that names an entry its message does not have out of service, with
+        a note; the message and its real entries are not touched.  A hard link to the
+        message file is unlinked (kept, it would hold the file for good); anything else
+        is moved to quarantine/."""
         self._write_note(e.entry_id, f"link {basename(link)}: {reason}")
         dest = self.layout.quarantined(f"{basename(link)}.link")
-        if self._move_link(link, dest):
+        st = lstat_or_none(self.io, self.layout.msg_file(e.msgid))
+        mine = lstat_or_none(self.io, link)
+        ours = (st is not None and mine is not None
+                and (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino))
+        if self._unlink_link(link) if ours else self._move_link(link, dest):
             self._sync_dirs(os.path.dirname(link), self.layout.quarantine)
         return dest
 

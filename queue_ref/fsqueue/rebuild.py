@@ -8,9 +8,10 @@ process has the queue open:
 
 1. opens the queue, which runs recovery (the report names every message lost);
 2. puts each intact ``quarantine/<msgid>.unlinked`` back in the queue: its envelope and
-   body are checked (sha256), then, as a commit does, a hard link per entry (2+
-   recipients) and a dangling ``queue/`` link per entry are made durable before one
-   rename to ``data/<msgid>`` publishes them all, with the envelope's schedules.  A kill
+   body are checked (sha256), then, as a commit does, a ``queue/`` link per entry (a hard
+   link to the file; other names the file has in quarantine/ are removed first, so its
+   link count counts its entries) is made durable before one rename to ``data/<msgid>``
+   publishes them all, with the envelope's schedules.  A kill
    before the rename leaves the file in quarantine and links that dangle, which the next
    recovery moves aside again, and a rerun of the repair restores the same message: the
    same result.  Every entry of such a message is queued again, so one that was already
@@ -25,7 +26,7 @@ import hashlib
 import os
 from dataclasses import dataclass, field, replace
 
-from queue_ref.fsqueue.diskutil import if_exists, listdir_or_empty
+from queue_ref.fsqueue.diskutil import if_exists, listdir_or_empty, lstat_or_none
 from queue_ref.fsqueue.fs_queue import FsQueue
 from queue_ref.fsqueue.fs_records import TRAILER_LEN
 from queue_ref.fsqueue.layout import MSGID_RE, EntryName
@@ -72,18 +73,21 @@ def _restore(q: FsQueue, path: str, msgid: str) -> int:
     env = q._read_envelope(path, msgid)
     lay, io = q.layout, q.io
     n = len(env.rcpts)
-    if n > 1:
-        for i in range(n):
-            ref = lay.ref(EntryName(msgid, i))
-            if_exists(io.unlink, ref)
-            io.link(path, ref)
+    st = io.lstat(path)
+    if st.st_nlink > 1:  # links of its entries quarantined beside it: the same file
+        for name in listdir_or_empty(io, lay.quarantine):
+            other = os.path.join(lay.quarantine, name)
+            o = lstat_or_none(io, other)
+            if other != path and o is not None and (o.st_dev, o.st_ino) == (
+                    st.st_dev, st.st_ino):
+                if_exists(io.unlink, other)
     for i in range(n):
         e = EntryName(msgid, i)
         for d in (lay.queue, lay.held, lay.inflight, lay.cleanup):
             for name in q._links_of_message(d, msgid):
                 if name.split("@")[0] == e.entry_id:
                     if_exists(io.unlink, os.path.join(d, name))
-        io.symlink(e.target, lay.queue_link(e))
+        io.link(path, lay.queue_link(e))  # a hard link: the file's count of its entries
     q._sync_dirs(lay.data, lay.queue, lay.held, lay.inflight, lay.cleanup)
     io.rename(path, lay.msg_file(msgid))  # the commit point
     q._sync_dirs(lay.data, lay.quarantine)

@@ -16,7 +16,7 @@ Steps, in protocol order (each a method; the orchestrators only call these):
 enqueue                ``_begin_message`` (a new file, or a spare one) ->
                        ``_write_body``* -> commit: ``_write_envelope`` (and
                        ``_cut_reused``) -> ``_finish_body`` (``_sync_file``) ->
-                       [2+ recipients: ``_create_refs`` -> ``_publish_links`` ->
+                       [2+ recipients: ``_own_name`` -> ``_publish_links`` ->
                        ``_sync_published``; 1 recipient: ``_publish_links``] ->
                        ``_commit_rename`` (COMMIT POINT) -> ``_sync_committed``;
                        1 recipient in syncfs mode: the same, its two rounds
@@ -27,9 +27,10 @@ send_cancel            ``_write_schedule`` -> ``_move_link`` -> ``_sync_move``
 send_done / drop       ``_move_link`` -> ``_sync_move``
 schedule record        ``_write_schedule_temp`` (``_sync_file``) -> ``_install_schedule``
                        -> ``_sync_schedule``
-cleanup                ``_release_entry`` (schedule record, hard link; the message file
-                       when it was the last reference: ``_delete_message_data``, which
-                       keeps a small one as a spare) -> ``_unlink_link`` (not synced)
+cleanup                schedule record -> ``_release_link`` (the last holder: the message
+                       file, ``_delete_message_data``, which keeps a small one as a
+                       spare, then ``_unlink_link``; another: ``_unlink_link``, then the
+                       file if the count fell to one meanwhile) (not synced)
 =====================  ===============================================================
 
 Truth of an entry's state is which link exists: ``queue/<e>`` (QUEUED),
@@ -42,8 +43,8 @@ share of one ``syncfs`` that covers files and directories alike; in ``fsync`` mo
 are fsynced by their writer and directories in shared rounds.  A one-recipient message's
 whole life costs three shared rounds (the message file before it is published, the names
 that commit it, the move to cleanup/) and ten other system calls; none of them
-allocates or frees the message file's inode or blocks once the queue has spare files
-(``spares.py``).
+allocates or frees an inode or blocks once the queue has spare files (``spares.py``):
+an entry's link is a hard link to its message file, not a symlink of its own.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ from typing import Any
 from queue_ref.fsqueue.diskutil import if_exists, listdir_or_empty, lstat_or_none, write_whole
 from queue_ref.fsqueue.fs_records import Envelope, encode_schedule, trailer
 from queue_ref.fsqueue.groupsync import GroupSync
-from queue_ref.fsqueue.layout import EntryName, Layout, domain_of
+from queue_ref.fsqueue.layout import FORMAT_TEXT, EntryName, Layout, domain_of
 from queue_ref.fsqueue.spares import Spares
 from queue_ref.io import IO
 from queue_ref.storage import Schedule
@@ -81,7 +82,6 @@ class MessageTx:
     sha: Any = field(default_factory=hashlib.sha256)
     size: int = 0
     started: bool = False  # the tmp file exists
-    refs: int = 0  # data/<msgid>.<i> hard links created
     links: int = 0  # queue/<msgid>.<i> links created
     committed: bool = False  # renamed into data/: the commit point was passed
     pending: bytearray = field(default_factory=bytearray)  # body bytes not yet written
@@ -130,6 +130,21 @@ class FsSteps:
         """Make a rename from ``src_dir`` to ``dst_dir`` durable: both directories (a
         cross-directory rename is durable only then; C1, C3, C5)."""
         self._sync_dirs(dst_dir, src_dir)
+
+    # ---- the format ------------------------------------------------------------------
+
+    def _mark_format(self) -> None:
+        """Write ``queue-ref.format`` (the queue's entries are hard links), durably: on a
+        queue made now, or once recovery converted an old one (its directory is synced by
+        the caller)."""
+        with suppress(FileExistsError):  # another process made the queue at once
+            write_whole(self.io, self.layout.format_marker, FORMAT_TEXT, self.io.fsync)
+
+    @property
+    def old_format(self) -> bool:
+        """Whether the queue may be in the format before entries were hard links (it has
+        no ``queue-ref.format``): recovery converts it, exclusively."""
+        return not self.io.exists(self.layout.format_marker)
 
     # ---- enqueue ---------------------------------------------------------------------
 
@@ -214,37 +229,32 @@ class FsSteps:
         finally:
             self.io.close(fd)
 
-    def _create_refs(self, tx: MessageTx, count: int) -> None:
-        """Hard-link ``data/<msgid>.<i>`` to the message file for every recipient (2+
-        recipients only): the link count is then the number of entries not yet cleaned
-        up.  Must be durable before the commit rename (``_sync_published``), or a crash
-        could leave a committed message whose count is too low (C1).
-
-        A message written into a spare file is first renamed to ``tmp/<owner>/<msgid>``,
-        so that recovery, which knows uncommitted messages by their names there, also
-        removes the hard links of one whose owner died before publishing its links."""
+    def _own_name(self, tx: MessageTx) -> None:
+        """A message written into a spare file is first renamed to
+        ``tmp/<owner>/<msgid>`` (2+ recipients), so that recovery, which knows uncommitted
+        messages by their names there, also removes the links of one whose owner died
+        before its commit rename."""
         own = self.layout.tmp_msg(self.owner, tx.msgid)
         if tx.path != own:
             self.io.rename(tx.path, own)
             tx.path = own
-        for i in range(tx.refs, count):
-            self.io.link(tx.path, self.layout.ref(EntryName(tx.msgid, i)))
-            tx.refs = i + 1
 
     def _publish_links(self, tx: MessageTx, count: int) -> None:
-        """Create every ``queue/<msgid>.<i> -> ../data/<msgid>``.  They dangle (and listers
-        skip them) until the commit rename.  With 2+ recipients they must be durable
-        (``_sync_published``) before the commit rename, or a committed message could lose
-        some entries but not others (C1, C2)."""
+        """Create every ``queue/<msgid>.<i>``, a hard link to the message file still under
+        ``tmp/``: the file's link count is then one more than its entries, and stays so
+        (a move renames a link; only cleanup unlinks one).  The links dangle (their
+        message file ``data/<msgid>`` is missing, and listers skip them) until the commit
+        rename.  With 2+ recipients they must be durable (``_sync_published``) before the
+        commit rename, or a committed message could lose some entries but not others
+        (C1, C2).  A hard link to an existing inode allocates none (a symlink did)."""
         for i in range(tx.links, count):
-            e = EntryName(tx.msgid, i)
-            self.io.symlink(e.target, self.layout.queue_link(e))
+            self.io.link(tx.path, self.layout.queue_link(EntryName(tx.msgid, i)))
             tx.links = i + 1
 
     def _sync_published(self, tx: MessageTx) -> None:
-        """Sync data/ and queue/ after the hard links and links were created, before the
-        commit rename (2+ recipients): a committed message has all its names (C1, C2)."""
-        self._sync_dirs(self.layout.data, self.layout.queue)
+        """Sync queue/ after the links were created, before the commit rename (2+
+        recipients): a committed message has all its names (C1, C2)."""
+        self._sync_dirs(self.layout.queue)
 
     def _commit_rename(self, tx: MessageTx) -> None:
         """THE COMMIT POINT: rename ``tmp/<owner>/<msgid>`` to ``data/<msgid>``.  Every
@@ -337,7 +347,7 @@ class FsSteps:
             return
         self._finish_body(tx)
         if n > 1:
-            self._create_refs(tx, n)
+            self._own_name(tx)
             self._publish_links(tx, n)
             self._sync_published(tx)
         else:
@@ -378,9 +388,6 @@ class FsSteps:
         for path in tx.indexed:
             if_exists(self.io.unlink, path)
         tx.links = 0
-        for i in range(tx.refs):
-            if_exists(self.io.unlink, self.layout.ref(EntryName(tx.msgid, i)))
-        tx.refs = 0
         if tx.started:
             if_exists(self.io.unlink, tx.path)
             tx.started = False
@@ -441,37 +448,51 @@ class FsSteps:
 
     # ---- cleanup ---------------------------------------------------------------------
 
-    def _release_entry(self, e: EntryName, *, single: bool | None = None,
-                       record: bool = True, keep: str | None = None) -> bool:
-        """Remove what the entry holds under data/: its schedule record, its hard link,
-        and the message file if no other entry holds it (renamed to ``keep`` instead,
-        when given: a quarantined entry's intact body stays for salvage).  Missing names
-        are fine (a retry, or recovery).  True if the message file went to ``keep``.
+    def _release_link(self, e: EntryName, link: str, *, single: bool | None = None,
+                      keep: str | None = None) -> tuple[bool, bool]:
+        """Remove an entry's ``link`` and its hold on the message file: the file goes
+        (renamed to ``keep`` instead, when given: a quarantined entry's intact body stays
+        for salvage) when no other entry's link holds it.  Missing names are fine (a
+        retry, or recovery).  Returns (whether this call removed the link, whether the
+        file went to ``keep``).
 
-        ``single``: whether the message is known to have one recipient (None: unknown;
-        then the link count decides).  ``record=False`` when the entry is known to have no
-        schedule record.  A message of 2+ recipients is freed by whoever sees its link
-        count at 1 after unlinking its own hard link: of several entries released at
-        once, the last to unlink sees it, so the file is always freed, without a shared
-        counter (C8)."""
-        if record:
-            if_exists(self.io.unlink, self.layout.sched(e))
+        The links are the file's reference count: its link count is one (``data/<msgid>``)
+        more than the entries that hold it.  The last holder takes the file away first
+        and its link last, so a crash in between leaves the link, and whoever finishes
+        the entry (recovery included, beside live processes) finds nothing more to free.
+        A holder that sees other links unlinks its own first and then looks again: of
+        several entries released at once, the last to unlink sees the count at one and
+        frees the file, without a shared counter (C8).  ``single``: the message is known
+        to have one recipient (its link is the only one: no count is read)."""
         path = self.layout.msg_file(e.msgid)
         if single is None:
             single = self._single_recipient(e.msgid)
         if not single:
-            if_exists(self.io.unlink, self.layout.ref(e))
             st = lstat_or_none(self.io, path)
-            if st is None or st.st_nlink > 1:
-                return False
-        if keep is not None:
-            try:
-                self.io.rename(path, keep)
-            except FileNotFoundError:
-                return False
-            return True
-        self._delete_message_data(e.msgid)
-        return False
+            if st is None:
+                return self._unlink_link(link), False
+            mine = lstat_or_none(self.io, link)
+            if mine is None or (mine.st_dev, mine.st_ino) != (st.st_dev, st.st_ino) or (
+                    st.st_nlink > 2):
+                removed = self._unlink_link(link)
+                st = lstat_or_none(self.io, path)
+                if st is None or st.st_nlink > 1:
+                    return removed, False
+                return removed, self._free_message(e.msgid, keep)
+        kept = self._free_message(e.msgid, keep)
+        return self._unlink_link(link), kept
+
+    def _free_message(self, msgid: str, keep: str | None) -> bool:
+        """Take a message file no entry holds out of ``data/``: renamed to ``keep`` (True)
+        or released (``_delete_message_data``)."""
+        if keep is None:
+            self._delete_message_data(msgid)
+            return False
+        try:
+            self.io.rename(self.layout.msg_file(msgid), keep)
+        except FileNotFoundError:
+            return False
+        return True
 
     def _single_recipient(self, msgid: str) -> bool:
         """Whether the message is known, without reading the disk, to have one recipient
@@ -509,20 +530,22 @@ class FsSteps:
 
     def _cleanup_entry(self, e: EntryName, *, single: bool | None = None,
                        record: bool = True) -> bool:
-        """Release a PENDING_CLEANUP entry's bytes, then its ``cleanup/`` link.
+        """Release a PENDING_CLEANUP entry: its schedule record, then its ``cleanup/`` link
+        and the message file if no other entry holds it (``_release_link``).
 
         Nothing is synced, and nothing needs to be: a PENDING_CLEANUP entry is GONE after
         any restart (spec rule 5), because recovery finishes every ``cleanup/`` link it
-        finds.  Order: the data goes first, the link last, so that until the link is gone
-        a crash leaves the entry PENDING_CLEANUP and any recovery (even one that runs
-        while other processes live) repeats these steps.  Power loss may keep the link's
-        unlink and lose a data unlink: the leftover is then a name no link refers to,
-        which the first recovery after the power loss (exclusive, since every process
-        died) removes (C3, C8).  Returns True if this call removed the link.
+        finds.  Until the link is gone a crash leaves the entry PENDING_CLEANUP and any
+        recovery (even one that runs while other processes live) repeats these steps.
+        Power loss may keep the link's unlink and lose an earlier unlink: the leftover is
+        then a name no link refers to, which the first recovery after the power loss
+        (exclusive, since every process died) removes (C3, C8).  Returns True if this
+        call removed the link.
         """
         self._drop_from_index(e)
-        self._release_entry(e, single=single, record=record)
-        return self._unlink_link(self.layout.cleanup_link(e))
+        if record:
+            if_exists(self.io.unlink, self.layout.sched(e))
+        return self._release_link(e, self.layout.cleanup_link(e), single=single)[0]
 
     # ---- small shared helpers --------------------------------------------------------
 
