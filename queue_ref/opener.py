@@ -130,12 +130,18 @@ def open_serving(path: str, backend: str = "fs"
     recovery any process runs beside a live one: not exclusive, concurrent with this
     queue's commits and claims, and what it requeues is listed after it.  A filesystem
     queue a process died holding is opened with its whole recovery (exclusive when no
-    other process has it open), as is a queue of any other backend."""
+    other process has it open), as is a queue of any other backend, and a filesystem
+    queue of the old format (its recovery converts it, or refuses beside a live process
+    and names ``queue-ref repair``)."""
     if backend not in ("fs", "fs-fsync"):
         return open_queue(path, backend), None
     from queue_ref.fsqueue import FsQueue
+    from queue_ref.fsqueue.layout import FORMAT_MARKER
 
     sync = "fsync" if backend == "fs-fsync" else None
+    if os.path.isdir(os.path.join(path, "data")) and not os.path.exists(
+            os.path.join(path, FORMAT_MARKER)):  # the old format: converted at opening
+        return FsQueue(path, sync=sync), None
     q = FsQueue(path, recover=False, sync=sync)
     try:
         if q.dead_owners():

@@ -152,7 +152,7 @@ EXTRA_FLIPS = 8
 
 def _plan(files: list[str], thorough: bool, rng: random.Random,
           links: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
-    """Every file once (in a random way), then a stray link beside one symbolic link of
+    """Every file once (in a random way), then a stray link beside one link of
     each kind (``links``: the files that are links; ``_kind``), then the other ways,
     shuffled (a stray beside every other link among them), then ``EXTRA_FLIPS`` more bit
     flips of each file: all of them when ``thorough``, else up to QUICK_TRIALS trials in
@@ -171,6 +171,24 @@ def _plan(files: list[str], thorough: bool, rng: random.Random,
     rng.shuffle(extra)
     plan = first + strays + rest + extra
     return plan if thorough else plan[:max(QUICK_TRIALS, len(files) + len(strays))]
+
+
+def _link_names(template: str, files: list[str]) -> frozenset[str]:
+    """The files that are links: symbolic links, and every name of a file of several
+    names but its first (the filesystem queue's entries are hard links to their message
+    files): a stray link goes beside them."""
+    first: dict[tuple[int, int], str] = {}
+    out = set()
+    for f in sorted(files):
+        st = os.lstat(os.path.join(template, f))
+        if os.path.islink(os.path.join(template, f)):
+            out.add(f)
+        elif st.st_nlink > 1:
+            if (st.st_dev, st.st_ino) in first:
+                out.add(f)
+            else:
+                first[(st.st_dev, st.st_ino)] = f
+    return frozenset(out)
 
 
 def _deep_plan(files: list[str], known: set[str], thorough: bool, rng: random.Random,
@@ -540,7 +558,7 @@ def _trials(backend: Backend, seed: int, every_way: bool, only: tuple[str, int] 
                 stats["files"] = len(files)
                 if only is not None and only[0] != plan_name:
                     continue
-                links = frozenset(f for f in files if os.path.islink(os.path.join(template, f)))
+                links = _link_names(template, files)
                 plan = _plan(files, thorough, random.Random(seed), links)
             elif plan_name == "killed":
                 plan = _killed_plan(files, thorough, random.Random(f"{seed}:killed"))

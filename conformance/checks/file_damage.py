@@ -18,10 +18,11 @@ KINDS = ("bit flip", "framing flip", "truncation", "tail cut", "removal")
 NOTHING = "none"  # the deep template's first trial: no damage, everything reads back
 STRUCTURE = "structure flip"  # a bit flip outside every body: in the store's own framing
 FRAMING = 32  # a framing flip hits one of the last FRAMING bytes of a file
-#: Damage that adds a name: a symbolic link beside one of the store's, to the same target,
-#: its name's last number 7 more (``queue/<m>.1`` gets ``queue/<m>.8``: an entry the
-#: message never had).  Stores link only what they wrote, so a name they did not write is
-#: damage too; it must not be served as an entry.
+#: Damage that adds a name: a link beside one of the store's (a symbolic link to the same
+#: target, or another hard link to the same file), its name's last number 7 more
+#: (``queue/<m>.1`` gets ``queue/<m>.8``: an entry the message never had).  Stores link
+#: only what they wrote, so a name they did not write is damage too; it must not be
+#: served as an entry.
 STRAY = "stray link"
 #: ``end flip <k>``: the top bit of the k-th byte from a file's end flipped (the sweep
 #: picks the first zero byte of each run of zeros among the last FRAMING bytes outside
@@ -129,8 +130,11 @@ def damage(path: Path, kind: str, rng: random.Random,
         return Damage(f"removed {path.name}")
     if kind == STRAY:
         name = stray_name(path.name)
-        os.symlink(os.readlink(path), path.with_name(name))
-        return Damage(f"added {name} beside {path.name}, a link to the same target")
+        if path.is_symlink():
+            os.symlink(os.readlink(path), path.with_name(name))
+            return Damage(f"added {name} beside {path.name}, a link to the same target")
+        os.link(path, path.with_name(name))
+        return Damage(f"added {name} beside {path.name}, another name of the same file")
     if path.is_symlink():
         target = bytearray(os.readlink(path).encode())
         if kind in ("bit flip", STRUCTURE):

@@ -113,7 +113,7 @@ class NoSyncAfterBody(_Fsync):
         self._write_envelope(tx, env)
         self._finish_body(tx)
         if n > 1:
-            self._own_name(tx)
+            self._create_refs(tx, n)
         self._publish_links(tx, n)
         self._commit_rename(tx)
 
@@ -127,7 +127,7 @@ class BodyAfterPublish(_Fsync):
         assert tx.body_fd is not None
         fd, tx.body_fd = tx.body_fd, None
         if n > 1:
-            self._own_name(tx)
+            self._create_refs(tx, n)
         self._publish_links(tx, n)
         self._sync_published(tx)
         self._commit_rename(tx)
@@ -229,6 +229,7 @@ class CleanupSharedData(_Fsync):
 
     def _release_link(self, e: EntryName, link: str, *, single: bool | None = None,
                       keep: str | None = None) -> tuple[bool, bool]:
+        if_exists(self.io.unlink, self.layout.ref(e))
         kept = self._free_message(e.msgid, keep)
         return self._unlink_link(link), kept
 
@@ -240,6 +241,7 @@ class CleanupLinkFirst(_Fsync):
 
     def _release_link(self, e: EntryName, link: str, *, single: bool | None = None,
                       keep: str | None = None) -> tuple[bool, bool]:
+        if_exists(self.io.unlink, self.layout.ref(e))
         removed = self._unlink_link(link)
         st = lstat_or_none(self.io, self.layout.msg_file(e.msgid))
         if st is None or st.st_nlink > 1:

@@ -202,6 +202,12 @@ class FsQueue(FsMetadata, Storage):
                 self._link_max = self.io.link_max(self.layout.data)
                 if recover:
                     self.last_recovery = self.recovery(self).run()
+                elif self.old_format:
+                    raise StorageIOError(
+                        f"the queue at {self.root} is in the old format (entries as "
+                        "symlinks): it is converted by the recovery of an opening while "
+                        "no other process has it open; run `queue-ref repair --queue "
+                        f"{self.root}` with the queue stopped")
         except OSError as e:
             self._release_owner()
             self._closed = True

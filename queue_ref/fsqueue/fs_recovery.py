@@ -4,11 +4,10 @@ Runs when a queue is opened and on ``recover()``, always holding ``owners/gate.l
 owners.py).  It is *exclusive* when every other owner is dead: no other process has the
 queue open and none can open it meanwhile.  Steps, in order:
 
-0. **The old format** (a queue without ``queue-ref.format``, whose entries were symlinks
-   counted by reference links ``data/<msgid>.<i>``): converted when exclusive (each
-   symlink of a committed message replaced by a hard link renamed over it, then the
-   reference links removed, then the marker written); beside a live process, refused
-   with a ``StorageIOError`` naming ``queue-ref repair``.
+0. **The old format** (a queue without ``queue-ref.format``, whose entries were
+   symlinks): converted when exclusive (each symlink of a committed message replaced by
+   a hard link renamed over it, then the marker written); beside a live process,
+   refused with a ``StorageIOError`` naming ``queue-ref repair``.
 1. **Junk**: anything in queue/, inflight/, cleanup/, held/ that is not one of our links (a
    name we never create, a directory, a symlink, a file that is not the same inode as
    its message file ``data/<msgid>`` when that exists) is moved to quarantine/ and
@@ -23,23 +22,28 @@ queue open and none can open it meanwhile.  Steps, in order:
 3. **Interrupted cleanups**: every cleanup/ link is cleaned up (steps tolerate missing data).
 4. **Uncommitted enqueues** of dead owners: the dangling links of their messages (a link
    whose message file is missing, of a message whose file is still under
-   ``tmp/<owner>/``), then those files.  A dangling link of a quarantined message goes
-   to quarantine.  A dangling link of a dead owner's message that is neither in
-   ``tmp/`` nor quarantined belongs to a committed message whose file name was removed:
+   ``tmp/<owner>/``), then those files and the hard links those messages had already
+   made.  A dangling link of a quarantined message goes to quarantine.  A dangling link
+   of a dead owner's message that is neither in ``tmp/`` nor quarantined belongs to a
+   committed message whose file name was removed:
    the message is lost, its content (which its links still hold) is kept as
    ``quarantine/<msgid>.unlinked``, its links go to quarantine with a note, and the
    report names it (``lost``), never silently.
 5. **Requeue**: inflight links of dead owners go back to queue/ (INFLIGHT -> QUEUED).
 6. **Orphans** (exclusive only; otherwise only the schedule temp files of dead owners):
-   under data/, every name of a message no link names (its schedule records), schedule
-   records of entries no link names, schedule temp files, and unknown names
-   (quarantined).  A committed message
+   under data/, every name of a message no link names (its reference links, schedule
+   records), reference links and schedule records of entries no link names, schedule
+   temp files, and unknown names (quarantined).  A committed message
    file no link names is moved to quarantine (``<msgid>.unlinked``) and reported lost:
    its links were removed, or (after a power cut) its cleanup or an unacknowledged
-   commit was cut short; ``queue-ref repair`` puts an intact one back in the queue.
+   commit was cut short; ``queue-ref repair`` puts an intact one back in the queue.  A
+   reference link of an entry no link names is reported too (the entry's link was
+   removed: it is lost), then removed.
 7. **Verification**: the metadata of every queued and held entry is checked; corrupt entries and
-   messages are quarantined.  (An entry's link is its hold on the message file: step 1
-   made sure each one is that file, so the file's link count counts them.)  Every queued and
+   messages are quarantined.  Exclusive recoveries give an entry of a message of 2+
+   recipients its reference link back if damage took it (the link count is the
+   reference count: without it the other entries' cleanup would free the file; step 1
+   made sure each entry link is that file too).  Every queued and
    held entry gets its domain index link back if a power cut lost it (the index is never
    synced); exclusive recoveries also remove index links of entries no link names
    (cleaned up, quarantined, uncommitted).
@@ -57,7 +61,6 @@ from __future__ import annotations
 import os
 import stat
 from collections import defaultdict
-from contextlib import suppress
 from os.path import join
 
 from queue_ref.fsqueue.diskutil import (
@@ -167,9 +170,9 @@ class Recovery:
 
     # ---- 0. the old format -------------------------------------------------------------
 
-    def _old_format_names(self) -> tuple[list[tuple[str, EntryName]], list[str]]:
-        """Old-format names: symlinks ``-> ../data/<msgid>`` of committed messages in the
-        link directories, and reference links ``data/<msgid>.<i>``."""
+    def _old_format_links(self) -> list[tuple[str, EntryName]]:
+        """The old format's entry links: symlinks ``-> ../data/<msgid>`` of committed
+        messages in the link directories."""
         links: list[tuple[str, EntryName]] = []
         for d in (self.lay.queue, self.lay.inflight, self.lay.cleanup, self.lay.held):
             for name in listdir_or_empty(self.io, d):
@@ -180,36 +183,26 @@ class Recovery:
                 if (readlink_or_none(self.io, path) == e.legacy_target
                         and self._msg_stat(e.msgid) is not None):
                     links.append((path, e))
-        refs = []
-        for n in listdir_or_empty(self.io, self.lay.data):
-            m = DATA_RE.match(n)
-            if m is not None and m["index"] is not None and not m["sched"] and not m["owner"]:
-                refs.append(join(self.lay.data, n))
-        return links, refs
+        return links
 
     def convert_old_format(self) -> None:
         """Turn a queue of the old format into the current one (exclusive only, and first,
         so that every later step sees hard links): every symlink of a committed message
-        is replaced by a hard link to its file (made under this owner's ``tmp/`` and
-        renamed over the symlink: the entry is never without its link), then the
-        reference links go (the links now count the entries).  A crash in between leaves
-        a mix the next recovery finishes.  Beside a live process this refuses, naming
-        ``queue-ref repair``: only a queue no one else uses may change format."""
-        links, refs = self._old_format_names()
-        if not links and not refs:
-            self.q._mark_format()
-            self.q._sync_dirs(self.lay.root)
-            return
-        if not self.exclusive:
+        is replaced by a hard link to its file, made under this owner's ``tmp/`` and
+        renamed over the symlink (the entry is never without its link), then the
+        directories are synced and ``queue-ref.format`` written.  The reference links
+        ``data/<msgid>.<i>`` stay as they are: the format keeps them.  A crash in between
+        leaves a mix the next recovery finishes.  Beside a live process this refuses,
+        naming ``queue-ref repair``: only a queue no one else uses may change format."""
+        links = self._old_format_links()
+        if links and not self.exclusive:
             raise StorageIOError(
-                f"the queue at {self.lay.root} is in the old format (symlinks for entries, "
-                f"{len(links)} of them, and {len(refs)} reference links under data/), and "
-                "another process has it open: stop every process that uses it and run "
+                f"the queue at {self.lay.root} is in the old format (its entries are "
+                f"symlinks, {len(links)} of them), and another process has it open: stop "
+                "every process that uses it and run "
                 f"`queue-ref repair --queue {self.lay.root}` (or open it alone), which "
                 "converts it")
         staging = self.lay.tmp_owner(self.q.owner)
-        with suppress(FileExistsError):
-            self.io.mkdir(staging)
         changed: set[str] = set()
         for path, e in links:
             fresh = join(staging, f"convert.{e.entry_id}")
@@ -219,14 +212,11 @@ class Recovery:
             changed.add(os.path.dirname(path))
         if changed:
             self.q._sync_dirs(*sorted(changed), staging)
-        for ref in refs:
-            if_exists(self.io.unlink, ref)
-        if refs:
-            self.q._sync_dirs(self.lay.data)
         self.q._mark_format()
         self.q._sync_dirs(self.lay.root)
-        self.problems.append(f"converted from the old format: {len(links)} symlinks made "
-                             f"hard links, {len(refs)} reference links removed")
+        if links:
+            self.problems.append(f"converted from the old format: {len(links)} entry "
+                                 "symlinks made hard links to their message files")
         self.msg_stats.clear()
 
     def scan_links(self) -> None:
@@ -610,11 +600,14 @@ class Recovery:
                     if_exists(self.io.unlink, link)
 
     def verify_queued(self) -> None:
+        relinked = False
         for e, path in sorted([*self.queue.items(), *self.held.items()]):
             try:
                 got = self.q._load_entry(e)
                 if got is not None and e.index < len(got[0].rcpts):
                     self._index(e, got[0].rcpts[e.index].address)
+                    if self.exclusive and len(got[0].rcpts) > 1:
+                        relinked |= self._restore_ref(e)
             except Corrupt as c:
                 if not is_link_file(self.io, path):
                     continue  # taken and cleaned up by a live process meanwhile
@@ -626,3 +619,30 @@ class Recovery:
                     rel = os.path.relpath(where, self.q.root)
                     if rel not in self.damaged:
                         self.damaged.append(rel)
+        if relinked:
+            self.q._sync_dirs(self.lay.data)
+
+    def _restore_ref(self, e: EntryName) -> bool:
+        """Exclusive only: give a verified entry of a message of 2+ recipients its hard
+        link ``data/<msgid>.<i>`` back if it is missing (or is another file, which goes
+        to quarantine).  The message's link count counts the entries that still need its
+        file; without the entry's link, the cleanup of the last other entry would free
+        the file while this one is queued (C1).  Nothing else removes the link of an
+        entry a link names, so a missing one is damage at rest: reported, and mended.
+        True if a link was made."""
+        ref, msg = self.lay.ref(e), self.lay.msg_file(e.msgid)
+        if e.msgid not in self.msg_stats:  # one lstat per message, not per entry
+            self.msg_stats[e.msgid] = lstat_or_none(self.io, msg)
+        have, want = lstat_or_none(self.io, ref), self.msg_stats[e.msgid]
+        if want is None or (have is not None and (have.st_dev, have.st_ino)
+                            == (want.st_dev, want.st_ino)):
+            return False
+        if have is not None:
+            self.junk(ref, "not a hard link of its message file")
+        try:
+            self.io.link(msg, ref)
+        except (FileExistsError, FileNotFoundError):  # mended or gone meanwhile
+            return False
+        self.problems.append(f"entry {e.entry_id}: its hard link data/{e.entry_id} was "
+                             "missing (its message's link count was one short); restored")
+        return True

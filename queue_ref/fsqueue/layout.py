@@ -6,6 +6,10 @@ Layout under the queue's root (seed 001, with ``tmp/``, ``quarantine/`` and ``ow
                                  envelope record (sender, params, body size and sha256, every
                                  recipient with its zone and initial schedule), then a
                                  fixed-size trailer giving the record's length
+    data/<msgid>.<i>             the entry's reference: a hard link to data/<msgid> per
+                                 recipient not yet cleaned up, for messages of two or
+                                 more recipients (an entry whose link damage removed
+                                 leaves it, so recovery can name the entry lost)
     data/<msgid>.<i>.sched       the entry's schedule record, once rescheduled or cancelled
     data/<msgid>.<i>.<owner>.tmp a schedule record being written by <owner>
     queue/<msgid>.<i>            a hard link to data/<msgid>           (QUEUED)
@@ -25,13 +29,12 @@ Layout under the queue's root (seed 001, with ``tmp/``, ``quarantine/`` and ``ow
                                  are hard links
 
 An entry's link is a hard link to its message file, made before the commit rename gives
-the file its name ``data/<msgid>``: the file's link count is one more than the entries
-that still hold it, so the last entry released frees it (Mailismus's hard links, seed
-003), and no entry allocates an inode of its own.
+the file its name ``data/<msgid>``: the file's link count counts the entries that still
+hold it (their links and references), so the last entry released frees it (Mailismus's
+hard links, seed 003), and no entry allocates an inode of its own.
 
-The format before 2026-11-28 linked entries with symlinks
-``-> ../data/<msgid>`` and counted the entries of a message of 2+ recipients with hard
-links ``data/<msgid>.<i>``; it has no ``queue-ref.format``.  Recovery converts such a
+The format before 2026-11-28 linked entries with symlinks ``-> ../data/<msgid>``, one
+inode each; it has no ``queue-ref.format``.  Recovery converts such a
 queue when no other process has it open; otherwise it refuses and names ``queue-ref
 repair`` (see fs_recovery.py).
 
@@ -165,8 +168,7 @@ class Layout:
         return f"{self.data}/{msgid}"
 
     def ref(self, e: EntryName) -> str:
-        """``data/<msgid>.<i>``: the entry's reference hard link in the old format (messages
-        of 2+ recipients); recovery removes it once the entry's links are hard links."""
+        """``data/<msgid>.<i>``: the entry's reference, a hard link (2+ recipients)."""
         return f"{self.data}/{e.msgid}.{e.index}"
 
     def sched(self, e: EntryName) -> str:

@@ -338,19 +338,32 @@ class FsMetadata(FsSteps):
         self._sync_dirs(os.path.dirname(link), self.layout.quarantine)
         if self._move_link(self.layout.sched(e), dest):
             self._sync_dirs(self.layout.data, self.layout.quarantine)
+        if_exists(self.io.unlink, self.layout.ref(e))
         st = lstat_or_none(self.io, self.layout.msg_file(e.msgid))
         if st is not None and (alone or st.st_nlink == 1) and self._free_message(
                 e.msgid, self._body_keeper(e)):
             self._sync_dirs(self.layout.data, self.layout.quarantine)
+        else:
+            self._sync_dirs(self.layout.data)
         return dest
 
     def _holds_alone(self, e: EntryName, link: str) -> bool:
-        """Whether ``link`` is the only link of the entry's message file (its link count
-        is two: ``data/<msgid>`` and this link)."""
+        """Whether the entry is its message file's only holder: no name of the file is
+        left but ``data/<msgid>``, ``link`` and the entry's reference."""
+        return self._other_holders(e, link) == 0
+
+    def _other_holders(self, e: EntryName, link: str | None) -> int:
+        """Names of the entry's message file other than ``data/<msgid>`` and the entry's
+        own (``link``, its reference ``data/<msgid>.<i>``); -1 if the file is gone."""
         st = lstat_or_none(self.io, self.layout.msg_file(e.msgid))
-        mine = lstat_or_none(self.io, link)
-        return (st is not None and mine is not None and st.st_nlink <= 2
-                and (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino))
+        if st is None:
+            return -1
+        n = st.st_nlink - 1
+        for p in ([link] if link is not None else []) + [self.layout.ref(e)]:
+            o = lstat_or_none(self.io, p)
+            if o is not None and (o.st_dev, o.st_ino) == (st.st_dev, st.st_ino):
+                n -= 1
+        return n
 
     def _copy_body_aside(self, e: EntryName, link: str | None = None) -> str | None:
         """Copy the intact body of a quarantined entry to ``quarantine/<entry>.msg`` while
@@ -358,19 +371,14 @@ class FsMetadata(FsSteps):
         entry's recipient would have nothing left to be sent from): durably, before the
         entry's link moves, so that a crash in between leaves the entry to quarantine
         again.  Another entry of the message set aside before has its copy there already:
-        this one is a hard link to it.  ``link``: the entry's own link (else its old-format
-        reference link ``data/<msgid>.<i>``), which is not another holder.  The path of
+        this one is a hard link to it.  ``link``: the entry's own link, which (with its
+        reference ``data/<msgid>.<i>``) is not another holder.  The path of
         the copy made, or None (this entry is the file's last holder: its release keeps
         the file itself, see ``_body_keeper``; a copy is there; or the copy failed, a
         full disk, which leaves things as they were without one, and the report says
         so)."""
         src, dest = self.layout.msg_file(e.msgid), self._body_keeper(e)
-        own = lstat_or_none(self.io, link if link is not None else self.layout.ref(e))
-        st = lstat_or_none(self.io, src)
-        if dest is None or st is None or self.io.exists(dest):
-            return None
-        mine = own is not None and (own.st_dev, own.st_ino) == (st.st_dev, st.st_ino)
-        if st.st_nlink - 1 - mine < 1:
+        if dest is None or self.io.exists(dest) or self._other_holders(e, link) < 1:
             return None
         tmp = f"{dest}.{self.owner}.tmp"
         try:

@@ -8,10 +8,11 @@ process has the queue open:
 
 1. opens the queue, which runs recovery (the report names every message lost);
 2. puts each intact ``quarantine/<msgid>.unlinked`` back in the queue: its envelope and
-   body are checked (sha256), then, as a commit does, a ``queue/`` link per entry (a hard
-   link to the file; other names the file has in quarantine/ are removed first, so its
-   link count counts its entries) is made durable before one rename to ``data/<msgid>``
-   publishes them all, with the envelope's schedules.  A kill
+   body are checked (sha256), then, as a commit does, a reference link per entry (2+
+   recipients) and a ``queue/`` link per entry (hard links to the file; other names the
+   file has in quarantine/ are removed first, so its link count counts its entries)
+   are made durable before one rename to ``data/<msgid>`` publishes them all, with the
+   envelope's schedules.  A kill
    before the rename leaves the file in quarantine and links that dangle, which the next
    recovery moves aside again, and a rerun of the repair restores the same message: the
    same result.  Every entry of such a message is queued again, so one that was already
@@ -81,6 +82,11 @@ def _restore(q: FsQueue, path: str, msgid: str) -> int:
             if other != path and o is not None and (o.st_dev, o.st_ino) == (
                     st.st_dev, st.st_ino):
                 if_exists(io.unlink, other)
+    if n > 1:
+        for i in range(n):
+            ref = lay.ref(EntryName(msgid, i))
+            if_exists(io.unlink, ref)
+            io.link(path, ref)
     for i in range(n):
         e = EntryName(msgid, i)
         for d in (lay.queue, lay.held, lay.inflight, lay.cleanup):

@@ -16,7 +16,7 @@ Steps, in protocol order (each a method; the orchestrators only call these):
 enqueue                ``_begin_message`` (a new file, or a spare one) ->
                        ``_write_body``* -> commit: ``_write_envelope`` (and
                        ``_cut_reused``) -> ``_finish_body`` (``_sync_file``) ->
-                       [2+ recipients: ``_own_name`` -> ``_publish_links`` ->
+                       [2+ recipients: ``_create_refs`` -> ``_publish_links`` ->
                        ``_sync_published``; 1 recipient: ``_publish_links``] ->
                        ``_commit_rename`` (COMMIT POINT) -> ``_sync_committed``;
                        1 recipient in syncfs mode: the same, its two rounds
@@ -82,6 +82,7 @@ class MessageTx:
     sha: Any = field(default_factory=hashlib.sha256)
     size: int = 0
     started: bool = False  # the tmp file exists
+    refs: int = 0  # data/<msgid>.<i> hard links created
     links: int = 0  # queue/<msgid>.<i> links created
     committed: bool = False  # renamed into data/: the commit point was passed
     pending: bytearray = field(default_factory=bytearray)  # body bytes not yet written
@@ -229,20 +230,31 @@ class FsSteps:
         finally:
             self.io.close(fd)
 
-    def _own_name(self, tx: MessageTx) -> None:
-        """A message written into a spare file is first renamed to
-        ``tmp/<owner>/<msgid>`` (2+ recipients), so that recovery, which knows uncommitted
-        messages by their names there, also removes the links of one whose owner died
-        before its commit rename."""
+    def _create_refs(self, tx: MessageTx, count: int) -> None:
+        """Hard-link ``data/<msgid>.<i>`` to the message file for every recipient (2+
+        recipients only): the entry's reference, which its cleanup removes first.  A
+        link removed by damage leaves the reference behind, so recovery can tell (and
+        report) an entry lost from one cleaned up; a reference removed by damage is put
+        back from the link.  Must be durable before the commit rename
+        (``_sync_published``), or a crash could leave a committed message whose count is
+        too low (C1).
+
+        A message written into a spare file is first renamed to ``tmp/<owner>/<msgid>``,
+        so that recovery, which knows uncommitted messages by their names there, also
+        removes the hard links of one whose owner died before publishing its links."""
         own = self.layout.tmp_msg(self.owner, tx.msgid)
         if tx.path != own:
             self.io.rename(tx.path, own)
             tx.path = own
+        for i in range(tx.refs, count):
+            self.io.link(tx.path, self.layout.ref(EntryName(tx.msgid, i)))
+            tx.refs = i + 1
 
     def _publish_links(self, tx: MessageTx, count: int) -> None:
         """Create every ``queue/<msgid>.<i>``, a hard link to the message file still under
-        ``tmp/``: the file's link count is then one more than its entries, and stays so
-        (a move renames a link; only cleanup unlinks one).  The links dangle (their
+        ``tmp/``: the file's link count then counts its entries' links (and their
+        references, 2+ recipients), and stays so (a move renames a link; only cleanup
+        unlinks one).  The links dangle (their
         message file ``data/<msgid>`` is missing, and listers skip them) until the commit
         rename.  With 2+ recipients they must be durable (``_sync_published``) before the
         commit rename, or a committed message could lose some entries but not others
@@ -252,9 +264,9 @@ class FsSteps:
             tx.links = i + 1
 
     def _sync_published(self, tx: MessageTx) -> None:
-        """Sync queue/ after the links were created, before the commit rename (2+
-        recipients): a committed message has all its names (C1, C2)."""
-        self._sync_dirs(self.layout.queue)
+        """Sync data/ and queue/ after the hard links and links were created, before the
+        commit rename (2+ recipients): a committed message has all its names (C1, C2)."""
+        self._sync_dirs(self.layout.data, self.layout.queue)
 
     def _commit_rename(self, tx: MessageTx) -> None:
         """THE COMMIT POINT: rename ``tmp/<owner>/<msgid>`` to ``data/<msgid>``.  Every
@@ -347,7 +359,7 @@ class FsSteps:
             return
         self._finish_body(tx)
         if n > 1:
-            self._own_name(tx)
+            self._create_refs(tx, n)
             self._publish_links(tx, n)
             self._sync_published(tx)
         else:
@@ -388,6 +400,9 @@ class FsSteps:
         for path in tx.indexed:
             if_exists(self.io.unlink, path)
         tx.links = 0
+        for i in range(tx.refs):
+            if_exists(self.io.unlink, self.layout.ref(EntryName(tx.msgid, i)))
+        tx.refs = 0
         if tx.started:
             if_exists(self.io.unlink, tx.path)
             tx.started = False
@@ -450,14 +465,15 @@ class FsSteps:
 
     def _release_link(self, e: EntryName, link: str, *, single: bool | None = None,
                       keep: str | None = None) -> tuple[bool, bool]:
-        """Remove an entry's ``link`` and its hold on the message file: the file goes
-        (renamed to ``keep`` instead, when given: a quarantined entry's intact body stays
-        for salvage) when no other entry's link holds it.  Missing names are fine (a
+        """Remove an entry's ``link`` and its hold on the message file (its reference
+        ``data/<msgid>.<i>`` first, 2+ recipients): the file goes (renamed to ``keep``
+        instead, when given: a quarantined entry's intact body stays for salvage) when no
+        other entry holds it.  Missing names are fine (a
         retry, or recovery).  Returns (whether this call removed the link, whether the
         file went to ``keep``).
 
-        The links are the file's reference count: its link count is one (``data/<msgid>``)
-        more than the entries that hold it.  The last holder takes the file away first
+        The file's link count counts its holders: ``data/<msgid>``, then each entry's link
+        and (2+ recipients) reference.  The last holder takes the file away first
         and its link last, so a crash in between leaves the link, and whoever finishes
         the entry (recovery included, beside live processes) finds nothing more to free.
         A holder that sees other links unlinks its own first and then looks again: of
@@ -468,6 +484,7 @@ class FsSteps:
         if single is None:
             single = self._single_recipient(e.msgid)
         if not single:
+            if_exists(self.io.unlink, self.layout.ref(e))
             st = lstat_or_none(self.io, path)
             if st is None:
                 return self._unlink_link(link), False
