@@ -1137,7 +1137,7 @@ def fs_shared_body_not_kept(root: str, io: IO | None = None) -> Storage:
     from queue_ref.fsqueue.layout import EntryName
 
     class DropsCopy(FsQueue):
-        def _copy_body_aside(self, e: EntryName) -> str | None:
+        def _copy_body_aside(self, e: EntryName, link: str | None = None) -> str | None:
             return None  # the bug: the shared body goes with the other entries' cleanup
 
     return _fs_variant(DropsCopy, root, io)

@@ -5,7 +5,7 @@ Quarantine layout:
 * ``<msgid>.note`` / ``<msgid>.msg``: a message whose envelope or body failed its checksum
   (the message file ``data/<msgid>``, moved), its schedule records as ``<entry>.sched``,
   and every queue/inflight link of it as ``<link name>.link`` (hard links to the same
-  file).  Old-format reference links ``data/<msgid>.<i>`` are unlinked.
+  file).  Its reference links ``data/<msgid>.<i>`` are unlinked.
 * ``<entry>.note`` / ``<entry>.sched`` / ``<entry>.msg``: an entry whose schedule record
   failed its checksum; the rest of its message stays in service.  Its link is unlinked
   (a hard link kept would hold the message file for good), or moved beside the file
@@ -360,9 +360,7 @@ class FsMetadata(FsSteps):
             return -1
         n = st.st_nlink - 1
         for p in ([link] if link is not None else []) + [self.layout.ref(e)]:
-            o = lstat_or_none(self.io, p)
-            if o is not None and (o.st_dev, o.st_ino) == (st.st_dev, st.st_ino):
-                n -= 1
+            n -= self._names_file(p, st)
         return n
 
     def _copy_body_aside(self, e: EntryName, link: str | None = None) -> str | None:
@@ -431,9 +429,7 @@ class FsMetadata(FsSteps):
         self._write_note(e.entry_id, f"link {basename(link)}: {reason}")
         dest = self.layout.quarantined(f"{basename(link)}.link")
         st = lstat_or_none(self.io, self.layout.msg_file(e.msgid))
-        mine = lstat_or_none(self.io, link)
-        ours = (st is not None and mine is not None
-                and (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino))
+        ours = st is not None and self._names_file(link, st)
         if self._unlink_link(link) if ours else self._move_link(link, dest):
             self._sync_dirs(os.path.dirname(link), self.layout.quarantine)
         return dest

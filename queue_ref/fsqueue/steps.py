@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import os
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -488,9 +489,7 @@ class FsSteps:
             st = lstat_or_none(self.io, path)
             if st is None:
                 return self._unlink_link(link), False
-            mine = lstat_or_none(self.io, link)
-            if mine is None or (mine.st_dev, mine.st_ino) != (st.st_dev, st.st_ino) or (
-                    st.st_nlink > 2):
+            if st.st_nlink > 2 or not self._names_file(link, st):
                 removed = self._unlink_link(link)
                 st = lstat_or_none(self.io, path)
                 if st is None or st.st_nlink > 1:
@@ -498,6 +497,11 @@ class FsSteps:
                 return removed, self._free_message(e.msgid, keep)
         kept = self._free_message(e.msgid, keep)
         return self._unlink_link(link), kept
+
+    def _names_file(self, path: str, st: os.stat_result) -> bool:
+        """Whether ``path`` names the file ``st`` describes."""
+        mine = lstat_or_none(self.io, path)
+        return mine is not None and (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino)
 
     def _free_message(self, msgid: str, keep: str | None) -> bool:
         """Take a message file no entry holds out of ``data/``: renamed to ``keep`` (True)
