@@ -29,10 +29,10 @@ def test_the_queues_declare_their_limits() -> None:
         tempfile.mkdtemp()).limits == Limits()
     fs = Backend.from_factory(f"{BROKEN}:fs_small_links").open(tempfile.mkdtemp())
     try:
-        assert fs.limits.max_recipients == 199
+        assert fs.limits.max_recipients == 99
         with fs.enqueue("a@example.org") as enq, pytest.raises(InvalidInputError,
                                                                match="recipients"):
-            enq.commit([Recipient(f"r{i}@example.net", Schedule(0)) for i in range(200)])
+            enq.commit([Recipient(f"r{i}@example.net", Schedule(0)) for i in range(100)])
     finally:
         fs.close()
 
@@ -41,13 +41,13 @@ def test_a_commit_beyond_the_limit_without_the_count_check_is_c9() -> None:
     backend = Backend.from_factory(f"{BROKEN}:fs_unchecked_recipients")
     res = limits_check.run(backend)
     bad = {f.scenario for f in res.findings}
-    assert bad == {"limits:recipients-200", "limits:recipients-10000",
+    assert bad == {"limits:recipients-100", "limits:recipients-10000",
                    "limits:recipients-100000"}
     assert {f.clause for f in res.findings} == {"C9"}
     assert all("StorageIOError" in f.detail for f in res.findings)
-    again = replay(backend, "limits:recipients-200")
-    assert [f.detail.split(":")[0] for f in again] == ["commit of 200 recipients (declared "
-                                                       "limit 199) raised StorageIOError"]
+    again = replay(backend, "limits:recipients-100")
+    assert [f.detail.split(":")[0] for f in again] == ["commit of 100 recipients (declared "
+                                                       "limit 99) raised StorageIOError"]
 
 
 def test_a_forged_schedule_accepted_by_reschedule_is_c9() -> None:

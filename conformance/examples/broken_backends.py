@@ -187,8 +187,9 @@ def kv_posix_lock_dropped(root: str, io: IO | None = None) -> Storage:
 
 
 def fs_small_links(root: str) -> Storage:
-    """The filesystem queue on a file system of 200 names per file: it declares 199
-    recipients per message and refuses more before anything is stored."""
+    """The filesystem queue on a file system of 200 names per file: it declares 99
+    recipients per message (two names each, and the message's own) and refuses more
+    before anything is stored."""
     from queue_ref.fsqueue import FsQueue
 
     return FsQueue(root, FewNamesIO(SMALL_LINKS))

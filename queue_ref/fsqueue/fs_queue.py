@@ -240,9 +240,10 @@ class FsQueue(FsMetadata, Storage):
 
     @property
     def limits(self) -> Limits:
-        """Recipients per message: one fewer than the file system's names per file; the
+        """Recipients per message: half of one fewer than the file system's names per
+        file (each recipient gives the message file two names); the
         spare files kept for reuse (``spares``)."""
-        return Limits(max_recipients=self._link_max - 1, pool_files=self._spares.capacity)
+        return Limits(max_recipients=self._max_recipients, pool_files=self._spares.capacity)
 
     @property
     def sync_mode(self) -> str:
@@ -476,12 +477,18 @@ class FsQueue(FsMetadata, Storage):
             raise storage_error("writing the body", e) from e
 
     def _check_recipient_count(self, n: int) -> None:
-        """A message of 2+ recipients gives its file one name per recipient and one more:
-        refuse, before anything changes, a count the file system cannot link."""
-        if n > 1 and n + 1 > self._link_max:
+        """A message of 2+ recipients gives its file two names per recipient (the entry's
+        link and its reference) and one more: refuse, before anything changes, a count
+        the file system cannot link."""
+        if n > 1 and n > self._max_recipients:
             raise InvalidInputError(
-                f"{n} recipients: a message may have at most {self._link_max - 1} on this "
-                "file system (its limit of names per file); split the recipient list")
+                f"{n} recipients: a message may have at most {self._max_recipients} on "
+                "this file system (two names per recipient, within its limit of names "
+                "per file); split the recipient list")
+
+    @property
+    def _max_recipients(self) -> int:
+        return max(1, (self._link_max - 1) // 2)
 
     def _enqueue_commit(self, tx: MessageTx, rcpts: list[Recipient]) -> list[QueuedMail]:
         try:

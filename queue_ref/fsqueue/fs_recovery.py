@@ -525,6 +525,12 @@ class Recovery:
                 if index is None and not temp:
                     continue  # the message file: moved to quarantine above
                 if not dead and not temp and index is not None and not n.endswith(".sched"):
+                    if self._beyond_envelope(msgid, int(index)):
+                        changed |= if_exists(self.io.unlink, join(self.lay.data, n))
+                        self.problems.append(
+                            f"data/{n}: a name of message {msgid}'s file for an entry the "
+                            "message does not have (not one the queue made); removed")
+                        continue
                     self.lost.add(msgid)
                     copy = self.q._copy_body_aside(EntryName(msgid, int(index)))
                     self.problems.append(
@@ -548,6 +554,15 @@ class Recovery:
                 self.orphans += 1
         if changed:
             self.q._sync_dirs(self.lay.data, self.lay.quarantine)
+
+    def _beyond_envelope(self, msgid: str, index: int) -> bool:
+        """Whether the message's intact envelope has no recipient ``index`` (a name that
+        claims an entry the message never had); False when it cannot be read."""
+        try:
+            env = self.q._load_envelope(msgid)
+        except (Corrupt, OSError):
+            return False
+        return env is not None and index >= len(env.rcpts)
 
     def _unlinked_message(self, msgid: str) -> bool:
         """A message file no link names: moved to ``quarantine/<msgid>.unlinked`` with a
