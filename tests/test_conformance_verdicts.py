@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -56,6 +57,23 @@ def test_the_real_queues_pass_io_errors() -> None:
         assert res.findings == [], (name, res.findings)
 
 
+def copy_queue(src: str, dst: str) -> str:
+    """Copy a queue's tree as it is: symlinks as symlinks, and the names of a file of
+    several names (a message file and its entries' hard links) as names of one copy."""
+    first: dict[tuple[int, int], str] = {}
+
+    def copy(s: str, d: str) -> str:
+        st = os.lstat(s)
+        if (st.st_dev, st.st_ino) in first:
+            os.link(first[(st.st_dev, st.st_ino)], d)
+            return d
+        shutil.copy2(s, d)
+        first[(st.st_dev, st.st_ino)] = d
+        return d
+
+    return shutil.copytree(src, dst, symlinks=True, copy_function=copy)
+
+
 def test_a_process_kill_trial_lands_on_the_same_call_every_time() -> None:
     backend = Backend.from_factory(FS)
     trial = next(t for n in range(40)
@@ -66,7 +84,7 @@ def test_a_process_kill_trial_lands_on_the_same_call_every_time() -> None:
         state = process_kill_check._crash_child(backend, root, trial)
         before = model_before(trial.workload, state.acked)
         pending = trial.workload[state.acked] if state.begun >= state.acked else None
-        copy = shutil.copytree(root, root + ".copy", symlinks=True)  # a queue is links
+        copy = copy_queue(root, root + ".copy")
         assert process_kill_check.judge_trial(backend, root, trial, state) == []
         rec = inspect(lambda copy=copy: backend.open(copy))
         seen.append((state.acked, state.begun,

@@ -55,18 +55,27 @@ def repair(root: str) -> dict[str, object]:
 
 
 def test_a_removed_body_is_reported_lost_with_its_entries(tmp_path: Path) -> None:
+    """The message file's name is removed; its entry's link is a hard link to the same
+    file, so the content survives it: reported lost, kept in quarantine/ (its link
+    beside it), never deleted, and put back by the repair."""
     root = str(tmp_path / "q")
     msgs = fill(root)
-    victim = msgs[0][0]  # one recipient: its file was its only copy
+    victim = msgs[0][0]  # one recipient: its link is the only other name of its file
+    content = Path(root, "data", victim).read_bytes()
     os.unlink(os.path.join(root, "data", victim))
     q = FsQueue(root)
     report = q.last_recovery
     assert report is not None and report.lost == (victim,)
     assert any(f"{victim}.0" in p for p in report.problems)
-    kept = sorted(os.listdir(os.path.join(root, "quarantine")))
+    quarantine = Path(root, "quarantine")
+    kept = sorted(os.listdir(quarantine))
     assert f"{victim}.0.link" in kept and f"{victim}.lost.note" in kept  # kept, not deleted
+    assert (quarantine / f"{victim}.unlinked").read_bytes() == content
+    assert os.path.samefile(quarantine / f"{victim}.unlinked", quarantine / f"{victim}.0.link")
     assert drain(q) == entries(msgs, victim)
-    assert repair(root)["lost"] == [victim]  # still named by the repair
+    done = repair(root)
+    assert done["restored"] == [victim] and done["lost"] == []
+    assert drain(FsQueue(root)) == [f"{victim}.0"]
 
 
 def test_a_removed_body_of_two_recipients_is_restored_by_repair(tmp_path: Path) -> None:
@@ -98,21 +107,48 @@ def test_removed_links_leave_the_message_in_quarantine_until_repair(tmp_path: Pa
 
 
 def test_a_stray_link_is_quarantined_alone(tmp_path: Path) -> None:
+    """A hard link to the message file under an entry name the message does not have:
+    taken out of service with a note and unlinked (kept, it would hold the file for
+    good); the message and its real entry are untouched, and the file is freed by the
+    real entry's cleanup."""
+    root = str(tmp_path / "q")
+    msgs = fill(root)
+    victim = msgs[0][0]
+    msg = os.path.join(root, "data", victim)
+    os.link(msg, os.path.join(root, "queue", f"{victim}.7"))
+    q = FsQueue(root)
+    report = q.last_recovery
+    assert report is not None and report.lost == () and report.quarantined == 1
+    quarantine = os.listdir(os.path.join(root, "quarantine"))
+    assert f"{victim}.7.note" in quarantine and f"{victim}.7.link" not in quarantine
+    assert not os.path.exists(os.path.join(root, "queue", f"{victim}.7"))
+    assert os.stat(msg).st_nlink == 2  # the file and its one entry's link
+    assert drain(q) == entries(msgs)  # the valid message keeps moving
+    assert os.listdir(os.path.join(root, "data")) == []  # and its file was freed
+
+
+def test_a_stray_symlink_is_junk(tmp_path: Path) -> None:
+    """A symlink of an entry name the message does not have (as the old format linked
+    entries) is not a link of the current format: junk, moved aside and reported."""
     root = str(tmp_path / "q")
     msgs = fill(root)
     victim = msgs[0][0]
     os.symlink(f"../data/{victim}", os.path.join(root, "queue", f"{victim}.7"))
     q = FsQueue(root)
     report = q.last_recovery
-    assert report is not None and report.lost == () and report.quarantined == 1
-    assert f"{victim}.7.link" in os.listdir(os.path.join(root, "quarantine"))
+    assert report is not None and report.lost == ()
+    assert any(p.startswith(f"queue/'{victim}.7'") and "symlink" in p for p in report.problems)
+    junk = [n for n in os.listdir(os.path.join(root, "quarantine"))
+            if n.endswith(f"queue.{victim}.7")]
+    assert len(junk) == 1 and os.path.islink(os.path.join(root, "quarantine", junk[0]))
     assert drain(q) == entries(msgs)  # the valid message keeps moving
 
 
 def test_a_removed_hard_link_is_restored_so_the_other_cleanup_keeps_the_body(
         tmp_path: Path) -> None:
-    """The per-recipient hard links count a message's holders: with one gone, the other
-    entry's cleanup would free the file while this entry is still queued."""
+    """An entry's reference ``data/<msgid>.<i>`` is removed: recovery puts it back (an
+    entry whose link damage removes is then still known by its reference), and the
+    other entry's cleanup keeps the file while this entry is still queued."""
     root = str(tmp_path / "q")
     msgs = fill(root)
     victim = msgs[1][0]
@@ -121,7 +157,9 @@ def test_a_removed_hard_link_is_restored_so_the_other_cleanup_keeps_the_body(
     report = q.last_recovery
     assert report is not None and report.lost == ()
     assert any(f"{victim}.1" in p and "restored" in p for p in report.problems)
-    assert os.stat(os.path.join(root, "data", victim)).st_nlink == 3
+    assert os.path.samefile(os.path.join(root, "data", f"{victim}.1"),
+                            os.path.join(root, "data", victim))
+    assert os.stat(os.path.join(root, "data", victim)).st_nlink == 5  # 2 references, 2 links
     first = next(h for h in q.list_queue() if h.entry_id == f"{victim}.0")
     f = q.send_start(first)
     assert f is not None
@@ -148,6 +186,67 @@ def test_a_hard_link_replaced_by_another_file_is_quarantined_and_restored(
     assert len(junk) == 1
     assert Path(root, "quarantine", junk[0]).read_bytes() == b"not the message"
     assert drain(q) == entries(msgs)
+
+
+def test_an_entry_link_replaced_by_a_copy_is_junk_and_its_entry_reported_lost(
+        tmp_path: Path) -> None:
+    """An entry's link replaced by a copy of the message (another inode, so not a hold on
+    the file): the copy is junk, moved aside and reported; the entry, which its
+    reference still names, is reported lost with a copy of the body kept for its
+    recipient; the other entry is delivered and its cleanup frees the file (the copy
+    never counted as a holder: nothing leaks)."""
+    root = str(tmp_path / "q")
+    msgs = fill(root)
+    victim = msgs[3][0]
+    msg = os.path.join(root, "data", victim)
+    content = Path(msg).read_bytes()
+    link = os.path.join(root, "queue", f"{victim}.1")
+    os.unlink(link)
+    Path(link).write_bytes(content)
+    q = FsQueue(root)
+    report = q.last_recovery
+    assert report is not None and report.lost == (victim,)
+    assert any(p.startswith(f"queue/'{victim}.1'") and "not a hard link" in p
+               for p in report.problems)
+    quarantine = Path(root, "quarantine")
+    junk = [n for n in os.listdir(quarantine) if n.endswith(f"queue.{victim}.1")]
+    assert len(junk) == 1 and (quarantine / junk[0]).read_bytes() == content
+    assert (quarantine / f"{victim}.1.msg").read_bytes() == content
+    assert not os.path.exists(link) and not os.path.exists(f"{msg}.1")
+    assert os.stat(msg).st_nlink == 3  # the file, entry 0's reference and link
+    assert drain(q) == sorted(set(entries(msgs)) - {f"{victim}.1"})
+    assert os.listdir(os.path.join(root, "data")) == []  # entry 0's cleanup freed it
+
+
+def test_an_entry_link_replaced_by_a_copy_beside_a_live_owner(tmp_path: Path) -> None:
+    """The same damage found by a recovery beside a live owner (not exclusive): the copy
+    is junk all the same, and the live queue delivers the other entry and frees the
+    file; the next exclusive recovery names the entry lost."""
+    root = str(tmp_path / "q")
+    msgs = fill(root)
+    victim = msgs[3][0]
+    content = Path(root, "data", victim).read_bytes()
+    link = os.path.join(root, "queue", f"{victim}.1")
+    os.unlink(link)
+    Path(link).write_bytes(content)
+    live = FsQueue(root, recover=False)
+    q = FsQueue(root)  # live is open: not exclusive
+    report = q.last_recovery
+    assert report is not None
+    assert any(p.startswith(f"queue/'{victim}.1'") for p in report.problems)
+    assert drain(q) == sorted(set(entries(msgs)) - {f"{victim}.1"})
+    # entry 1's reference still holds the file: entry 0's cleanup kept it
+    assert sorted(os.listdir(os.path.join(root, "data"))) == [victim, f"{victim}.1"]
+    live.close()
+    q = FsQueue(root)
+    report = q.last_recovery
+    assert report is not None and report.lost == (victim,)
+    # no link names the file now: it is reported and kept whole, for `queue-ref repair`
+    assert any(f"message {victim} lost: no link names its file" in p
+               for p in report.problems)
+    assert (Path(root) / "quarantine" / f"{victim}.unlinked").read_bytes() == content
+    q.close()
+    assert os.listdir(os.path.join(root, "data")) == []
 
 
 def test_an_entry_quarantined_for_its_schedule_keeps_a_copy_of_the_body(

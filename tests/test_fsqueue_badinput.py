@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -173,10 +174,10 @@ def test_path_like_addresses_are_data_not_paths(tmp_path: str, q: FsQueue) -> No
         hs = enq.commit([Recipient(a, Schedule(0), zone=a) for a in evil])
     assert sorted(os.listdir(tmp_path)) == outside
     names = [line for line in t(q) if not line.startswith("tmp/")]
-    assert names == sorted(["cleanup/", "data/", "data/M0", "held/", "inflight/", "quarantine/",
-                            "queue/"]
-                           + [f"data/M0.{i}" for i in range(6)]
-                           + [f"queue/M0.{i} -> ../data/M0" for i in range(6)])
+    assert names == sorted(["cleanup/", "data/", "data/M0 (13 names)", "held/", "inflight/",
+                            "quarantine/", "queue-ref.format", "queue/"]
+                           + [f"data/M0.{i} = data/M0" for i in range(6)]
+                           + [f"queue/M0.{i} = data/M0" for i in range(6)])
     got = []
     for h in hs:
         i = q.send_start(h)
@@ -200,23 +201,31 @@ def test_commit_and_write_after_commit_are_refused(q: FsQueue) -> None:
 
 
 class FewLinks(OsIO):
-    """A file system whose files may have at most 5 names."""
+    """A file system whose files may have at most 5 names (``link`` fails with EMLINK
+    beyond, as the kernel's)."""
 
     def link_max(self, path: str) -> int:
         return 5
+
+    def link(self, src: str, dst: str) -> None:
+        if os.lstat(src).st_nlink >= 5:
+            raise OSError(errno.EMLINK, os.strerror(errno.EMLINK), src)
+        super().link(src, dst)
 
 
 def test_more_recipients_than_the_file_system_can_link_are_refused_cleanly(
         tmp_path: str) -> None:
     q = FsQueue(str(tmp_path / "q"), FewLinks())
     try:
+        assert q.limits.max_recipients == 2
         enq = q.enqueue("a@b")
         enq.write(b"body")
-        with pytest.raises(InvalidInputError, match="at most 4"):
-            enq.commit(rcpts(5))  # 5 hard links + the message's own name: 6 > 5
+        with pytest.raises(InvalidInputError, match="at most 2"):
+            enq.commit(rcpts(3))  # 3 links + 3 references + the message's own name: 7 > 5
         assert list(q.list_queue()) == []  # nothing changed ...
-        hs = enq.commit(rcpts(4))  # ... and the Enqueuer is still usable
+        hs = enq.commit(rcpts(2))  # ... and the Enqueuer is still usable: 5 names
         assert [m.entry_id for m in q.list_queue()] == [h.entry_id for h in hs]
+        assert os.stat(os.path.join(q.root, "data", hs[0].message_id)).st_nlink == 5
     finally:
         q.close()
 

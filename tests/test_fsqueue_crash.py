@@ -191,15 +191,15 @@ def test_crash_inside_recovery_then_recover_again(tmp_path: Any, name: str) -> N
 
 
 class NonAtomicMove(FsQueue):
-    """A deliberately broken queue: moves a link by unlink + symlink instead of rename."""
+    """A deliberately broken queue: moves a link by unlink + a new hard link to the
+    message file instead of rename."""
 
     def _move_link(self, src: str, dst: str) -> bool:
-        try:
-            target = self.io.readlink(src)
-        except FileNotFoundError:
+        msgid = os.path.basename(src).split("@")[0].rsplit(".", 1)[0]
+        if not self.io.exists(src):
             return False
         self.io.unlink(src)
-        self.io.symlink(target, dst)
+        self.io.link(self.layout.msg_file(msgid), dst)
         return True
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,6 +53,12 @@ def test_junk_is_quarantined_reported_never_followed(tmp_path: Any, root: str) -
         "queue/notes.txt": lambda p: open(p, "w").close(),
         f"queue/{m}.7": lambda p: os.symlink(str(secret), p),  # our name, foreign target
         f"queue/{m}.8": lambda p: os.symlink("../../victim/rcpts/0", p),
+        # a regular file of an entry's name that is not its message file (a copy: another
+        # inode), claimed by a dead owner
+        f"inflight/{m}.1@{'e' * 16}": lambda p: shutil.copyfile(
+            os.path.join(root, "data", m), p),
+        # a symlink as the old format made them, in a queue of the new one
+        f"queue/{m}.6": lambda p: os.symlink(f"../data/{m}", p),
         "inflight/weird@name": lambda p: os.symlink("/etc/passwd", p),
         f"cleanup/{m}.9": lambda p: os.mkdir(p),
         "data/not-a-message": lambda p: os.mkdir(p),
@@ -73,8 +80,8 @@ def test_junk_is_quarantined_reported_never_followed(tmp_path: Any, root: str) -
     assert len(quarantined) == len(junk)
     assert tree(root, [q.owner]) == sorted(
         [x for x in EMPTY if x != "quarantine/"]
-        + ["data/M0", "data/M0.0", "data/M0.1"]
-        + ["queue/M0.0 -> ../data/M0", "queue/M0.1 -> ../data/M0"]
+        + ["data/M0 (5 names)", "data/M0.0 = data/M0", "data/M0.1 = data/M0"]
+        + ["queue/M0.0 = data/M0", "queue/M0.1 = data/M0"]
         + [line for line in tree(root, [q.owner]) if line.startswith("quarantine/")])
     assert q.recover().problems == ()  # idempotent: nothing more to report
     q.close()
@@ -373,9 +380,14 @@ def test_corrupt_schedule_quarantines_only_that_entry(loaded: Any, root: str) ->
     _corrupt(os.path.join(root, "data", f"{h[1].entry_id}.sched"), offset=-3)
     assert entries(q) == [h[0].entry_id, h[2].entry_id]
     qdir = sorted(os.listdir(os.path.join(root, "quarantine")))
-    assert qdir == sorted([f"{h[1].entry_id}.note", f"{h[1].entry_id}.link",
-                           f"{h[1].entry_id}.sched", f"{h[1].entry_id}.msg"])
+    # the link is unlinked, not kept: a hard link in quarantine/ would hold the message
+    # file for good (the other entries still hold it, so the body is copied aside)
+    assert qdir == sorted([f"{h[1].entry_id}.note", f"{h[1].entry_id}.sched",
+                           f"{h[1].entry_id}.msg"])
+    assert not os.path.exists(os.path.join(root, "queue", h[1].entry_id))
     assert not os.path.exists(os.path.join(root, "data", h[1].entry_id))  # released
+    # the file's names: itself, and the two other entries' references and links
+    assert os.stat(os.path.join(root, "data", h[1].message_id)).st_nlink == 5
     with open(os.path.join(root, "quarantine", f"{h[1].entry_id}.msg"), "rb") as kept, \
             open(os.path.join(root, "data", h[1].message_id), "rb") as shared:
         assert kept.read() == shared.read()  # the body its recipient still needs

@@ -37,7 +37,7 @@ class CountingIO(OsIO):
 
 
 COUNTED = ("fsync", "fsync_dir", "syncfs", "open_create", "open_read", "write", "ftruncate",
-           "fsize", "close", "rename", "unlink", "symlink", "link")
+           "fsize", "close", "rename", "unlink", "symlink", "link")  # symlink: none made
 
 
 def _counting(name: str) -> Any:
@@ -86,6 +86,8 @@ def test_syncfs_mode_lifecycle_is_three_shared_syncs_and_twelve_calls(tmp_path: 
     io = CountingIO()
     q = FsQueue(str(tmp_path / "q"), io, sync="syncfs")
     try:
+        assert io.calls["open_create"] == 1  # the new queue's queue-ref.format
+        io.calls.clear()
         lifecycle(q)  # a new message file, kept as a spare by its cleanup
         assert io.calls["open_create"] == 2  # the message file and the domain's index anchor
         assert io.calls["unlink"] == 2  # index + cleanup/ link
@@ -95,8 +97,9 @@ def test_syncfs_mode_lifecycle_is_three_shared_syncs_and_twelve_calls(tmp_path: 
         assert io.calls == collections.Counter({
             "syncfs": 3,
             "open_create": 1, "write": 1, "close": 1,  # the spare, rewritten
-            "symlink": 1,  # the queue/ link
-            "link": 1,  # the domain index link: a name of the domain's anchor
+            # the queue/ link, a hard link to the message file (a name, no inode of its
+            # own), and the domain index link, a name of the domain's anchor
+            "link": 2,
             "rename": 4,  # commit, send_start, send_done, cleanup (data/ to a spare name)
             "open_read": 1,  # send_start: the entry has no schedule record
             "unlink": 2})  # the domain index link and the cleanup/ link
@@ -113,8 +116,8 @@ def test_spares_off_makes_each_message_a_new_file(tmp_path: Any) -> None:
         io.calls.clear()
         lifecycle(q)
         assert io.calls == collections.Counter(
-            {"syncfs": 3, "open_create": 1, "write": 1, "close": 1, "symlink": 1, "link": 1,
-             "rename": 3, "open_read": 1, "unlink": 3})
+            {"syncfs": 3, "open_create": 1, "write": 1, "close": 1, "link": 2, "rename": 3,
+             "open_read": 1, "unlink": 3})
         assert q.spare_files == 0
     finally:
         q.close()
@@ -148,7 +151,8 @@ def test_two_recipient_commit_syncs_the_hard_links_before_the_commit_rename(
         order.clear()
         put(q, n=2)
         commit_rename = max(i for i, n in enumerate(order) if n == "rename")
-        last_link = max(i for i, n in enumerate(order) if n in ("link", "symlink"))
+        assert "symlink" not in order  # every name is a hard link: no inode per entry
+        last_link = max(i for i, n in enumerate(order) if n == "link")
         synced = {"syncfs"} if mode == "syncfs" else {"fsync_dir"}
         assert any(order[i] in synced for i in range(last_link, commit_rename))
         assert order[-1] in synced  # and the commit itself, before commit returns

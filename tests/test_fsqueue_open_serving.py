@@ -18,7 +18,7 @@ from queue_ref.fsqueue import FsQueue
 from queue_ref.fsqueue.recover_child import report_from_json, report_json
 from queue_ref.io import IO
 from queue_ref.opener import open_serving
-from queue_ref.storage import Recipient, RecoveryReport, Schedule
+from queue_ref.storage import Recipient, RecoveryReport, Schedule, StorageIOError
 
 DEAD = "b" * 16  # an owner token no open queue holds
 
@@ -192,3 +192,27 @@ def test_the_recovery_process_reports_in_json_and_refuses_bad_usage(tmp_path: Pa
                          timeout=60)
     assert bad.returncode == 2 and "usage:" in bad.stderr
     assert not (tmp_path / "q").exists()  # nothing opened, nothing created
+
+
+def test_an_old_format_queue_is_converted_by_its_opening_for_serving(tmp_path: Path) -> None:
+    """A queue of the format before hard-link entries (symlinks, no queue-ref.format) is
+    opened with its whole recovery, which converts it when no other owner is alive;
+    beside a live owner the opening refuses, naming ``queue-ref repair``."""
+    from tests.test_fsqueue_format import symlinks, to_old_format
+
+    root = tmp_path / "q"
+    live = FsQueue(str(root))
+    want = _messages_of(live, (1, 3))
+    to_old_format(str(root), {want[1].rsplit(".", 1)[0]})
+    with pytest.raises(StorageIOError, match="queue-ref repair"):
+        open_serving(str(root))  # live has it open: not converted
+    assert len(symlinks(str(root))) == len(want)
+    live.close()
+    store, recover = open_serving(str(root))
+    try:
+        assert recover is None and isinstance(store, FsQueue)
+        assert store.last_recovery is not None and store.last_recovery.lost == ()
+        assert symlinks(str(root)) == [] and (root / "queue-ref.format").is_file()
+        assert [h.entry_id for h in store.list_queue()] == want
+    finally:
+        store.close()

@@ -37,9 +37,11 @@ def t(q: FsQueue) -> list[str]:
     return tree(q.root, [q.owner])
 
 
-MESSAGE = ["data/M0"]  # the message file: body, envelope record, trailer
-REFS = ["data/M0.0", "data/M0.1"]  # hard links: one per entry of a 2-recipient message
-QUEUED = ["queue/M0.0 -> ../data/M0", "queue/M0.1 -> ../data/M0"]
+# The message file (body, envelope record, trailer) of a 2-recipient message: its names
+# are data/M0, one reference hard link and one entry link (a hard link too) per entry.
+MESSAGE = ["data/M0 (5 names)"]
+REFS = ["data/M0.0 = data/M0", "data/M0.1 = data/M0"]  # the references: same inode
+QUEUED = ["queue/M0.0 = data/M0", "queue/M0.1 = data/M0"]  # the entries' links: same inode
 
 
 def with_(*lines: str, base: list[str] = EMPTY) -> list[str]:
@@ -69,18 +71,19 @@ def test_enqueue_tree_while_building_and_after_commit(q: FsQueue) -> None:
     handles = enq.commit(rcpts(2))
     assert [h.entry_id.split(".")[1] for h in handles] == ["0", "1"]
     assert t(q) == with_(*MESSAGE, *REFS, *QUEUED)
-    assert os.stat(os.path.join(q.root, "data", enq.message_id)).st_nlink == 3
+    assert os.stat(os.path.join(q.root, "data", enq.message_id)).st_nlink == 5
     body, record = message_parts(os.path.join(q.root, "data", enq.message_id))
     assert body == b"hello" + b"x" * BODY_BUFFER
     assert Envelope.decode(record, enq.message_id).rcpts == tuple(rcpts(2))
-    assert q.footprint().objects == 3  # the message file and its two hard links
+    assert q.footprint().objects == 3  # the message file and its two references
     assert q.footprint().bytes > 3 * len(body)
 
 
 def test_a_one_recipient_message_is_one_file_and_one_link(q: FsQueue) -> None:
     (h,) = put(q, n=1)
-    assert t(q) == with_(*MESSAGE, "queue/M0.0 -> ../data/M0")
-    assert os.stat(os.path.join(q.root, "data", h.message_id)).st_nlink == 1
+    assert t(q) == with_("data/M0 (2 names)", "queue/M0.0 = data/M0")
+    # no reference for one recipient: its link is the only other name, no inode of its own
+    assert os.stat(os.path.join(q.root, "data", h.message_id)).st_nlink == 2
 
 
 def test_abort_removes_everything(q: FsQueue) -> None:
@@ -95,8 +98,8 @@ def test_send_start_moves_the_link_to_inflight_with_our_owner(q: FsQueue) -> Non
     h = put(q)
     i = q.send_start(h[0])
     assert isinstance(i, InflightMail) and i.schedule == h[0].schedule
-    assert t(q) == with_(*MESSAGE, *REFS, "inflight/M0.0@O0 -> ../data/M0",
-                         "queue/M0.1 -> ../data/M0")
+    assert t(q) == with_(*MESSAGE, *REFS, "inflight/M0.0@O0 = data/M0",
+                         "queue/M0.1 = data/M0")
 
 
 def test_reschedule_writes_the_record_and_leaves_the_link_queued(q: FsQueue) -> None:
@@ -125,12 +128,12 @@ def test_send_done_moves_to_cleanup_and_cleanup_releases_the_entry(q: FsQueue) -
     assert i is not None
     p = q.send_done(i)
     assert p is not None
-    assert t(q) == with_(*MESSAGE, *REFS, "cleanup/M0.0 -> ../data/M0",
-                         "queue/M0.1 -> ../data/M0")
+    assert t(q) == with_(*MESSAGE, *REFS, "cleanup/M0.0 = data/M0",
+                         "queue/M0.1 = data/M0")
     assert [c.entry_id for c in q.find_pending_cleanup()] == [h[0].entry_id]
     assert q.cleanup(p) is True
-    assert t(q) == with_(*MESSAGE, "data/M0.1", "queue/M0.1 -> ../data/M0")
-    assert os.stat(os.path.join(q.root, "data", h[1].message_id)).st_nlink == 2
+    assert t(q) == with_("data/M0 (3 names)", "data/M0.1 = data/M0", "queue/M0.1 = data/M0")
+    assert os.stat(os.path.join(q.root, "data", h[1].message_id)).st_nlink == 3
     p1 = q.drop(h[1])
     assert p1 is not None and q.cleanup(p1) is True  # the last entry frees the file
     assert t(q) == EMPTY
@@ -140,7 +143,7 @@ def test_drop_then_cleanup_of_the_last_entry_removes_the_message(q: FsQueue) -> 
     h = put(q, n=1)
     p = q.drop(h[0])
     assert p is not None
-    assert t(q) == with_(*MESSAGE, "cleanup/M0.0 -> ../data/M0")
+    assert t(q) == with_("data/M0 (2 names)", "cleanup/M0.0 = data/M0")
     assert q.cleanup(p) is True
     assert t(q) == with_("tmp/O0/spare.0")  # kept for the next message (spares.py)
     assert q.footprint() == Footprint(0, 0)
@@ -220,7 +223,7 @@ def test_close_hands_inflight_entries_to_the_next_owner(tmp_path: str) -> None:
     adopted = list(b.find_inflight())
     assert [m.entry_id for m in adopted] == [h[0].entry_id]
     assert tree(root, [b.owner, a.owner]) == with_(
-        *MESSAGE, *REFS, "inflight/M0.0@O0 -> ../data/M0", "queue/M0.1 -> ../data/M0")
+        *MESSAGE, *REFS, "inflight/M0.0@O0 = data/M0", "queue/M0.1 = data/M0")
     p = b.send_done(adopted[0])
     assert p is not None and b.cleanup(p)
     b.close()

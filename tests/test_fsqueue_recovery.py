@@ -5,6 +5,8 @@ what recovery must not touch while other owners are alive."""
 from __future__ import annotations
 
 import os
+import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +37,15 @@ def opened(root: str) -> tuple[FsQueue, RecoveryReport]:
 
 
 def link(root: str, d: str, name: str, entry: str) -> None:
+    """Give ``entry`` a link ``<d>/<name>``: a hard link to its message file."""
     msgid = entry.rsplit(".", 1)[0]
-    os.symlink(f"../data/{msgid}", os.path.join(root, d, name))
+    os.link(os.path.join(root, "data", msgid), os.path.join(root, d, name))
+
+
+def same_file(a: str, b: str) -> bool:
+    """Whether ``a`` and ``b`` are regular files of one inode (read with ``os``)."""
+    sa, sb = os.lstat(a), os.lstat(b)
+    return stat.S_ISREG(sa.st_mode) and (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
 def drain(q: FsQueue) -> None:
@@ -74,11 +83,12 @@ def test_live_owner_enqueue_in_progress_is_left_alone(root: str) -> None:
     enq = a.enqueue("a@b")
     enq.write(b"b" * BODY_BUFFER)  # large enough to be on disk already
     tx = enq._tx  # type: ignore[attr-defined]
-    os.symlink(f"../data/{tx.msgid}", os.path.join(root, "queue", f"{tx.msgid}.0"))
+    building = os.path.join(root, "tmp", a.owner, tx.msgid)
+    os.link(building, os.path.join(root, "queue", f"{tx.msgid}.0"))  # as a commit makes it
     b = FsQueue(root)
     assert b.last_recovery == RecoveryReport()
-    assert os.path.getsize(os.path.join(root, "tmp", a.owner, tx.msgid)) == BODY_BUFFER
-    assert os.path.islink(os.path.join(root, "queue", f"{tx.msgid}.0"))
+    assert os.path.getsize(building) == BODY_BUFFER
+    assert same_file(os.path.join(root, "queue", f"{tx.msgid}.0"), building)
     assert entries(b) == []  # listers skip the dangling link
     b.close()
     enq.abort()
@@ -91,7 +101,7 @@ def test_interrupted_cleanup_is_finished(root: str) -> None:
     p0 = q.drop(h[0])
     p1 = q.drop(h[1])
     assert p0 is not None and p1 is not None
-    # Cleanup of entry 1 got as far as releasing its hard link; entry 0 not started.
+    # Cleanup of entry 1 got as far as unlinking its reference; entry 0 not started.
     os.unlink(os.path.join(root, "data", h[1].entry_id))
     q.close()
     q2, report = opened(root)
@@ -149,9 +159,9 @@ def test_orphans_are_removed(root: str) -> None:
     open(os.path.join(data, f"{m}.2.{'a' * 16}.tmp"), "wb").close()  # a dead owner's temp
     os.unlink(os.path.join(root, "queue", lone[0].entry_id))  # a message no link names
     q2, report = opened(root)
-    assert report.orphans_removed == 4  # hard link, schedule record, temp record, message
+    assert report.orphans_removed == 4  # reference, schedule record, temp record, message
     assert sorted(n for n in os.listdir(data) if n.startswith(m)) == [m, f"{m}.0", f"{m}.2"]
-    assert os.stat(os.path.join(data, m)).st_nlink == 3
+    assert os.stat(os.path.join(data, m)).st_nlink == 5  # the file, 2 references, 2 links
     assert not os.path.exists(os.path.join(data, lone[0].message_id))
     assert entries(q2) == [h[0].entry_id, h[2].entry_id, kept[0].entry_id]
     drain(q2)
@@ -225,17 +235,22 @@ def test_half_done_quarantines_are_finished(root: str) -> None:
     # Message h: file moved to quarantine; schedule record, hard links and links not yet.
     open(os.path.join(qdir, f"{h[0].message_id}.note"), "w").close()
     os.rename(os.path.join(data, h[0].message_id), os.path.join(qdir, f"{h[0].message_id}.msg"))
-    # Entry g.1: note written and link moved; its schedule record and hard link not yet.
+    # Entry g.1 (g.0 still holds the file): note written, body copied aside, its link
+    # unlinked (a hard link kept in quarantine/ would hold the file for good); its
+    # schedule record and reference not yet.
     open(os.path.join(qdir, f"{g[1].entry_id}.note"), "w").close()
-    os.rename(os.path.join(root, "queue", g[1].entry_id),
-              os.path.join(qdir, f"{g[1].entry_id}.link"))
+    shutil.copyfile(os.path.join(data, g[0].message_id),
+                    os.path.join(qdir, f"{g[1].entry_id}.msg"))
+    os.unlink(os.path.join(root, "queue", g[1].entry_id))
     q2, _ = opened(root)
     assert entries(q2) == [g[0].entry_id]
     assert sorted(os.listdir(qdir)) == sorted([
         f"{h[0].message_id}.note", f"{h[0].message_id}.msg", f"{h[0].entry_id}.link",
         f"{h[1].entry_id}.link", f"{h[0].entry_id}.sched", f"{g[1].entry_id}.note",
-        f"{g[1].entry_id}.link", f"{g[1].entry_id}.sched", f"{g[1].entry_id}.msg"])
+        f"{g[1].entry_id}.sched", f"{g[1].entry_id}.msg"])
     assert sorted(os.listdir(data)) == sorted([g[0].message_id, g[0].entry_id])
+    # g's file: its name, g.0's reference and link; nothing in quarantine/ holds it
+    assert os.stat(os.path.join(data, g[0].message_id)).st_nlink == 3
     with open(os.path.join(qdir, f"{g[1].entry_id}.msg"), "rb") as kept, open(
             os.path.join(data, g[0].message_id), "rb") as shared:
         assert kept.read() == shared.read()  # g.1's body, kept while g.0 holds the file
@@ -281,3 +296,25 @@ def test_a_damaged_schedule_record_quarantines_its_entry_and_keeps_the_body(root
     q = FsQueue(root)  # and the next open leaves quarantine/ as it is
     q.close()
     assert body in Path(kept).read_bytes()
+
+
+def test_a_link_whose_move_to_quarantine_a_power_cut_kept_on_both_sides_goes(
+        root: str) -> None:
+    q = FsQueue(root)
+    (h,) = put(q, n=1)
+    q.close()
+    os.unlink(os.path.join(root, "data", h.message_id))  # the message's name is lost
+    q = FsQueue(root)
+    assert q.last_recovery is not None and q.last_recovery.lost == (h.message_id,)
+    q.close()
+    kept = os.path.join(root, "quarantine", f"{h.entry_id}.link")
+    queued = os.path.join(root, "queue", h.entry_id)
+    assert not os.path.exists(queued)
+    # A power cut persisted the rename queue/ -> quarantine/ in quarantine/ only: both
+    # names are left, names of one file.
+    os.link(kept, queued)
+    q2, _ = opened(root)
+    q2.close()
+    assert os.listdir(os.path.join(root, "queue")) == []
+    assert same_file(kept, os.path.join(root, "quarantine", f"{h.message_id}.unlinked"))
+    assert os.stat(kept).st_nlink == 2  # the kept content and its link, nothing more

@@ -303,3 +303,43 @@ def test_an_entry_quarantined_by_two_owners_at_once_keeps_its_body_copy(root: st
             assert f.read() == g.read()
     finally:
         a.close()
+
+
+class FailsOneCleanupUnlink(OsIO):
+    """``unlink`` of a ``cleanup/`` link fails once with EIO, while armed."""
+
+    armed = False
+
+    def unlink(self, path: str) -> None:
+        if self.armed and "/cleanup/" in path:
+            self.armed = False
+            raise OSError(errno.EIO, "injected", path)
+        super().unlink(path)
+
+
+def test_a_spare_still_named_by_a_failed_cleanups_link_does_not_keep_the_next_message(
+        root: str) -> None:
+    io = FailsOneCleanupUnlink()
+    q = FsQueue(root, io)
+    try:
+        (h,) = put(q, n=1)
+        i = q.send_start(h)
+        assert i is not None
+        p = q.send_done(i)
+        assert p is not None
+        io.armed = True
+        with pytest.raises(StorageIOError, match="injected"):
+            q.cleanup(p)  # the file is a spare already; its cleanup/ link is left
+        for h2 in put(q, n=2):  # the next message (written into the spare, if reused)
+            finish(q, h2)
+        (left,) = q.find_pending_cleanup()
+        assert q.cleanup(left) is True  # the failed cleanup, retried
+        assert q.footprint() == Footprint(0, 0)
+        assert os.listdir(os.path.join(root, "data")) == []
+    finally:
+        q.close()
+    again = FsQueue(root)
+    try:
+        assert again.last_recovery is not None and again.last_recovery.lost == ()
+    finally:
+        again.close()

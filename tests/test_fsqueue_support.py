@@ -10,6 +10,7 @@ import errno
 import hashlib
 import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -51,12 +52,36 @@ def put(q: FsQueue, n: int = 2, body: bytes = b"Subject: hi\r\n\r\nbody\r\n",
         return enq.commit(rcpts(n))
 
 
+def _first_name(names: list[str]) -> str:
+    """The name a file of several names is shown under: its message file name
+    ``data/<msgid>`` if it has one, else ``tmp/<owner>/<msgid>`` (a message being
+    committed), else a name outside the link directories (a reference link, quarantine/),
+    else the first in order."""
+    def rank(r: str) -> tuple[int, str]:
+        parts = r.split(os.sep)
+        if parts[0] == "data" and MSGID.fullmatch(parts[-1]):
+            return 0, r
+        if parts[0] == "tmp" and MSGID.fullmatch(parts[-1]):
+            return 1, r
+        return (3 if parts[0] in ("queue", "inflight", "cleanup", "held") else 2), r
+    return min(names, key=rank)
+
+
 def tree(root: str, owners: Sequence[str] = ()) -> list[str]:
     """Every name under ``root`` except owners/ and the domain index domains/ (see
     ``index_tree``), one line each, with message ids renamed M0, M1... (in id order) and
     the given owner tokens O0, O1...; directories end in /, symlinks show their target.
-    Read with ``os`` directly: a backdoor."""
+
+    A regular file of several names (a message file and its entries' hard links) is
+    shown once with its link count (``st_nlink``: every name it has, listed here or not),
+    ``data/M0 (5 names)``, under the name
+    ``_first_name`` picks; each of its other names shows that name, ``queue/M0.0 =
+    data/M0``: a regular file of the same inode (same device and inode number).  A name
+    that is a regular file of one name shows alone.  Read with ``os`` directly: a
+    backdoor."""
     lines = []
+    files: dict[tuple[int, int], list[str]] = {}
+    nlinks: dict[tuple[int, int], int] = {}
     for dirpath, dirnames, filenames in os.walk(root):
         rel = os.path.relpath(dirpath, root)
         if rel.split(os.sep)[0] in ("owners", "domains"):
@@ -70,7 +95,16 @@ def tree(root: str, owners: Sequence[str] = ()) -> list[str]:
         for f in filenames:
             p = os.path.join(dirpath, f)
             r = os.path.relpath(p, root)
-            lines.append(f"{r} -> {os.readlink(p)}" if os.path.islink(p) else r)
+            st = os.lstat(p)
+            if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+                files.setdefault((st.st_dev, st.st_ino), []).append(r)
+                nlinks[(st.st_dev, st.st_ino)] = st.st_nlink
+            else:
+                lines.append(f"{r} -> {os.readlink(p)}" if os.path.islink(p) else r)
+    for key, names in files.items():
+        first = _first_name(names)
+        lines.append(f"{first} ({nlinks[key]} names)")
+        lines.extend(f"{r} = {first}" for r in names if r != first)
     text = "\n".join(sorted(lines))
     for k, m in enumerate(sorted(set(MSGID.findall(text)))):
         text = text.replace(m, f"M{k}")
@@ -79,7 +113,8 @@ def tree(root: str, owners: Sequence[str] = ()) -> list[str]:
     return sorted(text.split("\n")) if text else []
 
 
-EMPTY = ["cleanup/", "data/", "held/", "inflight/", "quarantine/", "queue/", "tmp/", "tmp/O0/"]
+EMPTY = ["cleanup/", "data/", "held/", "inflight/", "quarantine/", "queue-ref.format", "queue/",
+         "tmp/", "tmp/O0/"]
 
 
 def message_parts(path: str) -> tuple[bytes, bytes]:
@@ -210,7 +245,7 @@ def test_message_ids_are_unique_time_ordered_and_carry_the_owner() -> None:
 def test_entry_names_parse_only_our_names() -> None:
     m = MessageIds(new_owner()).next()
     assert EntryName.parse(f"{m}.12") == EntryName(m, 12)
-    assert EntryName(m, 3).target == f"../data/{m}"
+    assert EntryName(m, 3).legacy_target == f"../data/{m}"  # the old format's symlinks
     for bad in (f"{m}.012", f"{m}.-1", f"{m}", f"{m}.1.tmp", "../x.0", f"{m}.1/..", ""):
         assert EntryName.parse(bad) is None, bad
 

@@ -199,9 +199,12 @@ WIDE_RCPTS = 3
 KILL_STOPS = (4, 7, 10, 13, 5, 8, 11, 14, 6, 9, 12, 3)
 #: Every other doomed owner runs on a file system of this many names per file (as some
 #: are): what a store makes when a file is full of names (the filesystem queue's fresh
-#: domain anchor, replacing a full one) is met half made too; at 4, the anchor's fresh
-#: copy is mutating call 7 of the wide enqueue, round 1's stop.
-FEW_NAMES = 4
+#: domain anchor, replacing a full one) is met half made too.  At 7 the wide message's
+#: file just holds its names (its own, and a link and a reference per recipient), and
+#: the ``FULL_FIRST`` messages before it to the same domain leave its anchor one name
+#: short of full, so the wide enqueue's second index link finds it full.
+FEW_NAMES = 7
+FULL_FIRST = FEW_NAMES - 2
 
 
 def _doomed_owner(ch: Channel, backend: Backend, root: str, tag: str, stop: int,
@@ -212,7 +215,7 @@ def _doomed_owner(ch: Channel, backend: Backend, root: str, tag: str, stop: int,
     ``FEW_NAMES`` names per file when ``few_names``."""
     io = killing_io(FewNamesIO(FEW_NAMES) if few_names else OsIO()) if stop else None
     store = backend.open(root, io) if io is not None else backend.open(root)
-    _enqueue(store, 2, tag)
+    _enqueue(store, FULL_FIRST if few_names else 2, tag)
     for h in store.list_queue():
         if store.send_start(h) is not None:
             break

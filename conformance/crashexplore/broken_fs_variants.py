@@ -321,6 +321,9 @@ class _OwnRecovery(_Fsync):
                 self._closed = True
                 raise
 
+    def _refuse_old_format(self) -> None:
+        return None  # its own recovery, run next, converts it
+
     def recover(self) -> RecoveryReport:
         self._check_open()
         try:

@@ -192,29 +192,25 @@ class FsQueue(FsMetadata, Storage):
         self._reading: Counter[str] = Counter()  # open MailReaders by message id
         self._reading_lock = threading.Lock()
         self.last_recovery: RecoveryReport | None = None
+        self._made_tmp = False
         try:
             self._create_layout()
             with self._owners.gate():
                 self._owner_fd = self._owners.register()
                 self.io.mkdir(self.layout.tmp_owner(self.owner))
+                self._made_tmp = True
                 self._sync_dirs(self.layout.tmp)
                 self._pin_dirs()
                 self._link_max = self.io.link_max(self.layout.data)
                 if recover:
                     self.last_recovery = self.recovery(self).run()
-                elif self.old_format:
-                    raise StorageIOError(
-                        f"the queue at {self.root} is in the old format (entries as "
-                        "symlinks): it is converted by the recovery of an opening while "
-                        "no other process has it open; run `queue-ref repair --queue "
-                        f"{self.root}` with the queue stopped")
+                else:
+                    self._refuse_old_format()
         except OSError as e:
-            self._release_owner()
-            self._closed = True
+            self._abandon_open()
             raise storage_error(f"opening the queue at {self.root}", e) from e
         except BaseException:
-            self._release_owner()
-            self._closed = True
+            self._abandon_open()
             raise
 
     def _create_layout(self) -> None:
@@ -260,6 +256,24 @@ class FsQueue(FsMetadata, Storage):
         for d in dirs:
             self.io.pin_dir(d)
             self._pinned.append(d)
+
+    def _refuse_old_format(self) -> None:
+        """An opening without recovery cannot convert the old format (its entries, as
+        symlinks, would not be seen): it refuses, naming the repair."""
+        if self.old_format:
+            raise StorageIOError(
+                f"the queue at {self.root} is in the old format (entries as symlinks): it "
+                "is converted by the recovery of an opening while no other process has it "
+                f"open; run `queue-ref repair --queue {self.root}` with the queue stopped")
+
+    def _abandon_open(self) -> None:
+        """A failed opening leaves no trace of its owner: its empty ``tmp/<owner>/``
+        (else taken for a dead process's, see ``dead_owners``) and its lock."""
+        if self._made_tmp:
+            with suppress(OSError):
+                if_exists(self.io.rmdir, self.layout.tmp_owner(self.owner))
+        self._release_owner()
+        self._closed = True
 
     def _release_owner(self) -> None:
         while self._pinned:

@@ -303,13 +303,22 @@ class FsMetadata(FsSteps):
         if changed:
             self._sync_dirs(self.layout.data, self.layout.quarantine)
 
+    def _move_aside(self, src: str, dst: str) -> bool:
+        """Move ``src`` to ``dst`` in quarantine/ (``_move_link``).  When ``dst`` already
+        names the same file (a power cut kept both names of an earlier move), rename(2)
+        would do nothing and succeed: ``src`` is unlinked instead."""
+        there = lstat_or_none(self.io, dst)
+        if there is not None and self._names_file(src, there):
+            return self._unlink_link(src)
+        return self._move_link(src, dst)
+
     def _quarantine_links_of(self, msgid: str) -> int:
         """Move the queue/, held/ and inflight/ links of ``msgid`` to quarantine/."""
         moved = 0
         for d in (self.layout.queue, self.layout.held, self.layout.inflight):
             names = self._links_of_message(d, msgid)
             for n in names:
-                moved += self._move_link(join(d, n), self.layout.quarantined(f"{n}.link"))
+                moved += self._move_aside(join(d, n), self.layout.quarantined(f"{n}.link"))
             if names:
                 self._sync_dirs(d, self.layout.quarantine)
         return moved
@@ -330,7 +339,7 @@ class FsMetadata(FsSteps):
         # quarantiner of the entry may have found this copy there and made none of its own
         alone = self._holds_alone(e, link)
         if alone:
-            moved = self._move_link(link, self.layout.quarantined(f"{basename(link)}.link"))
+            moved = self._move_aside(link, self.layout.quarantined(f"{basename(link)}.link"))
         else:
             moved = self._unlink_link(link)
         if not moved:

@@ -154,11 +154,17 @@ class FsSteps:
         """Open the file the message is written into: a spare file if the queue has one
         (overwritten from its start; ``_cut_reused`` cuts what is left of its old content),
         else a new ``tmp/<owner>/<msgid>``.  Either lies in this owner's ``tmp/``, where
-        nothing refers to it, until the commit rename publishes it after it is durable."""
+        nothing refers to it, until the commit rename publishes it after it is durable.
+        A spare with another name (the ``cleanup/`` link of its last message, when
+        unlinking it failed) is given up: that name would hold the next message's file
+        after its last cleanup."""
         spare = self._spares.take()
         if spare is not None:
             path, size = spare
             try:
+                st = self.io.lstat(path)
+                if st.st_nlink > 1:  # a name a failed cleanup left (its link): it would
+                    raise FileExistsError(path)  # count as a holder of the next message
                 fd = self.io.open_create(path, exclusive=False)
             except OSError:  # unusable: forget it (recovery removes it once we are dead)
                 with suppress(OSError):
