@@ -116,8 +116,9 @@ def run_demo(root: str, console: Console, quiet: bool = False) -> dict[str, Any]
             first = enq.commit([Recipient("bob@example.net", Schedule(now)),
                                 Recipient("carol@example.com", Schedule(now))])
         show(f"2. one message, two recipients, committed ({q.sync_mode} group commit): "
-             "one file in data/ (body, envelope), a hard link per recipient, "
-             "a link per recipient in queue/")
+             "one file in data/ (body, envelope) and four more names of it: a "
+             "reference per recipient in data/, a link per recipient in queue/ (hard "
+             "links: no inode of their own)")
         inflight = q.send_start(first[0])
         assert inflight is not None
         show("3. send_start: bob's link moved to inflight/, named with this process's owner token")
