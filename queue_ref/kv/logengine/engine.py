@@ -14,7 +14,9 @@ in an exclusive turn; flushes and compactions run in the writers' path, never in
 background thread, so a single-threaded run's sequence of disk calls is deterministic.
 
 Flush (and ``compact()``, which merges everything): merge the memtable with the tables the
-policy picks (``merge.py``) into ``<n>.tbl.tmp``, fsync it, rename it to ``<n>.tbl``;
+policy picks (``merge.py``) into ``<n>.tbl.tmp``, fsync it, rename it to ``<n>.tbl`` (a
+table past ``table_limit`` bytes is cut into pieces, each such a file: a *run*, which the
+policy counts as one table);
 create a new empty log; write ``MANIFEST-<m>`` (live tables, the new log) and fsync it;
 fsync the directory, so every name the manifest uses is durable; then publish by writing
 ``CURRENT.tmp``, fsync, rename to ``CURRENT``, fsync the directory.  Only then are the
@@ -40,6 +42,17 @@ trusted; recovery keeps exactly what the log and tables hold).  Reads keep worki
 full disk (``ENOSPC`` from a write, before anything was synced or published) is not such
 a failure: the log is cut back to where it was, a flush's half-made files are removed,
 the write fails with ``ENOSPC``, and writing goes on once there is space again.
+
+Full disk, drained: a flush whose merge finds no room flushes the memtable alone, and the
+next try waits for another sixteenth of the log limit.  ``reclaim()`` gives back the room
+of what no read returns any more while needing little: each table piece in turn is
+written again without the entries a newer table or the memtable hides (the log synced
+first, so what hides them is durable), a manifest naming the new piece and the same log
+is published, and the old piece deleted; then the memtable is flushed alone and the
+pieces gone over again.  A write refused for a full disk (nothing of it written)
+reclaims once and is tried again; the KV queue also asks for a reclaim while it drains
+a full disk (``kv_queue.KvQueue._make_room``).  A crash anywhere in it leaves ``CURRENT``
+naming the manifest before or after a step, each of which holds the same contents.
 """
 
 from __future__ import annotations
