@@ -57,6 +57,7 @@ naming the manifest before or after a step, each of which holds the same content
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import os
@@ -157,6 +158,14 @@ def _runs(tables: Sequence[Table]) -> tuple[list[int], list[int]]:
     return starts, entries
 
 
+def _any_within(keys: list[bytes], table: Table) -> bool:
+    """Whether a key of ``keys`` (sorted) falls in the range of ``table``'s keys."""
+    if not table.last_keys:
+        return False
+    i = bisect.bisect_left(keys, table.first_key)
+    return i < len(keys) and keys[i] <= table.last_keys[-1]
+
+
 def _is_size(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
@@ -228,6 +237,10 @@ class LogEngine(KV):
         #: After a flush failed for a full disk: the log size before which no write
         #: tries it again (each try writes until the disk refuses).
         self._flush_at = 0
+        #: The tables after the last reclaim that went through (None: none since the open,
+        #: or the last one stopped): nothing in one hides anything in another, so the next
+        #: reclaim reads again only the pieces whose keys a newer write may hide.
+        self._clean: set[int] | None = None
         self._manifest_no = 0
         self._next_file = 1
         self._closed = False
@@ -825,14 +838,17 @@ class LogEngine(KV):
         """``reclaim`` in an exclusive turn (or while opening)."""
         self._since_reclaim = 0
         before = self._bytes()
+        clean, self._clean = self._clean, None
         try:
-            self._collect()
+            self._collect(clean)
             self._delete(self._maintain(full=False, merge=False))
-            self._collect()
+            self._collect(clean)
         except Exception as e:
             if not self._survives_no_space(e):
                 self._failed = e
                 raise
+        else:
+            self._clean = {t.number for t in self._tables}
         return before - self._bytes()
 
     def _bytes(self) -> int:
@@ -861,13 +877,28 @@ class LogEngine(KV):
         self._durable = log.size
         return True
 
-    def _collect(self) -> None:
-        """Write each table piece again without what nothing reads (see ``reclaim``)."""
+    def _collect(self, clean: set[int] | None) -> None:
+        """Write each table piece again without what nothing reads (see ``reclaim``).  With
+        ``clean`` (the tables after the last reclaim that went through), a piece of those
+        is read only if a key of the memtable or of a table made since falls in its range:
+        so a reclaim costs in proportion to what was written since the last one, not to
+        all the store holds."""
         mem = self._mem if self._settle_log() else None
+        fresh: list[bytes] | None = None
+        if clean is not None:
+            keys = {k for k, _ in mem.range(b"", None)} if mem is not None else set()
+            for t in self._tables:
+                if t.number not in clean:
+                    keys.update(k for k, _ in t.scan(b"", None))
+            fresh = sorted(keys)
         i = 0
         while i < len(self._tables):
             tables = list(self._tables)
             piece = tables[i]
+            if (fresh is not None and clean is not None and piece.number in clean
+                    and not _any_within(fresh, piece)):
+                i += 1
+                continue
             kept = self._still_read(piece, mem, tables[i + 1:], tables[:i])
             if len(kept) == piece.entries:
                 i += 1
