@@ -49,7 +49,8 @@ of what no read returns any more while needing little: each table piece in turn 
 written again without the entries a newer table or the memtable hides (the log synced
 first, so what hides them is durable), a manifest naming the new piece and the same log
 is published, and the old piece deleted; then the memtable is flushed alone and the
-pieces gone over again.  A write refused for a full disk (nothing of it written)
+pieces gone over again (after a reclaim that went through, only those a key written
+since falls in).  A write refused for a full disk (nothing of it written)
 reclaims once and is tried again; the KV queue also asks for a reclaim while it drains
 a full disk (``kv_queue.KvQueue._make_room``).  A crash anywhere in it leaves ``CURRENT``
 naming the manifest before or after a step, each of which holds the same contents.
