@@ -205,10 +205,13 @@ class ProducerProcesses:
 
 
 def disk_bytes(root: str) -> int:
-    """Bytes of the files under ``root`` (what the queue's directory holds on disk)."""
+    """Bytes of the files under ``root`` (what the queue's directory holds on disk), but
+    the filesystem queue's ``queue-ref.format``, written once when the queue is made."""
     total = 0
     for d, _, files in os.walk(root):
         for f in files:
+            if d == root and f == "queue-ref.format":
+                continue
             try:
                 total += os.lstat(os.path.join(d, f)).st_size
             except FileNotFoundError:

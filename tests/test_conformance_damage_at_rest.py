@@ -471,20 +471,17 @@ def test_a_store_that_names_mail_lost_with_nothing_damaged_is_c6() -> None:
 
 
 @pytest.mark.parametrize("seed", [1, second_seed(26)])
-def test_a_queue_that_trusts_its_link_count_after_damage_frees_a_queued_body(seed: int
-                                                                            ) -> None:
-    """Damage removes one per-recipient hard link of a message of two recipients: a queue
-    whose recovery does not give it back frees the file at the other entry's cleanup, and
-    the queued entry's CorruptionError names a quarantine file that does not exist.  Only
-    removal of such a link shows it; the finding replays, and the real queue passes it."""
+def test_entry_links_hold_the_body_when_damage_takes_a_reference(seed: int) -> None:
+    """Damage removes one reference hard link ``data/<m>.<i>`` of a message of two
+    recipients, and recovery does not give it back (``fs_ref_count_trusted``).  With
+    symlink entries that left the file's link count one short, and the other entry's
+    cleanup freed the body of the queued one (C6).  Entries are hard links to the message
+    file now, so the queued entry's own link still holds it: the variant passes, as the
+    real queue does, on the same plan of damage."""
     broken = Backend.from_factory(f"{BROKEN}:fs_ref_count_trusted")
     res = damage_at_rest_check.run(broken, QUICK, seed)
-    assert res.status is Status.FAIL and {f.clause for f in res.findings} == {"C6"}
-    assert all(":removal:data/" in f.scenario for f in res.findings)
-    named = [f for f in res.findings if "which does not exist" in f.detail]
-    assert named
-    assert "C6" in [f.clause for f in damage_at_rest_check.replay(broken, named[0].scenario)]
-    assert damage_at_rest_check.replay(Backend.from_factory(FS), named[0].scenario) == []
+    assert res.status is Status.PASS, res.findings
+    assert res.stats["trials"] > 0
 
 
 @pytest.mark.parametrize("seed", [1, second_seed(26)])

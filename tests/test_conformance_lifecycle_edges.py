@@ -112,22 +112,20 @@ def test_a_recovery_that_removes_a_live_owners_enqueue_is_caught() -> None:
 
 
 @pytest.mark.parametrize("seed", [1, 26])
-def test_a_recovery_that_takes_a_live_commits_hard_links_is_c1(seed: int) -> None:
+def test_a_live_commits_entry_links_hold_its_body_when_recovery_takes_its_references(
+        seed: int) -> None:
     """Beside the actor's open queue another owner left an uncommitted enqueue; the
-    observer's recovery, removing it, also takes the hard links the actor's commit made
-    before its rename.  The commit returns with a link count of one, and the observer,
-    delivering what is left while the actor still has the queue open, frees the file with
-    the first entry: the second is lost.  The quick profile meets it (both targets of
-    ``enqueue``); the real queue passes the same trial."""
+    observer's recovery, removing it, also takes the reference links the actor's commit
+    made before its rename (``fs_live_commit_refs_swept``).  With symlink entries the
+    commit returned with a link count of one and the delivery of its first entry freed
+    the file the second needed (C1).  Its entries' links are hard links to the file now,
+    made before the rename too, so they hold it: the variant passes the trials that
+    found it, as the real queue does."""
     broken = Backend.from_factory("conformance.examples.broken_backends:"
                                   "fs_live_commit_refs_swept")
     res = lifecycle_edges_check.run(broken, QUICK, seed)
-    assert res.status is Status.FAIL and {f.clause for f in res.findings} == {"C1"}
-    assert all(f.scenario.startswith("lifecycle-edges:enqueue:pair:") for f in res.findings)
-    first = res.findings[0].scenario
-    assert {f.clause for f in lifecycle_edges_check.replay(broken, first)} == {"C1"}
-    fs = Backend.from_factory("conformance.examples.backends:fs")
-    assert lifecycle_edges_check.replay(fs, first) == []
+    assert res.status is Status.PASS, res.findings
+    assert res.stats["trials"] > 0
 
 
 def test_sigstop_finds_the_same_bug_in_a_backend_without_the_seam() -> None:

@@ -1104,7 +1104,9 @@ def fs_ref_count_trusted(root: str, io: IO | None = None) -> Storage:
     still need the file): when damage removes one, the cleanup of the message's other
     entry frees the file while the damaged entry is still queued, whose read then says
     the bytes went to ``quarantine/<m>.msg``, which does not exist.  Only damage-at-rest's
-    removal of a hard link fails it (C6)::
+    removal of a hard link failed it (C6).  Since entries are hard links to their message
+    file (2026-11-28) the queued entry's own link holds the file: the variant is absorbed
+    and passes (``tests/test_conformance_damage_at_rest.py``)::
 
         queue-ref certify conformance.examples.broken_backends:fs_ref_count_trusted \\
             --only damage-at-rest
@@ -1177,7 +1179,9 @@ def fs_live_commit_refs_swept(root: str, io: IO | None = None) -> Storage:
     of one, and delivering its first entry frees the file the second still needs.  An
     exclusive recovery later would give the links back, so only a delivery beside the
     live owner shows it: the lifecycle-edges check, whose observer delivers what is left
-    while the actor still has the queue open (C1)::
+    while the actor still has the queue open (C1).  Since entries are hard links to their
+    message file (2026-11-28), made before the rename too, they hold it: the variant is
+    absorbed and passes::
 
         queue-ref certify conformance.examples.broken_backends:fs_live_commit_refs_swept \\
             --only lifecycle-edges
