@@ -136,11 +136,12 @@ def open_serving(path: str, backend: str = "fs"
     if backend not in ("fs", "fs-fsync"):
         return open_queue(path, backend), None
     from queue_ref.fsqueue import FsQueue
-    from queue_ref.fsqueue.layout import FORMAT_MARKER
+    from queue_ref.fsqueue.layout import Layout
 
     sync = "fsync" if backend == "fs-fsync" else None
-    if os.path.isdir(os.path.join(path, "data")) and not os.path.exists(
-            os.path.join(path, FORMAT_MARKER)):  # the old format: converted at opening
+    lay = Layout(path)
+    if os.path.isdir(lay.data) and not os.path.exists(lay.format_marker):
+        # the old format: converted at opening
         return FsQueue(path, sync=sync), None
     q = FsQueue(path, recover=False, sync=sync)
     try:

@@ -18,7 +18,13 @@ from queue_ref.fsqueue import FsQueue
 from queue_ref.fsqueue.fs_records import Envelope
 from queue_ref.fsqueue.spares import SPARE_MAX_BODY
 from queue_ref.io import OsIO
-from queue_ref.storage import Footprint, InvalidInputError, QueuedMail, StorageIOError
+from queue_ref.storage import (
+    Footprint,
+    InvalidInputError,
+    PendingCleanupMail,
+    QueuedMail,
+    StorageIOError,
+)
 from tests.test_fsqueue_support import EMPTY, CrashIO, message_parts, put, tree
 
 
@@ -34,11 +40,17 @@ def q(root: str) -> Iterator[FsQueue]:
     store.close()
 
 
-def finish(q: FsQueue, h: QueuedMail) -> None:
+def delivered(q: FsQueue, h: QueuedMail) -> PendingCleanupMail:
+    """``h`` claimed and sent: its PENDING_CLEANUP handle."""
     i = q.send_start(h)
     assert i is not None
     p = q.send_done(i)
-    assert p is not None and q.cleanup(p)
+    assert p is not None
+    return p
+
+
+def finish(q: FsQueue, h: QueuedMail) -> None:
+    assert q.cleanup(delivered(q, h))
 
 
 def spares_on_disk(q: FsQueue) -> list[str]:
@@ -169,10 +181,7 @@ def test_a_failed_move_to_the_pool_hands_the_cleanup_back(root: str) -> None:
     q = FsQueue(root, io)
     try:
         (h,) = put(q, n=1)
-        i = q.send_start(h)
-        assert i is not None
-        p = q.send_done(i)
-        assert p is not None
+        p = delivered(q, h)
         with pytest.raises(StorageIOError) as ei:
             q.cleanup(p)
         assert io.failed == 1 and q.spare_files == 0
@@ -323,10 +332,7 @@ def test_a_spare_still_named_by_a_failed_cleanups_link_does_not_keep_the_next_me
     q = FsQueue(root, io)
     try:
         (h,) = put(q, n=1)
-        i = q.send_start(h)
-        assert i is not None
-        p = q.send_done(i)
-        assert p is not None
+        p = delivered(q, h)
         io.armed = True
         with pytest.raises(StorageIOError, match="injected"):
             q.cleanup(p)  # the file is a spare already; its cleanup/ link is left

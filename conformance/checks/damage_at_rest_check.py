@@ -80,6 +80,7 @@ import os
 import random
 import re
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Callable
@@ -181,7 +182,7 @@ def _link_names(template: str, files: list[str]) -> frozenset[str]:
     out = set()
     for f in sorted(files):
         st = os.lstat(os.path.join(template, f))
-        if os.path.islink(os.path.join(template, f)):
+        if stat.S_ISLNK(st.st_mode):
             out.add(f)
         elif st.st_nlink > 1:
             if (st.st_dev, st.st_ino) in first:

@@ -131,6 +131,11 @@ def tree_usage(io: IO, path: str, *, skip: re.Pattern[str] | None = None
     return objects, size
 
 
+def same_inode(a: os.stat_result, b: os.stat_result) -> bool:
+    """Whether two ``stat`` results describe one file (two names of it)."""
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
 def is_link_file(io: IO, path: str) -> bool:
     """Whether ``path`` is an entry's link: a regular file (a hard link to its message
     file; recovery checks that it is that file, see fs_recovery.py)."""

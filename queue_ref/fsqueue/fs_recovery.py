@@ -70,11 +70,13 @@ from queue_ref.fsqueue.diskutil import (
     lstat_or_none,
     readlink_or_none,
     remove_tree,
+    same_inode,
 )
 from queue_ref.fsqueue.layout import (
     DATA_RE,
     DOMAIN_ANCHOR,
     DOMAIN_DIR_RE,
+    LINK_DIRS,
     MSGID_RE,
     OWNER_RE,
     EntryName,
@@ -157,7 +159,7 @@ class Recovery:
             self.junk(path, "not a regular file")
             return False
         msg = self._msg_stat(e.msgid)
-        if msg is not None and (msg.st_dev, msg.st_ino) != (st.st_dev, st.st_ino):
+        if msg is not None and not same_inode(msg, st):
             self.junk(path, f"not a hard link to its message file data/{e.msgid}")
             return False
         return True
@@ -174,13 +176,11 @@ class Recovery:
         """The old format's entry links: symlinks ``-> ../data/<msgid>`` of committed
         messages in the link directories."""
         links: list[tuple[str, EntryName]] = []
-        for d in (self.lay.queue, self.lay.inflight, self.lay.cleanup, self.lay.held):
+        for d in (join(self.lay.root, d) for d in LINK_DIRS):
             for name in listdir_or_empty(self.io, d):
                 e = EntryName.parse(name.split("@")[0])
                 path = join(d, name)
-                if e is None or not self.io.is_symlink(path):
-                    continue
-                if (readlink_or_none(self.io, path) == e.legacy_target
+                if (e is not None and readlink_or_none(self.io, path) == e.legacy_target
                         and self._msg_stat(e.msgid) is not None):
                     links.append((path, e))
         return links

@@ -27,7 +27,7 @@ import hashlib
 import os
 from dataclasses import dataclass, field, replace
 
-from queue_ref.fsqueue.diskutil import if_exists, listdir_or_empty, lstat_or_none
+from queue_ref.fsqueue.diskutil import if_exists, listdir_or_empty, lstat_or_none, same_inode
 from queue_ref.fsqueue.fs_queue import FsQueue
 from queue_ref.fsqueue.fs_records import TRAILER_LEN
 from queue_ref.fsqueue.layout import MSGID_RE, EntryName
@@ -79,8 +79,7 @@ def _restore(q: FsQueue, path: str, msgid: str) -> int:
         for name in listdir_or_empty(io, lay.quarantine):
             other = os.path.join(lay.quarantine, name)
             o = lstat_or_none(io, other)
-            if other != path and o is not None and (o.st_dev, o.st_ino) == (
-                    st.st_dev, st.st_ino):
+            if other != path and o is not None and same_inode(o, st):
                 if_exists(io.unlink, other)
     if n > 1:
         for i in range(n):

@@ -57,7 +57,13 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
-from queue_ref.fsqueue.diskutil import if_exists, listdir_or_empty, lstat_or_none, write_whole
+from queue_ref.fsqueue.diskutil import (
+    if_exists,
+    listdir_or_empty,
+    lstat_or_none,
+    same_inode,
+    write_whole,
+)
 from queue_ref.fsqueue.fs_records import Envelope, encode_schedule, trailer
 from queue_ref.fsqueue.groupsync import GroupSync
 from queue_ref.fsqueue.layout import FORMAT_TEXT, EntryName, Layout, domain_of
@@ -507,7 +513,7 @@ class FsSteps:
     def _names_file(self, path: str, st: os.stat_result) -> bool:
         """Whether ``path`` names the file ``st`` describes."""
         mine = lstat_or_none(self.io, path)
-        return mine is not None and (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino)
+        return mine is not None and same_inode(mine, st)
 
     def _free_message(self, msgid: str, keep: str | None) -> bool:
         """Take a message file no entry holds out of ``data/``: renamed to ``keep`` (True)
