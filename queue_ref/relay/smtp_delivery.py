@@ -31,7 +31,7 @@ from queue_ref.relay.smtp_address import plain_quoted
 from queue_ref.relay.smtp_line_folding import LINE_LENGTH_LIMIT, fold_long_lines, has_long_line
 from queue_ref.relay.smtp_pipelining import pipelined_replies
 from queue_ref.relay.smtp_tls_policy import TlsPolicies
-from queue_ref.relay.tls_summary import NO_TLS, summary_of
+from queue_ref.relay.tls_summary import CLOSE_GRACE, NO_TLS, summary_of
 
 __all__ = ["RcptResult", "SmtpDeliverer", "dsn_of", "wire_body"]
 
@@ -204,7 +204,8 @@ class SmtpDeliverer:
             self._reaper.cancel()
             self._reaper = None
         pools, self._idle = self._idle, {}
-        await asyncio.gather(*(_quit(c.smtp) for pool in pools.values() for c in pool))
+        await asyncio.gather(*(_quit(c.smtp) for pool in pools.values() for c in pool),
+                             *self._closing, return_exceptions=True)
 
     async def deliver(self, hosts: list[Nexthop], mail_from: str, rcpts: list[str], body: bytes,
                       params: dict[str, str]) -> list[RcptResult]:
@@ -500,7 +501,21 @@ async def _rset(smtp: aiosmtplib.SMTP) -> None:
 
 
 async def _quit(smtp: aiosmtplib.SMTP) -> None:
+    """QUIT, and return once the connection is gone.  ``close()`` only starts that: over
+    TLS the socket is closed after the server answers the close_notify, later on the
+    loop, and a loop that ends first (the relay stopping) leaves the socket open.  A
+    connection still there after ``CLOSE_GRACE`` is aborted."""
+    protocol, transport = smtp.protocol, smtp.transport
     try:
         await asyncio.wait_for(smtp.quit(), 5)
     except (TimeoutError, aiosmtplib.SMTPException, OSError):
         smtp.close()
+    if protocol is None or transport is None:
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + CLOSE_GRACE
+    while protocol.transport is not None and loop.time() < deadline:  # None: connection_lost
+        await asyncio.sleep(0.01)
+    if protocol.transport is not None:
+        transport.abort()  # type: ignore[attr-defined]
+        await asyncio.sleep(0)

@@ -41,7 +41,7 @@ from queue_ref.relay.relay_config import RelayConfig
 from queue_ref.relay.smtp_address import fast_path_address, valid_address
 from queue_ref.relay.smtp_data_reader import read_data
 from queue_ref.relay.smtpd_sasl_auth import TOO_MANY, SaslAuthenticator
-from queue_ref.relay.tls_summary import summary_of_session
+from queue_ref.relay.tls_summary import CLOSE_GRACE, summary_of_session
 from queue_ref.storage import (
     InvalidInputError,
     NoSpaceError,
@@ -134,6 +134,9 @@ class RelaySMTP(SMTP):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         self.receiver.sessions.add(self)
+        if self.receiver.shutting_down and self._original_transport is None:
+            # accepted while the relay stops: close_sessions may already have passed
+            asyncio.get_running_loop().create_task(self.close_for_shutdown())
 
     def connection_lost(self, error: Exception | None) -> None:
         self.receiver.sessions.discard(self)
@@ -242,6 +245,14 @@ class RelaySMTP(SMTP):
             if self.transport is not None:
                 self.transport.close()
 
+    def abort(self) -> None:
+        """Drop the connection now: what is not yet sent is discarded.  After STARTTLS
+        both the TLS transport and the socket's own are aborted (a TLS close waits for the
+        client's close_notify, which a client that does not read never sends)."""
+        for transport in (self.transport, self._original_transport):
+            if transport is not None:
+                transport.abort()  # type: ignore[attr-defined]
+
 
 def _store_message(store: Storage, mail_from: str, params: dict[str, str],
                    received: tuple[bytes, bytes], body: bytes, rcpts: Sequence[str],
@@ -314,6 +325,15 @@ class SmtpReceiver:
             await asyncio.sleep(0.02)
         for s in list(self.sessions):
             await s.close_for_shutdown()
+        # a closed session is gone once its replies are out and, after STARTTLS, once
+        # the client answered the TLS close: a client that reads nothing holds it
+        grace = time.monotonic() + CLOSE_GRACE
+        while self.sessions and time.monotonic() < grace:
+            await asyncio.sleep(0.01)
+        for s in list(self.sessions):
+            s.abort()
+        for _ in range(3):  # the aborted transports' connection_lost runs on the loop
+            await asyncio.sleep(0)
 
     # ---- policy ----
 

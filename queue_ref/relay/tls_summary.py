@@ -16,10 +16,15 @@ import ssl
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["NO_TLS", "TlsSummary", "summary_of", "summary_of_session"]
+__all__ = ["CLOSE_GRACE", "NO_TLS", "TlsSummary", "summary_of", "summary_of_session"]
 
 #: the delivery record's ``tls`` field for a session in clear text
 NO_TLS = "none"
+
+#: seconds a stopping relay gives a connection it closed to be gone before it aborts it:
+#: a TLS close waits for the peer's close_notify, which a peer that reads nothing never
+#: sends, and a socket still open when the event loop ends is never closed
+CLOSE_GRACE = 1.0
 
 
 @dataclass(frozen=True)
