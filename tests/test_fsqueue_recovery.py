@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -318,3 +319,78 @@ def test_a_link_whose_move_to_quarantine_a_power_cut_kept_on_both_sides_goes(
     assert os.listdir(os.path.join(root, "queue")) == []
     assert same_file(kept, os.path.join(root, "quarantine", f"{h.message_id}.unlinked"))
     assert os.stat(kept).st_nlink == 2  # the kept content and its link, nothing more
+
+
+def test_sibling_cleanups_cut_short_before_the_last_frees_the_file_leave_an_orphan(
+        root: str) -> None:
+    """Two entries of one message cleaned up at once: each unlinks its reference, sees the
+    other's link, unlinks its own link, and the one that then sees the count at one frees
+    the file.  The process dies just before that free: the file is left with no link and
+    no reference.  Every entry was delivered, so recovery removes it as an orphan; it is
+    not reported lost (before, it went to ``quarantine/<msgid>.unlinked``: a false loss
+    that ``queue-ref repair`` would have delivered again)."""
+    io = CrashIO()
+    q = FsQueue(root, io)
+    h = put(q, n=2)
+    pending = []
+    for m in h:
+        i = q.send_start(m)
+        assert i is not None
+        p = q.send_done(i)
+        assert p is not None
+        pending.append(p)
+    msg = os.path.join(root, "data", h[0].message_id)
+    link0 = os.path.join(root, "cleanup", h[0].entry_id)
+    b_done = threading.Event()
+    a_paused = threading.Event()
+
+    def pause_or_crash(name: str, args: tuple[object, ...]) -> bool:
+        if threading.current_thread() is not a:
+            return False
+        if name == "unlink" and args[0] == link0:  # A saw B's link: B runs whole now
+            a_paused.set()
+            assert b_done.wait(10)
+            return False
+        return str(args[0]) == msg  # A's free of the file (unlink, or rename to a spare)
+
+    io.crash_on = pause_or_crash
+    crashed: list[BaseException] = []
+
+    def run_a() -> None:
+        try:
+            q.cleanup(pending[0])
+        except Crash as c:
+            crashed.append(c)
+
+    a = threading.Thread(target=run_a)
+    a.start()
+    assert a_paused.wait(10)
+    assert q.cleanup(pending[1])  # B: unlinks its link, sees A's: not the last
+    assert os.lstat(msg).st_nlink == 2
+    b_done.set()
+    a.join(10)
+    assert crashed, "A did not reach the free of the file"
+    io.kill()
+    assert os.lstat(msg).st_nlink == 1 and os.listdir(os.path.join(root, "cleanup")) == []
+    q2, report = opened(root)
+    assert report.lost == () and report.damaged_files == () and report.problems == ()
+    assert report.orphans_removed == 1
+    assert os.listdir(os.path.join(root, "quarantine")) == []
+    drain(q2)
+    q2.close()
+
+
+def test_a_message_whose_links_are_gone_but_a_reference_is_left_is_still_lost(
+        root: str) -> None:
+    """The counterpart: links removed (damage) while a reference is left is mail that
+    was never delivered, reported lost and kept for ``queue-ref repair``."""
+    q = FsQueue(root)
+    h = put(q, n=2)
+    q.close()
+    for m in h:
+        os.unlink(os.path.join(root, "queue", m.entry_id))
+    os.unlink(os.path.join(root, "data", h[0].entry_id))  # one reference gone too
+    q2, report = opened(root)
+    assert report.lost == (h[0].message_id,)
+    assert os.path.exists(os.path.join(root, "quarantine", f"{h[0].message_id}.unlinked"))
+    q2.close()

@@ -33,7 +33,9 @@ queue open and none can open it meanwhile.  Steps, in order:
 6. **Orphans** (exclusive only; otherwise only the schedule temp files of dead owners):
    under data/, every name of a message no link names (its reference links, schedule
    records), reference links and schedule records of entries no link names, schedule
-   temp files, and unknown names (quarantined).  A committed message
+   temp files, and unknown names (quarantined).  A message file no link names whose
+   entries were all cleaned up (2+ recipients, no reference left: sibling cleanups cut
+   short just before the last frees the file) is removed too.  Any other committed message
    file no link names is moved to quarantine (``<msgid>.unlinked``) and reported lost:
    its links were removed, or (after a power cut) its cleanup or an unacknowledged
    commit was cut short; ``queue-ref repair`` puts an intact one back in the queue.  A
@@ -514,15 +516,17 @@ class Recovery:
         changed = False
         for msgid, group in sorted(names.items()):
             dead = msgid not in live_msgs
-            removed = False
+            removed = finished = False
             if dead and any(index is None and not temp for _, index, temp in group):
-                changed |= self._unlinked_message(msgid)
-                removed = True
+                finished = self._cleaned_up(msgid, group)
+                if not finished:
+                    changed |= self._unlinked_message(msgid)
+                    removed = True
             for n, index, temp in sorted(group, key=lambda g: g[1] is None):
                 entry = f"{msgid}.{index}"
                 if not (dead or temp or (index is not None and entry not in refs)):
                     continue
-                if index is None and not temp:
+                if index is None and not temp and not finished:
                     continue  # the message file: moved to quarantine above
                 if not dead and not temp and index is not None and not n.endswith(".sched"):
                     if self._beyond_envelope(msgid, int(index)):
@@ -554,6 +558,27 @@ class Recovery:
                 self.orphans += 1
         if changed:
             self.q._sync_dirs(self.lay.data, self.lay.quarantine)
+
+    def _cleaned_up(self, msgid: str, group: list[tuple[str, str | None, bool]]) -> bool:
+        """Whether a message file no link names is one every entry's cleanup has released:
+        a message of 2+ recipients none of whose references is left (cleanup unlinks an
+        entry's reference before its link, and nothing else unlinks one but a quarantine
+        of the entry, which leaves a note).  Sibling entries cleaned up at once each
+        unlink their link before the last of them, seeing the count at one, frees the
+        file: a crash in between leaves it so, and it is an orphan, not lost mail.  A
+        message of one recipient (no reference), or whose envelope cannot be read, is
+        not known to be finished."""
+        if any(index is not None and not temp and not n.endswith(".sched")
+               for n, index, temp in group):
+            return False
+        try:
+            env = self.q._read_envelope(self.lay.msg_file(msgid), msgid)
+        except (Corrupt, OSError):
+            return False
+        if len(env.rcpts) < 2 or self.io.exists(self.lay.quarantined(f"{msgid}.note")):
+            return False
+        return not any(self.io.exists(self.lay.quarantined(f"{msgid}.{i}.note"))
+                       for i in range(len(env.rcpts)))
 
     def _beyond_envelope(self, msgid: str, index: int) -> bool:
         """Whether the message's intact envelope has no recipient ``index`` (a name that
