@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 from queue_ref import Recipient, Schedule
 from queue_ref.fsqueue import FsQueue
+from tests.test_fsqueue_support import Crash, CrashIO
 
 
 def fill(root: str) -> list[tuple[str, int]]:
@@ -188,13 +190,11 @@ def test_a_hard_link_replaced_by_another_file_is_quarantined_and_restored(
     assert drain(q) == entries(msgs)
 
 
-def test_an_entry_link_replaced_by_a_copy_is_junk_and_its_entry_reported_lost(
-        tmp_path: Path) -> None:
-    """An entry's link replaced by a copy of the message (another inode, so not a hold on
-    the file): the copy is junk, moved aside and reported; the entry, which its
-    reference still names, is reported lost with a copy of the body kept for its
-    recipient; the other entry is delivered and its cleanup frees the file (the copy
-    never counted as a holder: nothing leaks)."""
+def test_an_entry_link_replaced_by_a_copy_is_made_a_hard_link_again(tmp_path: Path) -> None:
+    """An entry's link replaced by a copy of the message (another inode, the same bytes:
+    what ``cp`` without ``-a`` makes): an exclusive recovery makes it a hard link of the
+    message file again and reports that; nothing is lost, and the entry's hold on the
+    file counts again (the file is freed by the last cleanup, not before)."""
     root = str(tmp_path / "q")
     msgs = fill(root)
     victim = msgs[3][0]
@@ -205,17 +205,79 @@ def test_an_entry_link_replaced_by_a_copy_is_junk_and_its_entry_reported_lost(
     Path(link).write_bytes(content)
     q = FsQueue(root)
     report = q.last_recovery
+    assert report is not None and report.lost == () and report.damaged_files == ()
+    assert any(p.startswith(f"queue/{victim}.1: a copy of its message file")
+               for p in report.problems)
+    assert os.listdir(Path(root, "quarantine")) == []
+    assert os.path.samefile(link, msg) and os.stat(msg).st_nlink == 5
+    assert drain(q) == entries(msgs)
+    assert os.listdir(os.path.join(root, "data")) == []
+
+
+def test_an_entry_link_replaced_by_a_copy_with_other_bytes_is_junk_and_its_entry_lost(
+        tmp_path: Path) -> None:
+    """A regular file in an entry's place whose bytes differ from its message file (one
+    byte changed) is no copy: it is junk, moved aside and reported; the entry, which its
+    reference still names, is reported lost with a copy of the body kept for its
+    recipient; the other entry is delivered and its cleanup frees the file (the junk
+    never counted as a holder: nothing leaks)."""
+    root = str(tmp_path / "q")
+    msgs = fill(root)
+    victim = msgs[3][0]
+    msg = os.path.join(root, "data", victim)
+    content = Path(msg).read_bytes()
+    altered = content[:-1] + bytes([content[-1] ^ 1])
+    link = os.path.join(root, "queue", f"{victim}.1")
+    os.unlink(link)
+    Path(link).write_bytes(altered)
+    q = FsQueue(root)
+    report = q.last_recovery
     assert report is not None and report.lost == (victim,)
     assert any(p.startswith(f"queue/'{victim}.1'") and "not a hard link" in p
                for p in report.problems)
     quarantine = Path(root, "quarantine")
     junk = [n for n in os.listdir(quarantine) if n.endswith(f"queue.{victim}.1")]
-    assert len(junk) == 1 and (quarantine / junk[0]).read_bytes() == content
+    assert len(junk) == 1 and (quarantine / junk[0]).read_bytes() == altered
     assert (quarantine / f"{victim}.1.msg").read_bytes() == content
     assert not os.path.exists(link) and not os.path.exists(f"{msg}.1")
     assert os.stat(msg).st_nlink == 3  # the file, entry 0's reference and link
     assert drain(q) == sorted(set(entries(msgs)) - {f"{victim}.1"})
     assert os.listdir(os.path.join(root, "data")) == []  # entry 0's cleanup freed it
+
+
+def test_a_queue_copied_without_its_hard_links_opens_whole(tmp_path: Path) -> None:
+    """A stopped queue copied by ``shutil.copytree`` (as ``cp -r`` or ``rsync -a``
+    without ``-H``: every hard link becomes a file of its own), with entries queued,
+    inflight (its owner killed), held and pending cleanup: the copy opens with every
+    link and reference made a hard link of its message file again, nothing lost or
+    quarantined, each entry delivered once, and the last cleanup frees each file."""
+    root = str(tmp_path / "q")
+    msgs = fill(root)
+    q = FsQueue(root)
+    listed = list(q.list_queue())
+    held = next(h for h in listed if h.message_id == msgs[1][0])
+    assert q.hold(held) is not None
+    done = q.send_start(next(h for h in listed if h.entry_id == f"{msgs[3][0]}.0"))
+    assert done is not None and q.send_done(done) is not None  # pending cleanup
+    inflight = q.send_start(next(h for h in listed if h.entry_id == f"{msgs[0][0]}.0"))
+    assert inflight is not None
+    copy = str(tmp_path / "copy")
+    shutil.copytree(root, copy, symlinks=True)
+    q.close()
+    data = os.path.join(copy, "data")
+    assert all(os.stat(os.path.join(data, m)).st_nlink == 1 for m, _ in msgs)
+    c = FsQueue(copy)
+    report = c.last_recovery
+    assert report is not None and report.lost == () and report.damaged_files == ()
+    assert os.listdir(os.path.join(copy, "quarantine")) == []
+    assert report.requeued == 1 and report.cleaned == 1
+    # each file's names: itself, then a link and (2+ recipients) a reference per entry
+    left = {m: 1 + (1 if n == 1 else 2 * n) for m, n in msgs}
+    left[msgs[3][0]] -= 2  # entry 0 cleaned up
+    assert {m: os.stat(os.path.join(data, m)).st_nlink for m, _ in msgs} == left
+    assert c.release(next(h for h in c.list_held())) is not None
+    assert drain(c) == sorted(set(entries(msgs)) - {f"{msgs[3][0]}.0"})
+    assert os.listdir(data) == []
 
 
 def test_an_entry_link_replaced_by_a_copy_beside_a_live_owner(tmp_path: Path) -> None:
@@ -317,3 +379,34 @@ def test_repair_cli_usage_errors(tmp_path: Path) -> None:
     bad = run("--queue", str(tmp_path / "empty"))
     assert bad.returncode == 2 and "pass --backend" in bad.stderr
     assert run("--queue", str(tmp_path), "--backend", "nope").returncode == 2
+
+
+def test_a_copied_queue_whose_opening_crashes_at_any_call_opens_whole_next_time(
+        tmp_path: Path) -> None:
+    """The opening of a copied queue killed before each of its mutating calls in turn
+    (each a new copy): the next opening still finds nothing lost or quarantined, and
+    every entry is delivered once."""
+    root = str(tmp_path / "q")
+    msgs = fill(root)
+    want = entries(msgs)
+    calls = None
+    k = 0
+    while calls is None or k < calls:
+        copy = str(tmp_path / f"copy{k}")
+        shutil.copytree(root, copy, symlinks=True)
+        io = CrashIO(crash_at=k)
+        try:
+            FsQueue(copy, io).close()
+            calls = len(io.calls)  # the whole opening: a crash before each call was tried
+            assert calls == k
+        except Crash:
+            io.kill()
+        q = FsQueue(copy)
+        report = q.last_recovery
+        assert report is not None and report.lost == (), (k, report)
+        assert os.listdir(os.path.join(copy, "quarantine")) == [], k
+        assert drain(q) == want, k
+        assert os.listdir(os.path.join(copy, "data")) == [], k
+        shutil.rmtree(copy)
+        k += 1
+    assert calls is not None and calls > 10

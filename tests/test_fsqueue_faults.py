@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -40,6 +40,14 @@ def entries(q: FsQueue) -> list[str]:
 # ---- junk ------------------------------------------------------------------------------
 
 
+def _altered_copy(src: str, dst: str) -> None:
+    """``dst``: the bytes of ``src`` with the last one changed (a copy of a message file
+    made with its very bytes is a link copied without its hard link, mended by recovery;
+    see tests/test_damage_fs.py)."""
+    data = Path(src).read_bytes()
+    Path(dst).write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+
+
 def test_junk_is_quarantined_reported_never_followed(tmp_path: Any, root: str) -> None:
     q = FsQueue(root)
     h = put(q, n=2)
@@ -53,10 +61,9 @@ def test_junk_is_quarantined_reported_never_followed(tmp_path: Any, root: str) -
         "queue/notes.txt": lambda p: open(p, "w").close(),
         f"queue/{m}.7": lambda p: os.symlink(str(secret), p),  # our name, foreign target
         f"queue/{m}.8": lambda p: os.symlink("../../victim/rcpts/0", p),
-        # a regular file of an entry's name that is not its message file (a copy: another
-        # inode), claimed by a dead owner
-        f"inflight/{m}.1@{'e' * 16}": lambda p: shutil.copyfile(
-            os.path.join(root, "data", m), p),
+        # a regular file of an entry's name that is not its message file (another inode,
+        # and not a copy of it either: its last byte differs), claimed by a dead owner
+        f"inflight/{m}.1@{'e' * 16}": lambda p: _altered_copy(os.path.join(root, "data", m), p),
         # a symlink as the old format made them, in a queue of the new one
         f"queue/{m}.6": lambda p: os.symlink(f"../data/{m}", p),
         "inflight/weird@name": lambda p: os.symlink("/etc/passwd", p),

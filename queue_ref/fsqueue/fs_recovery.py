@@ -11,7 +11,10 @@ queue open and none can open it meanwhile.  Steps, in order:
 1. **Junk**: anything in queue/, inflight/, cleanup/, held/ that is not one of our links (a
    name we never create, a directory, a symlink, a file that is not the same inode as
    its message file ``data/<msgid>`` when that exists) is moved to quarantine/ and
-   reported.  Links are never followed.
+   reported.  Links are never followed.  Except, when exclusive: a file with the same
+   bytes as its message file is a copy of a link (a queue copied by ``cp -r`` or
+   ``rsync`` without ``-H``), made a hard link of the file again (a new link renamed
+   over it) and reported; so is a copy of a reference link, in step 7.
 2. **Duplicates** (an entry linked twice, possible after power loss because a rename
    persists in one directory before the other): cleanup wins over queue, held and
    inflight; held wins over queue and a dead owner's inflight (only an interrupted hold or
@@ -92,6 +95,9 @@ from queue_ref.storage import RecoveryReport, StorageIOError
 Inflight = dict[EntryName, list[tuple[str, str]]]  # entry -> [(owner, link path)]
 
 
+#: bytes compared at a time when a link that is not a hard link may be a copy of its file
+COMPARE_CHUNK = 1 << 20
+
 class Recovery:
     def __init__(self, q: FsMetadata) -> None:
         self.q = q
@@ -109,6 +115,7 @@ class Recovery:
         self.held: dict[EntryName, str] = {}
         self.index_paths: dict[str, str] = {}  # entry id -> its index link (verified entries)
         self.msg_stats: dict[str, os.stat_result | None] = {}  # message id -> its file's
+        self.relinked: set[str] = set()  # directories where a copied link was relinked
 
     def alive(self, owner: str) -> bool:
         return self.q._owners.alive(owner)
@@ -162,9 +169,55 @@ class Recovery:
             return False
         msg = self._msg_stat(e.msgid)
         if msg is not None and not same_inode(msg, st):
+            if self.exclusive and self._a_copy(path, st, e.msgid, msg):
+                self._relink(path, e.msgid)
+                return True
             self.junk(path, f"not a hard link to its message file data/{e.msgid}")
             return False
         return True
+
+    def _a_copy(self, path: str, st: os.stat_result, msgid: str,
+                msg: os.stat_result) -> bool:
+        """Whether ``path`` (a regular file, not ``data/<msgid>``'s inode) holds the same
+        bytes as ``data/<msgid>``: a link the queue made, copied by a tool that does not
+        keep hard links (``cp -r``, ``rsync`` without ``-H``)."""
+        if st.st_size != msg.st_size:
+            return False
+        try:
+            a = self.io.open_read(path)
+        except OSError:
+            return False
+        try:
+            b = self.io.open_read(self.lay.msg_file(msgid))
+        except OSError:
+            self.io.close(a)
+            return False
+        try:
+            offset = 0
+            while offset < st.st_size:
+                chunk = self.io.pread(a, COMPARE_CHUNK, offset)
+                if not chunk or chunk != self.io.pread(b, COMPARE_CHUNK, offset):
+                    return False
+                offset += len(chunk)
+            return True
+        finally:
+            self.io.close(a)
+            self.io.close(b)
+
+    def _relink(self, path: str, msgid: str) -> None:
+        """Exclusive only: make ``path``, a copy of ``data/<msgid>``, a hard link of it
+        again: a new link made under this owner's ``tmp/`` and renamed over the copy (the
+        name never goes missing; a crash in between leaves the copy, which the next
+        recovery relinks, and a name in ``tmp/`` of a dead owner, which it removes)."""
+        staging = self.lay.tmp_owner(self.q.owner)
+        fresh = join(staging, f"convert.{os.path.basename(path).split('@')[0]}")
+        if_exists(self.io.unlink, fresh)
+        self.io.link(self.lay.msg_file(msgid), fresh)
+        self.io.rename(fresh, path)
+        self.relinked.add(os.path.dirname(path))
+        self.problems.append(
+            f"{os.path.relpath(path, self.lay.root)}: a copy of its message file data/{msgid} "
+            "(the queue was copied without its hard links); made a hard link of it again")
 
     def _msg_stat(self, msgid: str) -> os.stat_result | None:
         """``lstat`` of ``data/<msgid>``, once per message per scan."""
@@ -222,6 +275,12 @@ class Recovery:
         self.msg_stats.clear()
 
     def scan_links(self) -> None:
+        self._scan_links()
+        if self.relinked:
+            self.q._sync_dirs(*sorted(self.relinked), self.lay.tmp_owner(self.q.owner))
+            self.relinked.clear()
+
+    def _scan_links(self) -> None:
         for name in listdir_or_empty(self.io, self.lay.queue):
             self._scan_one(self.lay.queue, name, self.queue)
         for name in listdir_or_empty(self.io, self.lay.cleanup):
@@ -660,7 +719,8 @@ class Recovery:
                     if rel not in self.damaged:
                         self.damaged.append(rel)
         if relinked:
-            self.q._sync_dirs(self.lay.data)
+            self.q._sync_dirs(self.lay.data, self.lay.tmp_owner(self.q.owner))
+            self.relinked.clear()
 
     def _restore_ref(self, e: EntryName) -> bool:
         """Exclusive only: give a verified entry of a message of 2+ recipients its hard
@@ -677,6 +737,10 @@ class Recovery:
         if want is None or (have is not None and (have.st_dev, have.st_ino)
                             == (want.st_dev, want.st_ino)):
             return False
+        if have is not None and stat.S_ISREG(have.st_mode) and self._a_copy(
+                ref, have, e.msgid, want):
+            self._relink(ref, e.msgid)
+            return True
         if have is not None:
             self.junk(ref, "not a hard link of its message file")
         try:
