@@ -72,6 +72,11 @@ class TableWriter:
         if self._block_len >= BLOCK_TARGET:
             self._end_block()
 
+    @property
+    def size(self) -> int:
+        """The bytes of entries added so far (written or pending), index not counted."""
+        return self._offset + self._block_len
+
     def _end_block(self) -> None:
         if not self._block:
             return
