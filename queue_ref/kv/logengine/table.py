@@ -147,12 +147,16 @@ class Table:
     Reference counted: the engine's current table list holds one reference and every
     running read or iteration holds one; the file descriptor closes with the last one
     (the file may already be unlinked by then, as POSIX allows).
+
+    ``run``: tables of one run are the pieces of one table written (``engine.py``); the
+    engine sets it (a table of its own by default).
     """
 
     def __init__(self, io: IO, path: str, number: int, fd: int) -> None:
         self.io = io
         self.path = path
         self.number = number
+        self.run = number
         self._fd = fd
         self._refs = 1
         self._lock = threading.Lock()
