@@ -1,12 +1,19 @@
-"""The log engine's tables in pieces: the runs (pieces of one table) the manifest records.
+"""The log engine's tables in pieces: a bounded number of open files whatever the store's
+size (``table.FdCache``), and the runs (pieces of one table) the manifest records.
 
-A review of the first version found runs guessed from key order alone: tables of separate
-flushes of ascending keys were taken for one run and never merged.
+Two defects a review of the first version found, each reproduced here: every piece held a
+file descriptor for the engine's life (past the soft limit a flush failed with EMFILE, the
+engine refused every write, and the store could not be opened), and runs were guessed from
+key order alone (tables of separate flushes of ascending keys were taken for one run and
+never merged).
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 import zlib
 from pathlib import Path
 
@@ -26,6 +33,71 @@ def _manifest(path: str) -> fmt.Manifest:
     return fmt.Manifest.decode(name, Path(path, name).read_bytes())
 
 
+def _table_fds(path: str) -> int:
+    """The descriptors this process holds open on table files of ``path``."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(path) and ".tbl" in target:
+            n += 1
+    return n
+
+
+# ---- open files: a fixed number at most ----------------------------------------------------
+
+
+_CHILD_FEW_FDS = textwrap.dedent(
+    """
+    import os, resource, sys
+    from queue_ref.kv.logengine import LogEngine
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    path = sys.argv[1]
+    kv = LogEngine(path, table_limit=1024)
+    model = {}
+    for i in range(1500):
+        model[b"k%05d" % i] = bytes([i % 256]) * 200
+        kv.put(b"k%05d" % i, model[b"k%05d" % i])
+    kv.compact()
+    pieces = len([n for n in os.listdir(path) if n.endswith(".tbl")])
+    for i in range(0, 1500, 7):
+        model[b"k%05d" % i] = b"new"
+        kv.put(b"k%05d" % i, b"new")
+    for i in range(3, 1500, 11):
+        model.pop(b"k%05d" % i, None)
+        kv.delete(b"k%05d" % i)
+    kv.compact()
+    assert all(kv.get(k) == v for k, v in model.items())
+    assert dict(kv.iterate()) == model
+    kv.close()
+    kv = LogEngine(path, table_limit=1024)
+    assert dict(kv.iterate()) == model
+    kv.put(b"z", b"after reopening")
+    fds = len(os.listdir("/proc/self/fd"))
+    kv.close()
+    print(pieces, fds)
+    """
+)
+
+
+def test_a_store_in_more_pieces_than_the_descriptor_limit_writes_compacts_and_opens(
+        tmp_path: Path) -> None:
+    """The review's case: a soft limit of 256 descriptors, 1,500 keys of 200 bytes in
+    pieces of 1 KiB (about 300).  Writes, two compactions and a reopen all go through, with
+    the contents intact, and the process holds few descriptors at the end (when each piece
+    held one, the first compaction failed with EMFILE)."""
+    path = str(tmp_path / "db")
+    child = subprocess.run([sys.executable, "-c", _CHILD_FEW_FDS, path],
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    pieces, fds = map(int, child.stdout.split())
+    assert pieces > 256
+    assert fds < 100  # 64 tables at most, the log, the lock, the interpreter's own
+
+
 def _pieces(path: str, n: int = 200, **kw: int) -> tuple[LogEngine, dict[bytes, bytes]]:
     """An engine over ``n`` keys of 200 bytes compacted into pieces of about 1 KiB."""
     kv = LogEngine(path, table_limit=1024, **kw)
@@ -34,6 +106,81 @@ def _pieces(path: str, n: int = 200, **kw: int) -> tuple[LogEngine, dict[bytes, 
         kv.put(k, v)
     kv.compact()
     return kv, model
+
+
+def test_table_files_closed_for_the_cap_are_opened_again_and_read_right(
+        tmp_path: Path) -> None:
+    """With room for 4 open table files and some 40 pieces, every lookup and a full scan
+    read right, no more than 4 table files are open between reads, and the files closed
+    were opened again; so after a reopen (which checks every piece)."""
+    path = str(tmp_path / "db")
+    kv, model = _pieces(path, max_open_tables=4)
+    try:
+        assert len(_tables(path)) >= 30
+        assert _table_fds(path) <= 4
+        for k in sorted(model, reverse=True):
+            assert kv.get(k) == model[k]
+        assert dict(kv.iterate()) == model
+        assert dict(kv.iterate(b"k050", b"k120")) == {
+            k: v for k, v in model.items() if b"k050" <= k < b"k120"}
+        assert _table_fds(path) <= 4
+        assert kv._fds.reopened > 30
+    finally:
+        kv.close()
+    assert _table_fds(path) == 0
+    kv = LogEngine(path, table_limit=1024, max_open_tables=4)
+    try:
+        assert _table_fds(path) <= 4
+        assert dict(kv.iterate()) == model
+    finally:
+        kv.close()
+
+
+def test_a_piece_a_compaction_retires_while_read_keeps_its_file_until_the_read_ends(
+        tmp_path: Path) -> None:
+    """A scan under way when a compaction replaces every piece goes on reading the old
+    pieces, whose files the cache closed meanwhile: they are deleted when the scan ends,
+    not by the compaction (a file deleted under it could not be opened again).  A piece
+    released for good is never opened again."""
+    path = str(tmp_path / "db")
+    kv, model = _pieces(path, max_open_tables=2)
+    try:
+        old = set(_tables(path))
+        scan = kv.iterate()
+        first = next(scan)
+        for k in list(model)[::3]:
+            kv.delete(k)
+        kv.compact()  # every piece replaced (tombstones dropped)
+        assert old <= set(_tables(path))  # kept for the scan
+        rest = dict(scan)  # reads old pieces again: their files were closed
+        assert dict([first, *rest.items()]) == model
+        assert not old & set(_tables(path))  # deleted with the scan's end
+        piece = kv._tables[0]
+    finally:
+        kv.close()
+    with pytest.raises(RuntimeError, match="after release"):
+        piece.get(piece.first_key)
+
+
+def test_a_store_with_more_pieces_than_the_cap_reclaims_and_reopens(tmp_path: Path) -> None:
+    """Reclaim (which scans the pieces around each one it rewrites) keeps the open files
+    under the cap and the contents as they were."""
+    path = str(tmp_path / "db")
+    kv, model = _pieces(path, max_open_tables=3)
+    try:
+        for k in list(model)[1::2]:
+            kv.delete(k)
+            del model[k]
+        assert kv.reclaim() > 0
+        assert _table_fds(path) <= 3
+        assert dict(kv.iterate()) == model
+    finally:
+        kv.close()
+    kv = LogEngine(path, table_limit=1024, max_open_tables=3)
+    try:
+        assert dict(kv.iterate()) == model
+    finally:
+        kv.close()
 
 
 # ---- runs: recorded in the manifest --------------------------------------------------------

@@ -16,7 +16,7 @@ background thread, so a single-threaded run's sequence of disk calls is determin
 Flush (and ``compact()``, which merges everything): merge the memtable with the tables the
 policy picks (``merge.py``) into ``<n>.tbl.tmp``, fsync it, rename it to ``<n>.tbl`` (a
 table past ``table_limit`` bytes is cut into pieces, each such a file: a *run*, which the
-policy counts as one table);
+policy counts as one table and a scan reads piece after piece);
 create a new empty log; write ``MANIFEST-<m>`` (live tables with their runs, the new log)
 and fsync it;
 fsync the directory, so every name the manifest uses is durable; then publish by writing
@@ -24,6 +24,10 @@ fsync the directory, so every name the manifest uses is durable; then publish by
 old log, the old manifest and the merged tables deleted.  A crash anywhere leaves
 ``CURRENT`` naming either the old manifest (whose log still holds everything) or the new
 one (whose tables do); recovery deletes the files that neither names.
+
+Open table files: at most ``max_open_tables`` (``table.FdCache``), the least recently
+read closed first and opened again by path at the next read; a table that leaves the live
+list while a read holds it keeps its file until the read ends (``Table.retire``).
 
 Recovery reads ``CURRENT``, the manifest, each live table (every block's CRC is checked),
 and replays the one live log, which is at most about ``log_limit`` bytes: reopening
@@ -69,6 +73,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import pairwise
 
 from queue_ref.io import IO, OsIO, read_file, write_file_durable
 from queue_ref.kv.base import KV, WriteBatch
@@ -77,7 +82,7 @@ from queue_ref.kv.logengine import format as fmt
 from queue_ref.kv.logengine.groupcommit import Group, Writer, WriterQueue
 from queue_ref.kv.logengine.memtable import Memtable
 from queue_ref.kv.logengine.merge import drop_tombstones, merge_newest, merge_start
-from queue_ref.kv.logengine.table import Table, TableWriter
+from queue_ref.kv.logengine.table import FdCache, Table, TableWriter
 from queue_ref.kv.logengine.wal import LogWriter, Replayed, replay
 from queue_ref.storage import ClosedError, InvalidInputError
 
@@ -102,6 +107,8 @@ def _check_key(key: object, what: str = "key") -> bytes:
 
 #: Unsynced records kept in memory before they are written to the log on their own.
 BUFFER_LIMIT = 64 * 1024
+#: Table files an engine keeps open at most (``table.FdCache``), whatever the store's size.
+MAX_OPEN_TABLES = 64
 #: The backend name of this engine for ``queue-ref repair``.
 BACKEND = "kv-log"
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -162,6 +169,19 @@ def _runs(tables: Sequence[Table]) -> tuple[list[int], list[int]]:
     return starts, entries
 
 
+def _scans(tables: Sequence[Table], start: bytes, stop: bytes | None) -> list[Iterator[fmt.Op]]:
+    """The entries of ``tables`` with ``start <= key < stop``: one ascending source per
+    run, newest first.  A run's pieces hold ascending key ranges apart from each other,
+    so their scans follow one another, and a piece is read only once its turn comes."""
+    bounds = [*_runs(tables)[0], len(tables)]
+    return [_chained(tables[a:b], start, stop) for a, b in reversed(list(pairwise(bounds)))]
+
+
+def _chained(pieces: Sequence[Table], start: bytes, stop: bytes | None) -> Iterator[fmt.Op]:
+    for t in pieces:
+        yield from t.scan(start, stop)
+
+
 def _any_within(keys: list[bytes], table: Table) -> bool:
     """Whether a key of ``keys`` (sorted) falls in the range of ``table``'s keys."""
     if not table.last_keys:
@@ -192,12 +212,14 @@ class LogEngine(KV):
     _table: type[Table] = Table
 
     def __init__(self, path: str, io: IO | None = None, *, memtable_limit: int = 4 << 20,
-                 log_limit: int | None = None, table_limit: int | None = None) -> None:
+                 log_limit: int | None = None, table_limit: int | None = None,
+                 max_open_tables: int = MAX_OPEN_TABLES) -> None:
         """Open (or create) the store at ``path``.  ``memtable_limit``: the bytes of live
         writes held in memory before a flush; ``log_limit``: the size of the live log that
         forces a flush (default: ``default_log_limit``), which bounds the replay at the next
         open; ``table_limit``: the size of a table file past which a table is cut into
-        pieces (default: ``default_table_limit``).  A message body put and deleted between
+        pieces (default: ``default_table_limit``); ``max_open_tables``: the table files kept
+        open at most (``table.FdCache``).  A message body put and deleted between
         two flushes is never
         written to a table: the log's limit lets a relay's bodies in flight (megabytes each)
         live and die between flushes while the memtable has room for them."""
@@ -209,7 +231,7 @@ class LogEngine(KV):
             if table_limit is None:
                 table_limit = default_table_limit(fs_bytes)
         for name, value in (("memtable_limit", memtable_limit), ("log_limit", log_limit),
-                            ("table_limit", table_limit)):
+                            ("table_limit", table_limit), ("max_open_tables", max_open_tables)):
             if not _is_size(value):
                 raise InvalidInputError(f"{name} must be a positive int, got {value!r}")
         if not isinstance(path, str) or not path or "\x00" in path:
@@ -234,6 +256,11 @@ class LogEngine(KV):
         self._sync_mu = threading.Lock()  # held through each fdatasync of the log
         self._mem = Memtable()
         self._tables: list[Table] = []
+        #: The open files of the tables, a fixed number at most.
+        self._fds = FdCache(self.io, max_open_tables)
+        #: Tables that left ``_tables`` while a read held them: their files are deleted
+        #: with the last reference (``Table.retire``), and kept until then.
+        self._retired: list[Table] = []
         self._log: LogWriter | None = None
         self._log_number = 0
         #: Operations written since the last ``reclaim`` (none: it would free nothing).
@@ -438,7 +465,7 @@ class LogEngine(KV):
             raise DatabaseCorruptError(path, "live table is missing")
         fd = self.io.open_read(path)
         try:
-            return self._table(self.io, path, number, fd)
+            return self._table(self.io, path, number, fd, self._fds)
         except BaseException:
             self.io.close(fd)
             raise
@@ -447,6 +474,7 @@ class LogEngine(KV):
         for table in self._tables:
             table.release()
         self._tables = []
+        self._fds.shut()
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -542,7 +570,7 @@ class LogEngine(KV):
             return []
         start = (0 if full else self._merge_start(old, len(mem)) if merge else len(old))
         inputs = old[start:]
-        sources = [iter(mem.range(b"", None))] + [t.scan(b"", None) for t in reversed(inputs)]
+        sources = [iter(mem.range(b"", None)), *_scans(inputs, b"", None)]
         merged = merge_newest(sources)
         made = self._write_tables(drop_tombstones(merged) if start == 0 else merged)
         tables = old[:start] + made
@@ -569,9 +597,20 @@ class LogEngine(KV):
         assert old_log is not None
         old_log.close()
         doomed = [old_log.path, self._p(fmt.manifest_name(old_manifest))]
-        for t in inputs:
-            doomed.append(t.path)
-            t.release()
+        doomed += self._retire(inputs)
+        return doomed
+
+    def _retire(self, tables: list[Table]) -> list[str]:
+        """Release ``tables``, gone from ``_tables``: the paths of those to delete now
+        (the others are deleted with their last reader, ``Table.retire``)."""
+        self._retired = [t for t in self._retired if t.held]
+        doomed = []
+        for t in tables:
+            path = t.retire()
+            if path is None:
+                self._retired.append(t)
+            else:
+                doomed.append(path)
         return doomed
 
     def _delete(self, doomed: list[str]) -> None:
@@ -714,7 +753,7 @@ class LogEngine(KV):
             if current.strip() != fmt.manifest_name(self._manifest_no):
                 return False
             keep = {fmt.CURRENT, current.strip(), os.path.basename(self._log.path)}
-            keep |= {os.path.basename(t.path) for t in self._tables}
+            keep |= {os.path.basename(t.path) for t in self._tables + self._retired if t.held}
             self._scan_dir(keep)
         except OSError:
             return False
@@ -927,8 +966,7 @@ class LogEngine(KV):
                 raise
             with self._mu:
                 self._tables = now
-            piece.release()
-            self._delete([piece.path, self._p(fmt.manifest_name(old_manifest))])
+            self._delete([*self._retire([piece]), self._p(fmt.manifest_name(old_manifest))])
             i += len(made)
 
     @staticmethod
@@ -980,7 +1018,7 @@ class LogEngine(KV):
             for t in tables:
                 t.acquire()
         try:
-            sources = [iter(mem)] + [t.scan(start, stop) for t in reversed(tables)]
+            sources = [iter(mem), *_scans(tables, start, stop)]
             for key, value in merge_newest(sources):
                 if value is not None:
                     self._check_open()
