@@ -512,8 +512,8 @@ def kv_flush_drops_tombstones(root: str, io: IO | None = None) -> Storage:
     from queue_ref.kv.logengine.table import Table
 
     class DropsTombstones(LogEngine):
-        def _write_table(self, entries: Iterator[fmt.Op]) -> Table | None:
-            return super()._write_table(drop_tombstones(entries))  # the bug: at every flush
+        def _write_tables(self, entries: Iterator[fmt.Op]) -> list[Table]:
+            return super()._write_tables(drop_tombstones(entries))  # the bug: at every flush
 
     return KvQueue.open_log(root, io, engine=DropsTombstones)
 

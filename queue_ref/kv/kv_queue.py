@@ -115,6 +115,10 @@ class KvQueue(Storage):
         self._kv = kv
         self._at: tuple[IO, str] | None = None  # see close()
         self._reserve: Reserve | None = None  # see reserve.py
+        #: The reserve is spent: the disk filled, and the queue is being drained
+        #: (``_make_room``); the free space after the engine last reclaimed room.
+        self._draining = False
+        self._room_after = 1 << 62
         self._cleanups = 0  # entries cleaned up since the open
         #: _check_headroom's last count of what the queue holds: when (time.monotonic()),
         #: the cleanups made by then, the keys counted
@@ -204,6 +208,7 @@ class KvQueue(Storage):
                 q._reserve = Reserve(path, reserve if reserve > 0 else default_size(path))
                 with contextlib.suppress(OSError):
                     q._reserve.ensure()
+                q._draining = not q._reserve.held
             try:
                 q.last_recovery = lostids.merge(
                     q.last_recovery or RecoveryReport(), kv, path,
@@ -414,6 +419,7 @@ class KvQueue(Storage):
                     ok = r.ensure()
             except OSError as e:
                 raise io_error("enqueue: making the disk reserve again", e, None) from e
+            self._draining = not ok
             if not ok:
                 raise NoSpaceError(
                     f"the disk of {r.directory} is full: new mail is refused until space is "
@@ -461,8 +467,30 @@ class KvQueue(Storage):
     def _out_of_space(self) -> None:
         """A write failed for a full disk: release the reserve, for draining."""
         if self._reserve is not None:
+            self._draining = True
             with contextlib.suppress(OSError):
                 self._reserve.release()
+
+    def _make_room(self) -> None:
+        """While a full disk is drained (the reserve spent), before each state change, each
+        time another eighth of the reserve's size was used since the last time: the engine
+        gives back the room of what was delivered and cleaned up (``LogEngine.reclaim``, a
+        table piece at a time), so draining never meets a disk with no room at all for
+        the records it writes, and the space comes back as the queue empties."""
+        r = self._reserve
+        if not self._draining or r is None:
+            return
+        reclaim = getattr(self._kv, "reclaim", None)
+        if not callable(reclaim):
+            return
+        try:
+            free = free_bytes(r.directory)
+            if free > self._room_after - r.size // 8:
+                return
+            reclaim()
+            self._room_after = free_bytes(r.directory)
+        except OSError:
+            pass  # the state change meets the failure, and reports it
 
     def read_inflight(self, mail: InflightMail) -> MailReader:
         h = self._peek(mail, InflightMail)
@@ -515,6 +543,7 @@ class KvQueue(Storage):
         self._check_open()
         sched = self._schedule(schedule)
         h = self._take(mail, QueuedMail)
+        self._make_room()
         mid, idx, ref = self._locate(h)
         with self._entry_op(h, "reschedule", mid, idx):
             zkey = keys.zone(ref.rec.zone, mid, idx)
@@ -529,6 +558,7 @@ class KvQueue(Storage):
 
     def send_start(self, mail: QueuedMail) -> InflightMail | None:
         h = self._take(mail, QueuedMail)
+        self._make_room()
         mid, idx, ref = self._locate(h)
         with self._entry_op(h, "send_start", mid, idx):
             zkey = keys.zone(ref.rec.zone, mid, idx)
@@ -547,6 +577,7 @@ class KvQueue(Storage):
 
     def send_done(self, mail: InflightMail) -> PendingCleanupMail | None:
         h = self._take(mail, InflightMail)
+        self._make_room()
         mid, idx, ref = self._locate(h)
         with self._entry_op(h, "send_done", mid, idx):
             ikey = keys.inflight(mid, idx)
@@ -566,6 +597,7 @@ class KvQueue(Storage):
         self._check_open()
         sched = self._schedule(schedule)
         h = self._take(mail, InflightMail)
+        self._make_room()
         mid, idx, ref = self._locate(h)
         with self._entry_op(h, "send_cancel", mid, idx):
             ikey = keys.inflight(mid, idx)
@@ -590,6 +622,7 @@ class KvQueue(Storage):
         entry found corrupt is quarantined and answers None."""
         self._check_open()
         dones, cancels = self._take_batch(done, cancel)
+        self._make_room()
         every = [*dones, *(h for h, _ in cancels)]
         located = [self._locate(h) for h in every]
         hold = self._core.claims.hold(
@@ -635,6 +668,7 @@ class KvQueue(Storage):
 
     def drop(self, mail: QueuedMail) -> PendingCleanupMail | None:
         h = self._take(mail, QueuedMail)
+        self._make_room()
         got = self._move_queued(h, "drop", kv_records.CLEANUP, keys.cleanup)
         return None if got is None else self._issue(PendingCleanupMail, h.entry_id,
                                                     h.message_id, got[0], got[1])
@@ -644,6 +678,7 @@ class KvQueue(Storage):
         to ``held <id> <idx>`` in one synced batch: no listing of the queue shows it, so
         nothing claims it, and its schedule is kept (C14)."""
         h = self._take(mail, QueuedMail)
+        self._make_room()
         got = self._move_queued(h, "hold", kv_records.HELD, keys.held)
         return None if got is None else self._issue(HeldMail, h.entry_id, h.message_id,
                                                     got[0], got[1])
@@ -671,6 +706,7 @@ class KvQueue(Storage):
         """Put a held entry back under its delivery-zone and domain keys (one synced
         batch), with the schedule it had."""
         h = self._take(mail, HeldMail)
+        self._make_room()
         mid, idx, ref = self._locate(h)
         with self._entry_op(h, "release", mid, idx):
             hkey = keys.held(mid, idx)
@@ -688,6 +724,7 @@ class KvQueue(Storage):
 
     def drop_held(self, mail: HeldMail) -> PendingCleanupMail | None:
         h = self._take(mail, HeldMail)
+        self._make_room()
         mid, idx, ref = self._locate(h)
         with self._entry_op(h, "drop_held", mid, idx):
             hkey = keys.held(mid, idx)
@@ -708,6 +745,7 @@ class KvQueue(Storage):
         recovery finishes it, which is where a restart takes it anyway.
         """
         h = self._take(mail, PendingCleanupMail)
+        self._make_room()
         mid, idx, _ = self._locate(h)
         with self._entry_op(h, "cleanup", mid, idx, cl.count(mid)):
             ckey = keys.cleanup(mid, idx)

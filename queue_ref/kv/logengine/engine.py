@@ -14,13 +14,20 @@ in an exclusive turn; flushes and compactions run in the writers' path, never in
 background thread, so a single-threaded run's sequence of disk calls is deterministic.
 
 Flush (and ``compact()``, which merges everything): merge the memtable with the tables the
-policy picks (``merge.py``) into ``<n>.tbl.tmp``, fsync it, rename it to ``<n>.tbl``;
-create a new empty log; write ``MANIFEST-<m>`` (live tables, the new log) and fsync it;
+policy picks (``merge.py``) into ``<n>.tbl.tmp``, fsync it, rename it to ``<n>.tbl`` (a
+table past ``table_limit`` bytes is cut into pieces, each such a file: a *run*, which the
+policy counts as one table and a scan reads piece after piece);
+create a new empty log; write ``MANIFEST-<m>`` (live tables with their runs, the new log)
+and fsync it;
 fsync the directory, so every name the manifest uses is durable; then publish by writing
 ``CURRENT.tmp``, fsync, rename to ``CURRENT``, fsync the directory.  Only then are the
 old log, the old manifest and the merged tables deleted.  A crash anywhere leaves
 ``CURRENT`` naming either the old manifest (whose log still holds everything) or the new
 one (whose tables do); recovery deletes the files that neither names.
+
+Open table files: at most ``max_open_tables`` (``table.FdCache``), the least recently
+read closed first and opened again by path at the next read; a table that leaves the live
+list while a read holds it keeps its file until the read ends (``Table.retire``).
 
 Recovery reads ``CURRENT``, the manifest, each live table (every block's CRC is checked),
 and replays the one live log, which is at most about ``log_limit`` bytes: reopening
@@ -40,10 +47,23 @@ trusted; recovery keeps exactly what the log and tables hold).  Reads keep worki
 full disk (``ENOSPC`` from a write, before anything was synced or published) is not such
 a failure: the log is cut back to where it was, a flush's half-made files are removed,
 the write fails with ``ENOSPC``, and writing goes on once there is space again.
+
+Full disk, drained: a flush whose merge finds no room flushes the memtable alone, and the
+next try waits for another sixteenth of the log limit.  ``reclaim()`` gives back the room
+of what no read returns any more while needing little: each table piece in turn is
+written again without the entries a newer table or the memtable hides (the log synced
+first, so what hides them is durable), a manifest naming the new piece and the same log
+is published, and the old piece deleted; then the memtable is flushed alone and the
+pieces gone over again (after a reclaim that went through, only those a key written
+since falls in).  A write refused for a full disk (nothing of it written)
+reclaims once and is tried again; the KV queue also asks for a reclaim while it drains
+a full disk (``kv_queue.KvQueue._make_room``).  A crash anywhere in it leaves ``CURRENT``
+naming the manifest before or after a step, each of which holds the same contents.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import os
@@ -53,7 +73,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from itertools import chain
+from itertools import pairwise
 
 from queue_ref.io import IO, OsIO, read_file, write_file_durable
 from queue_ref.kv.base import KV, WriteBatch
@@ -62,7 +82,7 @@ from queue_ref.kv.logengine import format as fmt
 from queue_ref.kv.logengine.groupcommit import Group, Writer, WriterQueue
 from queue_ref.kv.logengine.memtable import Memtable
 from queue_ref.kv.logengine.merge import drop_tombstones, merge_newest, merge_start
-from queue_ref.kv.logengine.table import Table, write_entries
+from queue_ref.kv.logengine.table import FdCache, Table, TableWriter
 from queue_ref.kv.logengine.wal import LogWriter, Replayed, replay
 from queue_ref.storage import ClosedError, InvalidInputError
 
@@ -87,6 +107,8 @@ def _check_key(key: object, what: str = "key") -> bytes:
 
 #: Unsynced records kept in memory before they are written to the log on their own.
 BUFFER_LIMIT = 64 * 1024
+#: Table files an engine keeps open at most (``table.FdCache``), whatever the store's size.
+MAX_OPEN_TABLES = 64
 #: The backend name of this engine for ``queue-ref repair``.
 BACKEND = "kv-log"
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -103,6 +125,16 @@ def default_log_limit(memtable_limit: int, fs_bytes: int | None) -> int:
     return limit
 
 
+def default_table_limit(fs_bytes: int | None) -> int:
+    """The size past which a table being written is cut into a new file (a *piece*):
+    a sixty-fourth of the file system (when its size is known), between 64 KiB and
+    8 MiB.  A full disk is drained one piece at a time (``reclaim``), so a piece must be
+    small next to the room a full disk has (the queue's reserve is a sixteenth)."""
+    if fs_bytes is None or fs_bytes <= 0:
+        return 8 << 20
+    return max(64 * 1024, min(8 << 20, fs_bytes // 64))
+
+
 def _fs_bytes(path: str) -> int | None:
     """The size of the file system ``path`` is (or would be created) on; None if unknown."""
     probe = os.path.abspath(path) if isinstance(path, str) and "\x00" not in path else ""
@@ -117,6 +149,45 @@ def _fs_bytes(path: str) -> int | None:
             continue
         return st.f_blocks * st.f_frsize
     return None
+
+
+def _runs(tables: Sequence[Table]) -> tuple[list[int], list[int]]:
+    """The runs of ``tables`` (oldest first): the pieces of one table written, as the
+    manifest records them (``Table.run``; tables next to each other).  The index of each
+    run's first table, and the entries each run holds.  (The runs were once guessed from
+    key order alone: tables of separate flushes of ascending keys were then taken for one
+    run and never merged: 264 tables after 8,000 ascending puts with a 4 KiB memtable,
+    instead of 4.)"""
+    starts: list[int] = []
+    entries: list[int] = []
+    for i, t in enumerate(tables):
+        if i and t.run == tables[i - 1].run:
+            entries[-1] += t.entries
+        else:
+            starts.append(i)
+            entries.append(t.entries)
+    return starts, entries
+
+
+def _scans(tables: Sequence[Table], start: bytes, stop: bytes | None) -> list[Iterator[fmt.Op]]:
+    """The entries of ``tables`` with ``start <= key < stop``: one ascending source per
+    run, newest first.  A run's pieces hold ascending key ranges apart from each other,
+    so their scans follow one another, and a piece is read only once its turn comes."""
+    bounds = [*_runs(tables)[0], len(tables)]
+    return [_chained(tables[a:b], start, stop) for a, b in reversed(list(pairwise(bounds)))]
+
+
+def _chained(pieces: Sequence[Table], start: bytes, stop: bytes | None) -> Iterator[fmt.Op]:
+    for t in pieces:
+        yield from t.scan(start, stop)
+
+
+def _any_within(keys: list[bytes], table: Table) -> bool:
+    """Whether a key of ``keys`` (sorted) falls in the range of ``table``'s keys."""
+    if not table.last_keys:
+        return False
+    i = bisect.bisect_left(keys, table.first_key)
+    return i < len(keys) and keys[i] <= table.last_keys[-1]
 
 
 def _is_size(value: object) -> bool:
@@ -141,17 +212,26 @@ class LogEngine(KV):
     _table: type[Table] = Table
 
     def __init__(self, path: str, io: IO | None = None, *, memtable_limit: int = 4 << 20,
-                 log_limit: int | None = None) -> None:
+                 log_limit: int | None = None, table_limit: int | None = None,
+                 max_open_tables: int = MAX_OPEN_TABLES) -> None:
         """Open (or create) the store at ``path``.  ``memtable_limit``: the bytes of live
         writes held in memory before a flush; ``log_limit``: the size of the live log that
         forces a flush (default: ``default_log_limit``), which bounds the replay at the next
-        open.  A message body put and deleted between two flushes is never
+        open; ``table_limit``: the size of a table file past which a table is cut into
+        pieces (default: ``default_table_limit``); ``max_open_tables``: the table files kept
+        open at most (``table.FdCache``).  A message body put and deleted between
+        two flushes is never
         written to a table: the log's limit lets a relay's bodies in flight (megabytes each)
         live and die between flushes while the memtable has room for them."""
-        if log_limit is None:
-            log_limit = (default_log_limit(memtable_limit, _fs_bytes(path))
-                         if _is_size(memtable_limit) else 0)
-        for name, value in (("memtable_limit", memtable_limit), ("log_limit", log_limit)):
+        if log_limit is None or table_limit is None:
+            fs_bytes = _fs_bytes(path)
+            if log_limit is None:
+                log_limit = (default_log_limit(memtable_limit, fs_bytes)
+                             if _is_size(memtable_limit) else 0)
+            if table_limit is None:
+                table_limit = default_table_limit(fs_bytes)
+        for name, value in (("memtable_limit", memtable_limit), ("log_limit", log_limit),
+                            ("table_limit", table_limit), ("max_open_tables", max_open_tables)):
             if not _is_size(value):
                 raise InvalidInputError(f"{name} must be a positive int, got {value!r}")
         if not isinstance(path, str) or not path or "\x00" in path:
@@ -160,6 +240,7 @@ class LogEngine(KV):
         self.io: IO = io if io is not None else OsIO()
         self.memtable_limit = memtable_limit
         self.log_limit = log_limit
+        self.table_limit = table_limit
         self._mu = threading.Lock()  # guards _mem and _tables for readers
         self._writers = WriterQueue()
         # Guards appending to the log, the order of memtable updates, _pending (groups
@@ -175,7 +256,22 @@ class LogEngine(KV):
         self._sync_mu = threading.Lock()  # held through each fdatasync of the log
         self._mem = Memtable()
         self._tables: list[Table] = []
+        #: The open files of the tables, a fixed number at most.
+        self._fds = FdCache(self.io, max_open_tables)
+        #: Tables that left ``_tables`` while a read held them: their files are deleted
+        #: with the last reference (``Table.retire``), and kept until then.
+        self._retired: list[Table] = []
         self._log: LogWriter | None = None
+        self._log_number = 0
+        #: Operations written since the last ``reclaim`` (none: it would free nothing).
+        self._since_reclaim = 1
+        #: After a flush failed for a full disk: the log size before which no write
+        #: tries it again (each try writes until the disk refuses).
+        self._flush_at = 0
+        #: The tables after the last reclaim that went through (None: none since the open,
+        #: or the last one stopped): nothing in one hides anything in another, so the next
+        #: reclaim reads again only the pieces whose keys a newer write may hide.
+        self._clean: set[int] | None = None
         self._manifest_no = 0
         self._next_file = 1
         self._closed = False
@@ -269,6 +365,7 @@ class LogEngine(KV):
         garbage = self._scan_dir(set())
         log_number = self._alloc()
         self._log = LogWriter.create(self.io, self._p(fmt.log_name(log_number)))
+        self._log_number = log_number
         self._publish(log_number, [])
         self.recovery = RecoveryStats(0, 0, 0, 0, 0, garbage)
 
@@ -281,11 +378,16 @@ class LogEngine(KV):
         manifest = fmt.Manifest.decode(self._p(current), read_file(io, self._p(current)))
         self._manifest_no = parsed[1]
         self._next_file = manifest.next_file
-        for number, size in manifest.tables:
+        for (number, size), run in zip(manifest.tables, manifest.run_ids(), strict=True):
             table = self._open_table(number)
+            before = self._tables[-1] if self._tables else None
             self._tables.append(table)
+            table.run = run
             if table.size != size:
                 raise DatabaseCorruptError(table.path, f"size {table.size}, manifest says {size}")
+            if (before is not None and before.run == run and before.last_keys
+                    and table.last_keys and table.first_key <= before.last_keys[-1]):
+                raise DatabaseCorruptError(table.path, "keys not after the piece before it")
             table.verify()
         log_path = self._p(fmt.log_name(manifest.log_number))
         if not io.exists(log_path):
@@ -301,6 +403,7 @@ class LogEngine(KV):
         valid, size = replayed.valid, replayed.size
         fd = io.open_create(log_path, exclusive=False, append=True)
         self._log = LogWriter(io, log_path, fd, valid)
+        self._log_number = manifest.log_number
         if valid < size and not replayed.bad:
             io.ftruncate(fd, valid)  # a torn tail (damage is kept: the log is set aside)
             io.fsync(fd)
@@ -316,9 +419,10 @@ class LogEngine(KV):
         elif self._over_limit():
             try:
                 self._delete(self._maintain(full=False))
-            except OSError as e:  # a full disk: the store opens as it is, and a later
-                if not self._survives_no_space(e):  # write flushes once there is room
-                    raise
+            except OSError as e:  # a full disk: the store opens as it is (what it can
+                if not self._survives_no_space(e):  # reclaim, reclaimed), and a later
+                    raise                           # write flushes once there is room
+                self._reclaim()
 
     def _set_aside_log(self, replayed: Replayed) -> None:
         """After damage in the middle of the live log: flush what it holds intact into a
@@ -361,7 +465,7 @@ class LogEngine(KV):
             raise DatabaseCorruptError(path, "live table is missing")
         fd = self.io.open_read(path)
         try:
-            return self._table(self.io, path, number, fd)
+            return self._table(self.io, path, number, fd, self._fds)
         except BaseException:
             self.io.close(fd)
             raise
@@ -370,6 +474,7 @@ class LogEngine(KV):
         for table in self._tables:
             table.release()
         self._tables = []
+        self._fds.shut()
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -387,7 +492,8 @@ class LogEngine(KV):
         io = self.io
         number = self._alloc()
         manifest = fmt.Manifest(
-            self._next_file, log_number, tuple((t.number, t.size) for t in tables)
+            self._next_file, log_number, tuple((t.number, t.size) for t in tables),
+            tuple(t.run for t in tables),
         )
         name = fmt.manifest_name(number)
         fd = io.open_create(self._p(name))
@@ -401,24 +507,39 @@ class LogEngine(KV):
         old, self._manifest_no = self._manifest_no, number
         return old
 
-    def _write_table(self, entries: Iterator[fmt.Op]) -> Table | None:
-        """A new durable-content table (its name is made durable by ``_publish``), or None
-        if ``entries`` is empty."""
-        first = next(entries, None)
-        if first is None:
-            return None
+    def _write_tables(self, entries: Iterator[fmt.Op]) -> list[Table]:
+        """New durable-content tables of ``entries`` (their names are made durable by
+        ``_publish``): one file, cut into pieces of about ``table_limit`` bytes, each a
+        table of its own whose keys all sort after the piece before it, and all of one
+        run (the first piece's number, which the manifest records); none if ``entries``
+        is empty."""
         io = self.io
-        number = self._alloc()
-        final = self._p(fmt.table_name(number))
-        tmp = final + ".tmp"
-        fd = io.open_create(tmp)
+        out: list[Table] = []
         try:
-            write_entries(io, fd, chain([first], entries))
-            io.fsync(fd)
-        finally:
-            io.close(fd)
-        io.rename(tmp, final)
-        return self._open_table(number)
+            while (first := next(entries, None)) is not None:
+                number = self._alloc()
+                final = self._p(fmt.table_name(number))
+                tmp = final + ".tmp"
+                fd = io.open_create(tmp)
+                try:
+                    writer = TableWriter(io, fd)
+                    writer.add(*first)
+                    for key, value in entries:
+                        writer.add(key, value)
+                        if writer.size >= self.table_limit:
+                            break
+                    writer.finish()
+                    io.fsync(fd)
+                finally:
+                    io.close(fd)
+                io.rename(tmp, final)
+                out.append(self._open_table(number))
+                out[-1].run = out[0].run
+        except BaseException:
+            for t in out:
+                t.release()
+            raise
+        return out
 
     def _over_limit(self) -> bool:
         log = self._log
@@ -427,8 +548,16 @@ class LogEngine(KV):
         return (self._mem.approx_bytes > self.memtable_limit
                 or log.size + self._buffered > self.log_limit)
 
-    def _maintain(self, *, full: bool, force: bool = False) -> list[str]:
-        """Flush the memtable merged with the tables the policy picks (all if ``full``).
+    @staticmethod
+    def _merge_start(tables: list[Table], memtable_entries: int) -> int:
+        """The merge policy (``merge.merge_start``) over runs (``_runs``)."""
+        starts, entries = _runs(tables)
+        run = merge_start(entries, memtable_entries)
+        return starts[run] if run < len(starts) else len(tables)
+
+    def _maintain(self, *, full: bool, force: bool = False, merge: bool = True) -> list[str]:
+        """Flush the memtable merged with the tables the policy picks (all if ``full``,
+        none unless ``merge``).
 
         Runs in an exclusive turn: no writer touches the memtable or the log meanwhile.
         Returns the files it made garbage (the old log and manifest, the merged tables),
@@ -437,22 +566,22 @@ class LogEngine(KV):
         """
         mem, old = self._mem, list(self._tables)
         if not (len(mem) or force) and not (
-                full and (len(old) > 1 or any(t.tombstones for t in old))):
+                full and (len(_runs(old)[0]) > 1 or any(t.tombstones for t in old))):
             return []
-        start = 0 if full else merge_start([t.entries for t in old], len(mem))
+        start = (0 if full else self._merge_start(old, len(mem)) if merge else len(old))
         inputs = old[start:]
-        sources = [iter(mem.range(b"", None))] + [t.scan(b"", None) for t in reversed(inputs)]
+        sources = [iter(mem.range(b"", None)), *_scans(inputs, b"", None)]
         merged = merge_newest(sources)
-        table = self._write_table(drop_tombstones(merged) if start == 0 else merged)
-        tables = old[:start] + ([table] if table is not None else [])
+        made = self._write_tables(drop_tombstones(merged) if start == 0 else merged)
+        tables = old[:start] + made
         log = None
         try:
             log_number = self._alloc()
             log = LogWriter.create(self.io, self._p(fmt.log_name(log_number)))
             old_manifest = self._publish(log_number, tables)
         except BaseException:
-            if table is not None:
-                table.release()
+            for t in made:
+                t.release()
             if log is not None:
                 log.close()
             raise
@@ -460,15 +589,28 @@ class LogEngine(KV):
             self._tables = tables
             self._mem = Memtable()
             old_log, self._log = self._log, log
+            self._log_number = log_number
+            self._flush_at = 0
             self._durable = 0
             self._buffer.clear()  # its batches are in the new table
             self._buffered = 0
         assert old_log is not None
         old_log.close()
         doomed = [old_log.path, self._p(fmt.manifest_name(old_manifest))]
-        for t in inputs:
-            doomed.append(t.path)
-            t.release()
+        doomed += self._retire(inputs)
+        return doomed
+
+    def _retire(self, tables: list[Table]) -> list[str]:
+        """Release ``tables``, gone from ``_tables``: the paths of those to delete now
+        (the others are deleted with their last reader, ``Table.retire``)."""
+        self._retired = [t for t in self._retired if t.held]
+        doomed = []
+        for t in tables:
+            path = t.retire()
+            if path is None:
+                self._retired.append(t)
+            else:
+                doomed.append(path)
         return doomed
 
     def _delete(self, doomed: list[str]) -> None:
@@ -529,10 +671,23 @@ class LogEngine(KV):
             return
         record = fmt.encode_batch(batch.ops)
         ops = list(batch.ops)
-        if sync or not self._append_now(record, ops):
-            self._commit(Writer(record, ops, sync))
-        if self._over_limit():
+        try:
+            if sync or not self._append_now(record, ops):
+                self._commit(Writer(record, ops, sync))
+        except OSError as e:
+            # A full disk, the log as before: what the store no longer needs is given
+            # back (``reclaim``) and the write is tried once more.
+            if not self.left_nothing(e) or not self._since_reclaim or self.reclaim() <= 0:
+                raise
+            if sync or not self._append_now(record, ops):
+                self._commit(Writer(record, ops, sync))
+        self._since_reclaim += len(ops)
+        if self._over_limit() and self._log_size() >= self._flush_at:
             self._flush()
+
+    def _log_size(self) -> int:
+        log = self._log
+        return log.size + self._buffered if log is not None else 0
 
     def _append_now(self, record: bytes, ops: list[fmt.Op]) -> bool:
         """Append an unsynced batch and apply it at once; False if it touches a key of a
@@ -598,7 +753,7 @@ class LogEngine(KV):
             if current.strip() != fmt.manifest_name(self._manifest_no):
                 return False
             keep = {fmt.CURRENT, current.strip(), os.path.basename(self._log.path)}
-            keep |= {os.path.basename(t.path) for t in self._tables}
+            keep |= {os.path.basename(t.path) for t in self._tables + self._retired if t.held}
             self._scan_dir(keep)
         except OSError:
             return False
@@ -688,10 +843,162 @@ class LogEngine(KV):
                 doomed = self._maintain(full=False)
             except Exception as e:
                 # The batches are in the log; the failure stops later writes (a full disk
-                # does not: the flush is tried again by a later write).
+                # does not: the memtable is flushed alone, which needs room for it only,
+                # and else the flush is tried again by a later write).
                 if not self._survives_no_space(e):
                     self._failed = e
+                else:
+                    doomed = self._flush_alone()
         self._delete(doomed)
+
+    def _flush_alone(self) -> list[str]:
+        """Flush the memtable with no merge (after a merge failed for a full disk)."""
+        try:
+            return self._maintain(full=False, merge=False)
+        except Exception as e:
+            if not self._survives_no_space(e):
+                self._failed = e
+            self._flush_at = self._log_size() + self.log_limit // 16
+            return []
+
+    # ---- a full disk -----------------------------------------------------------------
+
+    def reclaim(self) -> int:
+        """Give back the room of what no read can return any more, needing little free
+        space to do it (for draining a full disk); returns the bytes freed (negative if
+        the store grew).
+
+        Each table piece, oldest first, is written again without the entries a newer
+        table or the memtable hides (and without tombstones that hide nothing older),
+        the manifest names the new piece, and the old one is deleted: one piece at a
+        time, so the room needed is one piece's live entries, never all the store's.
+        Then the memtable is flushed alone (no merge) and the old log deleted, and the
+        pieces are gone over again (the flush's tombstones often hide nothing older by
+        then).  The memtable counts as newer only once every batch in it is durable in
+        the log (the log is synced first; its records stay until the flush's new
+        manifest is durable), so a crash anywhere leaves a state the log replays to the
+        same contents.  A full disk stops it where it is (the half-made files are
+        removed); another I/O error makes the engine refuse writes until reopened, as a
+        failed flush does."""
+        self._check_writable()
+        with self._turn():
+            self._check_writable()
+            return self._reclaim()
+
+    def _reclaim(self) -> int:
+        """``reclaim`` in an exclusive turn (or while opening)."""
+        self._since_reclaim = 0
+        before = self._bytes()
+        clean, self._clean = self._clean, None
+        try:
+            self._collect(clean)
+            self._delete(self._maintain(full=False, merge=False))
+            self._collect(clean)
+        except Exception as e:
+            if not self._survives_no_space(e):
+                self._failed = e
+                raise
+        else:
+            self._clean = {t.number for t in self._tables}
+        return before - self._bytes()
+
+    def _bytes(self) -> int:
+        """The bytes of the live tables and log."""
+        log = self._log
+        return sum(t.size for t in self._tables) + (log.size if log is not None else 0)
+
+    def _settle_log(self) -> bool:
+        """Write the buffered unsynced batches to the log and sync it (in an exclusive
+        turn), so that every batch the memtable holds is durable; False if a full disk
+        keeps the buffered ones out of the log (they stay buffered)."""
+        log = self._log
+        assert log is not None
+        if self._buffer:
+            try:
+                self._append([])
+            except OSError:
+                if self._failed is not None:
+                    raise
+                return False
+        try:
+            log.sync()
+        except BaseException as e:
+            self._failed = e
+            raise
+        self._durable = log.size
+        return True
+
+    def _collect(self, clean: set[int] | None) -> None:
+        """Write each table piece again without what nothing reads (see ``reclaim``).  With
+        ``clean`` (the tables after the last reclaim that went through), a piece of those
+        is read only if a key of the memtable or of a table made since falls in its range:
+        so a reclaim costs in proportion to what was written since the last one, not to
+        all the store holds."""
+        mem = self._mem if self._settle_log() else None
+        fresh: list[bytes] | None = None
+        if clean is not None:
+            keys = {k for k, _ in mem.range(b"", None)} if mem is not None else set()
+            for t in self._tables:
+                if t.number not in clean:
+                    keys.update(k for k, _ in t.scan(b"", None))
+            fresh = sorted(keys)
+        i = 0
+        while i < len(self._tables):
+            tables = list(self._tables)
+            piece = tables[i]
+            if (fresh is not None and clean is not None and piece.number in clean
+                    and not _any_within(fresh, piece)):
+                i += 1
+                continue
+            kept = self._still_read(piece, mem, tables[i + 1:], tables[:i])
+            if len(kept) == piece.entries:
+                i += 1
+                continue
+            made = self._write_tables(iter(kept))
+            for t in made:
+                t.run = piece.run  # still a piece of the table it was
+            now = tables[:i] + made + tables[i + 1:]
+            try:
+                old_manifest = self._publish(self._log_number, now)
+            except BaseException:
+                for t in made:
+                    t.release()
+                raise
+            with self._mu:
+                self._tables = now
+            self._delete([*self._retire([piece]), self._p(fmt.manifest_name(old_manifest))])
+            i += len(made)
+
+    @staticmethod
+    def _still_read(piece: Table, mem: Memtable | None, newer: list[Table],
+                    older: list[Table]) -> list[fmt.Op]:
+        """The entries of ``piece`` a read can still meet: not hidden by the same key in
+        a newer source (``mem``, if given, is the newest), and, for a tombstone, hiding a
+        value in an older table.  Walks each side merged, in key order, once."""
+        if not piece.last_keys:
+            return []
+        lo, stop = piece.first_key, piece.last_keys[-1] + b"\x00"
+        above: list[Iterator[fmt.Op]] = [t.scan(lo, stop) for t in reversed(newer)]
+        if mem is not None:
+            above.insert(0, iter(mem.range(lo, stop)))
+        hidden = (k for k, _ in merge_newest(above)) if above else iter(())
+        below = (merge_newest([t.scan(lo, stop) for t in reversed(older)])
+                 if piece.tombstones and older else iter(()))
+        next_hidden = next(hidden, None)
+        next_below = next(below, None)
+        kept: list[fmt.Op] = []
+        for key, value in piece.scan(lo, stop):
+            while next_hidden is not None and next_hidden < key:
+                next_hidden = next(hidden, None)
+            if next_hidden == key:
+                continue
+            if value is None:
+                while next_below is not None and next_below[0] < key:
+                    next_below = next(below, None)
+                if next_below is None or next_below[0] != key or next_below[1] is None:
+                    continue  # nothing older to hide
+            kept.append((key, value))
+        return kept
 
     def iterate(
         self, start: bytes = b"", stop: bytes | None = None
@@ -711,7 +1018,7 @@ class LogEngine(KV):
             for t in tables:
                 t.acquire()
         try:
-            sources = [iter(mem)] + [t.scan(start, stop) for t in reversed(tables)]
+            sources = [iter(mem), *_scans(tables, start, stop)]
             for key, value in merge_newest(sources):
                 if value is not None:
                     self._check_open()

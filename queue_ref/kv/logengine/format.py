@@ -4,7 +4,8 @@ Files in a database directory::
 
     LOCK               flock'ed while an engine has the DB open (no content)
     CURRENT            "MANIFEST-<n>\\n": names the live manifest; replaced by CURRENT.tmp + rename
-    MANIFEST-<n>       the live log number and the live tables, oldest first (text, CRC line)
+    MANIFEST-<n>       the live log number and the live tables, oldest first, each with the
+                       run (one table written in pieces) it belongs to (text, CRC line)
     <n>.log            write-ahead log: one framed record per WriteBatch
     <n>.tbl            immutable sorted table (see ``table.py``); written as <n>.tbl.tmp first
     quarantine/        damaged files kept aside (never deleted)
@@ -140,15 +141,31 @@ _MAGIC = "queue-ref-logengine-manifest 1"
 
 @dataclass(frozen=True)
 class Manifest:
-    """The durable description of the database: what recovery reads first."""
+    """The durable description of the database: what recovery reads first.
+
+    ``runs``: for each table, the id of its run (the pieces of one table written, which
+    the engine takes as one table: ``engine.py``), or empty for each a run of its own.  A
+    line ``table <n> <size>`` is a table whose run id is its own number (every table a
+    manifest without pieces names, as manifests written before there were pieces do);
+    ``table <n> <size> <run>`` names the run otherwise.  The tables of one run are next
+    to each other.
+    """
 
     next_file: int
     log_number: int
     tables: tuple[tuple[int, int], ...]  # (number, size in bytes), oldest first
+    runs: tuple[int, ...] = ()
+
+    def run_ids(self) -> tuple[int, ...]:
+        """The run id of each table (its own number unless ``runs`` says otherwise)."""
+        return self.runs if self.runs else tuple(n for n, _ in self.tables)
 
     def encode(self) -> bytes:
+        if len(self.run_ids()) != len(self.tables):
+            raise ValueError("a manifest needs one run id per table")
         lines = [_MAGIC, f"next_file {self.next_file}", f"log {self.log_number}"]
-        lines += [f"table {n} {size}" for n, size in self.tables]
+        lines += [f"table {n} {size}" if run == n else f"table {n} {size} {run}"
+                  for (n, size), run in zip(self.tables, self.run_ids(), strict=True)]
         body = "\n".join(lines) + "\n"
         return (body + f"crc {zlib.crc32(body.encode()):08x}\n").encode()
 
@@ -164,11 +181,19 @@ class Manifest:
                 raise DatabaseCorruptError(path, "not a log engine manifest")
             fields = dict(line.split(" ", 1) for line in lines[1:3])
             tables = []
+            runs: list[int] = []
+            seen: set[int] = set()
             for line in lines[3:]:
-                word, number, size = line.split(" ")
-                if word != "table":
+                word, number, size, *run = line.split(" ")
+                if word != "table" or len(run) > 1:
                     raise DatabaseCorruptError(path, f"unexpected line {line!r}")
+                run_id = int(run[0]) if run else int(number)
+                if run_id in seen and runs[-1] != run_id:
+                    raise DatabaseCorruptError(path, f"run {run_id} is not in one place")
                 tables.append((int(number), int(size)))
-            return Manifest(int(fields["next_file"]), int(fields["log"]), tuple(tables))
+                runs.append(run_id)
+                seen.add(run_id)
+            return Manifest(int(fields["next_file"]), int(fields["log"]), tuple(tables),
+                            tuple(runs))
         except (UnicodeDecodeError, ValueError, KeyError) as e:
             raise DatabaseCorruptError(path, f"unparseable manifest ({e})") from e

@@ -11,20 +11,25 @@ Layout (little endian)::
 
 A block closes once it holds ``BLOCK_TARGET`` bytes, so a big value makes a block of its
 own.  The reader keeps the index in memory (one key per block) and reads blocks with
-``pread``; a table is never loaded whole.
+``pread``; a table is never loaded whole.  An engine's tables share one ``FdCache``,
+which keeps at most a fixed number of their files open, whatever the store's size.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
+import errno
 import struct
 import threading
 import zlib
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
 from queue_ref.io import IO
 from queue_ref.kv.engine_errors import DatabaseCorruptError
 from queue_ref.kv.logengine.format import Op
+from queue_ref.storage import ClosedError
 
 BLOCK_TARGET = 16 * 1024
 _WRITE_CHUNK = 256 * 1024
@@ -71,6 +76,11 @@ class TableWriter:
         self.entries += 1
         if self._block_len >= BLOCK_TARGET:
             self._end_block()
+
+    @property
+    def size(self) -> int:
+        """The bytes of entries added so far (written or pending), index not counted."""
+        return self._offset + self._block_len
 
     def _end_block(self) -> None:
         if not self._block:
@@ -136,20 +146,120 @@ def _parse_block(path: str, data: bytes) -> tuple[list[bytes], list[bytes | None
     return keys, values
 
 
+class FdCache:
+    """The open files of an engine's tables: at most ``cap`` at once, the least recently
+    read closed first.  A table whose file was closed opens it again by its path at its
+    next read; its file is never removed while the table is referenced (the engine's
+    ``Table.retire``), so the path names the same file.  A file in use by a read under
+    way is not closed under it (so reads under way on ``cap`` files at once may take the
+    count past ``cap`` for their duration).  Before, each table held its file open for the
+    engine's life: a store of 8 GiB in pieces of 8 MiB needed 1,024 descriptors, and past
+    the soft limit (``EMFILE``) every flush failed and the store could not be opened."""
+
+    def __init__(self, io: IO, cap: int) -> None:
+        self.io = io
+        self.cap = cap
+        self._lock = threading.Lock()
+        #: table -> [fd, reads under way], least recently used first.
+        self._open: OrderedDict[Table, list[int]] = OrderedDict()
+        self._shut = False
+        #: Files opened again after their descriptor was closed (for tests and figures).
+        self.reopened = 0
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def adopt(self, table: Table, fd: int) -> None:
+        """Take ``fd``, open on ``table``'s file, as the most recently used."""
+        with self._lock:
+            self._open[table] = [fd, 0]
+            self._trim(0)
+
+    def take(self, table: Table) -> int:
+        """The descriptor of ``table``'s file, opened again if it was closed; held open
+        until ``give``."""
+        with self._lock:
+            entry = self._open.get(table)
+            if entry is None:
+                if not table.held:
+                    raise RuntimeError(f"table {table.path} used after release")
+                if self._shut:
+                    raise ClosedError(f"table {table.path}: its engine is closed")
+                self._trim(1)
+                try:
+                    fd = self.io.open_read(table.path)
+                except OSError as e:
+                    if e.errno not in (errno.EMFILE, errno.ENFILE):
+                        raise
+                    self._trim(self.cap)  # others use descriptors too: give back ours
+                    fd = self.io.open_read(table.path)
+                self.reopened += 1
+                entry = self._open[table] = [fd, 0]
+            else:
+                self._open.move_to_end(table)
+            entry[1] += 1
+            return entry[0]
+
+    def give(self, table: Table) -> None:
+        """The read ``take`` was for is done."""
+        with self._lock:
+            entry = self._open.get(table)
+            if entry is not None:
+                entry[1] -= 1
+
+    def drop(self, table: Table) -> None:
+        """Close ``table``'s file for good (its last reference went)."""
+        with self._lock:
+            entry = self._open.pop(table, None)
+        if entry is not None:
+            self.io.close(entry[0])
+
+    def shut(self) -> None:
+        """The engine closed: files closed from now on are not opened again."""
+        with self._lock:
+            self._shut = True
+
+    def _trim(self, room: int) -> None:
+        """Close the least recently used idle files until ``room`` more fit under the
+        cap (the caller holds ``_lock``)."""
+        excess = len(self._open) + room - self.cap
+        if excess <= 0:
+            return
+        for table, (fd, reads) in list(self._open.items()):
+            if excess <= 0:
+                break
+            if reads:
+                continue
+            del self._open[table]
+            self.io.close(fd)
+            excess -= 1
+
+
 class Table:
     """An open table: its index in memory, its blocks read on demand.
 
     Reference counted: the engine's current table list holds one reference and every
-    running read or iteration holds one; the file descriptor closes with the last one
-    (the file may already be unlinked by then, as POSIX allows).
+    running read or iteration holds one; the file closes with the last one.  With
+    ``fds``, the file is opened through that cache (``fd`` is handed to it once the
+    index is read), which may close it meanwhile and open it again; a table leaving the
+    engine's list then keeps its file until its last reference goes (``retire``).
+    Without, ``fd`` stays open until the last reference goes (the file may already be
+    unlinked by then, as POSIX allows).
+
+    ``run``: tables of one run are the pieces of one table written (``engine.py``); the
+    engine sets it (a table of its own by default).
     """
 
-    def __init__(self, io: IO, path: str, number: int, fd: int) -> None:
+    def __init__(self, io: IO, path: str, number: int, fd: int,
+                 fds: FdCache | None = None) -> None:
         self.io = io
         self.path = path
         self.number = number
+        self.run = number
         self._fd = fd
+        self._fds: FdCache | None = None  # the index is read through ``fd``
         self._refs = 1
+        self._unlink = False
         self._lock = threading.Lock()
         self.size = io.fsize(fd)
         if self.size < FOOTER_SIZE:
@@ -164,6 +274,9 @@ class Table:
         if zlib.crc32(index) != index_crc:
             raise DatabaseCorruptError(path, "index checksum mismatch")
         self.first_key, self.last_keys, self._blocks = self._parse_index(index)
+        if fds is not None:
+            fds.adopt(self, fd)
+            self._fds = fds
 
     def _footer_fields(self) -> bytes:
         """The footer's fields, checked against their crc: the entry and tombstone counts
@@ -198,7 +311,15 @@ class Table:
         return first, last_keys, blocks
 
     def _read(self, offset: int, length: int) -> bytes:
-        data = self.io.pread(self._fd, length, offset)
+        fds = self._fds
+        if fds is None:
+            data = self.io.pread(self._fd, length, offset)
+        else:
+            fd = fds.take(self)
+            try:
+                data = self.io.pread(fd, length, offset)
+            finally:
+                fds.give(self)
         if len(data) != length:
             raise DatabaseCorruptError(self.path, f"short read at {offset}")
         return data
@@ -230,6 +351,8 @@ class Table:
 
     def scan(self, start: bytes, stop: bytes | None) -> Iterator[Op]:
         """Entries (tombstones included) with ``start <= key < stop``, ascending."""
+        if stop is not None and self.last_keys and stop <= self.first_key:
+            return  # nothing in range: no block read (nor file opened)
         i = bisect.bisect_left(self.last_keys, start)
         first = True
         while i < len(self._blocks):
@@ -251,12 +374,36 @@ class Table:
                 raise RuntimeError(f"table {self.path} used after release")
             self._refs += 1
 
+    @property
+    def held(self) -> bool:
+        """Whether a reference is left (its file may then be read)."""
+        return self._refs > 0
+
     def release(self) -> None:
         with self._lock:
             self._refs -= 1
             if self._refs != 0:
                 return
-        self.io.close(self._fd)
+        if self._fds is not None:
+            self._fds.drop(self)
+        else:
+            self.io.close(self._fd)
+        if self._unlink:
+            with contextlib.suppress(OSError):  # garbage: the next open deletes it
+                self.io.unlink(self.path)
+
+    def retire(self) -> str | None:
+        """Release the engine's reference as the table leaves its list, its file to be
+        deleted: returns the path for the caller to delete if nothing else holds the
+        table.  Else the last reader's ``release`` deletes it, so that a reader whose file
+        the cache closed can open it again meanwhile."""
+        with self._lock:
+            if self._refs > 1:
+                self._refs -= 1
+                self._unlink = True
+                return None
+        self.release()
+        return self.path
 
 
 def write_entries(io: IO, fd: int, entries: Iterable[Op]) -> tuple[int, int]:
