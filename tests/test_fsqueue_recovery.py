@@ -394,3 +394,29 @@ def test_a_message_whose_links_are_gone_but_a_reference_is_left_is_still_lost(
     assert report.lost == (h[0].message_id,)
     assert os.path.exists(os.path.join(root, "quarantine", f"{h[0].message_id}.unlinked"))
     q2.close()
+
+
+def test_a_loss_report_whose_move_a_power_cut_undid_is_not_taken_for_finished_cleanups(
+        root: str) -> None:
+    """Damage takes both links of a message of two recipients (its references are left):
+    recovery reports it lost, writes its note, moves the file to
+    ``quarantine/<msgid>.unlinked`` and unlinks the references.  A power cut keeps the
+    unlinks but loses the move (neither synced yet), so the file is back in data/ with
+    no link and no reference, as finished cleanups leave one.  The next recovery must
+    keep it and report it lost again, not remove it (found by a cold review)."""
+    q = FsQueue(root)
+    h = put(q, n=2)
+    q.close()
+    msgid = h[0].message_id
+    for m in h:
+        os.unlink(os.path.join(root, "queue", m.entry_id))
+    q = FsQueue(root)
+    assert q.last_recovery is not None and q.last_recovery.lost == (msgid,)
+    q.close()
+    kept = os.path.join(root, "quarantine", f"{msgid}.unlinked")
+    assert not os.path.exists(os.path.join(root, "data", f"{msgid}.0"))
+    os.rename(kept, os.path.join(root, "data", msgid))  # the power cut undid the move
+    q2, report = opened(root)
+    assert report.lost == (msgid,)
+    assert os.path.exists(kept)
+    q2.close()

@@ -622,7 +622,9 @@ class Recovery:
         """Whether a message file no link names is one every entry's cleanup has released:
         a message of 2+ recipients none of whose references is left (cleanup unlinks an
         entry's reference before its link, and nothing else unlinks one but a quarantine
-        of the entry, which leaves a note).  Sibling entries cleaned up at once each
+        of the entry, which leaves a note, or a recovery that reported the message lost,
+        whose note is written before it unlinks the references and whose move of the
+        file a power cut may undo).  Sibling entries cleaned up at once each
         unlink their link before the last of them, seeing the count at one, frees the
         file: a crash in between leaves it so, and it is an orphan, not lost mail.  A
         message of one recipient (no reference), or whose envelope cannot be read, is
@@ -634,8 +636,10 @@ class Recovery:
             env = self.q._read_envelope(self.lay.msg_file(msgid), msgid)
         except (Corrupt, OSError):
             return False
-        if len(env.rcpts) < 2 or self.io.exists(self.lay.quarantined(f"{msgid}.note")):
-            return False
+        if len(env.rcpts) < 2 or any(
+                self.io.exists(self.lay.quarantined(f"{msgid}{kind}.note"))
+                for kind in ("", ".unlinked")):
+            return False  # a quarantine, or a report of loss whose move a power cut undid
         return not any(self.io.exists(self.lay.quarantined(f"{msgid}.{i}.note"))
                        for i in range(len(env.rcpts)))
 
