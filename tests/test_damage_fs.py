@@ -9,9 +9,12 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
-from queue_ref import Recipient, Schedule
+import pytest
+
+from queue_ref import Recipient, RecoveryReport, Schedule
 from queue_ref.fsqueue import FsQueue
 from tests.test_fsqueue_support import Crash, CrashIO
 
@@ -410,3 +413,42 @@ def test_a_copied_queue_whose_opening_crashes_at_any_call_opens_whole_next_time(
         shutil.rmtree(copy)
         k += 1
     assert calls is not None and calls > 10
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_link_beside_a_message_file_that_is_no_regular_file_is_junk_without_a_hang(
+        tmp_path: Path, kind: str) -> None:
+    """data/<msgid> replaced by a FIFO or a directory, and an empty regular file in an
+    entry's place (the same size): recovery does not take the entry for a copy (opening
+    a FIFO would block it for good under the gate lock, reading a directory fail the
+    opening); both are junk, moved to quarantine and reported, as before copies were
+    relinked (found by a cold review)."""
+    root = str(tmp_path / "q")
+    msgs = fill(root)
+    victim = msgs[0][0]
+    msg = os.path.join(root, "data", victim)
+    os.unlink(msg)
+    if kind == "fifo":
+        os.mkfifo(msg)
+    else:
+        os.mkdir(msg)
+    link = os.path.join(root, "queue", f"{victim}.0")
+    os.unlink(link)
+    Path(link).write_bytes(b"")
+    result: list[object] = []
+
+    def run() -> None:
+        try:
+            q = FsQueue(root)
+            result.append(q.last_recovery)
+            q.close()
+        except Exception as e:  # reported below
+            result.append(e)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "recovery hangs"
+    report = result[0]
+    assert isinstance(report, RecoveryReport), report
+    assert sum(victim in p and "junk" in p for p in report.problems) == 2, report.problems
+    assert not os.path.lexists(msg) and not os.path.lexists(link)

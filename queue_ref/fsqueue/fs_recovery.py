@@ -181,8 +181,8 @@ class Recovery:
         """Whether ``path`` (a regular file, not ``data/<msgid>``'s inode) holds the same
         bytes as ``data/<msgid>``: a link the queue made, copied by a tool that does not
         keep hard links (``cp -r``, ``rsync`` without ``-H``)."""
-        if st.st_size != msg.st_size:
-            return False
+        if st.st_size != msg.st_size or not stat.S_ISREG(msg.st_mode):
+            return False  # a FIFO would block the open, a directory fail the reads
         try:
             a = self.io.open_read(path)
         except OSError:
@@ -200,6 +200,8 @@ class Recovery:
                     return False
                 offset += len(chunk)
             return True
+        except OSError:  # unreadable: not shown to be a copy, so junk as before
+            return False
         finally:
             self.io.close(a)
             self.io.close(b)
@@ -638,7 +640,7 @@ class Recovery:
             return False
         if len(env.rcpts) < 2 or any(
                 self.io.exists(self.lay.quarantined(f"{msgid}{kind}.note"))
-                for kind in ("", ".unlinked")):
+                for kind in ("", ".unlinked", ".lost")):
             return False  # a quarantine, or a report of loss whose move a power cut undid
         return not any(self.io.exists(self.lay.quarantined(f"{msgid}.{i}.note"))
                        for i in range(len(env.rcpts)))
