@@ -1448,9 +1448,14 @@ def test_reclaim_gives_back_what_deleted_and_overwritten_keys_took(tmp_path: Pat
         assert dict(kv.iterate()) == model
     finally:
         kv.close()
-    kv = LogEngine(path, memtable_limit=4096, table_limit=1024)
+    assert reopened_contents(path, memtable_limit=4096, table_limit=1024) == model
+
+
+def reopened_contents(path: str, **kw: int) -> dict[bytes, bytes]:
+    """What an engine opened again on ``path`` (with ``kw``) holds."""
+    kv = LogEngine(path, **kw)
     try:
-        assert dict(kv.iterate()) == model
+        return dict(kv.iterate())
     finally:
         kv.close()
 

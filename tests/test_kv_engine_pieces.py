@@ -22,6 +22,7 @@ import pytest
 from queue_ref.kv.engine_errors import DatabaseCorruptError
 from queue_ref.kv.logengine import LogEngine
 from queue_ref.kv.logengine import format as fmt
+from tests.test_kv_engine import reopened_contents
 
 
 def _tables(path: str) -> list[str]:
@@ -176,11 +177,7 @@ def test_a_store_with_more_pieces_than_the_cap_reclaims_and_reopens(tmp_path: Pa
         assert dict(kv.iterate()) == model
     finally:
         kv.close()
-    kv = LogEngine(path, table_limit=1024, max_open_tables=3)
-    try:
-        assert dict(kv.iterate()) == model
-    finally:
-        kv.close()
+    assert reopened_contents(path, table_limit=1024, max_open_tables=3) == model
 
 
 # ---- runs: recorded in the manifest --------------------------------------------------------

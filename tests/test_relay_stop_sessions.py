@@ -115,8 +115,8 @@ async def _mute_after_quit(tls: ssl.SSLContext, reader: asyncio.StreamReader,
             secure = True
         elif verb == b"DATA":
             writer.write(b"354 go on\r\n")
-            while await reader.readline() not in (b".\r\n", b""):
-                pass
+            await writer.drain()
+            await reader.readuntil(b"\r\n.\r\n")  # the content, read and dropped
             writer.write(b"250 2.0.0 queued\r\n")
         elif verb == b"QUIT":
             writer.write(b"221 2.0.0 bye\r\n")

@@ -206,16 +206,22 @@ class Recovery:
             self.io.close(a)
             self.io.close(b)
 
-    def _relink(self, path: str, msgid: str) -> None:
-        """Exclusive only: make ``path``, a copy of ``data/<msgid>``, a hard link of it
-        again: a new link made under this owner's ``tmp/`` and renamed over the copy (the
-        name never goes missing; a crash in between leaves the copy, which the next
-        recovery relinks, and a name in ``tmp/`` of a dead owner, which it removes)."""
-        staging = self.lay.tmp_owner(self.q.owner)
-        fresh = join(staging, f"convert.{os.path.basename(path).split('@')[0]}")
+    def _link_over(self, path: str, msgid: str) -> None:
+        """Exclusive only: make ``path`` a hard link of ``data/<msgid>``: a new link made
+        under this owner's ``tmp/`` and renamed over it (the name never goes missing; a
+        crash in between leaves the old name, which the next recovery replaces again,
+        and a name in ``tmp/`` of a dead owner, which it removes).  Its directory is
+        synced by the caller."""
+        fresh = join(self.lay.tmp_owner(self.q.owner),
+                     f"convert.{os.path.basename(path).split('@')[0]}")
         if_exists(self.io.unlink, fresh)
         self.io.link(self.lay.msg_file(msgid), fresh)
         self.io.rename(fresh, path)
+
+    def _relink(self, path: str, msgid: str) -> None:
+        """Exclusive only: make ``path``, a copy of ``data/<msgid>``, a hard link of it
+        again (``_link_over``), and report it."""
+        self._link_over(path, msgid)
         self.relinked.add(os.path.dirname(path))
         self.problems.append(
             f"{os.path.relpath(path, self.lay.root)}: a copy of its message file data/{msgid} "
@@ -262,10 +268,7 @@ class Recovery:
         staging = self.lay.tmp_owner(self.q.owner)
         changed: set[str] = set()
         for path, e in links:
-            fresh = join(staging, f"convert.{e.entry_id}")
-            if_exists(self.io.unlink, fresh)
-            self.io.link(self.lay.msg_file(e.msgid), fresh)
-            self.io.rename(fresh, path)
+            self._link_over(path, e.msgid)
             changed.add(os.path.dirname(path))
         if changed:
             self.q._sync_dirs(*sorted(changed), staging)
