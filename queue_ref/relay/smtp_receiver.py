@@ -136,7 +136,9 @@ class RelaySMTP(SMTP):
         self.receiver.sessions.add(self)
         if self.receiver.shutting_down and self._original_transport is None:
             # accepted while the relay stops: close_sessions may already have passed
-            asyncio.get_running_loop().create_task(self.close_for_shutdown())
+            task = asyncio.get_running_loop().create_task(self.close_for_shutdown())
+            self.receiver.closing.add(task)  # the loop keeps only a weak reference
+            task.add_done_callback(self.receiver.closing.discard)
 
     def connection_lost(self, error: Exception | None) -> None:
         self.receiver.sessions.discard(self)
@@ -295,6 +297,8 @@ class SmtpReceiver:
         #: Called with the ReopenRequiredError a commit raised (the relay reopens).
         self.on_queue_failed: Callable[[BaseException], None] | None = None
         self.sessions: set[RelaySMTP] = set()
+        #: close_for_shutdown of sessions accepted while the relay stops, under way
+        self.closing: set[asyncio.Task[None]] = set()
         self.shutting_down = False
         self.commits = 0  # commits in progress
         self.access = RelayAccess(config.mynetworks, config.relay_domains)
