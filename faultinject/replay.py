@@ -234,7 +234,7 @@ class _Replayer:
             if (ino in self.state.dirs) != (name == "rmdir"):
                 raise self.fail(f"{args[0]!r} has the wrong type for {name} in the model")
             self.emit(Remove(i, dp, dn, ino))
-        elif name in ("pread", "fsize", "listdir", "lstat", "exists", "is_dir", "is_symlink",
+        elif name in ("pread", "fsize", "listdir", "iter_names", "lstat", "exists", "is_dir", "is_symlink",
                       "readlink", "link_max", "lock_file", "same_file"):
             return
         else:

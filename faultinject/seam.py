@@ -505,6 +505,14 @@ class FaultyIO(IO):
                           lambda: self.inner.listdir(path, ordered=ordered),
                           record=lambda names: tuple(sorted(names)))
 
+    def iter_names(self, path: str) -> Iterator[str]:
+        # one recorded call, like listdir: the trace and the faults do not depend on how
+        # far a caller reads
+        names = self._call("iter_names", (self.rel(path),),
+                           lambda: self.inner.listdir(path, ordered=False),
+                           record=lambda got: tuple(sorted(got)))
+        return iter(names)
+
     def lstat(self, path: str) -> os.stat_result:
         return self._call("lstat", (self.rel(path),), lambda: self.inner.lstat(path),
                           record=_stat_summary)

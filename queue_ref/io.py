@@ -27,7 +27,7 @@ import platform
 import re
 import stat as stat_mod
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import cast
 
 from queue_ref import nogil
@@ -240,6 +240,15 @@ class IO:
         if ordered:
             names.sort()
         return names
+
+    def iter_names(self, path: str) -> Iterator[str]:
+        """The names in directory ``path`` as the file system gives them, read a buffer
+        at a time (``os.scandir``): the first comes without reading a big directory whole.
+        The directory stays open until the iterator is exhausted or closed.  A name added
+        or removed meanwhile may be given or not; any other is given once."""
+        with os.scandir(path) as it:
+            for entry in it:
+                yield entry.name
 
     def lstat(self, path: str) -> os.stat_result:
         return os.lstat(path)

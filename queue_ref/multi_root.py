@@ -22,7 +22,7 @@ class is the one Storage over all of them.
   elsewhere.
 * **Listings see every root**: ``list_queue``, ``list_domain``, ``list_held`` and
   ``inflight_entries`` merge the roots' listings oldest message first (by the roots' own
-  ids); ``find_inflight`` and ``find_pending_cleanup`` chain them.  ``footprint`` and the
+  ids); ``find_inflight``, ``find_pending_cleanup`` and ``scan_queue`` chain them.  ``footprint`` and the
   recovery reports are sums; lost ids and damaged files are named with their root.
 * **Capabilities** are those every root declares; limits the tightest of every root's
   (spare files: the sum).
@@ -339,6 +339,13 @@ class MultiRootQueue(Storage):
 
     def list_queue(self) -> Iterator[QueuedMail]:
         return self._merged(lambda s: s.list_queue())
+
+    def scan_queue(self) -> Iterator[QueuedMail | HeldMail]:
+        """Each root's own scan, one root after another (no merge: nothing is kept)."""
+        self._check_open()
+        for r in list(self._roots):
+            for inner in self._store(r).scan_queue():
+                yield self._wrap(r, inner)
 
     def list_zone(self, zone: str) -> Iterator[QueuedMail]:
         if Capability.ZONE_LISTING not in self.capabilities:

@@ -583,6 +583,19 @@ class Storage(abc.ABC):
         """Every HELD entry, each once (Capability.HOLD)."""
         raise UnsupportedError(f"{type(self).__name__} does not support holding mail")
 
+    def scan_queue(self) -> Iterator[QueuedMail | HeldMail]:
+        """Every QUEUED and HELD entry, each once, in the order the backend finds them
+        cheapest: for operators' listings (``mailq``, ``qshape``), whose first line should
+        not wait for the whole queue to be read.  The default is ``list_queue``, then
+        ``list_held`` where the backend holds mail; a backend whose ordered listing must
+        read every name first (the filesystem queue) lists in its directory order
+        instead, a message's entries of one state together.  An entry that changes state
+        while the scan runs may be given in either state, in both, or left out, and so
+        may the other entries of its message (C13)."""
+        yield from self.list_queue()
+        if Capability.HOLD in self.capabilities:
+            yield from self.list_held()
+
     def inflight_entries(self) -> Iterator[EntryMeta]:
         """Every INFLIGHT entry now, whichever sender holds it (a live one included), as
         its metadata: for operators' tools (``mailq`` marks them ``*``).  No handle, so

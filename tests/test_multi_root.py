@@ -74,6 +74,11 @@ def test_mail_is_spread_and_every_listing_sees_both_roots(tmp_path: Any) -> None
     assert [m.entry_id for m in q.list_domain("EXAMPLE.org")] == listed
     held = q.hold(next(m for m in q.list_queue() if m.entry_id.startswith("r1-")))
     assert held is not None and [h.entry_id for h in q.list_held()] == [held.entry_id]
+    scanned = list(q.scan_queue())  # each root's scan in turn, with the root's prefix
+    assert sorted(h.entry_id for h in scanned) == sorted(m.entry_id for m in ids)
+    assert [h.entry_id[:3] for h in scanned] == ["r0-"] * 3 + ["r1-"] * 3
+    assert [h.entry_id for h in scanned if type(h).__name__ == "HeldMail"] == [held.entry_id]
+    assert scanned[-1].entry_id == held.entry_id  # r1's queued, then its held
     f = q.send_start(next(q.list_queue()))
     assert f is not None
     assert [e.entry_id for e in q.inflight_entries()] == [f.entry_id]

@@ -3,7 +3,7 @@
 A failing disk fails reads too: ``stat``, ``readdir`` and ``pread`` return EIO on a bad
 sector as writes do.  The queue is filled through ``ReadFaultIO`` (three messages, one of
 two recipients and one of a body of ``BODY`` bytes; one entry claimed, one delivered and
-awaiting cleanup), then each read operation (``list_queue``, ``find_inflight``,
+awaiting cleanup), then each read operation (``list_queue``, ``scan_queue``, ``find_inflight``,
 ``find_pending_cleanup``, ``footprint``, reading a claimed body, ``inspect_entry`` and
 ``list_domain`` where supported) is run once without a fault, counting the read calls it
 makes, and then once per trial with one of those calls failing.  C9 requires:
@@ -44,8 +44,8 @@ from queue_ref.storage import (
 )
 
 #: The seam's calls that only read (and the checks built on them).
-READS = frozenset({"open_read", "read", "pread", "fsize", "readlink", "listdir", "lstat",
-                   "exists", "is_dir", "is_symlink", "same_file"})
+READS = frozenset({"open_read", "read", "pread", "fsize", "readlink", "listdir", "iter_names",
+                   "lstat", "exists", "is_dir", "is_symlink", "same_file"})
 #: Trials per operation: its read calls evenly spread (the first and last among them).
 PER_OPERATION = 6
 BODY = 200_000
@@ -139,6 +139,7 @@ def _operations(q: _Queue) -> dict[str, Callable[[], object]]:
     # inspect_entry and list_domain raise UnsupportedError where not declared: no trial
     return {
         "list_queue": lambda: sorted(h.entry_id for h in s.list_queue()),
+        "scan_queue": lambda: sorted(h.entry_id for h in s.scan_queue()),
         "find_inflight": lambda: sorted(h.entry_id for h in s.find_inflight()),
         "find_pending_cleanup": lambda: sorted(h.entry_id for h in s.find_pending_cleanup()),
         "footprint": s.footprint,
@@ -148,7 +149,7 @@ def _operations(q: _Queue) -> dict[str, Callable[[], object]]:
     }
 
 
-OPERATIONS = ("list_queue", "find_inflight", "find_pending_cleanup", "footprint",
+OPERATIONS = ("list_queue", "scan_queue", "find_inflight", "find_pending_cleanup", "footprint",
               "read_inflight", "inspect_entry", "list_domain")
 
 

@@ -102,6 +102,7 @@ def inspect(open_storage: Callable[[], Storage], *, drain: bool = True) -> Recov
                                    f"{_describe_exc(e)}"),))
         if Capability.DOMAIN_INDEX in storage.capabilities:
             problems.extend(_check_domain_index(storage, queued))
+        problems.extend(_check_scan(storage, queued, held))
         ids = [h.entry_id for h in (*queued, *held, *inflight, *pending)]
         for eid in sorted({i for i in ids if ids.count(i) > 1}):
             problems.append(("C6", f"entry {eid} is listed {ids.count(eid)} times"))
@@ -152,6 +153,22 @@ def _read_queued(storage: Storage, q: QueuedMail, claimed: list[InflightMail],
         return []
     claimed.append(f)
     return _read(storage, f, q.schedule, EntryState.QUEUED, quarantined, problems)
+
+
+def _check_scan(storage: Storage, queued: list[QueuedMail], held: list[HeldMail]
+                ) -> list[tuple[str, str]]:
+    """After recovery ``scan_queue`` (``mailq``'s listing) gives the queued and held
+    entries the ordered listings gave, each once, in the same state (C13)."""
+    try:
+        got = [(h.entry_id, type(h).__name__) for h in storage.scan_queue()]
+    except Exception as e:
+        return [("C10", f"scan_queue after recovery failed: {_describe_exc(e)}")]
+    want = sorted([(h.entry_id, "QueuedMail") for h in queued]
+                  + [(h.entry_id, "HeldMail") for h in held])
+    if sorted(got) != want:
+        return [("C13", f"after recovery scan_queue gives {sorted(got)}, the listings "
+                        f"{want}")]
+    return []
 
 
 def _check_domain_index(storage: Storage, queued: list[QueuedMail]

@@ -15,7 +15,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
 from conformance.lockstep.machine_state import DOMAINS, TAKES, ZONES, ClauseViolation, MachineBase
-from queue_ref.storage import Capability, Handle, InflightMail, Recipient, Schedule
+from queue_ref.storage import (
+    Capability,
+    Handle,
+    HeldMail,
+    InflightMail,
+    QueuedMail,
+    Recipient,
+    Schedule,
+)
 from spec.states import TABLE, EntryState
 
 #: How the list_domain rule spells the domains the model holds.
@@ -37,6 +45,27 @@ class HandleRules(MachineBase):
         self.log.append("list_held()")
         for h in self._compare_held("now"):
             self._keep(h, self._key(h))
+
+    @rule()
+    def scan_queue(self) -> None:
+        """``scan_queue`` gives the model's QUEUED and HELD entries, each once, as the
+        handle of its state with its schedule (C13), in any order."""
+        self.log.append("scan_queue()")
+        got = self._call("scan_queue", lambda: list(self.store.scan_queue()))
+        keys = [self._key(h) for h in got]
+        queued = set(self.model.keys_in(EntryState.QUEUED))
+        held = set(self.model.keys_in(EntryState.HELD))
+        if len(set(keys)) != len(keys) or set(keys) != queued | held:
+            raise ClauseViolation("C13", f"scan_queue gives {sorted(keys)}, expected "
+                                         f"{sorted(queued | held)}")
+        for h, k in zip(got, keys, strict=True):
+            kind = QueuedMail if k in queued else HeldMail
+            if type(h) is not kind:
+                raise ClauseViolation("C13", f"scan_queue gives {k} as a {type(h).__name__}, "
+                                             f"but it is {kind.__name__[:-4].upper()}")
+        self._compare_schedules("scan_queue", "C5", got, keys)
+        for h, k in zip(got, keys, strict=True):
+            self._keep(h, k)
 
     @rule()
     def find_pending_cleanup(self) -> None:

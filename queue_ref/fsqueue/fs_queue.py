@@ -79,6 +79,7 @@ from queue_ref.storage import (
     EntryMeta,
     Finished,
     Footprint,
+    H,
     Handle,
     HeldMail,
     InflightMail,
@@ -433,6 +434,59 @@ class FsQueue(FsMetadata, Storage):
                 got = self._verified(e, self.layout.held_link(e))
             if got is not None:
                 yield self._issue(HeldMail, e.entry_id, e.msgid, got[1])
+
+    def scan_queue(self) -> Iterator[QueuedMail | HeldMail]:
+        """Every QUEUED entry (queue/), then every HELD one (held/), in the directories'
+        own order, read a buffer of names at a time: the first entry comes after one
+        buffer whatever the queue holds (``mailq`` at a million queued), and no name is
+        kept.  A message's entries in one directory come together, when the first of its
+        names met there is its lowest there (``_scan_message``).  As Postfix's ``showq``
+        may miss a message moving between its queues, an entry whose message changes
+        state meanwhile may be left out: a name passed over because a lower entry of its
+        message was there is not given if that entry moves before the scan meets it."""
+        self._check_open()
+        yield from self._scan_dir(self.layout.queue, self.layout.queue_link, QueuedMail,
+                                  "listing the queue")
+        yield from self._scan_dir(self.layout.held, self.layout.held_link, HeldMail,
+                                  "listing held entries")
+
+    def _scan_dir(self, directory: str, link_of: Callable[[EntryName], str],
+                  kind: type[H], what: str) -> Iterator[H]:
+        try:
+            names = self.io.iter_names(directory)
+            for name in names:
+                e = EntryName.parse(name)
+                if e is None:
+                    continue
+                self._check_open()
+                with self._guard(what, None, writes=False):
+                    found = self._scan_message(e, link_of)
+                for sibling, schedule in found:
+                    yield self._issue(kind, sibling.entry_id, sibling.msgid, schedule)
+        except FileNotFoundError:
+            return  # the directory is gone (a queue being removed): nothing in it
+        except OSError as err:
+            raise storage_error(f"listing {directory}", err) from err
+
+    def _scan_message(self, e: EntryName, link_of: Callable[[EntryName], str]
+                      ) -> list[tuple[EntryName, Schedule]]:
+        """The entries of ``e``'s message linked in ``e``'s directory, when ``e`` is the
+        lowest of them (none otherwise: the lowest gives them when it is met).  A lower
+        one is looked for from the next index down, so an entry costs one look past the
+        gap below it: about one per entry of a message, not one per pair."""
+        for lower in range(e.index - 1, -1, -1):
+            if is_link_file(self.io, link_of(EntryName(e.msgid, lower))):
+                return []
+        got = self._verified(e, link_of(e))
+        if got is None:
+            return []
+        out = [(e, got[1])]
+        for index in range(e.index + 1, len(got[0].rcpts)):
+            sibling = EntryName(e.msgid, index)
+            more = self._verified(sibling, link_of(sibling))
+            if more is not None:
+                out.append((sibling, more[1]))
+        return out
 
     def find_pending_cleanup(self) -> Iterator[PendingCleanupMail]:
         """Every link in cleanup/ (its data may be partly released already)."""

@@ -123,12 +123,6 @@ class MessageInfo:
                 "recipients": [e.to_json() for e in self.entries]}
 
 
-def _handles(store: Storage) -> Iterator[Handle]:
-    yield from store.list_queue()
-    if Capability.HOLD in store.capabilities:
-        yield from store.list_held()
-
-
 def listing(store: Storage) -> list[tuple[Handle, EntryInfo]]:
     """Every QUEUED and HELD entry with its envelope, oldest message first.  Entries a
     sender holds INFLIGHT right now are not listed (no listing may take them from it)."""
@@ -138,13 +132,13 @@ def listing(store: Storage) -> list[tuple[Handle, EntryInfo]]:
 
 
 def scan(store: Storage) -> Iterator[tuple[Handle, EntryInfo]]:
-    """The entries of ``listing`` as the backend lists them (QUEUED, then HELD), each as
-    soon as it is read: nothing is kept, so the first comes at once whatever the queue
-    holds."""
-    for h in _handles(store):
+    """The entries of ``listing`` as the backend finds them (``Storage.scan_queue``:
+    the filesystem queue's directory order), each as soon as it is read: nothing is
+    kept, so the first comes at once whatever the queue holds."""
+    for h in store.scan_queue():
         state = "held" if isinstance(h, HeldMail) else "queued"
         try:
-            reader = store.inspect_entry(h)  # type: ignore[arg-type]
+            reader = store.inspect_entry(h)
         except UnsupportedError:
             yield h, EntryInfo(h.entry_id, h.message_id, state, "", -1, "", "", {},
                                h.schedule, 0, 0)
