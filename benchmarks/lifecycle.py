@@ -26,7 +26,10 @@ Figures:
   one ``send_finish`` (C15) against one ``send_done`` per recipient
   (``wide_100_rcpts``, ``ratio_send_finish_to_each``);
 * peak Python memory while enqueuing and reading back a 100 MB body (in a child process);
-* the raw log ceiling: append 16 records of 4 KiB, one fdatasync, repeatedly.
+* the raw log ceiling: append 16 records of 4 KiB, one fdatasync, repeatedly; each KV
+  queue's 16-producer median against it, in lifecycles and in write batches (four per
+  lifecycle, each one record of the log) per ceiling record
+  (``ratio_<kv>_16p_to_raw_log_ceiling``).
 
 Targets: the filesystem queue's 16-producer lifecycle rate is at least the raw floor; the
 KV queue's is at least 3 times the filesystem queue's (in its default mode, one process).
@@ -78,6 +81,11 @@ def open_backend(name: str, root: str) -> Storage:
 
         return KvQueue.open_leveldb(root)
     raise SystemExit(f"unknown backend {name!r}")
+
+
+#: The KV queue's write batches (log records) in one lifecycle: the commit, send_start,
+#: send_done and cleanup each write one.
+BATCHES_PER_LIFECYCLE = 4
 
 
 def lifecycle_one(q: Storage, now: int) -> None:
@@ -502,6 +510,13 @@ def main() -> None:
                                      "floor_messages": floor_messages}
         result |= rounds(base, names, args.rounds, args.messages, floor_messages,
                          args.procs, say)
+        for name in names:  # the log ceiling's share a KV queue reaches with 16 producers
+            entry = result[name]
+            if name.startswith("kv-") and isinstance(entry, dict):
+                rate = entry["lifecycle_16p_per_s"]["median"]
+                result[f"ratio_{name}_16p_to_raw_log_ceiling"] = {
+                    "lifecycles": rate / ceiling,
+                    "write_batches": rate * BATCHES_PER_LIFECYCLE / ceiling}
         for name in names:
             entry = result[name]
             assert isinstance(entry, dict)

@@ -52,6 +52,21 @@ def test_lifecycle_benchmark_reports_interleaved_ratios(tmp_path: Path) -> None:
     assert os.listdir(tmp_path) == []  # the benchmark removed its directories
 
 
+def test_lifecycle_benchmark_sets_the_kv_queue_against_the_raw_log_ceiling(
+        tmp_path: Path) -> None:
+    out, _ = run_benchmark("--backend", "kv-log", "--rounds", "1", "--messages", "32",
+                           "--rcpts", "5", "--big-mb", "1", "--dir", str(tmp_path),
+                           cwd=tmp_path)
+    kv = out["kv-log"]
+    assert isinstance(kv, dict) and "fs-syncfs" in out
+    share = out["ratio_kv-log_16p_to_raw_log_ceiling"]
+    assert isinstance(share, dict)
+    rate, ceiling = kv["lifecycle_16p_per_s"]["median"], out["raw_log_ceiling_per_s"]
+    assert share["lifecycles"] == pytest.approx(rate / ceiling)
+    assert share["write_batches"] == pytest.approx(4 * rate / ceiling)
+    assert "ratio_fs-syncfs_16p_to_raw_log_ceiling" not in out  # a KV queue's figure
+
+
 @pytest.mark.parametrize("args", [("--rounds", "0"), ("--procs", "3")])
 def test_lifecycle_benchmark_refuses_bad_sizes(tmp_path: Path, args: tuple[str, str]) -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "lifecycle.py"), *args],
