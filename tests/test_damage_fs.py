@@ -421,8 +421,8 @@ def test_a_link_beside_a_message_file_that_is_no_regular_file_is_junk_without_a_
     """data/<msgid> replaced by a FIFO or a directory, and an empty regular file in an
     entry's place (the same size): recovery does not take the entry for a copy (opening
     a FIFO would block it for good under the gate lock, reading a directory fail the
-    opening); both are junk, moved to quarantine and reported, as before copies were
-    relinked (found by a cold review)."""
+    opening); the name in data/ is junk, moved to quarantine, and the message is
+    reported lost (it was reported only as two junk files, and ``lost`` was empty)."""
     root = str(tmp_path / "q")
     msgs = fill(root)
     victim = msgs[0][0]
@@ -450,5 +450,49 @@ def test_a_link_beside_a_message_file_that_is_no_regular_file_is_junk_without_a_
     assert not t.is_alive(), "recovery hangs"
     report = result[0]
     assert isinstance(report, RecoveryReport), report
-    assert sum(victim in p and "junk" in p for p in report.problems) == 2, report.problems
+    assert report.lost == (victim,), report
+    assert sum(victim in p and "junk" in p for p in report.problems) == 1, report.problems
     assert not os.path.lexists(msg) and not os.path.lexists(link)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "symlink"])
+def test_a_message_whose_file_name_was_replaced_is_reported_lost_and_repair_sends_it_whole(
+        tmp_path: Path, kind: str) -> None:
+    """data/<msgid> of a one-recipient message replaced by a FIFO, a directory or a
+    symlink to a copy, its entry's link (the message's inode) left: recovery moved the
+    link to quarantine as junk and reported nothing lost.  Now the replaced name is the
+    junk; the message is reported lost with its content kept as <msgid>.unlinked, and
+    ``queue-ref repair`` puts it back in the queue, delivered whole."""
+    root = str(tmp_path / "q")
+    msgs = fill(root)
+    victim = msgs[0][0]
+    msg = os.path.join(root, "data", victim)
+    body = Path(msg).read_bytes()
+    os.unlink(msg)
+    if kind == "fifo":
+        os.mkfifo(msg)
+    elif kind == "directory":
+        os.mkdir(msg)
+    else:
+        Path(tmp_path / "copy").write_bytes(body)
+        os.symlink(tmp_path / "copy", msg)
+    q = FsQueue(root)
+    report = q.last_recovery
+    assert report is not None and report.lost == (victim,), report
+    assert any("not a regular file" in p and victim in p for p in report.problems)
+    assert victim not in {h.message_id for h in q.list_queue()}
+    assert os.path.exists(os.path.join(root, "quarantine", f"{victim}.unlinked"))
+    q.close()
+    out = subprocess.run([sys.executable, "-m", "conformance.cli", "repair", "--queue", root,
+                          "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    q = FsQueue(root)
+    try:
+        ids = {h.entry_id: h.message_id for h in q.list_queue()}
+        assert f"{victim}.0" in ids
+        got = q.send_start(next(h for h in q.list_queue() if h.message_id == victim))
+        assert got is not None
+        with q.read_inflight(got) as r:
+            assert r.read_all() == b"body 0 " * 40
+    finally:
+        q.close()

@@ -168,6 +168,14 @@ class Recovery:
             self.junk(path, "not a regular file")
             return False
         msg = self._msg_stat(e.msgid)
+        if msg is not None and not stat.S_ISREG(msg.st_mode):
+            # the message's own name was replaced (a FIFO, a directory, a symlink): that
+            # name is the junk, and the message's file is gone from data/; its links are
+            # dangling, and step 4 reports the message lost and keeps what they hold
+            self.junk(self.lay.msg_file(e.msgid), "not a regular file, in place of the file "
+                                                  f"of message {e.msgid}")
+            self.msg_stats[e.msgid] = None
+            return True
         if msg is not None and not same_inode(msg, st):
             if self.exclusive and self._a_copy(path, st, e.msgid, msg):
                 self._relink(path, e.msgid)
