@@ -14,7 +14,10 @@ queue open and none can open it meanwhile.  Steps, in order:
    reported.  Links are never followed.  Except, when exclusive: a file with the same
    bytes as its message file is a copy of a link (a queue copied by ``cp -r`` or
    ``rsync`` without ``-H``), made a hard link of the file again (a new link renamed
-   over it) and reported; so is a copy of a reference link, in step 7.
+   over it) and reported; so is a copy of a reference link, in step 7.  A message
+   whose own name ``data/<msgid>`` is not a regular file (a FIFO, a directory, a
+   symlink) has that name moved to quarantine instead: its links then dangle, and step 4
+   reports it lost, keeping what they hold for ``queue-ref repair``.
 2. **Duplicates** (an entry linked twice, possible after power loss because a rename
    persists in one directory before the other): cleanup wins over queue, held and
    inflight; held wins over queue and a dead owner's inflight (only an interrupted hold or
