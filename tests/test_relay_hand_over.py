@@ -8,7 +8,10 @@ import io
 import json
 from pathlib import Path
 
+import pytest
+
 from queue_ref.memory import MemoryStorage
+from queue_ref.relay import delivery_scheduler
 from queue_ref.relay.delivery_log import DeliveryLog
 from queue_ref.relay.delivery_scheduler import DeliveryScheduler, _Entry, _Job
 from queue_ref.relay.smtp_delivery import RcptResult
@@ -99,3 +102,31 @@ def test_a_jobs_outcome_lines_go_to_the_log_in_one_write(tmp_path: Path) -> None
     assert len(lines) == 100
     assert {x["to"]: x["status"] for x in lines} == {
         r: ("sent" if i % 3 else "deferred") for i, r in enumerate(rcpts)}
+
+
+def test_the_scheduler_keeps_the_newest_wire_ready_messages_and_gives_each_to_one_job(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``add(..., wire_ready=True)`` notes the message for the job that claims it (its
+    delivery then skips the line checks); at most WIRE_READY_KEPT messages are noted, the
+    oldest dropped first (another process of a shared queue may deliver them), and a
+    note is taken once: the job of an evicted message, or of one added without it, makes
+    the checks."""
+    monkeypatch.setattr(delivery_scheduler, "WIRE_READY_KEPT", 3)
+    store = MemoryStorage()
+    s = DeliveryScheduler(store, relay_config(str(tmp_path / "q")), None, None,  # type: ignore[arg-type]
+                          DeliveryLog(json_lines=True, stream=io.StringIO()), None,
+                          clock=lambda: 1.0)
+    messages = []
+    for i in range(5):
+        with store.enqueue("s@example.org", {"arrival": "0"}) as enq:
+            enq.write(b"Subject: x\r\n\r\nbody\r\n")
+            messages.append(enq.commit([Recipient(f"r{i}@ok.test", Schedule(0))]))
+    for i, handles in enumerate(messages):
+        s.add(handles, wire_ready=i != 3)
+    ready = {}
+    for i, handles in enumerate(messages):
+        job = s._claim(handles)
+        assert job is not None
+        ready[i] = job.wire_ready
+    assert ready == {0: False, 1: True, 2: True, 3: False, 4: True}  # 0 evicted
+    assert s._wire_ready == {}

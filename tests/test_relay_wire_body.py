@@ -4,12 +4,14 @@ real SMTP server gets back exactly the body that was queued, dot lines included.
 from __future__ import annotations
 
 import smtplib
+import socket
 
 from aiosmtplib.protocol import PERIOD_REGEX, normalize_message_line_endings
 from hypothesis import example, given
 from hypothesis import strategies as st
 
 from queue_ref.relay.smtp_delivery import wire_body
+from queue_ref.relay.smtp_line_folding import wire_ready
 from tests.relay_support import DnsServer, RelayThread, Sink, relay_config
 
 
@@ -88,3 +90,66 @@ def test_a_5000_octet_line_arrives_folded_with_all_its_content(tmp_path):
     assert [len(x) for x in lines[3:9]] == [998, 998, 998, 998, 998, 15]  # 998 + 4*997 + 14
     assert all(x.startswith(b" ") for x in lines[4:9])
     assert data.replace(b"\r\n ", b"") == body  # every octet there, in order
+
+
+@given(st.lists(st.sampled_from([b"a", b".", b"\r", b"\n", b"\r\n", b"a" * 500, b"b" * 997,
+                                 b"c" * 998, b"d" * 999]), max_size=12).map(b"".join),
+       st.sampled_from([0, 998, 40]))
+def test_a_body_the_receiver_found_wire_ready_goes_out_as_wire_body_makes_it(body, limit):
+    """``wire_ready`` holds exactly for bodies with CRLF line breaks only and no line over
+    the limit; for those, ``wire_body(..., ready=True)`` (the checks skipped) gives the
+    payload ``wire_body`` makes with them."""
+    bare = body.replace(b"\r\n", b"")
+    lines = body.split(b"\r\n")
+    want = b"\r" not in bare and b"\n" not in bare and not (
+        limit and any(len(x) > limit for x in lines))
+    assert wire_ready(body, limit) == want
+    if want:
+        assert wire_body(body, limit, ready=True) == wire_body(body, limit)
+
+
+def test_the_receiver_tells_the_delivery_which_bodies_go_out_as_they_are(tmp_path):
+    """A clean body is delivered without the checks (the job says wire_ready); a body
+    with a bare CR, a bare LF, or a line over the limit is not, and arrives converted
+    (bare LF already at receipt, as Postfix's smtpd normalizes it; bare CR at delivery)
+    or folded.  The client is a raw socket: smtplib would fix the line breaks itself."""
+    bodies = {"clean": b"Subject: clean\r\n\r\nline\r\n.dot\r\n",
+              "cr": b"Subject: cr\r\n\r\na\rb\r\n",
+              "lf": b"Subject: lf\r\n\r\na\nb\r\n",
+              "long": b"Subject: long\r\n\r\n" + b"x" * 1200 + b"\r\n"}
+    with Sink() as sink, RelayThread(relay_config(
+            str(tmp_path / "q"), relayhost=f"[127.0.0.1]:{sink.port}", log_json=True)) as r:
+        seen: dict[str, bool] = {}
+        deliverer = r.relay.scheduler.deliverer
+        real = deliverer.deliver
+
+        async def watching(hosts, mail_from, rcpts, body, params, *, wire_ready=False):
+            seen[rcpts[0].split("@")[0]] = wire_ready
+            return await real(hosts, mail_from, rcpts, body, params, wire_ready=wire_ready)
+
+        deliverer.deliver = watching
+        with socket.create_connection(("127.0.0.1", r.port), timeout=10) as s:
+            f = s.makefile("rb")
+
+            def say(line: bytes) -> bytes:
+                s.sendall(line)
+                reply = f.readline()
+                while reply[3:4] == b"-":
+                    reply = f.readline()
+                return reply
+
+            assert f.readline().startswith(b"220")
+            assert say(b"EHLO client.test\r\n").startswith(b"250")
+            for name, body in bodies.items():
+                assert say(b"MAIL FROM:<a@ok.test>\r\n").startswith(b"250")
+                assert say(b"RCPT TO:<%s@ok.test>\r\n" % name.encode()).startswith(b"250")
+                assert say(b"DATA\r\n").startswith(b"354")
+                stuffed = body.replace(b"\r\n.", b"\r\n..")
+                assert say(stuffed + b".\r\n").startswith(b"250"), name
+            say(b"QUIT\r\n")
+        got = {m.rcpts[0].split("@")[0]: m.data for m in sink.wait_for(4)}
+    assert seen == {"clean": True, "cr": False, "lf": False, "long": False}
+    assert got["clean"].endswith(b"\r\n" + bodies["clean"])
+    assert got["cr"].endswith(b"\r\n\r\na\r\nb\r\n")
+    assert got["lf"].endswith(b"\r\n\r\na\r\nb\r\n")
+    assert max(map(len, got["long"].split(b"\r\n"))) == 998

@@ -225,7 +225,7 @@ class _ScriptedHop:
         self.handed: list[str] = []
 
     async def deliver(self, hosts: object, mail_from: str, rcpts: list[str], body: bytes,
-                      params: dict[str, str]) -> list[RcptResult]:
+                      params: dict[str, str], *, wire_ready: bool = False) -> list[RcptResult]:
         self.handed += rcpts
         return [answer(r, self.attempts.get(r, 0)) for r in rcpts]
 

@@ -40,6 +40,7 @@ from queue_ref.relay.relay_access import RelayAccess
 from queue_ref.relay.relay_config import RelayConfig
 from queue_ref.relay.smtp_address import fast_path_address, valid_address
 from queue_ref.relay.smtp_data_reader import read_data
+from queue_ref.relay.smtp_line_folding import wire_ready
 from queue_ref.relay.smtpd_sasl_auth import TOO_MANY, SaslAuthenticator
 from queue_ref.relay.tls_summary import CLOSE_GRACE, summary_of_session
 from queue_ref.storage import (
@@ -258,11 +259,13 @@ class RelaySMTP(SMTP):
 
 def _store_message(store: Storage, mail_from: str, params: dict[str, str],
                    received: tuple[bytes, bytes], body: bytes, rcpts: Sequence[str],
-                   named: list[str] | None = None) -> tuple[list[QueuedMail], int]:
-    """Enqueue and commit (on a storage thread); the handles and the length of the
+                   named: list[str] | None = None, line_limit: int = 0
+                   ) -> tuple[list[QueuedMail], int, bool]:
+    """Enqueue and commit (on a storage thread); the handles, the length of the
     ``Received:`` header, whose two parts go either side of `` id QUEUEID`` where the
     backend names the message before commit (``Enqueuer.message_id``, also appended to
-    ``named``, so that a failure can be logged with it).  Nothing stays queued if it
+    ``named``, so that a failure can be logged with it), and whether that header goes
+    out as it is (``wire_ready`` with ``line_limit``).  Nothing stays queued if it
     raises."""
     now = int(time.time())
     with store.enqueue(mail_from, params) as enq:
@@ -272,7 +275,8 @@ def _store_message(store: Storage, mail_from: str, params: dict[str, str],
         header = received[0] + (f" id {message_id}".encode() if message_id else b"") + received[1]
         enq.write(header)
         enq.write(body)
-        return enq.commit([Recipient(r, Schedule(now)) for r in rcpts]), len(header)
+        handles = enq.commit([Recipient(r, Schedule(now)) for r in rcpts])
+        return handles, len(header), wire_ready(header, line_limit)
 
 
 class SmtpReceiver:
@@ -282,10 +286,13 @@ class SmtpReceiver:
         return _verb_names(type(self))
 
     def __init__(self, config: RelayConfig, store: Storage, executor: Executor,
-                 log: DeliveryLog, on_queued: Callable[[list[QueuedMail]], None],
+                 log: DeliveryLog, on_queued: Callable[..., None],
                  on_commit_time: Callable[[float], None] | None = None,
                  on_etrn: Callable[[str, str], None] | None = None) -> None:
-        """``on_etrn(domain, outcome)`` is called after every ETRN that reached the queue
+        """``on_queued(handles, wire_ready=...)`` is called with each message committed,
+        ``wire_ready`` telling whether its stored body (the ``Received:`` header
+        included) goes out as it is (``smtp_line_folding.wire_ready``).
+        ``on_etrn(domain, outcome)`` is called after every ETRN that reached the queue
         (outcome "started", "empty" or "failed"); the relay wakes its scheduler there."""
         self.on_etrn = on_etrn
         self.config = config
@@ -424,9 +431,12 @@ class SmtpReceiver:
         body = envelope.original_content or b""
         if b"\x00" in body:
             return "554 5.6.0 Error: message content contains a NUL character"
-        # Bare LF becomes CRLF (Postfix's smtpd_forbid_bare_newline = normalize).  Counting
-        # first: the substitution costs 17 ms per MB even when there is nothing to change.
-        if body.count(b"\n") != body.count(b"\r\n"):
+        # A body that goes out as it is (CRLF only, no line over the delivery's limit) is
+        # told to the scheduler, whose delivery then skips those checks.  Else bare LF
+        # becomes CRLF (Postfix's smtpd_forbid_bare_newline = normalize), counting first:
+        # the substitution costs 17 ms per MB even when there is nothing to change.
+        ready = wire_ready(body, self.config.smtp_line_length_limit)
+        if not ready and body.count(b"\n") != body.count(b"\r\n"):
             body = _BARE_LF.sub(b"\r\n", body)
         if _hops(body) + 1 >= self.config.hopcount_limit:  # our Received: counts too
             return "554 5.4.6 Error: too many hops"
@@ -459,9 +469,9 @@ class SmtpReceiver:
         named: list[str] = []
         try:
             loop = asyncio.get_running_loop()
-            handles, header_size = await loop.run_in_executor(
+            handles, header_size, header_ready = await loop.run_in_executor(
                 self.executor, _store_message, self.store, mail_from, params, received, body,
-                rcpts, named)
+                rcpts, named, self.config.smtp_line_length_limit)
         except Exception as e:
             # nothing was queued: the line names the aborted message's id where the backend
             # gave one before commit (else NOQUEUE, as Postfix's), and whose mail it was
@@ -487,7 +497,7 @@ class SmtpReceiver:
                       nrcpt=len(rcpts), client=client, helo=helo[:255])
         for orig in rewritten:  # Postfix's delivery lines say orig_to=<postmaster>
             self.log.emit("rewrite", queue_id, to=postmaster, orig_to=orig)
-        self.on_queued(handles)
+        self.on_queued(handles, wire_ready=ready and header_ready)
         return f"250 2.0.0 Ok: queued as {queue_id}"
 
 
