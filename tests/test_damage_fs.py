@@ -496,3 +496,66 @@ def test_a_message_whose_file_name_was_replaced_is_reported_lost_and_repair_send
             assert r.read_all() == b"body 0 " * 40
     finally:
         q.close()
+
+
+def test_a_replaced_message_file_is_reported_lost_beside_its_live_owner(tmp_path: Path) -> None:
+    """data/<msgid> replaced by a FIFO while the process that enqueued the message still
+    has the queue open: another process's recovery (not exclusive) reports it lost, once,
+    and keeps its content (step 4 took a dangling link of a live owner for an enqueue in
+    progress and hid the message from every listing, lost empty; found by a cold review).
+    Repair, once the owner closed, puts it back whole."""
+    root = str(tmp_path / "q")
+    owner = FsQueue(root)
+    with owner.enqueue("a@example.org") as e:
+        e.write(b"Subject: x\r\n\r\nbody\r\n")
+        mid = e.commit([Recipient(f"r{k}@example.net", Schedule(0)) for k in range(2)])[0].message_id
+    msg = os.path.join(root, "data", mid)
+    os.unlink(msg)
+    os.mkfifo(msg)
+    other = FsQueue(root)
+    try:
+        report = other.last_recovery
+        assert report is not None and report.lost == (mid,)
+        assert sum(f"message {mid} lost" in p for p in report.problems) == 1, report.problems
+        assert os.path.exists(os.path.join(root, "quarantine", f"{mid}.unlinked"))
+    finally:
+        other.close()
+        owner.close()
+    out = subprocess.run([sys.executable, "-m", "conformance.cli", "repair", "--queue", root],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    q = FsQueue(root)
+    try:
+        assert sorted(h.entry_id for h in q.list_queue()) == [f"{mid}.0", f"{mid}.1"]
+    finally:
+        q.close()
+
+
+def test_the_content_kept_for_repair_is_the_messages_file_not_a_file_in_an_entrys_place(
+        tmp_path: Path) -> None:
+    """A FIFO at data/<msgid> of a two-recipient message and an empty file at its entry
+    .0: the copy kept as <msgid>.unlinked is the file the other names share (it was the
+    first link by name, the empty file, and repair then found it too short)."""
+    root = str(tmp_path / "q")
+    msgs = fill(root)
+    victim = next(m for m, n in msgs if n == 2)
+    msg = os.path.join(root, "data", victim)
+    os.unlink(msg)
+    os.mkfifo(msg)
+    link = os.path.join(root, "queue", f"{victim}.0")
+    os.unlink(link)
+    Path(link).write_bytes(b"")
+    q = FsQueue(root)
+    assert q.last_recovery is not None and q.last_recovery.lost == (victim,)
+    q.close()
+    kept = os.path.join(root, "quarantine", f"{victim}.unlinked")
+    assert os.path.getsize(kept) > 0
+    out = subprocess.run([sys.executable, "-m", "conformance.cli", "repair", "--queue", root],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    q = FsQueue(root)
+    try:
+        assert sorted(h.entry_id for h in q.list_queue() if h.message_id == victim) == [
+            f"{victim}.0", f"{victim}.1"]
+    finally:
+        q.close()

@@ -177,3 +177,66 @@ def test_entries_moved_while_a_scan_is_paused_are_given_as_they_are_when_it_reac
             {first.entry_id} | {h.entry_id for h in rest[20:]}
     finally:
         q.close()
+
+
+def _met_last(q: FsQueue, root: Path, rcpts: int, index: int) -> str:
+    """A message of ``rcpts`` recipients whose entry ``index`` comes last in queue/'s
+    directory order (ext4's hash order, tried until it does)."""
+    for _ in range(400):
+        mid = put(q, rcpts)[0].message_id
+        order = [n for n in os.listdir(root / "queue") if n.startswith(mid)]
+        if order[-1] == f"{mid}.{index}":
+            return mid
+    raise AssertionError("no message met that entry last")
+
+
+def test_a_corrupt_lowest_entry_is_quarantined_and_its_siblings_still_given_once(
+        tmp_path: Path) -> None:
+    """No concurrent change: entry .0's schedule record is damaged and .0 comes after .1
+    and .2 in the directory.  .1 and .2 were passed over for .0, which the scan then
+    quarantines: they must still be given, once (found by a cold review: they were
+    given by list_queue and not by scan_queue)."""
+    root = tmp_path / "q"
+    q = FsQueue(str(root))
+    try:
+        mid = _met_last(q, root, 3, 0)
+        (root / "data" / f"{mid}.0.sched").write_bytes(b"not a schedule record")
+        got = [h.entry_id for h in q.scan_queue() if h.message_id == mid]
+        assert got == [f"{mid}.1", f"{mid}.2"]
+        assert sorted(h.entry_id for h in q.list_queue() if h.message_id == mid) == got
+    finally:
+        q.close()
+
+
+def test_junk_at_an_entrys_name_neither_hides_nor_repeats_its_siblings(tmp_path: Path) -> None:
+    """A directory at .0's name, met after .1: .1 and .2 are given once; a directory is
+    no link, so it gives nothing when met."""
+    root = tmp_path / "q"
+    q = FsQueue(str(root))
+    try:
+        mid = _met_last(q, root, 3, 0)
+        os.unlink(root / "queue" / f"{mid}.0")
+        os.mkdir(root / "queue" / f"{mid}.0")
+        got = [h.entry_id for h in q.scan_queue() if h.message_id == mid]
+        assert got == [f"{mid}.1", f"{mid}.2"]
+    finally:
+        q.close()
+
+
+def test_a_name_with_a_huge_index_costs_a_few_looks(tmp_path: Path) -> None:
+    """A stray name ``<msgid>.300000`` of a one-recipient message, and one of no message:
+    the scan looks no lower than the message's recipients (it made an lstat per index
+    below the name's, 300,000 of them, found by a cold review)."""
+    root = tmp_path / "q"
+    q = FsQueue(str(root))
+    h = put(q, 1)[0]
+    q.close()
+    os.link(root / "data" / h.message_id, root / "queue" / f"{h.message_id}.300000")
+    (root / "queue" / f"{'0' * 38}.300000").write_bytes(b"")
+    io = CountingIO()
+    q = FsQueue(str(root), io=io, recover=False)
+    try:
+        assert [x.entry_id for x in q.scan_queue()] == [h.entry_id]
+        assert io.lstats < 20, io.lstats
+    finally:
+        q.close()

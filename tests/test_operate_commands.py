@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 
 from conformance.cli import main
+from queue_ref.fsqueue import FsQueue
+from queue_ref.io import OsIO
 from queue_ref.opener import PID_FILE, open_queue
 from queue_ref.operate import queue_actions as qa
 from queue_ref.storage import Recipient, Schedule
@@ -342,3 +344,58 @@ def test_show_of_a_damaged_message_exits_1_and_says_it_was_set_aside(
     assert any(not p.is_symlink() and p.read_bytes() == bytes(damaged) for p in kept), kept
     code, out, _ = run(capsys, "show", "--queue", str(q), ids[2])
     assert code == 0 and "Subject: message 2" in out
+
+
+class ClaimMidListing(OsIO):
+    """The real disk; while queue/ is listed, after the names of the message's entries
+    .1 and .2 are read and before .0 is, ``claim`` runs (a relay taking .0): for a
+    listing read name by name (``iter_names``) as for one read whole (``listdir``)."""
+
+    def __init__(self, mid: str, claim: Any) -> None:
+        super().__init__()
+        self.mid, self.claim, self.armed = mid, claim, False  # armed once opened
+
+    def _fire(self) -> None:
+        if self.armed:
+            self.armed = False
+            self.claim()
+
+    def iter_names(self, path: str) -> Any:
+        names = list(super().iter_names(path))
+        if not path.endswith("/queue"):
+            yield from names
+            return
+        mine = [f"{self.mid}.1", f"{self.mid}.2"]
+        yield from mine
+        self._fire()
+        yield from (n for n in names if n not in mine and os.path.lexists(os.path.join(path, n)))
+
+    def listdir(self, path: str, *, ordered: bool = True) -> list[str]:
+        names = super().listdir(path, ordered=ordered)
+        if path.endswith("/queue"):
+            self._fire()
+        return names
+
+
+def test_an_action_beside_a_relay_takes_every_entry_that_stayed_queued(tmp_path: Path) -> None:
+    """``hold --all`` while a relay claims entry .0 of a three-recipient message: .1 and
+    .2 stayed queued throughout and are held.  Actions select from the ordered listings;
+    through ``scan_queue`` (mailq's) .1 and .2 were passed over for .0, never met, and
+    left to the relay (found by a cold review)."""
+    root = str(tmp_path / "q")
+    relay = FsQueue(root)
+    with relay.enqueue("a@example.org") as e:
+        e.write(b"Subject: x\r\n\r\nbody\r\n")
+        hs = e.commit([Recipient(f"r{k}@example.net", Schedule(0)) for k in range(3)])
+    mid = hs[0].message_id
+    io = ClaimMidListing(mid, lambda: relay.send_start(hs[0]))
+    operator = FsQueue(root, io=io)
+    io.armed = True
+    try:
+        res = qa.hold(operator, qa.select(qa.listing(operator), every=True))
+        assert sorted(res.changed) == [f"{mid}.1", f"{mid}.2"]
+        assert sorted(h.entry_id for h in operator.list_held()) == [f"{mid}.1", f"{mid}.2"]
+        assert list(operator.list_queue()) == [] and not io.armed  # the claim was made
+    finally:
+        operator.close()
+        relay.close()

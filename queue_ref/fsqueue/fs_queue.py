@@ -452,40 +452,60 @@ class FsQueue(FsMetadata, Storage):
 
     def _scan_dir(self, directory: str, link_of: Callable[[EntryName], str],
                   kind: type[H], what: str) -> Iterator[H]:
+        names: Iterator[str] = iter(())
+        given: set[str] = set()  # messages given although their lowest link failed
         try:
             names = self.io.iter_names(directory)
             for name in names:
                 e = EntryName.parse(name)
-                if e is None:
+                if e is None or e.msgid in given:
                     continue
                 self._check_open()
                 with self._guard(what, None, writes=False):
-                    found = self._scan_message(e, link_of)
+                    found = self._scan_message(e, link_of, given)
                 for sibling, schedule in found:
                     yield self._issue(kind, sibling.entry_id, sibling.msgid, schedule)
         except FileNotFoundError:
             return  # the directory is gone (a queue being removed): nothing in it
         except OSError as err:
             raise storage_error(f"listing {directory}", err) from err
+        finally:  # not left open by an error kept with its traceback
+            close = getattr(names, "close", None)
+            if close is not None:
+                close()
 
-    def _scan_message(self, e: EntryName, link_of: Callable[[EntryName], str]
-                      ) -> list[tuple[EntryName, Schedule]]:
+    def _scan_message(self, e: EntryName, link_of: Callable[[EntryName], str],
+                      given: set[str]) -> list[tuple[EntryName, Schedule]]:
         """The entries of ``e``'s message linked in ``e``'s directory, when ``e`` is the
-        lowest of them (none otherwise: the lowest gives them when it is met).  A lower
-        one is looked for from the next index down, so an entry costs one look past the
-        gap below it: about one per entry of a message, not one per pair."""
+        lowest of them (none otherwise: the lowest gives them when it is met).  The
+        message's envelope bounds the looks: a name that is no link, of no message, or
+        past its recipients gives nothing (junk, which recovery quarantines), and a
+        lower entry is looked for from the next index down, so an entry costs one look
+        past the gap below it: about one per entry of a message, not one per pair.  The
+        entries from ``e`` up are each verified as ``list_queue`` does: a corrupt one is
+        quarantined and left out, the others still given; if ``e`` itself fails, its
+        message goes in ``given`` (the scan skips its later names, which would find no
+        lower link and give the others again)."""
+        if not is_link_file(self.io, link_of(e)):
+            return []
+        try:
+            env = self._envelopes.peek(e.msgid) or self._load_envelope(e.msgid)
+        except Corrupt:
+            self._verified(e, link_of(e))  # quarantined there, as list_queue does
+            return []
+        if env is None or e.index >= len(env.rcpts):
+            return []
         for lower in range(e.index - 1, -1, -1):
             if is_link_file(self.io, link_of(EntryName(e.msgid, lower))):
                 return []
-        got = self._verified(e, link_of(e))
-        if got is None:
-            return []
-        out = [(e, got[1])]
-        for index in range(e.index + 1, len(got[0].rcpts)):
+        out = []
+        for index in range(e.index, len(env.rcpts)):
             sibling = EntryName(e.msgid, index)
-            more = self._verified(sibling, link_of(sibling))
-            if more is not None:
-                out.append((sibling, more[1]))
+            got = self._verified(sibling, link_of(sibling))
+            if got is not None:
+                out.append((sibling, got[1]))
+            elif sibling == e:
+                given.add(e.msgid)
         return out
 
     def find_pending_cleanup(self) -> Iterator[PendingCleanupMail]:

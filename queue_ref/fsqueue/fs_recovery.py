@@ -17,7 +17,8 @@ queue open and none can open it meanwhile.  Steps, in order:
    over it) and reported; so is a copy of a reference link, in step 7.  A message
    whose own name ``data/<msgid>`` is not a regular file (a FIFO, a directory, a
    symlink) has that name moved to quarantine instead: its links then dangle, and step 4
-   reports it lost, keeping what they hold for ``queue-ref repair``.
+   reports it lost (whether or not its owner lives: no enqueue makes such a name),
+   keeping what they hold for ``queue-ref repair``.
 2. **Duplicates** (an entry linked twice, possible after power loss because a rename
    persists in one directory before the other): cleanup wins over queue, held and
    inflight; held wins over queue and a dead owner's inflight (only an interrupted hold or
@@ -119,6 +120,9 @@ class Recovery:
         self.index_paths: dict[str, str] = {}  # entry id -> its index link (verified entries)
         self.msg_stats: dict[str, os.stat_result | None] = {}  # message id -> its file's
         self.relinked: set[str] = set()  # directories where a copied link was relinked
+        #: messages whose name in data/ this run found replaced (no regular file) and
+        #: moved to quarantine: lost whoever owns them (no enqueue makes such a name)
+        self.replaced: set[str] = set()
 
     def alive(self, owner: str) -> bool:
         return self.q._owners.alive(owner)
@@ -178,6 +182,7 @@ class Recovery:
             self.junk(self.lay.msg_file(e.msgid), "not a regular file, in place of the file "
                                                   f"of message {e.msgid}")
             self.msg_stats[e.msgid] = None
+            self.replaced.add(e.msgid)
             return True
         if msg is not None and not same_inode(msg, st):
             if self.exclusive and self._a_copy(path, st, e.msgid, msg):
@@ -465,6 +470,10 @@ class Recovery:
         if self.io.exists(self.lay.quarantined(f"{e.msgid}.msg")):
             self.q._quarantine_links_of(e.msgid)
             return True
+        if e.msgid in self.replaced:  # committed: an enqueue never makes such a name
+            if e.msgid not in self.lost:  # its first link: every link goes aside then
+                self._lost_message(e.msgid)
+            return True
         if self.alive(owner_of_msgid(e.msgid)):
             return False  # an enqueue in progress: its owner commits or discards it
         if e.msgid in building or self.io.exists(self.lay.quarantined(f"{e.msgid}.lost.note")):
@@ -505,17 +514,21 @@ class Recovery:
         dest = self.lay.quarantined(f"{msgid}.unlinked")
         if self.io.exists(dest):
             return None
+        found: list[tuple[int, int, str]] = []  # (-names, order, path) of each link
         for d in (self.lay.queue, self.lay.held, self.lay.inflight):
             for n in sorted(self.q._links_of_message(d, msgid)):
-                path = join(d, n)
-                if not is_link_file(self.io, path):
-                    continue
-                try:
-                    self.io.link(path, dest)
-                except (FileNotFoundError, FileExistsError):
-                    continue
-                self.q._sync_dirs(self.lay.quarantine)
-                return f"{os.path.basename(d)}/{n}"
+                st = lstat_or_none(self.io, join(d, n))
+                if st is not None and stat.S_ISREG(st.st_mode):
+                    found.append((-st.st_nlink, len(found), join(d, n)))
+        # the file most names share first: the message's own (its entries' links are hard
+        # links to it), not a file someone put in one entry's place
+        for _, _, path in sorted(found):
+            try:
+                self.io.link(path, dest)
+            except (FileNotFoundError, FileExistsError):
+                continue
+            self.q._sync_dirs(self.lay.quarantine)
+            return os.path.relpath(path, self.lay.root)
         for n in sorted(listdir_or_empty(self.io, self.lay.data)):
             m = DATA_RE.match(n)
             if (m is None or m["msgid"] != msgid or m["index"] is None or m["sched"]

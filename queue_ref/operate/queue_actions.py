@@ -12,6 +12,7 @@ prints them.  Domains: a recipient (or sender) domain, compared case-insensitive
 
 from __future__ import annotations
 
+import itertools
 import re
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -124,18 +125,28 @@ class MessageInfo:
 
 
 def listing(store: Storage) -> list[tuple[Handle, EntryInfo]]:
-    """Every QUEUED and HELD entry with its envelope, oldest message first.  Entries a
-    sender holds INFLIGHT right now are not listed (no listing may take them from it)."""
-    out = list(scan(store))
+    """Every QUEUED and HELD entry with its envelope, oldest message first, from the
+    ordered listings (``list_queue``, ``list_held``): what an action (hold, release,
+    delete, requeue, show) selects from.  Not ``scan_queue``, which may leave out an
+    entry whose message another entry of moves meanwhile.  Entries a sender holds
+    INFLIGHT right now are not listed (no listing may take them from it)."""
+    held: Iterable[HeldMail] = (store.list_held() if Capability.HOLD in store.capabilities
+                                else ())
+    out = list(_with_envelopes(store, itertools.chain(store.list_queue(), held)))
     out.sort(key=lambda x: (x[1].arrival_ns, x[1].message_id, x[1].rcpt_index))
     return out
 
 
 def scan(store: Storage) -> Iterator[tuple[Handle, EntryInfo]]:
-    """The entries of ``listing`` as the backend finds them (``Storage.scan_queue``:
-    the filesystem queue's directory order), each as soon as it is read: nothing is
-    kept, so the first comes at once whatever the queue holds."""
-    for h in store.scan_queue():
+    """What ``mailq`` and ``qshape`` show, as the backend finds it
+    (``Storage.scan_queue``: the filesystem queue's directory order), each entry as soon
+    as it is read: nothing is kept, so the first comes at once whatever the queue holds."""
+    return _with_envelopes(store, store.scan_queue())
+
+
+def _with_envelopes(store: Storage, handles: Iterable[QueuedMail | HeldMail]
+                    ) -> Iterator[tuple[Handle, EntryInfo]]:
+    for h in handles:
         state = "held" if isinstance(h, HeldMail) else "queued"
         try:
             reader = store.inspect_entry(h)
