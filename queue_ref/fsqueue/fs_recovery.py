@@ -514,15 +514,16 @@ class Recovery:
         dest = self.lay.quarantined(f"{msgid}.unlinked")
         if self.io.exists(dest):
             return None
-        found: list[tuple[int, int, str]] = []  # (-names, order, path) of each link
+        found: list[tuple[int, str]] = []  # (names of its file, path) of each link
         for d in (self.lay.queue, self.lay.held, self.lay.inflight):
             for n in sorted(self.q._links_of_message(d, msgid)):
                 st = lstat_or_none(self.io, join(d, n))
                 if st is not None and stat.S_ISREG(st.st_mode):
-                    found.append((-st.st_nlink, len(found), join(d, n)))
-        # the file most names share first: the message's own (its entries' links are hard
-        # links to it), not a file someone put in one entry's place
-        for _, _, path in sorted(found):
+                    found.append((st.st_nlink, join(d, n)))
+        # the file most names share first (a stable sort keeps the order found among
+        # equals): the message's own, not a file someone put in one entry's place
+        found.sort(key=lambda f: -f[0])
+        for _, path in found:
             try:
                 self.io.link(path, dest)
             except (FileNotFoundError, FileExistsError):

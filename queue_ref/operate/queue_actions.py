@@ -12,7 +12,6 @@ prints them.  Domains: a recipient (or sender) domain, compared case-insensitive
 
 from __future__ import annotations
 
-import itertools
 import re
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -130,11 +129,15 @@ def listing(store: Storage) -> list[tuple[Handle, EntryInfo]]:
     delete, requeue, show) selects from.  Not ``scan_queue``, which may leave out an
     entry whose message another entry of moves meanwhile.  Entries a sender holds
     INFLIGHT right now are not listed (no listing may take them from it)."""
-    held: Iterable[HeldMail] = (store.list_held() if Capability.HOLD in store.capabilities
-                                else ())
-    out = list(_with_envelopes(store, itertools.chain(store.list_queue(), held)))
+    out = list(_with_envelopes(store, _ordered_handles(store)))
     out.sort(key=lambda x: (x[1].arrival_ns, x[1].message_id, x[1].rcpt_index))
     return out
+
+
+def _ordered_handles(store: Storage) -> Iterator[QueuedMail | HeldMail]:
+    yield from store.list_queue()
+    if Capability.HOLD in store.capabilities:
+        yield from store.list_held()
 
 
 def scan(store: Storage) -> Iterator[tuple[Handle, EntryInfo]]:

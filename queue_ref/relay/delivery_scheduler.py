@@ -454,7 +454,8 @@ class DeliveryScheduler:
                     meta = reader.meta
                     if job is None:
                         with self._wire_ready_lock:
-                            ready = self._wire_ready.pop(mail.message_id, 0) is None
+                            ready = mail.message_id in self._wire_ready
+                            self._wire_ready.pop(mail.message_id, None)
                         job = _Job(mail.message_id, meta.mail_from, dict(meta.params),
                                    reader.read_all(), wire_ready=ready)
             except CorruptionError as e:

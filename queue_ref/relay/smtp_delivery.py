@@ -28,7 +28,12 @@ from queue_ref.relay.delivery_log import DeliveryLog
 from queue_ref.relay.mx_routing import Nexthop
 from queue_ref.relay.relay_config import RelayConfig
 from queue_ref.relay.smtp_address import plain_quoted
-from queue_ref.relay.smtp_line_folding import LINE_LENGTH_LIMIT, fold_long_lines, has_long_line
+from queue_ref.relay.smtp_line_folding import (
+    LINE_LENGTH_LIMIT,
+    crlf_only,
+    fold_long_lines,
+    has_long_line,
+)
 from queue_ref.relay.smtp_pipelining import pipelined_replies
 from queue_ref.relay.smtp_tls_policy import TlsPolicies
 from queue_ref.relay.tls_summary import CLOSE_GRACE, NO_TLS, summary_of
@@ -411,8 +416,7 @@ def wire_body(body: bytes, line_limit: int = LINE_LENGTH_LIMIT, *,
     (line endings, then dot-stuffing), about 7 ms per MB, where three ``count`` calls and
     one ``replace`` take about 2 ms."""
     if not ready:
-        crlf = body.count(b"\r\n")
-        if body.count(b"\n") != crlf or body.count(b"\r") != crlf:
+        if not crlf_only(body):
             return None
         if line_limit and has_long_line(body, line_limit):
             body = fold_long_lines(body, line_limit)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["LINE_LENGTH_LIMIT", "fold_long_lines", "has_long_line", "wire_ready"]
+__all__ = ["LINE_LENGTH_LIMIT", "crlf_only", "fold_long_lines", "has_long_line", "wire_ready"]
 
 #: Postfix's smtp_line_length_limit (RFC 5321's 998 octets of text per line)
 LINE_LENGTH_LIMIT = 998
@@ -50,15 +50,17 @@ def has_long_line(body: bytes, limit: int = LINE_LENGTH_LIMIT) -> bool:
     return False
 
 
-def wire_ready(body: bytes, limit: int = LINE_LENGTH_LIMIT) -> bool:
-    """Whether ``body`` can go out as it is (but for dot-stuffing): CRLF line breaks only,
-    no bare CR or LF, and no line of more than ``limit`` octets (0: any length).  Three
-    ``count`` calls and ``has_long_line``: about 1.7 ms per MB on the development
-    machine, most of it the count of CRLF."""
+def crlf_only(body: bytes) -> bool:
+    """Whether every line break of ``body`` is CRLF (no bare CR or LF): three ``count``
+    calls, about 1.4 ms per MB on the development machine, most of it the count of CRLF."""
     crlf = body.count(b"\r\n")
-    if body.count(b"\n") != crlf or body.count(b"\r") != crlf:
-        return False
-    return not (limit and has_long_line(body, limit))
+    return body.count(b"\n") == crlf and body.count(b"\r") == crlf
+
+
+def wire_ready(body: bytes, limit: int = LINE_LENGTH_LIMIT) -> bool:
+    """Whether ``body`` can go out as it is (but for dot-stuffing): ``crlf_only``, and no
+    line of more than ``limit`` octets (0: any length); about 1.7 ms per MB."""
+    return crlf_only(body) and not (limit and has_long_line(body, limit))
 
 
 def fold_long_lines(body: bytes, limit: int = LINE_LENGTH_LIMIT) -> bytes:
