@@ -28,8 +28,9 @@ def _reference(wire: bytes, size_limit: int | None) -> tuple[DataRead, bytes]:
     """aiosmtpd 1.4's smtp_DATA, line by line (RFC 5321 4.5.2 and 4.2.5): the data, and
     the rest.  A line whose content passes the stream limit (1001 bytes) overruns its
     read and is 500 at once; a shorter one is counted first (552 past the size limit),
-    then judged by its length with its CRLF (500 past 1001)."""
-    pos, size, lines, error = 0, 0, [], None
+    then judged by its length with its CRLF (500 past 1001).  ``dot_lines``: a line
+    began with a dot (before its dot was removed)."""
+    pos, size, lines, error, dots = 0, 0, [], None, False
     while True:
         end = wire.index(b"\r\n", pos) + 2
         line = wire[pos:end]
@@ -43,8 +44,9 @@ def _reference(wire: bytes, size_limit: int | None) -> tuple[DataRead, bytes]:
             error = TOO_MUCH
         if error is None and len(line) > LINE_LIMIT:
             error = LINE_TOO_LONG
+        dots = dots or line.startswith(b".")
         lines.append(line[1:] if line.startswith(b".") else line)
-    got = DataRead(b"", error) if error else DataRead(b"".join(lines))
+    got = DataRead(b"", error) if error else DataRead(b"".join(lines), dot_lines=dots)
     return got, wire[pos:]
 
 
@@ -83,7 +85,18 @@ def test_a_one_dot_message_and_an_empty_one() -> None:
 
 def test_dot_stuffing_is_undone_once_per_line() -> None:
     wire = b"..\r\n...x\r\n.y\r\nz.\r\n. \r\n.\r\nMAIL FROM:<a@b.c>\r\n"
-    assert _same(wire, []).content == b".\r\n..x\r\ny\r\nz.\r\n \r\n"
+    assert _same(wire, []) == DataRead(b".\r\n..x\r\ny\r\nz.\r\n \r\n", dot_lines=True)
+
+
+def test_the_reader_tells_whether_a_line_began_with_a_dot() -> None:
+    """Only a dot at a line's start counts (the data's start is one): a dot after a bare
+    CR or LF, or inside a line, is not dot-stuffing."""
+    for wire, dots in ((b"a\r\nb.\r\n", False), (b"a\r.b\r\n", False), (b"a\n.b\r\n", False),
+                       (b"", False), (b".a\r\n", True), (b"..\r\n", True),
+                       (b"a\r\n..b\r\n", True)):
+        for cut in range(len(wire) + 3):
+            got = _same(wire + b".\r\nQUIT\r\n", [cut])
+            assert got.dot_lines is dots, (wire, cut)
 
 
 def test_every_split_of_a_terminator_is_found() -> None:
@@ -142,7 +155,8 @@ def test_without_a_line_limit_only_the_size_counts() -> None:
     wire = b"ok\r\n" + long + b"ok\r\n.\r\nNOOP\r\n"
     for cuts in ([], [3, 2000], [len(wire) - 8]):
         got, rest = asyncio.run(read(wire, cuts, 10_000))
-        assert got == DataRead(b"ok\r\n" + long[1:] + b"ok\r\n") and rest == b"NOOP\r\n"
+        assert got == DataRead(b"ok\r\n" + long[1:] + b"ok\r\n", dot_lines=True)
+        assert rest == b"NOOP\r\n"
     size = len(b"ok\r\n" + long + b"ok\r\n")  # as aiosmtpd counts: stuffing dots included
     assert asyncio.run(read(wire, [], size))[0] == got  # at the limit
     assert asyncio.run(read(wire, [], size - 1))[0].error == TOO_MUCH

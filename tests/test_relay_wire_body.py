@@ -11,7 +11,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from queue_ref.relay.smtp_delivery import wire_body
-from queue_ref.relay.smtp_line_folding import wire_ready
+from queue_ref.relay.smtp_line_folding import dot_lines, wire_ready
 from tests.relay_support import DnsServer, RelayThread, Sink, relay_config
 
 
@@ -95,25 +95,34 @@ def test_a_5000_octet_line_arrives_folded_with_all_its_content(tmp_path):
 @given(st.lists(st.sampled_from([b"a", b".", b"\r", b"\n", b"\r\n", b"a" * 500, b"b" * 997,
                                  b"c" * 998, b"d" * 999]), max_size=12).map(b"".join),
        st.sampled_from([0, 998, 40]))
+@example(b".", 0)
+@example(b"a\r\n.", 0)
+@example(b"a\r.\n", 0)
 def test_a_body_the_receiver_found_wire_ready_goes_out_as_wire_body_makes_it(body, limit):
-    """``wire_ready`` holds exactly for bodies with CRLF line breaks only and no line over
-    the limit; for those, ``wire_body(..., ready=True)`` (the checks skipped) gives
-    aiosmtplib's own payload (nothing to fold or convert)."""
+    """``wire_ready`` holds exactly for bodies with CRLF line breaks only, no line over
+    the limit and no line that starts with a dot, whether it looks for those lines or is
+    told; for those, ``wire_body(..., ready=True)`` (nothing looked at) gives aiosmtplib's
+    own payload (nothing to fold, convert or stuff)."""
     bare = body.replace(b"\r\n", b"")
     lines = body.split(b"\r\n")
-    want = b"\r" not in bare and b"\n" not in bare and not (
+    dots = any(x.startswith(b".") for x in lines)
+    assert dot_lines(body) == dots
+    want = b"\r" not in bare and b"\n" not in bare and not dots and not (
         limit and any(len(x) > limit for x in lines))
     assert wire_ready(body, limit) == want
+    assert wire_ready(body, limit, dots=dots) == want
     if want:
         assert wire_body(body, limit, ready=True) == aiosmtplib_payload(body)
 
 
 def test_the_receiver_tells_the_delivery_which_bodies_go_out_as_they_are(tmp_path):
     """A clean body is delivered without the checks (the job says wire_ready); a body
-    with a bare CR, a bare LF, or a line over the limit is not, and arrives converted
-    (bare LF already at receipt, as Postfix's smtpd normalizes it; bare CR at delivery)
-    or folded.  The client is a raw socket: smtplib would fix the line breaks itself."""
-    bodies = {"clean": b"Subject: clean\r\n\r\nline\r\n.dot\r\n",
+    with a bare CR, a bare LF, a line over the limit or a line that starts with a dot is
+    not, and arrives converted (bare LF already at receipt, as Postfix's smtpd normalizes
+    it; bare CR at delivery), folded or stuffed.  The client is a raw socket: smtplib
+    would fix the line breaks itself."""
+    bodies = {"clean": b"Subject: clean\r\n\r\nline\r\nnot.a dot line\r\n",
+              "dots": b"Subject: dots\r\n\r\nline\r\n.dot\r\n..two\r\n.\r\n",
               "cr": b"Subject: cr\r\n\r\na\rb\r\n",
               "lf": b"Subject: lf\r\n\r\na\nb\r\n",
               "long": b"Subject: long\r\n\r\n" + b"x" * 1200 + b"\r\n"}
@@ -147,9 +156,10 @@ def test_the_receiver_tells_the_delivery_which_bodies_go_out_as_they_are(tmp_pat
                 stuffed = body.replace(b"\r\n.", b"\r\n..")
                 assert say(stuffed + b".\r\n").startswith(b"250"), name
             say(b"QUIT\r\n")
-        got = {m.rcpts[0].split("@")[0]: m.data for m in sink.wait_for(4)}
-    assert seen == {"clean": True, "cr": False, "lf": False, "long": False}
+        got = {m.rcpts[0].split("@")[0]: m.data for m in sink.wait_for(5)}
+    assert seen == {"clean": True, "dots": False, "cr": False, "lf": False, "long": False}
     assert got["clean"].endswith(b"\r\n" + bodies["clean"])
+    assert got["dots"].endswith(b"\r\n" + bodies["dots"])
     assert got["cr"].endswith(b"\r\n\r\na\r\nb\r\n")
     assert got["lf"].endswith(b"\r\n\r\na\r\nb\r\n")
     assert max(map(len, got["long"].split(b"\r\n"))) == 998

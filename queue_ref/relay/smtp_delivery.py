@@ -409,19 +409,22 @@ def wire_body(body: bytes, line_limit: int = LINE_LENGTH_LIMIT, *,
     if the body has a bare CR or LF, which only aiosmtplib's own conversion handles.
     Lines of more than ``line_limit`` octets are folded first (``smtp_line_folding``;
     0: never).  ``ready``: the caller knows that ``wire_ready(body, line_limit)`` holds
-    (the receiver checked the body it stored), and those checks are not made again.
+    (the receiver checked the body it stored): the body goes out as it is, with nothing
+    to fold or stuff, and nothing is looked at again.
 
     Bodies the receiver stored have CRLF line endings only (``smtp_data_reader``), so the
     relay's path is this one: aiosmtplib runs two regular expressions over the whole body
-    (line endings, then dot-stuffing), about 7 ms per MB, where three ``count`` calls and
-    one ``replace`` take about 2 ms."""
-    if not ready:
-        if not crlf_only(body):
-            return None
-        if line_limit and has_long_line(body, line_limit):
-            body = fold_long_lines(body, line_limit)
+    (line endings, then dot-stuffing), about 7 ms per MB, where a ``count``, a
+    ``translate`` and a ``replace`` take about 2 ms, and a body the receiver found ready
+    costs nothing."""
     if not body.endswith(b"\r\n"):
         body += b"\r\n"
+    if ready:
+        return body + b".\r\n"
+    if not crlf_only(body):
+        return None
+    if line_limit and has_long_line(body, line_limit):
+        body = fold_long_lines(body, line_limit)
     stuffed = body.replace(b"\r\n.", b"\r\n..")
     if stuffed.startswith(b"."):
         stuffed = b"." + stuffed

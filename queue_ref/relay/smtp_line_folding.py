@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["LINE_LENGTH_LIMIT", "crlf_only", "fold_long_lines", "has_long_line", "wire_ready"]
+__all__ = ["LINE_LENGTH_LIMIT", "crlf_only", "dot_lines", "fold_long_lines", "has_long_line",
+           "wire_ready"]
 
 #: Postfix's smtp_line_length_limit (RFC 5321's 998 octets of text per line)
 LINE_LENGTH_LIMIT = 998
@@ -51,15 +52,26 @@ def has_long_line(body: bytes, limit: int = LINE_LENGTH_LIMIT) -> bool:
 
 
 def crlf_only(body: bytes) -> bool:
-    """Whether every line break of ``body`` is CRLF (no bare CR or LF): three ``count``
-    calls, about 1.4 ms per MB on the development machine, most of it the count of CRLF."""
-    crlf = body.count(b"\r\n")
-    return body.count(b"\n") == crlf and body.count(b"\r") == crlf
+    """Whether every line break of ``body`` is CRLF (no bare CR or LF): as many CRs and
+    LFs together as two per CRLF (each CRLF holds one of each, so more of either is a bare
+    one).  A ``count`` and a ``translate`` in C, about 1.1 ms per MB."""
+    return len(body) - len(body.translate(None, b"\r\n")) == 2 * body.count(b"\r\n")
 
 
-def wire_ready(body: bytes, limit: int = LINE_LENGTH_LIMIT) -> bool:
-    """Whether ``body`` can go out as it is (but for dot-stuffing): ``crlf_only``, and no
-    line of more than ``limit`` octets (0: any length); about 1.7 ms per MB."""
+def dot_lines(body: bytes) -> bool:
+    """Whether a line of ``body`` starts with ``.`` (dot-stuffing would change it)."""
+    return body.startswith(b".") or b"\r\n." in body
+
+
+def wire_ready(body: bytes, limit: int = LINE_LENGTH_LIMIT, *,
+               dots: bool | None = None) -> bool:
+    """Whether ``body`` goes out as it is, dot-stuffing included (then only ``.`` CRLF
+    follows it): ``crlf_only``, no line of more than ``limit`` octets (0: any length), and
+    no line that starts with ``.``.  ``dots``: ``dot_lines(body)`` where the caller knows
+    it (the DATA reader tells it, ``smtp_data_reader.DataRead.dot_lines``), else it is
+    looked for.  About 1.4 ms per MB."""
+    if dot_lines(body) if dots is None else dots:
+        return False
     return crlf_only(body) and not (limit and has_long_line(body, limit))
 
 
