@@ -269,7 +269,7 @@ def fs_done_outside_seam(root: str, io: IO | None = None) -> Storage:
 
 def fs_unverified_bodies(root: str, io: IO | None = None) -> Storage:
     """The filesystem queue whose reader hands out a body without checking it against the
-    sha256 of its envelope: a bit flipped in a committed body is delivered altered.  No
+    digest in its envelope: a bit flipped in a committed body is delivered altered.  No
     crash or fault check alters committed bytes; the damage-at-rest check fails it on C6."""
     from queue_ref.fsqueue import FsQueue
     from queue_ref.fsqueue.reader import FsMailReader

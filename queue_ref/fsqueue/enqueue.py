@@ -1,6 +1,6 @@
 """The Enqueuer of the filesystem queue: streams a body to disk, then commits.
 
-The body goes to the message file ``tmp/<owner>/<msgid>`` while its sha256 is computed,
+The body goes to the message file ``tmp/<owner>/<msgid>`` while its digest is computed,
 in writes of ``BODY_BUFFER`` (64 KiB) bytes, so a body of any size needs that much memory
 and no more; a smaller message is written whole, with its envelope, at commit.  Nothing is
 created before the body outgrows the buffer or the commit; nothing is visible to listers

@@ -583,7 +583,7 @@ class FsQueue(FsMetadata, Storage):
             with self._guard("commit", None):
                 try:
                     env = Envelope(tx.msgid, tx.mail_from, tx.params, tx.size,
-                                   tx.sha.hexdigest(), tuple(rcpts))
+                                   tx.digest.value(), tuple(rcpts))
                     self._commit_message(tx, env)
                     self._envelopes.put(tx.msgid, None, env, tx.written)
                 except OSError:
@@ -632,7 +632,7 @@ class FsQueue(FsMetadata, Storage):
                          dict(env.params), sched, env.body_size)
         with self._reading_lock:  # its file is not made a spare while a reader has it open
             self._reading[e.msgid] += 1
-        return FsMailReader(self.io, fd, meta, env.body_sha256, h,
+        return FsMailReader(self.io, fd, meta, env.body_digest, h,
                             lambda why: self._body_corrupt(e, link, why),
                             lambda: self._reader_closed(e.msgid))
 
@@ -675,7 +675,7 @@ class FsQueue(FsMetadata, Storage):
         r = env.rcpts[e.index]
         meta = EntryMeta(e.msgid, e.entry_id, env.mail_from, r.address, e.index, r.zone,
                          dict(env.params), sched, env.body_size, int(e.msgid[:16], 16))
-        return FsMailReader(self.io, fd, meta, env.body_sha256, None,
+        return FsMailReader(self.io, fd, meta, env.body_digest, None,
                             lambda why: self._body_corrupt(e, link, why),
                             lambda: self._reader_closed(e.msgid))
 

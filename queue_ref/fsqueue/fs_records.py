@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from queue_ref.body_digest import is_digest, is_sha256
 from queue_ref.storage import Recipient, Schedule
 
 MAGIC = b"qr-record 1"
@@ -106,7 +107,9 @@ class Envelope:
     mail_from: str
     params: dict[str, str]
     body_size: int
-    body_sha256: str
+    #: ``body_digest.BodyDigest.value`` of the body: CRC-32, or sha256 in an envelope an
+    #: older version wrote (kept under its old field name when written again)
+    body_digest: str
     rcpts: tuple[Recipient, ...]
 
     def encode(self) -> bytes:
@@ -115,7 +118,7 @@ class Envelope:
             "mail_from": self.mail_from,
             "params": self.params,
             "body_size": self.body_size,
-            "body_sha256": self.body_sha256,
+            ("body_sha256" if is_sha256(self.body_digest) else "body_digest"): self.body_digest,
             "rcpts": [[r.address, r.zone, r.schedule.at, r.schedule.attempts]
                       + ([r.schedule.reason] if r.schedule.reason else [])
                       for r in self.rcpts],
@@ -139,11 +142,18 @@ class Envelope:
                     or not isinstance(r[1], str) or (len(r) == 5 and not isinstance(r[4], str))):
                 raise RecordError("malformed recipient in envelope")
             rcpts.append(Recipient(r[0], _schedule(*r[2:]), r[1]))
-        sha = _str(obj, "body_sha256")
-        if len(sha) != 64:
-            raise RecordError("envelope body_sha256 is not a sha256")
+        if ("body_digest" in obj) == ("body_sha256" in obj):
+            raise RecordError("envelope has not exactly one of body_digest and body_sha256")
+        if "body_digest" in obj:
+            digest = _str(obj, "body_digest")
+            if not is_digest(digest) or is_sha256(digest):
+                raise RecordError("envelope body_digest is not a CRC-32 digest")
+        else:  # written by an older version
+            digest = _str(obj, "body_sha256")
+            if not is_sha256(digest):
+                raise RecordError("envelope body_sha256 is not a sha256")
         return Envelope(msgid, _str(obj, "mail_from"), dict(params), _int(obj, "body_size"),
-                        sha, tuple(rcpts))
+                        digest, tuple(rcpts))
 
 
 def encode_schedule(entry_id: str, schedule: Schedule) -> bytes:

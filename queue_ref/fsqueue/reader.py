@@ -1,6 +1,6 @@
 """The MailReader of the filesystem queue: streams a body and verifies it on the way.
 
-The reader knows the committed size and sha256 from the envelope (which follows the body in
+The reader knows the committed size and digest (``body_digest``) from the envelope (which follows the body in
 the message file, and whose position already proved the body's size).  It hashes every
 byte it hands out, and before it hands out the bytes that reach the end of the body it
 checks that the hash matches; on a mismatch it quarantines the message and raises
@@ -10,9 +10,9 @@ is one chunk.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 
+from queue_ref.body_digest import BodyDigest
 from queue_ref.fsqueue.diskutil import storage_error
 from queue_ref.io import IO
 from queue_ref.storage import ClosedError, CorruptionError, EntryMeta, Handle, MailReader
@@ -21,17 +21,17 @@ CHUNK = 1 << 16
 
 
 class FsMailReader(MailReader):
-    def __init__(self, io: IO, fd: int, meta: EntryMeta, sha256: str, handle: Handle | None,
+    def __init__(self, io: IO, fd: int, meta: EntryMeta, digest: str, handle: Handle | None,
                  on_corrupt: Callable[[str], CorruptionError],
                  on_close: Callable[[], None]) -> None:
         self.meta = meta
         self._io = io
         self._fd: int | None = fd
-        self._expect = sha256
+        self._expect = digest
         self._handle = handle
         self._on_corrupt = on_corrupt
         self._on_close = on_close
-        self._hash = hashlib.sha256()
+        self._hash = BodyDigest(digest)
         self._pos = 0
         self._verified = False
 
@@ -41,8 +41,8 @@ class FsMailReader(MailReader):
 
     def _verify_end(self) -> None:
         """At the committed size: the hash must match."""
-        if self._hash.hexdigest() != self._expect:
-            raise self._fail("body sha256 does not match its envelope")
+        if self._hash.value() != self._expect:
+            raise self._fail("body digest does not match its envelope")
         self._verified = True
 
     def _read_some(self, n: int) -> bytes:

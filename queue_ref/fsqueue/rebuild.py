@@ -8,7 +8,7 @@ process has the queue open:
 
 1. opens the queue, which runs recovery (the report names every message lost);
 2. puts each intact ``quarantine/<msgid>.unlinked`` back in the queue: its envelope and
-   body are checked (sha256), then, as a commit does, a reference link per entry (2+
+   body are checked (its digest), then, as a commit does, a reference link per entry (2+
    recipients) and a ``queue/`` link per entry (hard links to the file; other names the
    file has in quarantine/ are removed first, so its link count counts its entries)
    are made durable before one rename to ``data/<msgid>`` publishes them all, with the
@@ -23,10 +23,10 @@ process has the queue open:
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass, field, replace
 
+from queue_ref.body_digest import BodyDigest
 from queue_ref.fsqueue.diskutil import if_exists, listdir_or_empty, lstat_or_none, same_inode
 from queue_ref.fsqueue.fs_queue import FsQueue
 from queue_ref.fsqueue.fs_records import TRAILER_LEN
@@ -54,18 +54,18 @@ def _intact(q: FsQueue, path: str, msgid: str) -> str:
         return c.reason
     fd = q.io.open_read(path)
     try:
-        sha = hashlib.sha256()
+        digest = BodyDigest(env.body_digest)
         pos = 0
         while pos < env.body_size:
             b = q.io.pread(fd, min(1 << 20, env.body_size - pos), pos)
             if not b:
                 break
-            sha.update(b)
+            digest.update(b)
             pos += len(b)
     finally:
         q.io.close(fd)
-    if pos != env.body_size or sha.hexdigest() != env.body_sha256:
-        return "body does not match its envelope's sha256"
+    if pos != env.body_size or digest.value() != env.body_digest:
+        return "body does not match its envelope's digest"
     return ""
 
 

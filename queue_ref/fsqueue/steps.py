@@ -50,13 +50,12 @@ an entry's link is a hard link to its message file, not a symlink of its own.
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import Any
 
+from queue_ref.body_digest import BodyDigest
 from queue_ref.fsqueue.diskutil import (
     if_exists,
     listdir_or_empty,
@@ -86,7 +85,7 @@ class MessageTx:
     mail_from: str
     params: dict[str, str]
     body_fd: int | None = None
-    sha: Any = field(default_factory=hashlib.sha256)
+    digest: BodyDigest = field(default_factory=BodyDigest)
     size: int = 0
     started: bool = False  # the tmp file exists
     refs: int = 0  # data/<msgid>.<i> hard links created
@@ -199,9 +198,9 @@ class FsSteps:
         return locked
 
     def _write_body(self, tx: MessageTx, chunk: bytes) -> None:
-        """Append a chunk to the message and to its running sha256.  Bytes are held back
+        """Append a chunk to the message and to its running digest.  Bytes are held back
         up to ``BODY_BUFFER`` and written in one call (memory stays bounded)."""
-        tx.sha.update(chunk)
+        tx.digest.update(chunk)
         tx.size += len(chunk)
         tx.pending += chunk
         if len(tx.pending) >= BODY_BUFFER:
