@@ -113,17 +113,18 @@ def test_a_flipped_bit_is_caught_whichever_digest_the_message_carries(
         f.seek(123_456)
         f.write(bytes([byte[0] ^ 0x10]))
     q = FsQueue(root)
-    got, caught = [], []
+    got, caught, sent = [], [], []
     for h in list(q.list_queue()):
         f = q.send_start(h)
         assert f is not None
         try:
             with q.read_inflight(f) as r:
                 got.append(r.read_all())
+                sent.append(h.message_id)
         except CorruptionError as e:
             caught.append(h.message_id)
             assert "digest does not match" in str(e)
-    assert got == [BODY] and caught == [bad]
+    assert got == [BODY] and sent == [good] and caught == [bad]
     assert os.path.exists(os.path.join(root, "quarantine", bad + ".msg"))
     q.close()
 
