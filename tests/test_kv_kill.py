@@ -42,6 +42,7 @@ from typing import Any
 
 import pytest
 
+from queue_ref.body_digest import BodyDigest
 from queue_ref.kv import keys
 from queue_ref.kv.kv_queue import KvQueue
 from queue_ref.kv.kv_records import MetaRec
@@ -193,15 +194,16 @@ def observe(q: KvQueue) -> Observed:
         if raw is None:
             raise OracleError(f"message {mid} has entries but no metadata")
         meta = MetaRec.decode(raw, mid)
-        digest = hashlib.sha256()
+        digest, sha256 = BodyDigest(meta.digest), hashlib.sha256()
         for seq in range(1, meta.chunks + 1):
             chunk = q.kv.get(keys.chunk(mid, seq))
             if chunk is None:
                 raise OracleError(f"message {mid} lacks body chunk {seq}")
             digest.update(chunk)
-        sha = digest.hexdigest()
-        if sha != meta.sha256:
-            raise OracleError(f"message {mid}: body does not match its stored SHA-256")
+            sha256.update(chunk)
+        if digest.value() != meta.digest:
+            raise OracleError(f"message {mid}: body does not match its stored digest")
+        sha = sha256.hexdigest()
         msgs[mid] = Msg(meta.mail_from, meta.rcpts, sha)
     return Observed(entries, msgs)
 

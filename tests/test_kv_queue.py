@@ -8,12 +8,14 @@ import hashlib
 import os
 import threading
 import tracemalloc
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from queue_ref.kv import core, kv_records
+from queue_ref.body_digest import BodyDigest
+from queue_ref.kv import core, keys, kv_records
 from queue_ref.kv.base import WriteBatch
 from queue_ref.kv.kv_queue import KvQueue
 from queue_ref.memory import MemoryStorage
@@ -171,7 +173,7 @@ def test_key_layout_after_each_operation(env: Env) -> None:
     assert kv_records.decode_live(q.kv.get(live) or b"", int(h0.message_id)) == 2
     meta = kv_records.MetaRec.decode(q.kv.get(b"message " + m + b" *") or b"", int(h0.message_id))
     assert meta.rcpts == (("u@Ex.COM", "default"), ("v@ex.com", "z 1"))
-    assert meta.sha256 == hashlib.sha256(body).hexdigest() and meta.chunks == 2
+    assert meta.digest == f"crc32:{zlib.crc32(body):08x}" and meta.chunks == 2
 
     i0 = q.send_start(h0)
     assert i0 is not None
@@ -211,11 +213,21 @@ def test_records_formatted_directly_equal_the_generic_encoding(text: str) -> Non
     assert kv_records.live_value(12, 4) == kv_records.seal({"k": "live", "id": 12, "n": 4})
     assert kv_records.created_value(12, 99) == kv_records.seal({"k": "created", "id": 12, "at": 99})
     for params in ({}, {text: text, "a": "1"}):
-        meta = kv_records.MetaRec(12, text, params, 5, "0" * 64, 1, 99, ((text, "d"), ("b", text)))
-        assert meta.encode() == kv_records.seal({
-            "k": "meta", "id": 12, "from": text, "params": params, "size": 5,
-            "sha256": "0" * 64, "chunks": 1, "created": 99, "rcpts": [[text, "d"], ["b", text]]})
-        assert kv_records.MetaRec.decode(meta.encode(), 12) == meta
+        for field, digest in (("digest", "crc32:0a0b0c0d"), ("sha256", "0" * 64)):
+            # a CRC-32 now; a sha256 as an older version wrote it, under its old name
+            meta = kv_records.MetaRec(12, text, params, 5, digest, 1, 99,
+                                      ((text, "d"), ("b", text)))
+            assert meta.encode() == kv_records.seal({
+                "k": "meta", "id": 12, "from": text, "params": params, "size": 5,
+                field: digest, "chunks": 1, "created": 99,
+                "rcpts": [[text, "d"], ["b", text]]})
+            assert kv_records.MetaRec.decode(meta.encode(), 12) == meta
+    base = {"k": "meta", "id": 12, "from": "a", "params": {}, "size": 5, "chunks": 1,
+            "created": 99, "rcpts": [["b", "d"]]}
+    for fields in ({}, {"digest": "crc32:0a0b0c0d", "sha256": "0" * 64},
+                   {"digest": "0" * 64}, {"sha256": "crc32:0a0b0c0d"}, {"digest": "crc32:xyz"}):
+        with pytest.raises(kv_records.BadRecord):
+            kv_records.MetaRec.decode(kv_records.seal({**base, **fields}), 12)
 
 
 def test_sync_policy_of_each_batch(dict_env: Env) -> None:
@@ -942,3 +954,38 @@ def test_a_commit_refused_for_a_full_disk_leaves_nothing_in_the_open_queue(
     q = KvQueue.open_log(str(tmp_path / "full"))
     assert len(list(q.list_queue())) == (1 if fail_errno == errno.ENOSPC else 0)
     q.close()
+
+
+@pytest.mark.parametrize("old", [False, True], ids=["crc32", "sha256"])
+def test_a_body_is_checked_by_the_digest_its_record_holds(
+        disk_env: Env, monkeypatch: pytest.MonkeyPatch, old: bool) -> None:
+    """A store an older version wrote (a sha256 in each metadata record) opens and
+    delivers as it is beside messages written now (a CRC-32); under either digest a
+    changed byte in a body chunk is caught before the last bytes are handed out."""
+    body = bytes(range(256)) * 600  # three chunks
+    q = disk_env.open()
+    with monkeypatch.context() as m:
+        if old:
+            m.setattr(BodyDigest.__init__, "__defaults__", ("0" * 64,))
+        (h_good,) = put(q, body, [rcpt("a@ex.com")])
+        (h_bad,) = put(q, body, [rcpt("b@ex.com")])
+    (h_new,) = put(q, body, [rcpt("c@ex.com")])
+    for h, kind in ((h_good, old), (h_new, False)):
+        meta = kv_records.MetaRec.decode(q.kv.get(keys.meta(int(h.message_id))) or b"",
+                                         int(h.message_id))
+        assert (meta.digest == hashlib.sha256(body).hexdigest()) is kind
+    victim = keys.chunk(int(h_bad.message_id), 2)
+    chunk = bytearray(q.kv.get(victim) or b"")
+    chunk[100] ^= 1
+    batch = WriteBatch()
+    batch.put(victim, bytes(chunk))
+    q.kv.write(batch, sync=True)
+    q = disk_env.reopen(q)
+    queued = {h.message_id: h for h in q.list_queue()}
+    for h in (h_good, h_new):
+        f = q.send_start(queued[h.message_id])
+        assert f is not None and read_body(q, f) == body
+    f = q.send_start(queued[h_bad.message_id])
+    assert f is not None
+    with pytest.raises(CorruptionError, match="digest mismatch"):
+        read_body(q, f)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from faultinject import Crash, FaultPlan, FaultyIO, crash_states, materialize
+from queue_ref.body_digest import BodyDigest
 from queue_ref.kv import keys, kv_records
 from queue_ref.kv.kv_queue import KvQueue
 from queue_ref.storage import InflightMail, QueuedMail, Recipient, Schedule
@@ -104,7 +105,9 @@ def _views(q: KvQueue) -> set[EntryView]:
             meta = kv_records.MetaRec.decode(q.kv.get(keys.meta(mid)) or b"", mid)
             body = b"".join(q.kv.get(keys.chunk(mid, s)) or b"!"
                             for s in range(1, meta.chunks + 1))
-            assert hashlib.sha256(body).hexdigest() == meta.sha256
+            digest = BodyDigest(meta.digest)
+            digest.update(body)
+            assert digest.value() == meta.digest
             out.add(EntryView(mid, idx, rec.address, meta.mail_from,
                               hashlib.sha256(body).hexdigest(), rec.schedule, state))
     return out

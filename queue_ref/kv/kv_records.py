@@ -7,7 +7,8 @@ brace).  So checking a record hashes its bytes as stored and never re-encodes it
 record is written with one JSON encoding.  ``unseal`` refuses a record whose bytes, kind
 or fields do not check out by raising ``BadRecord``; the queue then quarantines it.
 
-Body chunks are raw bytes; the metadata record holds the SHA-256 of the whole body, which
+Body chunks are raw bytes; the metadata record holds the digest of the whole body
+(``body_digest``: a CRC-32, or a sha256 in a record an older version wrote), which
 ``read_inflight`` checks before it hands out the last bytes.
 """
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii as _q
 from typing import Any
 
+from queue_ref.body_digest import is_digest, is_sha256
 from queue_ref.kv import keys
 from spec import Schedule
 
@@ -61,8 +63,11 @@ _ENTRY_FMT = ('{"addr":%s,"at":%d,"e":"%d.%d","k":"entry","n":%d,"owner":%s,"sta
 _DOMAIN_FMT = '{"e":"%d.%d","k":"domain","zone":%s}'
 _LIVE_FMT = '{"id":%d,"k":"live","n":%d}'
 _CREATED_FMT = '{"at":%d,"id":%d,"k":"created"}'
-_META_FMT = ('{"chunks":%d,"created":%d,"from":%s,"id":%d,"k":"meta","params":%s,"rcpts":[%s],'
-             '"sha256":%s,"size":%d}')
+_META_FMT = ('{"chunks":%d,"created":%d,"digest":%s,"from":%s,"id":%d,"k":"meta","params":%s,'
+             '"rcpts":[%s],"size":%d}')
+#: The metadata record as versions before the CRC-32 body digest wrote it (a sha256).
+_META_FMT_SHA256 = ('{"chunks":%d,"created":%d,"from":%s,"id":%d,"k":"meta","params":%s,'
+                    '"rcpts":[%s],"sha256":%s,"size":%d}')
 
 
 def unseal(raw: bytes, kind: str) -> dict[str, Any]:
@@ -181,18 +186,25 @@ class MetaRec:
     mail_from: str
     params: Mapping[str, str]
     size: int
-    sha256: str
+    #: ``body_digest.BodyDigest.value`` of the body: CRC-32, or a sha256 in a record an
+    #: older version wrote (written again under its old field name, ``sha256``)
+    digest: str
     chunks: int
     created: int
     rcpts: tuple[tuple[str, str], ...]  # (address, zone) per recipient index
 
     def encode(self) -> bytes:
-        """``seal`` of {k: meta, id, from, params, size, sha256, chunks, created, rcpts}."""
+        """``seal`` of {k: meta, id, from, params, size, digest, chunks, created, rcpts}
+        (``sha256`` in place of ``digest`` for a sha256)."""
         params = _ENCODER.encode(dict(self.params)) if self.params else "{}"
         rcpts = ",".join(f"[{_q(a)},{_q(z)}]" for a, z in self.rcpts)
+        if is_sha256(self.digest):
+            return _seal_body((_META_FMT_SHA256 % (
+                self.chunks, self.created, _q(self.mail_from), self.mid, params, rcpts,
+                _q(self.digest), self.size)).encode("ascii"))
         return _seal_body((_META_FMT % (
-            self.chunks, self.created, _q(self.mail_from), self.mid, params, rcpts,
-            _q(self.sha256), self.size)).encode("ascii"))
+            self.chunks, self.created, _q(self.digest), _q(self.mail_from), self.mid, params,
+            rcpts, self.size)).encode("ascii"))
 
     @property
     def zones(self) -> frozenset[str]:
@@ -212,8 +224,18 @@ class MetaRec:
                     and isinstance(r[0], str) and isinstance(r[1], str)):
                 raise BadRecord("malformed recipient")
             rcpts.append((r[0], r[1]))
+        if ("digest" in obj) == ("sha256" in obj):
+            raise BadRecord("not exactly one of digest and sha256")
+        if "digest" in obj:
+            digest = _get(obj, "digest", str)
+            if not is_digest(digest) or is_sha256(digest):
+                raise BadRecord("digest is not a CRC-32 digest")
+        else:  # written by an older version
+            digest = _get(obj, "sha256", str)
+            if not is_sha256(digest):
+                raise BadRecord("sha256 is not a sha256")
         return MetaRec(mid, _get(obj, "from", str), params, _get(obj, "size", int),
-                       _get(obj, "sha256", str), _get(obj, "chunks", int),
+                       digest, _get(obj, "chunks", int),
                        _get(obj, "created", int), tuple(rcpts))
 
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import errno
-import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
+from queue_ref.body_digest import BodyDigest
 from queue_ref.kv import claims as cl
 from queue_ref.kv import keys, kv_records
 from queue_ref.kv.base import WriteBatch
@@ -60,7 +60,7 @@ class KvEnqueuer(Enqueuer):
         self._pending = bytearray()
         self._batch = WriteBatch()
         self._batch_bytes = 0
-        self._hash = hashlib.sha256()
+        self._hash = BodyDigest()
         self._size = 0
         self._done = False
 
@@ -135,7 +135,7 @@ class KvEnqueuer(Enqueuer):
             self._emit(bytes(self._pending))
             self._pending.clear()
         mid = self._id()
-        meta = MetaRec(mid, self._mail_from, self._params, self._size, self._hash.hexdigest(),
+        meta = MetaRec(mid, self._mail_from, self._params, self._size, self._hash.value(),
                        self._seq, self._core.clock(), tuple((r.address, r.zone) for r in checked))
         b = self._batch
         b.put(keys.created(mid), kv_records.created_value(mid, meta.created))
@@ -208,7 +208,7 @@ class KvEnqueuer(Enqueuer):
 class KvReader(MailReader):
     """Streams the chunks with ``get`` (one chunk in memory at a time), hashing them.
 
-    The last chunk is handed out only after the whole body matched its size and SHA-256;
+    The last chunk is handed out only after the whole body matched its size and digest;
     on a mismatch the message is quarantined and CorruptionError raised (every later
     read raises it again).
     """
@@ -221,7 +221,7 @@ class KvReader(MailReader):
         self._seq = 0
         self._buf = b""
         self._pos = 0
-        self._hash = hashlib.sha256()
+        self._hash = BodyDigest(rec.digest)
         self._got = 0
         self._checked = False
         self._closed = False
@@ -243,8 +243,8 @@ class KvReader(MailReader):
     def _finish(self) -> None:
         if self._got != self._rec.size:
             raise self._corrupt(f"body has {self._got} bytes, {self._rec.size} expected")
-        if self._hash.hexdigest() != self._rec.sha256:
-            raise self._corrupt("body SHA-256 mismatch")
+        if self._hash.value() != self._rec.digest:
+            raise self._corrupt("body digest mismatch")
         self._checked = True
 
     def _load(self) -> bool:
