@@ -339,7 +339,7 @@ def test_a_message_file_of_the_wrong_shape_is_corrupt(loaded: Any, root: str,
         f.truncate(0)
         f.write(new)
     # The queue that committed it knows the envelope, so it reads exactly the body's
-    # length and checks it against the committed sha256: the committed bytes when they are
+    # length and checks it against the committed digest: the committed bytes when they are
     # still there in front, a CorruptionError when they are not; never altered bytes.
     i = _inflight(q, h[0])
     if change in ("longer body", "appended"):

@@ -107,7 +107,7 @@ def test_a_jobs_outcome_lines_go_to_the_log_in_one_write(tmp_path: Path) -> None
 def test_the_scheduler_keeps_the_newest_wire_ready_messages_and_gives_each_to_one_job(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``add(..., wire_ready=True)`` notes the message for the job that claims it (its
-    delivery then skips the line checks); at most WIRE_READY_KEPT messages are noted, the
+    delivery then skips the line checks and the dot-stuffing); at most WIRE_READY_KEPT messages are noted, the
     oldest dropped first (another process of a shared queue may deliver them), and a
     note is taken once: the job of an evicted message, or of one added without it, makes
     the checks."""

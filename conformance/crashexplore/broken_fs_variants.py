@@ -453,7 +453,7 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("fs-broken-syncfs-nodone", SyncfsNoDoneRound, "C3",
             (_E1, _START, Call(Op.SEND_DONE, _K), Call(Op.CLEANUP, _K))),
     Variant("fs-broken-body-after-publish", BodyAfterPublish, "", (_E2,),
-            "absorbed: the envelope holds the body's sha256, so a body torn before its "
+            "absorbed: the envelope holds the body's digest, so a body torn before its "
             "fsync fails the check on read, the message is quarantined, and that is the "
             "interrupted enqueue not having happened"),
     Variant("fs-broken-syncfs-nofile", SyncfsNoFileRound, "", (_E2,),

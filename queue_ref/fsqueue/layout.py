@@ -3,7 +3,7 @@
 Layout under the queue's root (seed 001, with ``tmp/``, ``quarantine/`` and ``owners/`` added)::
 
     data/<msgid>                 the message, one file: the raw body, then its checksummed
-                                 envelope record (sender, params, body size and sha256, every
+                                 envelope record (sender, params, body size and digest, every
                                  recipient with its zone and initial schedule), then a
                                  fixed-size trailer giving the record's length
     data/<msgid>.<i>             the entry's reference: a hard link to data/<msgid> per

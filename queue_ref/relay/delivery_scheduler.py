@@ -178,8 +178,9 @@ class DeliveryScheduler:
     def add(self, handles: list[QueuedMail], *, wire_ready: bool = False) -> None:
         """Queued entries to deliver when due (new commits, entries put back).
         ``wire_ready``: the receiver found that their message's stored body goes out as
-        it is (CRLF line breaks only, no line over the limit), so the delivery skips
-        those checks (1.7 ms per MB)."""
+        it is (``smtp_line_folding.wire_ready``: CRLF line breaks only, no line over the
+        limit, no line that starts with a dot), so the delivery sends it with no check
+        and no dot-stuffing (about 2 ms per MB)."""
         if wire_ready and handles:
             with self._wire_ready_lock:
                 self._wire_ready[handles[0].message_id] = None

@@ -215,7 +215,10 @@ class SmtpDeliverer:
     async def deliver(self, hosts: list[Nexthop], mail_from: str, rcpts: list[str], body: bytes,
                       params: dict[str, str], *, wire_ready: bool = False) -> list[RcptResult]:
         """One result per recipient, in order.  ``wire_ready``: ``body`` is known to hold
-        CRLF line breaks only and no line over the line length limit (``wire_body``)."""
+        CRLF line breaks only, no line over the line length limit and no line that starts
+        with a dot (``smtp_line_folding.wire_ready``), so it is sent as it is, unstuffed
+        (``wire_body``); passed for any other body it would put a bare dot line on the
+        wire."""
         failures: list[RcptResult] = []
         for hop in hosts:
             conn = self._take_idle(hop)
@@ -416,7 +419,7 @@ def wire_body(body: bytes, line_limit: int = LINE_LENGTH_LIMIT, *,
     relay's path is this one: aiosmtplib runs two regular expressions over the whole body
     (line endings, then dot-stuffing), about 7 ms per MB, where a ``count``, a
     ``translate`` and a ``replace`` take about 2 ms, and a body the receiver found ready
-    costs nothing."""
+    costs no pass over it (one copy, to put ``.`` CRLF after it)."""
     if not body.endswith(b"\r\n"):
         body += b"\r\n"
     if ready:
