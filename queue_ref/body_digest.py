@@ -22,8 +22,9 @@ from __future__ import annotations
 import hashlib
 import re
 import zlib
+from collections.abc import Mapping
 
-__all__ = ["BodyDigest", "is_digest", "is_sha256"]
+__all__ = ["BodyDigest", "is_digest", "is_sha256", "recorded_digest"]
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _CRC32 = re.compile(r"crc32:[0-9a-f]{8}")
@@ -37,6 +38,20 @@ def is_sha256(digest: str) -> bool:
 def is_digest(digest: str) -> bool:
     """Whether ``digest`` is one ``BodyDigest.value`` can give (CRC-32 or sha256)."""
     return _CRC32.fullmatch(digest) is not None or is_sha256(digest)
+
+
+def recorded_digest(fields: Mapping[str, object], new: str, old: str) -> str:
+    """The body digest a record holds: a CRC-32 under ``new``, or a sha256 under ``old``
+    (the name older versions wrote it under), exactly one of the two.  ValueError, naming
+    the field, for anything else: the record is damaged, not guessed at."""
+    if (new in fields) == (old in fields):
+        raise ValueError(f"not exactly one of {new} and {old}")
+    name, form, want = ((new, _CRC32, "a CRC-32 digest") if new in fields
+                        else (old, _SHA256, "a sha256"))
+    digest = fields[name]
+    if not isinstance(digest, str) or form.fullmatch(digest) is None:
+        raise ValueError(f"{name} is not {want}")
+    return digest
 
 
 class BodyDigest:

@@ -19,6 +19,7 @@ from queue_ref.fsqueue import FsQueue
 from queue_ref.fsqueue.fs_records import Envelope, RecordError, decode, encode
 from tests.test_damage_fs import repair
 from tests.test_fsqueue_support import message_parts
+from tests.test_multi_root import deliver_all
 
 BODY = b"Subject: digest\r\n\r\n" + b"".join(b"line %06d\r\n" % i for i in range(20_000))
 
@@ -49,21 +50,22 @@ def _envelope_fields(q: FsQueue, msgid: str) -> dict[str, object]:
     return decode(record, "envelope")
 
 
-def _read(q: FsQueue) -> list[bytes]:
-    out = []
-    for h in list(q.list_queue()):
-        f = q.send_start(h)
-        assert f is not None
-        with q.read_inflight(f) as r:
-            out.append(r.read_all())
-        done = q.send_done(f)
-        assert done is not None and q.cleanup(done)
-    return out
-
-
-def _old_format(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Write as the version before did: a sha256 of the body, under ``body_sha256``."""
+def write_sha256_digests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Write as the versions before did: a sha256 of each body (under ``body_sha256`` in
+    an fs envelope, ``sha256`` in a KV metadata record)."""
     monkeypatch.setattr(BodyDigest.__init__, "__defaults__", ("0" * 64,))
+
+
+def _two_messages(root: str, monkeypatch: pytest.MonkeyPatch, old: bool) -> tuple[str, str]:
+    """A queue at ``root`` holding two messages of one recipient (each with a sha256 if
+    ``old``), closed: their ids."""
+    with monkeypatch.context() as m:
+        if old:
+            write_sha256_digests(m)
+        q = FsQueue(root)
+        ids = _enqueue(q, 1), _enqueue(q, 1)
+        q.close()
+    return ids
 
 
 def test_a_message_is_written_with_a_crc32_and_delivered_whole(tmp_path) -> None:
@@ -72,7 +74,7 @@ def test_a_message_is_written_with_a_crc32_and_delivered_whole(tmp_path) -> None
     fields = _envelope_fields(q, msgid)
     assert fields["body_digest"] == f"crc32:{zlib.crc32(BODY):08x}"
     assert "body_sha256" not in fields
-    assert _read(q) == [BODY, BODY]
+    assert deliver_all(q) == [BODY, BODY]
     q.close()
 
 
@@ -80,7 +82,7 @@ def test_a_queue_an_older_version_wrote_opens_and_delivers_as_it_is(
         tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     root = str(tmp_path / "q")
     with monkeypatch.context() as m:
-        _old_format(m)
+        write_sha256_digests(m)
         q = FsQueue(root)
         old = _enqueue(q)
         q.close()
@@ -90,7 +92,7 @@ def test_a_queue_an_older_version_wrote_opens_and_delivers_as_it_is(
     new = _enqueue(q, 1)
     assert "body_digest" in _envelope_fields(q, new)
     assert not q.recover().lost
-    assert sorted(_read(q)) == [BODY] * 3
+    assert sorted(deliver_all(q)) == [BODY] * 3
     q.close()
 
 
@@ -100,12 +102,7 @@ def test_a_flipped_bit_is_caught_whichever_digest_the_message_carries(
     """A bit flipped in the body is never delivered: the last bytes are withheld and the
     message quarantined, under either digest."""
     root = str(tmp_path / "q")
-    with monkeypatch.context() as m:
-        if old:
-            _old_format(m)
-        q = FsQueue(root)
-        bad, good = _enqueue(q, 1), _enqueue(q, 1)
-        q.close()
+    bad, good = _two_messages(root, monkeypatch, old)
     path = os.path.join(root, "data", bad)
     with open(path, "r+b") as f:
         f.seek(123_456)
@@ -155,12 +152,7 @@ def test_repair_puts_back_an_intact_message_of_either_kind_and_not_a_damaged_one
     against its envelope's digest, whichever its kind: the intact one goes back and is
     delivered whole, the damaged one stays in quarantine."""
     root = str(tmp_path / "q")
-    with monkeypatch.context() as m:
-        if old:
-            _old_format(m)
-        q = FsQueue(root)
-        intact, bad = _enqueue(q, 1), _enqueue(q, 1)
-        q.close()
+    intact, bad = _two_messages(root, monkeypatch, old)
     for msgid in (intact, bad):
         os.unlink(os.path.join(root, "queue", f"{msgid}.0"))
     q = FsQueue(root)
@@ -172,4 +164,4 @@ def test_repair_puts_back_an_intact_message_of_either_kind_and_not_a_damaged_one
     done = repair(root)
     assert done["restored"] == [intact]
     assert any(bad in a and "digest" in a for a in done["actions"]), done["actions"]
-    assert _read(FsQueue(root)) == [BODY]
+    assert deliver_all(FsQueue(root)) == [BODY]

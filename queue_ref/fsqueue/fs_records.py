@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from queue_ref.body_digest import is_digest, is_sha256
+from queue_ref.body_digest import is_sha256, recorded_digest
 from queue_ref.storage import Recipient, Schedule
 
 MAGIC = b"qr-record 1"
@@ -142,16 +142,10 @@ class Envelope:
                     or not isinstance(r[1], str) or (len(r) == 5 and not isinstance(r[4], str))):
                 raise RecordError("malformed recipient in envelope")
             rcpts.append(Recipient(r[0], _schedule(*r[2:]), r[1]))
-        if ("body_digest" in obj) == ("body_sha256" in obj):
-            raise RecordError("envelope has not exactly one of body_digest and body_sha256")
-        if "body_digest" in obj:
-            digest = _str(obj, "body_digest")
-            if not is_digest(digest) or is_sha256(digest):
-                raise RecordError("envelope body_digest is not a CRC-32 digest")
-        else:  # written by an older version
-            digest = _str(obj, "body_sha256")
-            if not is_sha256(digest):
-                raise RecordError("envelope body_sha256 is not a sha256")
+        try:  # body_sha256: written by an older version
+            digest = recorded_digest(obj, "body_digest", "body_sha256")
+        except ValueError as e:
+            raise RecordError(f"envelope: {e}") from None
         return Envelope(msgid, _str(obj, "mail_from"), dict(params), _int(obj, "body_size"),
                         digest, tuple(rcpts))
 

@@ -1,11 +1,11 @@
 """The MailReader of the filesystem queue: streams a body and verifies it on the way.
 
-The reader knows the committed size and digest (``body_digest``) from the envelope (which follows the body in
-the message file, and whose position already proved the body's size).  It hashes every
-byte it hands out, and before it hands out the bytes that reach the end of the body it
-checks that the hash matches; on a mismatch it quarantines the message and raises
-CorruptionError instead, so the last bytes of altered mail are never delivered.  Memory use
-is one chunk.
+The reader knows the committed size and digest (``body_digest``) from the envelope
+(which follows the body in the message file, and whose position already proved the
+body's size).  It hashes every byte it hands out, and before it hands out the bytes that
+reach the end of the body it checks that the hash matches; on a mismatch it quarantines
+the message and raises CorruptionError instead, so the last bytes of altered mail are
+never delivered.  Memory use is one chunk.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii as _q
 from typing import Any
 
-from queue_ref.body_digest import is_digest, is_sha256
+from queue_ref.body_digest import is_sha256, recorded_digest
 from queue_ref.kv import keys
 from spec import Schedule
 
@@ -224,16 +224,10 @@ class MetaRec:
                     and isinstance(r[0], str) and isinstance(r[1], str)):
                 raise BadRecord("malformed recipient")
             rcpts.append((r[0], r[1]))
-        if ("digest" in obj) == ("sha256" in obj):
-            raise BadRecord("not exactly one of digest and sha256")
-        if "digest" in obj:
-            digest = _get(obj, "digest", str)
-            if not is_digest(digest) or is_sha256(digest):
-                raise BadRecord("digest is not a CRC-32 digest")
-        else:  # written by an older version
-            digest = _get(obj, "sha256", str)
-            if not is_sha256(digest):
-                raise BadRecord("sha256 is not a sha256")
+        try:  # sha256: written by an older version
+            digest = recorded_digest(obj, "digest", "sha256")
+        except ValueError as e:
+            raise BadRecord(str(e)) from None
         return MetaRec(mid, _get(obj, "from", str), params, _get(obj, "size", int),
                        digest, _get(obj, "chunks", int),
                        _get(obj, "created", int), tuple(rcpts))
