@@ -496,6 +496,30 @@ def test_steps_of_many_callers_share_rounds(tmp_path: str) -> None:
     assert set(returned.values()) == {3}
 
 
+def test_counts_read_during_a_round_show_only_the_callers_served(tmp_path: str) -> None:
+    """Read while round 1 is held open and eight callers (four with a step) wait: the
+    counts say what the rounds ran and served, never a caller still waiting, and the
+    round sizes sum to the callers plus the steps served after a first round."""
+    io = SlowSyncIO(gated=True)
+    g = GroupSync(io, "syncfs", str(tmp_path))
+    first = threading.Thread(target=g.sync)
+    first.start()
+    assert io.in_round.wait(10)
+    callers = [threading.Thread(target=g.sync, kwargs={"then": (lambda: None) if k % 2 else None})
+               for k in range(8)]
+    for t in callers:
+        t.start()
+    wait_for_waiters(g, 8)
+    assert g.counts() == (0, 0, {})  # round 1 runs: nobody is served yet
+    io.gate.set()
+    for t in [first, *callers]:
+        t.join()
+    rounds, served, sizes = g.counts()
+    assert (rounds, served) == (3, 9)  # round 1: first; round 2: eight; round 3: four steps
+    assert sizes == {1: 1, 8: 1, 4: 1}
+    assert sum(k * n for k, n in sizes.items()) == served + 4
+
+
 @pytest.mark.parametrize("fail_round", [1, 2])
 def test_a_failed_round_fails_a_caller_with_a_step(tmp_path: str, fail_round: int) -> None:
     io = SlowSyncIO(fail_round=fail_round)

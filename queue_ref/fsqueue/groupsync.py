@@ -91,6 +91,13 @@ class GroupSync:
         #: how many rounds served n callers, by n (the round sizes, for metrics)
         self.round_sizes: collections.Counter[int] = collections.Counter()
 
+    def counts(self) -> tuple[int, int, dict[int, int]]:
+        """(rounds run, callers served, rounds by callers served) read together, so that
+        the round sizes sum to the callers served plus the steps served after a first
+        round, however the rounds run meanwhile."""
+        with self._lock:
+            return self.rounds, self.requests, dict(self.round_sizes)
+
     @property
     def covers_files(self) -> bool:
         """Whether a round makes file data durable too (``syncfs``), so that callers need
@@ -113,7 +120,6 @@ class GroupSync:
             raise self.failed
         me = _Waiter(tuple(dict.fromkeys(paths)), then)
         with self._lock:
-            self.requests += 1
             if self._leading:
                 me.wake = threading.Lock()
                 me.wake.acquire()
@@ -165,6 +171,7 @@ class GroupSync:
                     (nxt if w.then is not None and w.error is None else done).append(w)
             with self._lock:
                 self.rounds += 1
+                self.requests += len(batch)  # callers in their first round
                 self.round_sizes[len(batch) + len(stepping)] += 1
                 self._stepping = nxt
                 following: _Waiter | None = None

@@ -29,13 +29,16 @@ _ROUND_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _COMMIT = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 
-def group_commit_counts(store: Storage) -> tuple[int, int] | None:
-    """(sync rounds run, callers served) of a backend that counts them, else None."""
-    group = getattr(store, "_group", None)
-    rounds = getattr(group, "rounds", None)
-    requests = getattr(group, "requests", None)
-    if isinstance(rounds, int) and isinstance(requests, int):
-        return rounds, requests
+def group_commit_counts(store: Storage) -> tuple[int, int, dict[int, int]] | None:
+    """(sync rounds run, callers served, rounds by the callers each served) of a backend
+    that counts them, read in one snapshot, else None."""
+    counts = getattr(getattr(store, "_group", None), "counts", None)
+    if not callable(counts):
+        return None
+    got = counts()
+    if (isinstance(got, tuple) and len(got) == 3 and isinstance(got[0], int)
+            and isinstance(got[1], int) and isinstance(got[2], Mapping)):
+        return got[0], got[1], dict(got[2])
     return None
 
 
@@ -47,27 +50,26 @@ class _GroupCommitCollector(Collector):
         counts = group_commit_counts(self.store)
         if counts is None:
             return
+        n_rounds, n_served, sizes = counts
         rounds = CounterMetricFamily(
             "queue_ref_group_commit_rounds", "Sync rounds the backend ran (group commit)")
-        rounds.add_metric([], counts[0])
+        rounds.add_metric([], n_rounds)
         served = CounterMetricFamily(
             "queue_ref_group_commit_requests",
             "Callers the sync rounds served (a commit whose link follows its data round "
-            "is served by two rounds)")
-        served.add_metric([], counts[1])
+            "is served by two rounds and counted once)")
+        served.add_metric([], n_served)
         yield rounds
         yield served
-        sizes = getattr(getattr(self.store, "_group", None), "round_sizes", None)
-        if isinstance(sizes, Mapping):
-            snapshot = sorted(sizes.items())
-            buckets = []
-            for bound in _ROUND_SIZES:
-                buckets.append((str(bound), sum(n for k, n in snapshot if k <= bound)))
-            buckets.append(("+Inf", sum(n for _, n in snapshot)))
-            hist = HistogramMetricFamily(
-                "queue_ref_group_commit_round_size", "Callers each sync round served")
-            hist.add_metric([], buckets, sum_value=sum(k * n for k, n in snapshot))
-            yield hist
+        snapshot = sorted(sizes.items())
+        buckets = []
+        for bound in _ROUND_SIZES:
+            buckets.append((str(bound), sum(n for k, n in snapshot if k <= bound)))
+        buckets.append(("+Inf", sum(n for _, n in snapshot)))
+        hist = HistogramMetricFamily(
+            "queue_ref_group_commit_round_size", "Callers each sync round served")
+        hist.add_metric([], buckets, sum_value=sum(k * n for k, n in snapshot))
+        yield hist
 
 
 class _QueueSizeCollector(Collector):
