@@ -114,6 +114,74 @@ def test_two_processes_share_the_port_and_the_queue(tmp_path):
         assert q.footprint().objects == 0
 
 
+def _session(port: int) -> smtplib.SMTP:
+    c = smtplib.SMTP("127.0.0.1", port, timeout=10)
+    assert c.ehlo("client.test")[0] == 250  # greeted: the session is in a worker
+    return c
+
+
+def _worker_of(rp: RelayProcess, c: smtplib.SMTP, token: str) -> int:
+    """Queue a message on session ``c``: the pid of the worker that received it."""
+    assert c.mail("a@example.org")[0] == 250
+    assert c.rcpt(f"{token}@example.net")[0] == 250
+    code, text = c.data(f"Subject: {token}\r\n\r\nbody\r\n".encode())
+    assert code == 250, text
+    qid = text.decode().rsplit(" ", 1)[1]
+    line = re.compile(rf"queue-ref/relay\[(\d+)\]: {qid}: received")
+    assert rp.wait_log(f"{qid}: received", 10)
+    found = [int(m.group(1)) for x in list(rp.err_lines) if (m := line.search(x))]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_sessions_held_at_once_are_spread_evenly_over_the_workers(tmp_path):
+    """Nine sessions from one client, all open at once, on three workers: three each.
+    (Each worker listening with SO_REUSEPORT, as before, spread them by a hash of the
+    ports: five benchmark sessions all went to one worker in 3 runs of 5.)"""
+    queue = str(tmp_path / "q")
+    with Sink() as sink, relay_process(["--queue", queue, "--listen", "127.0.0.1:0",
+                                        "--processes", "3",
+                                        "--relayhost", f"[127.0.0.1]:{sink.port}"]) as (rp, port):
+        assert _wait(lambda: len(_workers(rp)) == 3)
+        sessions = [_session(port) for _ in range(9)]
+        try:
+            where = [_worker_of(rp, c, f"s{i}") for i, c in enumerate(sessions)]
+        finally:
+            for c in sessions:
+                c.quit()
+        assert sorted(where.count(pid) for pid in set(where)) == [3, 3, 3], where
+        assert set(where) == set(_workers(rp).values())
+        assert len(_wait_delivered(sink, {f"s{i}" for i in range(9)})) == 9
+        rp.send_signal(signal.SIGTERM)
+        assert rp.wait(60) == 0
+
+
+def test_a_worker_whose_sessions_ended_gets_the_next_ones(tmp_path):
+    """The master counts the sessions each worker holds, ends included: with two
+    sessions on each worker, both of one worker's ended, the next two go to it."""
+    queue = str(tmp_path / "q")
+    with Sink() as sink, relay_process(["--queue", queue, "--listen", "127.0.0.1:0",
+                                        "--processes", "2",
+                                        "--relayhost", f"[127.0.0.1]:{sink.port}"]) as (rp, port):
+        assert _wait(lambda: len(_workers(rp)) == 2)
+        sessions = [_session(port) for _ in range(4)]
+        where = [_worker_of(rp, c, f"a{i}") for i, c in enumerate(sessions)]
+        assert sorted(where.count(pid) for pid in set(where)) == [2, 2], where
+        freed = where[0]
+        for c, pid in zip(sessions, where, strict=True):
+            if pid == freed:
+                c.quit()
+        time.sleep(0.5)  # the worker's reports of the ended sessions reach the master
+        later = [_session(port) for _ in range(2)]
+        assert [_worker_of(rp, c, f"b{i}") for i, c in enumerate(later)] == [freed, freed]
+        for c in [*sessions, *later]:
+            if c.sock is not None:  # not ended above
+                c.quit()
+        assert len(_wait_delivered(sink, {"a0", "a1", "a2", "a3", "b0", "b1"})) == 6
+        rp.send_signal(signal.SIGTERM)
+        assert rp.wait(60) == 0
+
+
 def test_a_killed_worker_is_started_again_and_nothing_acknowledged_is_lost(tmp_path):
     queue = str(tmp_path / "q")
     tokens = [f"k{i:03d}" for i in range(240)]

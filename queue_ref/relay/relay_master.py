@@ -2,8 +2,10 @@
 
 Python runs one thread at a time, so one relay process uses one core.  With
 ``processes = N`` the master starts N workers, each a whole relay (receiver and scheduler,
-``relay_server.Relay(worker=i)``) with its own open queue and its own listening socket on
-the same address: SO_REUSEPORT makes the kernel spread connections over them.  The
+``relay_server.Relay(worker=i)``) with its own open queue.  The master listens, accepts
+and hands each connection to the worker holding the fewest sessions
+(``session_handoff``: SO_REUSEPORT's spread by address hash put five sessions from one
+client on one worker in 3 runs of 5).  The
 queue's claims are exclusive across processes (C7), so two workers never deliver one entry;
 an entry a worker held when it died has a dead owner, and the next scan of any worker
 finds it (``find_inflight``) and delivers it.
@@ -48,6 +50,7 @@ from queue_ref.opener import (
 from queue_ref.relay.delivery_log import DeliveryLog
 from queue_ref.relay.relay_config import ConfigError, RelayConfig, loop_kind, run_relay
 from queue_ref.relay.relay_server import Relay, RelayStartError
+from queue_ref.relay.session_handoff import Dispatcher, channel_pair
 from queue_ref.storage import Capability
 
 __all__ = ["RelayMaster"]
@@ -83,11 +86,13 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def _worker_main(config: RelayConfig, index: int, conn: Connection) -> None:
+def _worker_main(config: RelayConfig, index: int, conn: Connection,
+                 handoff: socket.socket) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C reaches the master
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    relay = Relay(config, worker=index, ready_stream=_ReadyPipe(conn))  # type: ignore[arg-type]
+    relay = Relay(config, worker=index, ready_stream=_ReadyPipe(conn),  # type: ignore[arg-type]
+                  handoff=handoff)
     try:
         run_relay(config, relay.run())
     except (RelayStartError, ConfigError) as e:
@@ -117,6 +122,7 @@ class RelayMaster:
         self._ctx = mp.get_context("spawn")
         self._workers = [_Worker(i) for i in range(config.processes)]
         self._sock: socket.socket | None = None
+        self._dispatch = Dispatcher()
         self._stop = False
         self._wake = False
         self._wrote_pid = False
@@ -145,8 +151,8 @@ class RelayMaster:
             store.close()
 
     def _reserve_port(self) -> None:
-        """Bind the address (SO_REUSEPORT) so that port 0 means one port for all workers
-        and a restarted worker finds its port free; the master never listens on it."""
+        """Bind the address (port 0: the port the workers' Received headers and logs
+        name); the master listens on it once every worker is ready."""
         host, port = self.config.listen_address()
         try:
             infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
@@ -157,7 +163,6 @@ class RelayMaster:
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             sock.bind(addr)
         except OSError as e:
             sock.close()
@@ -180,10 +185,16 @@ class RelayMaster:
 
     def _spawn(self, w: _Worker) -> int:
         parent, child = self._ctx.Pipe(duplex=False)
-        w.proc = self._ctx.Process(target=_worker_main, args=(self.worker_config, w.index, child),
+        mine, theirs = channel_pair()
+        w.proc = self._ctx.Process(target=_worker_main,
+                                   args=(self.worker_config, w.index, child, theirs),
                                    name=f"queue-ref-relay-{w.index}", daemon=False)
-        w.proc.start()
-        child.close()
+        try:
+            w.proc.start()
+        finally:
+            child.close()
+            theirs.close()
+        self._dispatch.attach(w.index, mine)
         w.conn, w.ready, w.started = parent, "", time.monotonic()
         return int(w.proc.pid)
 
@@ -198,6 +209,7 @@ class RelayMaster:
                 break
             if kind == "ready":
                 w.ready = text
+                self._dispatch.set_ready(w.index)
             else:
                 return str(text)
         return None
@@ -259,6 +271,9 @@ class RelayMaster:
             self.log.emit("relay", what="started", processes=len(self._workers),
                           smtp=self.worker_config.listen, queue=self.queue_dir,
                           backend=self.config.backend)
+            assert self._sock is not None
+            self._sock.listen(socket.SOMAXCONN)
+            self._sock.setblocking(False)
             self.out.write(self.ready_line() + "\n")
             self.out.flush()
             self._supervise()
@@ -285,6 +300,7 @@ class RelayMaster:
                     if w.conn is not None:
                         w.conn.close()
                         w.conn = None
+                    self._dispatch.drop(w.index)
                     if now - w.started > 60:  # it ran a while: not a crash loop
                         w.backoff = 1.0
                     w.proc, w.restart_at = None, now + w.backoff
@@ -294,8 +310,32 @@ class RelayMaster:
                 if w.proc is None and now >= w.restart_at:
                     pid = self._spawn(w)
                     self.log.emit("relay", what="worker restarted", worker=w.index, pid=pid)
-            sentinels = [w.proc.sentinel for w in self._workers if w.proc is not None]
-            wait(sentinels, timeout=0.5)  # a signal handler runs in between
+            waits: list[Any] = [w.proc.sentinel for w in self._workers if w.proc is not None]
+            waits += self._dispatch.sockets()
+            if self._sock is not None and self._dispatch.any_ready():
+                waits.append(self._sock)
+            wait(waits, timeout=0.5)  # a signal handler runs in between
+            self._dispatch.read_reports()  # sessions ended, before new ones are placed
+            if self._dispatch.any_ready():
+                self._accept()
+
+    def _accept(self) -> None:
+        """Hand every connection waiting to a worker (``session_handoff``)."""
+        assert self._sock is not None
+        for _ in range(256):
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # out of descriptors, say: the backlog keeps them
+                self.log.emit("error", what="accepting a connection",
+                              reason=e.strerror or str(e))
+                time.sleep(0.1)
+                return
+            with conn:
+                if not self._dispatch.dispatch(conn):
+                    self.log.emit("error", what="handing over a connection",
+                                  reason="no worker could take it: closed")
 
     def _signal_all(self, sig: int) -> None:
         for w in self._workers:
@@ -305,6 +345,9 @@ class RelayMaster:
 
     def _stop_all(self) -> int:
         """SIGTERM every worker and wait; 0 when all stopped cleanly."""
+        if self._sock is not None:  # no new connections
+            self._sock.close()
+            self._sock = None
         self._signal_all(signal.SIGTERM)
         deadline = time.monotonic() + self.config.shutdown_timeout + 30
         code = 0
@@ -322,5 +365,6 @@ class RelayMaster:
                 code = 1
             if w.conn is not None:
                 w.conn.close()
+            self._dispatch.drop(w.index)
         self.log.emit("relay", what="stopped", processes=len(self._workers))
         return code

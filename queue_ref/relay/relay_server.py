@@ -13,9 +13,9 @@ scheduler.  The process id is in ``relay.pid`` in the queue directory while it r
 
 A worker (``worker=i``, one of the processes ``relay_master`` starts for ``processes = N``)
 is the same relay with three differences: the master owns ``relay.pid`` and the
-signals a terminal sends (a worker stops on SIGTERM alone), its listening socket is bound
-with SO_REUSEPORT next to its siblings', and its metrics port is the configured one plus
-``i`` (each worker serves its own figures).
+signals a terminal sends (a worker stops on SIGTERM alone), it does not listen (the master
+accepts and hands it connections, ``handoff``: see ``session_handoff``), and its metrics
+port is the configured one plus ``i`` (each worker serves its own figures).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import sys
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +44,7 @@ from queue_ref.relay.ondemand_probe import OndemandProber
 from queue_ref.relay.relay_config import RelayConfig, loop_kind, parse_hostport
 from queue_ref.relay.relay_host import RelayStartError
 from queue_ref.relay.relay_metrics import RelayMetrics
+from queue_ref.relay.session_handoff import SessionInbox
 from queue_ref.relay.smtp_delivery import SmtpDeliverer
 from queue_ref.relay.smtp_receiver import SmtpReceiver
 from queue_ref.storage import RecoveryReport, Storage
@@ -65,9 +67,14 @@ Service = Callable[["Relay"], Awaitable[None]]
 
 class Relay:
     def __init__(self, config: RelayConfig, *, log_stream: LogStream | None = None,
-                 ready_stream: IO[str] | None = None, worker: int | None = None) -> None:
+                 ready_stream: IO[str] | None = None, worker: int | None = None,
+                 handoff: socket.socket | None = None) -> None:
         self.config = config
         self.worker = worker
+        #: a worker's channel from its master, which accepts its connections
+        #: (``session_handoff``); None: the relay listens itself
+        self._inbox: SessionInbox | None = None
+        self._handoff = handoff
         self.queue_dirs = config.queue_roots()  # every root of the queue
         self.queue_dir = ",".join(self.queue_dirs)  # as logs name it
         self.log = DeliveryLog(config.log_json, config.log_file, log_stream)
@@ -153,13 +160,21 @@ class Relay:
                                      self.scheduler.add, self._committed, self._etrn)
         self.receiver.on_queue_failed = self._queue_failed
         host, port = self.config.listen_address()
-        try:
-            self._server = await loop.create_server(self.receiver.protocol, host, port,
-                                                    reuse_port=self.worker is not None)
-        except OSError as e:
-            raise RelayStartError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
-        sockname = self._server.sockets[0].getsockname()
-        self.smtp_address = (sockname[0], sockname[1])
+        if self._handoff is not None:  # the master listens and hands connections over
+            self._inbox = SessionInbox(self._handoff, self.receiver.protocol,
+                                       self._handoff_failed)
+            self._handoff = None
+            self.receiver.on_session_end = self._inbox.ended
+            self._inbox.start(loop)
+            self.smtp_address = (host, port)
+        else:
+            try:
+                self._server = await loop.create_server(self.receiver.protocol, host, port)
+            except OSError as e:
+                raise RelayStartError(
+                    f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+            sockname = self._server.sockets[0].getsockname()
+            self.smtp_address = (sockname[0], sockname[1])
         if self.config.metrics_listen:
             mhost, mport, _ = parse_hostport(self.config.metrics_listen, "metrics_listen", 0)
             if mport and self.worker:
@@ -213,6 +228,12 @@ class Relay:
         return scheduler
 
     # ---- reopening the queue after a failed sync ----
+
+    def _handoff_failed(self, e: BaseException) -> None:
+        """A connection from the master could not become a session, or the channel
+        failed (then this worker takes no more: the master will see it)."""
+        self.log.emit("error", what="taking a connection from the master",
+                      reason=f"{type(e).__name__}: {e}")
 
     def _queue_failed(self, e: BaseException) -> None:
         """A queue call raised ReopenRequiredError (from any thread): reopen, once."""
@@ -322,6 +343,8 @@ class Relay:
             await asyncio.gather(self._reopening, return_exceptions=True)
         if self._server is not None:
             self._server.close()
+        if self._inbox is not None:
+            self._inbox.close()
         for stop in reversed(self._started_services):
             try:
                 await stop(self)

@@ -146,6 +146,8 @@ class RelaySMTP(SMTP):
     def connection_lost(self, error: Exception | None) -> None:
         self.receiver.sessions.discard(self)
         super().connection_lost(error)
+        if self.receiver.on_session_end is not None:
+            self.receiver.on_session_end()
 
     async def push(self, status: Any) -> None:
         if self.hung_up:
@@ -307,6 +309,8 @@ class SmtpReceiver:
         #: Called with the ReopenRequiredError a commit raised (the relay reopens).
         self.on_queue_failed: Callable[[BaseException], None] | None = None
         self.sessions: set[RelaySMTP] = set()
+        #: Called as each session ends (a worker tells its master, ``session_handoff``).
+        self.on_session_end: Callable[[], None] | None = None
         #: close_for_shutdown of sessions accepted while the relay stops, under way
         self.closing: set[asyncio.Task[None]] = set()
         self.shutting_down = False

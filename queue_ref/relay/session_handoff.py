@@ -1,0 +1,195 @@
+"""SMTP connections the master accepts and hands to the worker with the fewest sessions
+(``processes = N``, ``relay_master``).
+
+Why not SO_REUSEPORT (each worker listening on the port, as before 2026-11-29): the kernel
+picks a worker by a hash of the connection's addresses and ports, not by load.  Five
+sessions of ``smtp-source`` from one host landed on one worker in 3 runs of 5, which then
+served all of them while the other idled: 42 messages of 100 recipients a second against
+64-66 when they were spread 3 to 2 (``benchmarks/relay.py --scenario wide``).
+
+The master accepts and sends each connection's descriptor to a worker over a
+``SOCK_SEQPACKET`` pair (``SCM_RIGHTS``), one message per connection; the worker sends a
+message back for each session that ended (the number of sessions, ASCII digits), so the
+master knows how many each holds.  It picks the ready worker holding the fewest, the
+next in turn among equals.
+
+What holds after a failure:
+
+* a worker that dies loses the connections sent to it and not yet taken (their clients
+  see the connection closed before any greeting, as with a dead worker's listening
+  socket before); the master forgets its count and sends it nothing until its successor
+  is ready;
+* a worker that cannot take more (its channel full) is passed over; a connection no
+  worker can take is closed (``Dispatcher.dispatch`` returns False and the master logs it);
+* a master that dies closes the channels: workers stop taking connections (and die with
+  the master, ``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Callable
+
+__all__ = ["Dispatcher", "SessionInbox", "channel_pair"]
+
+_TAKE = b"s"  # the byte that carries a connection's descriptor
+
+
+def channel_pair() -> tuple[socket.socket, socket.socket]:
+    """(the master's end, the worker's end): a SOCK_SEQPACKET pair, each message one
+    connection handed over or one count of sessions ended."""
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    mine.setblocking(False)
+    return mine, theirs
+
+
+class _Channel:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.sessions = 0  # handed to the worker and not yet reported ended
+        self.ready = False
+        self.closed = False  # the worker closed its end: nothing more to read
+
+
+class Dispatcher:
+    """The master's side: one channel per worker index."""
+
+    def __init__(self) -> None:
+        self._channels: dict[int, _Channel] = {}
+        self._turn = 0
+
+    def attach(self, index: int, sock: socket.socket) -> None:
+        """A new worker at ``index`` (its predecessor's channel dropped): not ready yet."""
+        self.drop(index)
+        self._channels[index] = _Channel(sock)
+
+    def drop(self, index: int) -> None:
+        """The worker at ``index`` died or stopped: its channel closed, its count gone."""
+        ch = self._channels.pop(index, None)
+        if ch is not None:
+            ch.sock.close()
+
+    def set_ready(self, index: int) -> None:
+        ch = self._channels.get(index)
+        if ch is not None:
+            ch.ready = True
+
+    def any_ready(self) -> bool:
+        return any(ch.ready for ch in self._channels.values())
+
+    def sockets(self) -> list[socket.socket]:
+        """The channels to wait on for reports."""
+        return [ch.sock for ch in self._channels.values() if not ch.closed]
+
+    def sessions(self) -> dict[int, int]:
+        """Sessions each worker holds, as the master counts them."""
+        return {i: ch.sessions for i, ch in sorted(self._channels.items())}
+
+    def read_reports(self) -> None:
+        """Take every report waiting: each names how many sessions ended."""
+        for ch in self._channels.values():
+            while True:
+                try:
+                    msg = ch.sock.recv(32)
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError:
+                    msg = b""  # the worker is gone: the supervisor drops its channel
+                if not msg:  # its end closed (it stops): it takes no more
+                    ch.closed, ch.ready = True, False
+                    break
+                if msg.isdigit():
+                    ch.sessions = max(0, ch.sessions - int(msg))
+
+    def dispatch(self, conn: socket.socket) -> bool:
+        """Send ``conn`` to the ready worker holding the fewest sessions (the next in turn
+        among equals; another if that one cannot take it).  The caller closes ``conn``
+        either way: the worker has its own descriptor.  False if no worker took it."""
+        ready = sorted(i for i, ch in self._channels.items() if ch.ready)
+        if not ready:
+            return False
+        start = self._turn % len(ready)
+        order = ready[start:] + ready[:start]
+        order.sort(key=lambda i: self._channels[i].sessions)  # stable: the turn among equals
+        for i in order:
+            ch = self._channels[i]
+            try:
+                socket.send_fds(ch.sock, [_TAKE], [conn.fileno()])
+            except OSError:  # full (BlockingIOError) or the worker is gone
+                continue
+            ch.sessions += 1
+            self._turn = ready.index(i) + 1
+            return True
+        return False
+
+
+class SessionInbox:
+    """The worker's side: connections from the master become sessions
+    (``loop.connect_accepted_socket`` with the receiver's protocol), and each session's
+    end is reported (``ended``)."""
+
+    def __init__(self, sock: socket.socket, protocol: Callable[[], asyncio.Protocol],
+                 on_error: Callable[[BaseException], None]) -> None:
+        self._sock = sock
+        self._sock.setblocking(False)
+        self._protocol = protocol
+        self._on_error = on_error
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._unsent = 0  # ended sessions not yet reported (the channel was full)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        loop.add_reader(self._sock.fileno(), self._take)
+
+    def _take(self) -> None:
+        assert self._loop is not None
+        while True:
+            try:
+                msg, fds, _, _ = socket.recv_fds(self._sock, 16, 4)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                self.close()
+                self._on_error(e)
+                return
+            if not msg and not fds:  # the master closed its end
+                self.close()
+                return
+            for fd in fds:
+                conn = socket.socket(fileno=fd)
+                conn.setblocking(False)
+                task = self._loop.create_task(self._serve(conn))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        try:
+            await asyncio.get_running_loop().connect_accepted_socket(self._protocol,
+                                                                     sock=conn)
+        except Exception as e:  # no session was made: none will end
+            conn.close()
+            self.ended()
+            self._on_error(e)
+
+    def ended(self) -> None:
+        """One session handed over by the master has ended: tell it (now, or with the next
+        report when its channel is full)."""
+        self._unsent += 1
+        try:
+            self._sock.send(str(self._unsent).encode())
+        except (BlockingIOError, InterruptedError):
+            return  # sent with the next one
+        except OSError:
+            return  # the master is gone
+        self._unsent = 0
+
+    def close(self) -> None:
+        """Take no more connections (the sessions already made go on)."""
+        if self._loop is not None:
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(self._sock.fileno())
+            self._loop = None
+        self._sock.close()
