@@ -8,6 +8,7 @@ processes cannot share is refused.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -171,7 +172,7 @@ def test_a_worker_whose_sessions_ended_gets_the_next_ones(tmp_path):
         for c, pid in zip(sessions, where, strict=True):
             if pid == freed:
                 c.quit()
-        time.sleep(0.5)  # the worker's reports of the ended sessions reach the master
+        time.sleep(1)  # the worker's reports of the ended sessions reach the master
         later = [_session(port) for _ in range(2)]
         assert [_worker_of(rp, c, f"b{i}") for i, c in enumerate(later)] == [freed, freed]
         for c in [*sessions, *later]:
@@ -180,6 +181,76 @@ def test_a_worker_whose_sessions_ended_gets_the_next_ones(tmp_path):
         assert len(_wait_delivered(sink, {"a0", "a1", "a2", "a3", "b0", "b1"})) == 6
         rp.send_signal(signal.SIGTERM)
         assert rp.wait(60) == 0
+
+
+def _read_all(s: socket.socket, timeout: float = 30.0) -> bytes:
+    s.settimeout(timeout)
+    got = b""
+    with contextlib.suppress(OSError):
+        while chunk := s.recv(4096):
+            got += chunk
+    return got
+
+
+def test_connections_wait_while_every_worker_is_stalled_none_is_closed(tmp_path):
+    """Both workers stalled (SIGSTOP) while 700 connections arrive: the master fills
+    their channels (about 280 each), then stops accepting and the rest wait in the
+    kernel's accept queue; once the workers run again every client is greeted.  (A
+    master that closed what no channel could take closed 244 of 800 here.)"""
+    queue = str(tmp_path / "q")
+    with relay_process(["--queue", queue, "--listen", "127.0.0.1:0", "--processes", "2",
+                        "--relayhost", "[127.0.0.1]:9"]) as (rp, port):
+        assert _wait(lambda: len(_workers(rp)) == 2)
+        workers = list(_workers(rp).values())
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
+        clients: list[socket.socket] = []
+        try:
+            for _ in range(700):
+                clients.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+            time.sleep(1)  # the master hands over what the channels hold
+        finally:
+            for pid in workers:
+                os.kill(pid, signal.SIGCONT)
+        greeted = 0
+        for c in clients:
+            c.settimeout(30)
+            with contextlib.suppress(OSError):
+                greeted += c.recv(64).startswith(b"220 ")
+            c.close()
+        assert greeted == 700
+        rp.send_signal(signal.SIGTERM)
+        assert rp.wait(60) == 0
+        err = rp.stderr()
+    assert "handing over" not in err and "what=counting sessions" not in err
+
+
+def test_connections_handed_to_a_stopping_worker_are_told_421(tmp_path):
+    """Connections handed to stalled workers when the relay is told to stop: each
+    client hears the 421 the other sessions get, not a connection closed without a
+    word.  (Whether a worker reads them before or while it stops depends on the order
+    it wakes in; the drain at stop is forced in test_relay_session_handoff.py.)"""
+    queue = str(tmp_path / "q")
+    with relay_process(["--queue", queue, "--listen", "127.0.0.1:0", "--processes", "2",
+                        "--relayhost", "[127.0.0.1]:9"]) as (rp, port):
+        assert _wait(lambda: len(_workers(rp)) == 2)
+        workers = list(_workers(rp).values())
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            clients = [socket.create_connection(("127.0.0.1", port), timeout=10)
+                       for _ in range(6)]
+            time.sleep(0.5)  # handed over: in the stalled workers' channels
+            rp.send_signal(signal.SIGTERM)  # the master stops, its workers get SIGTERM
+            time.sleep(0.5)
+        finally:
+            for pid in workers:
+                os.kill(pid, signal.SIGCONT)
+        heard = [_read_all(c) for c in clients]
+        for c in clients:
+            c.close()
+        assert rp.wait(60) == 0
+    assert all(b"\r\n421 " in b"\r\n" + h for h in heard), heard
 
 
 def test_a_killed_worker_is_started_again_and_nothing_acknowledged_is_lost(tmp_path):

@@ -106,7 +106,7 @@ def test_a_report_held_back_by_a_full_channel_goes_with_the_next():
     d.attach(0, mine)
     d.set_ready(0)
     clients = _hand(d, 5)
-    inbox = SessionInbox(end, asyncio.Protocol, lambda e: None)
+    inbox = SessionInbox(end, asyncio.Protocol, lambda e: None, lambda e: None)
     for fd in _taken(end):
         fd.close()
     filled = 0
@@ -147,7 +147,8 @@ def test_the_inbox_makes_sessions_and_reports_their_end():
         def connection_lost(self, exc: Exception | None) -> None:
             inbox.ended()
 
-    inbox = SessionInbox(end, Echo, errors.append)
+    lost: list[BaseException | None] = []
+    inbox = SessionInbox(end, Echo, errors.append, lost.append)
 
     async def run() -> None:
         loop = asyncio.get_running_loop()
@@ -170,7 +171,7 @@ def test_the_inbox_makes_sessions_and_reports_their_end():
             if inbox._loop is None:
                 break
             await asyncio.sleep(0.01)
-        assert inbox._loop is None
+        assert inbox._loop is None and lost == [None]  # told: the worker stops
         clients[1].sendall(b"QUIT\r\n")
         assert await loop.run_in_executor(None, clients[1].recv, 64) == b""
         for c in clients:
@@ -178,3 +179,139 @@ def test_the_inbox_makes_sessions_and_reports_their_end():
 
     asyncio.run(run())
     assert errors == []
+
+
+def test_a_report_of_more_ended_sessions_than_handed_is_counted_not_hidden():
+    d = Dispatcher()
+    mine, end = channel_pair()
+    d.attach(0, mine)
+    d.set_ready(0)
+    end.setblocking(False)
+    clients = _hand(d, 2)
+    for s in _taken(end):
+        s.close()
+    end.send(b"3")  # a worker that miscounts: one more than it held
+    assert d.read_reports() == 1 and d.sessions() == {0: 0}
+    end.send(b"0")
+    assert d.read_reports() == 0
+    d.drop(0)
+    end.close()
+    for s in clients:
+        s.close()
+
+
+def _descriptorless(end_buffer: socket.socket) -> None:
+    """What a worker out of descriptors receives: the message, its descriptor dropped."""
+    end_buffer.send(b"s")
+
+
+def test_a_connection_without_its_descriptor_is_counted_ended_and_pauses_the_worker():
+    """The kernel drops the descriptor of a message a worker cannot hold (EMFILE: the
+    message arrives without it, MSG_CTRUNC).  That session is reported ended at once,
+    the error is given, and the worker reads nothing for PAUSE so its channel fills
+    and the master passes it over; then it reads again."""
+    d = Dispatcher()
+    mine, end = channel_pair()
+    d.attach(0, mine)
+    d.set_ready(0)
+    errors: list[BaseException] = []
+
+    class Hello(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            transport.write(b"220 hi\r\n")  # type: ignore[attr-defined]
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        inbox = SessionInbox(end, Hello, errors.append, lambda e: None)
+        inbox.PAUSE = 0.5
+        inbox.start(loop)
+        d._channels[0].sessions += 1  # the master counted the one whose descriptor is lost
+        _descriptorless(mine)
+        (client,) = await loop.run_in_executor(None, _hand, d, 1)  # while the worker pauses
+        client.settimeout(0.2)
+        with pytest.raises(TimeoutError):  # not taken during the pause
+            await loop.run_in_executor(None, client.recv, 64)
+        d.read_reports()
+        assert d.sessions() == {0: 1}  # the lost one ended, the next not taken yet
+        assert len(errors) == 1 and "without a descriptor" in str(errors[0])
+        assert inbox._paused is not None
+        client.settimeout(5)
+        assert await loop.run_in_executor(None, client.recv, 64) == b"220 hi\r\n"  # resumed
+        assert inbox._paused is None
+        inbox.close()
+        client.close()
+
+    asyncio.run(run())
+    d.drop(0)
+
+
+def test_emfile_in_the_worker_really_drops_the_descriptor_and_is_seen():
+    """The same with a real EMFILE, in a child process with a descriptor limit."""
+    script = r'''
+import asyncio, resource, socket, sys
+sys.path.insert(0, sys.argv[1])
+from queue_ref.relay.session_handoff import Dispatcher, SessionInbox, channel_pair
+d = Dispatcher(); mine, end = channel_pair(); d.attach(0, mine); d.set_ready(0)
+errors = []
+async def run():
+    loop = asyncio.get_running_loop()
+    inbox = SessionInbox(end, asyncio.Protocol, errors.append, lambda e: None)
+    inbox.start(loop)
+    client, server = socket.socketpair()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    hog = []
+    try:
+        while True:
+            hog.append(socket.socket())
+    except OSError:
+        pass
+    assert d.dispatch(server)  # the master's send works: the worker cannot take it
+    await asyncio.sleep(0.1)
+    for s in hog:
+        s.close()
+    await asyncio.sleep(0.1)
+    d.read_reports()
+    print(d.sessions()[0], len(errors), inbox._paused is not None)
+    inbox.close()
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+asyncio.run(run())
+'''
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent)
+    r = subprocess.run([sys.executable, "-c", script, root], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["0", "1", "True"], r.stdout
+
+
+def test_drain_takes_what_the_channel_holds_before_it_closes():
+    """A worker that stops takes the connections still in its channel (they get the
+    stopping relay's 421 as sessions); closing the channel instead would drop them."""
+    d = Dispatcher()
+    mine, end = channel_pair()
+    d.attach(0, mine)
+    d.set_ready(0)
+
+    class Bye(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            transport.write(b"421 closing\r\n")  # type: ignore[attr-defined]
+            transport.close()
+
+    async def run() -> list[bytes]:
+        loop = asyncio.get_running_loop()
+        inbox = SessionInbox(end, Bye, lambda e: None, lambda e: None)
+        clients = _hand(d, 3)  # in the channel; the inbox has not read (not started)
+        inbox.drain()
+        assert end.fileno() == -1  # closed once drained
+        heard = []
+        for c in clients:
+            c.settimeout(5)
+            heard.append(await loop.run_in_executor(None, c.recv, 64))
+            c.close()
+        return heard
+
+    assert asyncio.run(run()) == [b"421 closing\r\n"] * 3
+    d.drop(0)

@@ -98,7 +98,8 @@ def register(sub: Any) -> None:
                    help="send all mail to this smarthost ([host]:port skips the MX lookup)")
     p.add_argument("--log-json", action="store_true", help="log JSON lines instead of text")
     p.add_argument("--processes", type=int, metavar="N",
-                   help="relay processes sharing the queue and the port (SO_REUSEPORT); "
+                   help="relay processes sharing the queue and the port (a master accepts and hands "
+                        "each connection to the worker with the fewest sessions); "
                         "the backend must allow several processes (fs, fs-fsync)")
     p.add_argument("--event-loop", choices=EVENT_LOOPS,
                    help="the event loop of each relay process: uvloop, asyncio, or auto "

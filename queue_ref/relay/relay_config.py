@@ -109,7 +109,7 @@ class RelayConfig:
     double_bounce_recipient: str = ""  # where undeliverable bounces go; "": dropped
     bounce_size_limit: int = 50_000  # the returned message is attached up to this size
     # -- the process --
-    processes: int = 1  # relay processes on the queue (receivers and schedulers; SO_REUSEPORT)
+    processes: int = 1  # relay processes on the queue (receivers and schedulers) behind a master
     event_loop: str = "auto"  # uvloop, asyncio, or auto: uvloop where it is installed
     queue_scan_interval: float = 300.0  # Postfix's queue_run_delay: a full listing
     qmgr_message_active_limit: int = 20_000  # queued entries the scheduler holds at most

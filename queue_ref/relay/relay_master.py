@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import errno
 import multiprocessing as mp
 import os
 import signal
@@ -123,6 +124,9 @@ class RelayMaster:
         self._workers = [_Worker(i) for i in range(config.processes)]
         self._sock: socket.socket | None = None
         self._dispatch = Dispatcher()
+        #: an accepted connection no worker could take yet: while it waits, the master
+        #: accepts no more (the kernel's accept queue holds them)
+        self._pending: socket.socket | None = None
         self._stop = False
         self._wake = False
         self._wrote_pid = False
@@ -311,31 +315,43 @@ class RelayMaster:
                     pid = self._spawn(w)
                     self.log.emit("relay", what="worker restarted", worker=w.index, pid=pid)
             waits: list[Any] = [w.proc.sentinel for w in self._workers if w.proc is not None]
+            waits += [w.conn for w in self._workers if w.conn is not None and not w.ready]
             waits += self._dispatch.sockets()
-            if self._sock is not None and self._dispatch.any_ready():
+            if self._sock is not None and self._pending is None and self._dispatch.any_ready():
                 waits.append(self._sock)
-            wait(waits, timeout=0.5)  # a signal handler runs in between
-            self._dispatch.read_reports()  # sessions ended, before new ones are placed
+            # a signal handler runs in between; a waiting connection is tried again soon
+            wait(waits, timeout=0.5 if self._pending is None else 0.02)
+            excess = self._dispatch.read_reports()  # sessions ended, before new ones
+            if excess:
+                self.log.emit("error", what="counting sessions",
+                              reason=f"workers reported {excess} more ended sessions than "
+                                     f"they were handed")
             if self._dispatch.any_ready():
                 self._accept()
 
     def _accept(self) -> None:
-        """Hand every connection waiting to a worker (``session_handoff``)."""
+        """Hand the connection that waits, then every one the kernel holds, to the
+        workers (``session_handoff``); one no worker can take now waits."""
         assert self._sock is not None
         for _ in range(256):
-            try:
-                conn, _ = self._sock.accept()
-            except (BlockingIOError, InterruptedError):
+            conn = self._pending
+            if conn is None:
+                try:
+                    conn, _ = self._sock.accept()
+                except (BlockingIOError, InterruptedError):
+                    return
+                except OSError as e:
+                    if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                        self.log.emit("error", what="accepting a connection",
+                                      reason=e.strerror or str(e))
+                        time.sleep(0.1)  # the accept queue keeps them meanwhile
+                        return
+                    continue  # that connection's own failure (ECONNABORTED...)
+            if not self._dispatch.dispatch(conn):
+                self._pending = conn  # every worker's channel is full
                 return
-            except OSError as e:  # out of descriptors, say: the backlog keeps them
-                self.log.emit("error", what="accepting a connection",
-                              reason=e.strerror or str(e))
-                time.sleep(0.1)
-                return
-            with conn:
-                if not self._dispatch.dispatch(conn):
-                    self.log.emit("error", what="handing over a connection",
-                                  reason="no worker could take it: closed")
+            self._pending = None
+            conn.close()  # the worker has its own descriptor
 
     def _signal_all(self, sig: int) -> None:
         for w in self._workers:
@@ -348,6 +364,9 @@ class RelayMaster:
         if self._sock is not None:  # no new connections
             self._sock.close()
             self._sock = None
+        if self._pending is not None:
+            self._pending.close()
+            self._pending = None
         self._signal_all(signal.SIGTERM)
         deadline = time.monotonic() + self.config.shutdown_timeout + 30
         code = 0

@@ -162,7 +162,7 @@ class Relay:
         host, port = self.config.listen_address()
         if self._handoff is not None:  # the master listens and hands connections over
             self._inbox = SessionInbox(self._handoff, self.receiver.protocol,
-                                       self._handoff_failed)
+                                       self._handoff_failed, self._handoff_lost)
             self._handoff = None
             self.receiver.on_session_end = self._inbox.ended
             self._inbox.start(loop)
@@ -230,10 +230,19 @@ class Relay:
     # ---- reopening the queue after a failed sync ----
 
     def _handoff_failed(self, e: BaseException) -> None:
-        """A connection from the master could not become a session, or the channel
-        failed (then this worker takes no more: the master will see it)."""
+        """A connection from the master could not become a session."""
         self.log.emit("error", what="taking a connection from the master",
                       reason=f"{type(e).__name__}: {e}")
+
+    def _handoff_lost(self, e: BaseException | None) -> None:
+        """The channel from the master failed or closed: no connection will come, so
+        this worker stops (the master starts another, or has stopped)."""
+        if self._stopping:
+            return
+        self.log.emit("error", what="the channel from the master",
+                      reason=(f"{type(e).__name__}: {e}" if e is not None else "closed")
+                      + ": stopping")
+        self.request_stop()
 
     def _queue_failed(self, e: BaseException) -> None:
         """A queue call raised ReopenRequiredError (from any thread): reopen, once."""
@@ -343,8 +352,8 @@ class Relay:
             await asyncio.gather(self._reopening, return_exceptions=True)
         if self._server is not None:
             self._server.close()
-        if self._inbox is not None:
-            self._inbox.close()
+        if self._inbox is not None:  # what the master handed over gets the 421 too
+            self._inbox.drain()
         for stop in reversed(self._started_services):
             try:
                 await stop(self)

@@ -18,11 +18,18 @@ What holds after a failure:
 * a worker that dies loses the connections sent to it and not yet taken (their clients
   see the connection closed before any greeting, as with a dead worker's listening
   socket before); the master forgets its count and sends it nothing until its successor
-  is ready;
+  is ready.  A worker that stops takes what its channel holds first, and those sessions
+  get the 421 of a stopping relay like the others;
 * a worker that cannot take more (its channel full) is passed over; a connection no
-  worker can take is closed (``Dispatcher.dispatch`` returns False and the master logs it);
-* a master that dies closes the channels: workers stop taking connections (and die with
-  the master, ``PR_SET_PDEATHSIG``).
+  worker can take waits in the master (``dispatch`` returns False), which stops
+  accepting until one can: the rest wait in the kernel's accept queue, as before;
+* a worker out of descriptors gets the message without its descriptor (the kernel drops
+  it, ``MSG_CTRUNC``): that client's connection is closed unanswered; the worker counts
+  the session as ended, logs it and stops reading its channel for a second, so that the
+  channel fills and the master passes it over;
+* a worker whose channel fails or closes stops (``on_lost``), and the master starts
+  another; a master that dies closes the channels (and its workers die with it,
+  ``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -87,8 +94,11 @@ class Dispatcher:
         """Sessions each worker holds, as the master counts them."""
         return {i: ch.sessions for i, ch in sorted(self._channels.items())}
 
-    def read_reports(self) -> None:
-        """Take every report waiting: each names how many sessions ended."""
+    def read_reports(self) -> int:
+        """Take every report waiting: each names how many sessions ended.  Returns how
+        many ended sessions were reported beyond those handed over (0 unless a worker
+        miscounts; the master logs it)."""
+        excess = 0
         for ch in self._channels.values():
             while True:
                 try:
@@ -101,7 +111,10 @@ class Dispatcher:
                     ch.closed, ch.ready = True, False
                     break
                 if msg.isdigit():
-                    ch.sessions = max(0, ch.sessions - int(msg))
+                    ch.sessions -= int(msg)
+                    if ch.sessions < 0:
+                        excess, ch.sessions = excess - ch.sessions, 0
+        return excess
 
     def dispatch(self, conn: socket.socket) -> bool:
         """Send ``conn`` to the ready worker holding the fewest sessions (the next in turn
@@ -130,13 +143,22 @@ class SessionInbox:
     (``loop.connect_accepted_socket`` with the receiver's protocol), and each session's
     end is reported (``ended``)."""
 
+    #: how long a worker that got a message without its descriptor stops reading
+    PAUSE = 1.0
+
     def __init__(self, sock: socket.socket, protocol: Callable[[], asyncio.Protocol],
-                 on_error: Callable[[BaseException], None]) -> None:
+                 on_error: Callable[[BaseException], None],
+                 on_lost: Callable[[BaseException | None], None]) -> None:
+        """``on_error``: a connection could not become a session (the others go on);
+        ``on_lost``: the channel failed (its error) or the master closed it (None): no
+        more connections will come, the worker should stop."""
         self._sock = sock
         self._sock.setblocking(False)
         self._protocol = protocol
         self._on_error = on_error
+        self._on_lost = on_lost
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._paused: asyncio.TimerHandle | None = None
         self._unsent = 0  # ended sessions not yet reported (the channel was full)
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -145,25 +167,49 @@ class SessionInbox:
         loop.add_reader(self._sock.fileno(), self._take)
 
     def _take(self) -> None:
-        assert self._loop is not None
+        loop = self._loop or asyncio.get_running_loop()
         while True:
             try:
-                msg, fds, _, _ = socket.recv_fds(self._sock, 16, 4)
+                msg, fds, _, _ = socket.recv_fds(self._sock, 16, 4, socket.MSG_CMSG_CLOEXEC)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:
                 self.close()
-                self._on_error(e)
+                self._on_lost(e)
                 return
             if not msg and not fds:  # the master closed its end
                 self.close()
+                self._on_lost(None)
                 return
             for fd in fds:
                 conn = socket.socket(fileno=fd)
                 conn.setblocking(False)
-                task = self._loop.create_task(self._serve(conn))
+                task = loop.create_task(self._serve(conn))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+            missing = msg.count(_TAKE) - len(fds)
+            if missing > 0:  # out of descriptors: the kernel dropped them
+                for _ in range(missing):
+                    self.ended()
+                self._on_error(OSError(
+                    f"{missing} connection(s) from the master came without a descriptor "
+                    f"(out of file descriptors?): closed unanswered; not reading the "
+                    f"channel for {self.PAUSE:g} s"))
+                loop.remove_reader(self._sock.fileno())
+                self._paused = loop.call_later(self.PAUSE, self._resume)
+                return
+
+    def _resume(self) -> None:
+        self._paused = None
+        if self._loop is not None:
+            self._loop.add_reader(self._sock.fileno(), self._take)
+            self._take()
+
+    def drain(self) -> None:
+        """Take every connection the channel holds (the worker stops: they become
+        sessions that get its 421), then close it."""
+        self._take()
+        self.close()
 
     async def _serve(self, conn: socket.socket) -> None:
         try:
@@ -188,6 +234,9 @@ class SessionInbox:
 
     def close(self) -> None:
         """Take no more connections (the sessions already made go on)."""
+        if self._paused is not None:
+            self._paused.cancel()
+            self._paused = None
         if self._loop is not None:
             with contextlib.suppress(Exception):
                 self._loop.remove_reader(self._sock.fileno())
