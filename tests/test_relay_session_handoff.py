@@ -91,6 +91,7 @@ def test_a_worker_not_ready_gone_or_closed_is_passed_over(workers):
     end.close()  # worker 1 closes its end (it stops): no longer waited on, never chosen
     d.set_ready(1)
     d.read_reports()
+    d.set_ready(1)  # its ready line read after its channel closed: still passed over
     assert all(s.fileno() != mine.fileno() for s in d.sockets())
     d.drop(0)
     client, server = socket.socketpair()
@@ -306,6 +307,9 @@ def test_drain_takes_what_the_channel_holds_before_it_closes():
         clients = _hand(d, 3)  # in the channel; the inbox has not read (not started)
         inbox.drain()
         assert end.fileno() == -1  # closed once drained
+        late, server = socket.socketpair()
+        with late, server:  # handed over after the drain: refused, for another worker
+            assert not d.dispatch(server)
         heard = []
         for c in clients:
             c.settimeout(5)

@@ -80,7 +80,7 @@ class Dispatcher:
 
     def set_ready(self, index: int) -> None:
         ch = self._channels.get(index)
-        if ch is not None:
+        if ch is not None and not ch.closed:  # a channel seen closed stays passed over
             ch.ready = True
 
     def any_ready(self) -> bool:
@@ -208,6 +208,10 @@ class SessionInbox:
     def drain(self) -> None:
         """Take every connection the channel holds (the worker stops: they become
         sessions that get its 421), then close it."""
+        # no more: the master's next send fails (EPIPE) and goes to another worker, while
+        # what the channel holds can still be read
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RD)
         self._take()
         self.close()
 
