@@ -18,6 +18,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 from queue_ref.opener import PID_FILE, open_queue, read_relay_pid, wake_relay
 from queue_ref.storage import Recipient, Schedule
@@ -192,26 +194,39 @@ def _read_all(s: socket.socket, timeout: float = 30.0) -> bytes:
     return got
 
 
+@contextlib.contextmanager
+def _two_workers(tmp_path: Path) -> Iterator[tuple[RelayProcess, int]]:
+    """A relay of two workers on a queue under ``tmp_path``, both started."""
+    with relay_process(["--queue", str(tmp_path / "q"), "--listen", "127.0.0.1:0",
+                        "--processes", "2", "--relayhost", "[127.0.0.1]:9"]) as (rp, port):
+        assert _wait(lambda: len(_workers(rp)) == 2)
+        yield rp, port
+
+
+@contextlib.contextmanager
+def _stalled(rp: RelayProcess) -> Iterator[None]:
+    """Every worker stopped (SIGSTOP) for the block, then running again."""
+    workers = list(_workers(rp).values())
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in workers:
+            os.kill(pid, signal.SIGCONT)
+
+
 def test_connections_wait_while_every_worker_is_stalled_none_is_closed(tmp_path):
     """Both workers stalled (SIGSTOP) while 700 connections arrive: the master fills
     their channels (about 280 each), then stops accepting and the rest wait in the
     kernel's accept queue; once the workers run again every client is greeted.  (A
     master that closed what no channel could take closed 244 of 800 here.)"""
-    queue = str(tmp_path / "q")
-    with relay_process(["--queue", queue, "--listen", "127.0.0.1:0", "--processes", "2",
-                        "--relayhost", "[127.0.0.1]:9"]) as (rp, port):
-        assert _wait(lambda: len(_workers(rp)) == 2)
-        workers = list(_workers(rp).values())
-        for pid in workers:
-            os.kill(pid, signal.SIGSTOP)
+    with _two_workers(tmp_path) as (rp, port):
         clients: list[socket.socket] = []
-        try:
+        with _stalled(rp):
             for _ in range(700):
                 clients.append(socket.create_connection(("127.0.0.1", port), timeout=10))
             time.sleep(1)  # the master hands over what the channels hold
-        finally:
-            for pid in workers:
-                os.kill(pid, signal.SIGCONT)
         greeted = 0
         for c in clients:
             c.settimeout(30)
@@ -230,22 +245,13 @@ def test_connections_handed_to_a_stopping_worker_are_told_421(tmp_path):
     client hears the 421 the other sessions get, not a connection closed without a
     word.  (Whether a worker reads them before or while it stops depends on the order
     it wakes in; the drain at stop is forced in test_relay_session_handoff.py.)"""
-    queue = str(tmp_path / "q")
-    with relay_process(["--queue", queue, "--listen", "127.0.0.1:0", "--processes", "2",
-                        "--relayhost", "[127.0.0.1]:9"]) as (rp, port):
-        assert _wait(lambda: len(_workers(rp)) == 2)
-        workers = list(_workers(rp).values())
-        for pid in workers:
-            os.kill(pid, signal.SIGSTOP)
-        try:
+    with _two_workers(tmp_path) as (rp, port):
+        with _stalled(rp):
             clients = [socket.create_connection(("127.0.0.1", port), timeout=10)
                        for _ in range(6)]
             time.sleep(0.5)  # handed over: in the stalled workers' channels
             rp.send_signal(signal.SIGTERM)  # the master stops, its workers get SIGTERM
             time.sleep(0.5)
-        finally:
-            for pid in workers:
-                os.kill(pid, signal.SIGCONT)
         heard = [_read_all(c) for c in clients]
         for c in clients:
             c.close()
