@@ -493,6 +493,10 @@ class FaultyIO(IO):
     def unlink(self, path: str) -> None:
         self._call("unlink", (self.rel(path),), lambda: self.inner.unlink(path))
 
+    def unlink_large(self, path: str) -> None:
+        """The same step as ``unlink`` for every fault, crash and record."""
+        self._call("unlink", (self.rel(path),), lambda: self.inner.unlink_large(path))
+
     def mkdir(self, path: str) -> None:
         self._call("mkdir", (self.rel(path),), lambda: self.inner.mkdir(path))
 

@@ -324,3 +324,18 @@ def test_a_crash_releases_the_pinned_directories_of_the_dead_process(tmp_path: P
     with pytest.raises(Crash):
         io.pin_dir(root)
     assert count == 1
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_large_unlink_is_an_unlink_for_records_and_crashes(tmp_path: Path, when: str) -> None:
+    """``unlink_large`` differs from ``unlink`` only in the GIL (``OsIO``): the seam
+    records it as an unlink and crashes there like at any other mutating call."""
+    (tmp_path / "log").write_bytes(b"x" * 4096)
+    io = FaultyIO(str(tmp_path))
+    io.unlink_large(f"{tmp_path}/log")
+    assert [(e.name, e.args, e.mutating) for e in io.events] == [("unlink", ("log",), True)]
+    (tmp_path / "log").write_bytes(b"x")
+    io = FaultyIO(str(tmp_path), FaultPlan(crash_at=0, crash_when=when))
+    with pytest.raises(Crash):
+        io.unlink_large(f"{tmp_path}/log")
+    assert (tmp_path / "log").exists() is (when == "before")

@@ -206,6 +206,9 @@ class CrashIO(OsIO):
         self._tick("unlink", path)
         super().unlink(path)
 
+    def unlink_large(self, path: str) -> None:
+        self.unlink(path)  # the same step; only the GIL differs
+
     def mkdir(self, path: str) -> None:
         self._tick("mkdir", path)
         super().mkdir(path)

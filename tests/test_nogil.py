@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import itertools
 import os
+import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -148,3 +152,71 @@ def test_osio_routes_the_short_calls_and_only_those(tmp_path: Path, monkeypatch:
     io.close(fd)
     assert used == (["open", "write", "close"] if release else ["open", "write"])
     assert os.path.getsize(f"{d}/big") == NOGIL_MAX_WRITE + 1
+    used.clear()
+    io.unlink_large(f"{d}/big")  # freeing many blocks releases the GIL always
+    assert used == ["unlink"] and not os.path.exists(f"{d}/big")
+
+
+def _longest_stall(call: Any) -> float:
+    """The longest time another Python thread could not run while ``call()`` ran: the
+    widest gap between a spinning thread's iterations within the call's span (with a
+    0.1 ms switch interval, so that Python code around the system call yields at once)."""
+    stamps: list[float] = []
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            stamps.append(time.perf_counter())
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.0001)
+    t = threading.Thread(target=spin)
+    try:
+        t.start()
+        time.sleep(0.02)  # the spinner is running and wants the GIL back
+        start = time.perf_counter()
+        call()
+        end = time.perf_counter()
+    finally:
+        stop.set()
+        t.join()
+        sys.setswitchinterval(interval)
+    inside = [start] + [s for s in stamps if start < s < end] + [end]
+    return max(b - a for a, b in itertools.pairwise(inside))
+
+
+def _large_file(path: str, mib: int) -> None:
+    with open(path, "wb") as f:
+        for _ in range(mib):
+            f.write(os.urandom(1 << 20))
+        f.flush()
+        os.fsync(f.fileno())  # blocks allocated: unlinking frees them
+
+
+def test_a_large_unlink_lets_other_threads_run_and_a_plain_one_does_not(
+        tmp_path: Path) -> None:
+    """Freeing a 96 MiB file's blocks takes milliseconds (0.35 ms per MB on ext4 here):
+    through ``unlink_large`` another thread (a relay's event loop) runs meanwhile; through
+    the GIL-keeping ``unlink`` it cannot, which is why logs, tables and bodies go the
+    first way."""
+    io = OsIO()
+    _large_file(f"{tmp_path}/a", 96)
+    _large_file(f"{tmp_path}/b", 96)
+    held = _longest_stall(lambda: io.unlink(f"{tmp_path}/b"))
+    released = _longest_stall(lambda: io.unlink_large(f"{tmp_path}/a"))
+    assert os.listdir(tmp_path) == []
+    assert held > 0.005, f"unlinking 96 MiB took {held * 1e3:.1f} ms: too short to judge"
+    assert released < held / 2, (released, held)
+
+
+def test_a_subclass_that_overrides_unlink_sees_the_large_ones_too(tmp_path: Path) -> None:
+    seen: list[str] = []
+
+    class Counting(OsIO):
+        def unlink(self, path: str) -> None:
+            seen.append(os.path.basename(path))
+            super().unlink(path)
+
+    (tmp_path / "body").write_bytes(b"x" * 100)
+    Counting().unlink_large(f"{tmp_path}/body")
+    assert seen == ["body"] and not (tmp_path / "body").exists()

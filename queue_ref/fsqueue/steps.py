@@ -416,7 +416,7 @@ class FsSteps:
             if_exists(self.io.unlink, self.layout.ref(EntryName(tx.msgid, i)))
         tx.refs = 0
         if tx.started:
-            if_exists(self.io.unlink, tx.path)
+            if_exists(self.io.unlink_large, tx.path)
             tx.started = False
         tx.pending = bytearray()
 
@@ -544,7 +544,7 @@ class FsSteps:
         path = self.layout.msg_file(msgid)
         spare = self._spare_for(msgid)
         if spare is None:
-            if_exists(self.io.unlink, path)
+            if_exists(self.io.unlink_large, path)
             return
         name, size = spare
         kept = False
@@ -552,7 +552,7 @@ class FsSteps:
             self.io.rename(path, name)
             kept = True
         except FileNotFoundError:  # gone already; or the spare's directory is, then unlink
-            if_exists(self.io.unlink, path)
+            if_exists(self.io.unlink_large, path)
         finally:
             self._spares.put(name, size if kept else None)
 

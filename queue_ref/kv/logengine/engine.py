@@ -331,7 +331,7 @@ class LogEngine(KV):
             if parsed is not None:
                 self._next_file = max(self._next_file, parsed[1] + 1)
             if (parsed is not None or name == fmt.CURRENT + ".tmp") and name not in keep:
-                self.io.unlink(self._p(name))
+                self.io.unlink_large(self._p(name))
                 removed += 1
         return removed
 
@@ -616,7 +616,7 @@ class LogEngine(KV):
     def _delete(self, doomed: list[str]) -> None:
         for path in doomed:
             with contextlib.suppress(OSError):  # garbage: the next open deletes it
-                self.io.unlink(path)
+                self.io.unlink_large(path)
 
     # ---- the KV interface ------------------------------------------------------------
 

@@ -390,7 +390,7 @@ class Table:
             self.io.close(self._fd)
         if self._unlink:
             with contextlib.suppress(OSError):  # garbage: the next open deletes it
-                self.io.unlink(self.path)
+                self.io.unlink_large(self.path)
 
     def retire(self) -> str | None:
         """Release the engine's reference as the table leaves its list, its file to be
