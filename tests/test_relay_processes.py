@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from queue_ref.opener import PID_FILE, open_queue, read_relay_pid, wake_relay
+from queue_ref.relay.session_handoff import channel_pair
 from queue_ref.storage import Recipient, Schedule
 from tests.relay_support import RelayProcess, Sink, relay_process
 
@@ -216,15 +217,30 @@ def _stalled(rp: RelayProcess) -> Iterator[None]:
             os.kill(pid, signal.SIGCONT)
 
 
+def _channel_capacity() -> int:
+    """How many connections a worker's channel holds before the master's send would
+    block (about 280 on this machine: it follows the socket buffer sizes)."""
+    mine, theirs = channel_pair()
+    held = 0
+    with mine, theirs, socket.socket() as conn:
+        while True:
+            try:
+                socket.send_fds(mine, [b"s"], [conn.fileno()])
+            except BlockingIOError:
+                return held
+            held += 1
+
+
 def test_connections_wait_while_every_worker_is_stalled_none_is_closed(tmp_path):
-    """Both workers stalled (SIGSTOP) while 700 connections arrive: the master fills
-    their channels (about 280 each), then stops accepting and the rest wait in the
+    """Both workers stalled (SIGSTOP) while more connections arrive than their two
+    channels hold: the master fills them, then stops accepting and the rest wait in the
     kernel's accept queue; once the workers run again every client is greeted.  (A
     master that closed what no channel could take closed 244 of 800 here.)"""
+    total = 2 * _channel_capacity() + 140
     with _two_workers(tmp_path) as (rp, port):
         clients: list[socket.socket] = []
         with _stalled(rp):
-            for _ in range(700):
+            for _ in range(total):
                 clients.append(socket.create_connection(("127.0.0.1", port), timeout=10))
             time.sleep(1)  # the master hands over what the channels hold
         greeted = 0
@@ -233,7 +249,7 @@ def test_connections_wait_while_every_worker_is_stalled_none_is_closed(tmp_path)
             with contextlib.suppress(OSError):
                 greeted += c.recv(64).startswith(b"220 ")
             c.close()
-        assert greeted == 700
+        assert greeted == total
         rp.send_signal(signal.SIGTERM)
         assert rp.wait(60) == 0
         err = rp.stderr()

@@ -10,12 +10,16 @@ channel sent with the next one.
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from queue_ref.relay.relay_server import Relay
 from queue_ref.relay.session_handoff import Dispatcher, SessionInbox, channel_pair
+from tests.relay_support import _ListStream, relay_config
 
 
 @pytest.fixture
@@ -312,3 +316,100 @@ def test_drain_takes_what_the_channel_holds_before_it_closes():
 
     assert asyncio.run(run()) == [b"421 closing\r\n"] * 3
     d.drop(0)
+
+
+def test_drain_goes_past_a_connection_that_came_without_its_descriptor():
+    """A stopping worker's channel holds a connection, then one whose descriptor the
+    kernel dropped, then two more: all three that came whole get the 421, the lost one is
+    counted ended and said, and the channel's end is not taken for a lost master."""
+    d, mine, end = _one_worker()
+    errors: list[BaseException] = []
+    lost: list[BaseException | None] = []
+
+    class Bye(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            transport.write(b"421 closing\r\n")  # type: ignore[attr-defined]
+            transport.close()
+
+    async def run() -> list[bytes]:
+        loop = asyncio.get_running_loop()
+        inbox = SessionInbox(end, Bye, errors.append, lost.append)
+        clients = _hand(d, 1)
+        d._channels[0].sessions += 1  # the master counted the one whose descriptor is lost
+        _descriptorless(mine)
+        clients += _hand(d, 2)
+        inbox.drain()
+        assert inbox._paused is None and end.fileno() == -1
+        heard = []
+        for c in clients:
+            c.settimeout(5)
+            heard.append(await loop.run_in_executor(None, c.recv, 64))
+            c.close()
+        return heard
+
+    assert asyncio.run(run()) == [b"421 closing\r\n"] * 3
+    assert len(errors) == 1 and "without a descriptor" in str(errors[0])
+    assert "not reading" not in str(errors[0]) and lost == []
+    d.read_reports()
+    assert d.sessions() == {0: 3}  # the lost one reported ended; three sessions made
+    d.drop(0)
+
+
+# ---- a relay worker's inbox: the real Relay over a real queue -------------------------
+
+
+def _worker_relay(tmp_path: Path, end: socket.socket) -> tuple[Relay, list[str]]:
+    lines: list[str] = []
+    relay = Relay(relay_config(str(tmp_path / "q"), log_json=True), worker=0, handoff=end,
+                  log_stream=_ListStream(lines))
+    return relay, lines
+
+
+def test_a_stopping_worker_gives_the_421_to_what_its_channel_holds(tmp_path: Path) -> None:
+    """Connections in a worker's channel when it stops, not read yet: ``Relay.stop``
+    takes them (``drain``), so each client hears the 421 of a stopping relay.  Closing
+    the channel instead would drop them with their clients hearing nothing."""
+    d, _, end = _one_worker()
+
+    async def run() -> list[bytes]:
+        loop = asyncio.get_running_loop()
+        relay, _ = _worker_relay(tmp_path, end)
+        await relay.start()
+        clients = _hand(d, 3)  # in the channel; the loop does not run before stop drains
+        await relay.stop()
+        heard = []
+        for c in clients:
+            c.settimeout(10)
+            heard.append(await loop.run_in_executor(None, _read_to_end, c))
+            c.close()
+        return heard
+
+    heard = asyncio.run(run())
+    assert all(b"\r\n421 4.3.2 " in b"\r\n" + h for h in heard), heard
+    d.drop(0)
+
+
+def test_a_worker_whose_master_closes_the_channel_stops(tmp_path: Path) -> None:
+    """The channel's end (the master gone) means no connection will come: the worker
+    logs it and asks itself to stop, as SIGTERM would."""
+    d, _, end = _one_worker()
+
+    async def run() -> list[str]:
+        relay, lines = _worker_relay(tmp_path, end)
+        await relay.start()
+        assert relay._stop_requested is not None and not relay._stop_requested.is_set()
+        d.drop(0)
+        await asyncio.wait_for(relay._stop_requested.wait(), 10)
+        await relay.stop()
+        return lines
+
+    records = [json.loads(line) for line in asyncio.run(run())]
+    said = [r for r in records if r.get("what") == "the channel from the master"]
+    assert len(said) == 1 and said[0]["reason"] == "closed: stopping", said
+
+
+def _read_to_end(c: socket.socket) -> bytes:
+    out = b""
+    while chunk := c.recv(4096):
+        out += chunk
+    return out

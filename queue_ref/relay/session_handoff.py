@@ -166,7 +166,10 @@ class SessionInbox:
         self._loop = loop
         loop.add_reader(self._sock.fileno(), self._take)
 
-    def _take(self) -> None:
+    def _take(self, *, draining: bool = False) -> None:
+        """Make a session of every connection the channel holds.  A message without its
+        descriptor pauses reading (see ``PAUSE``), except while ``draining``: then the
+        connections behind it are taken too, and the end of the channel is no loss."""
         loop = self._loop or asyncio.get_running_loop()
         while True:
             try:
@@ -174,12 +177,14 @@ class SessionInbox:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:
-                self.close()
-                self._on_lost(e)
+                if not draining:
+                    self.close()
+                    self._on_lost(e)
                 return
-            if not msg and not fds:  # the master closed its end
-                self.close()
-                self._on_lost(None)
+            if not msg and not fds:  # the master closed its end (or the drain shut it)
+                if not draining:
+                    self.close()
+                    self._on_lost(None)
                 return
             for fd in fds:
                 conn = socket.socket(fileno=fd)
@@ -193,8 +198,10 @@ class SessionInbox:
                     self.ended()
                 self._on_error(OSError(
                     f"{missing} connection(s) from the master came without a descriptor "
-                    f"(out of file descriptors?): closed unanswered; not reading the "
-                    f"channel for {self.PAUSE:g} s"))
+                    f"(out of file descriptors?): closed unanswered"
+                    + ("" if draining else f"; not reading the channel for {self.PAUSE:g} s")))
+                if draining:
+                    continue
                 loop.remove_reader(self._sock.fileno())
                 self._paused = loop.call_later(self.PAUSE, self._resume)
                 return
@@ -212,7 +219,7 @@ class SessionInbox:
         # what the channel holds can still be read
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RD)
-        self._take()
+        self._take(draining=True)
         self.close()
 
     async def _serve(self, conn: socket.socket) -> None:
