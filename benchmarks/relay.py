@@ -317,8 +317,12 @@ class QueueRef(Relay):
         self.dir.mkdir(parents=True)
         port = free_port()
         exe = Path(sys.executable).with_name("queue-ref")
+        # a KV queue's store is one process's: one root of the queue per process
+        roots = ([self.dir / f"queue{i}" for i in range(self.processes)]
+                 if self.backend.startswith("kv-") and self.processes > 1
+                 else [self.dir / "queue"])
         cmd = [str(exe) if exe.exists() else "queue-ref", "relay",
-               "--queue", str(self.dir / "queue"), "--backend", self.backend,
+               *[a for r in roots for a in ("--queue", str(r))], "--backend", self.backend,
                "--listen", f"127.0.0.1:{port}", "--relayhost", f"127.0.0.1:{sink_port}",
                "--processes", str(self.processes)]
         self._log = open(self.dir / "relay.log", "wb")  # noqa: SIM115

@@ -125,13 +125,18 @@ class MultiRootQueue(Storage):
     """One queue over several roots (see the module docstring)."""
 
     def __init__(self, roots: Mapping[str, Opener], *, retry_after: float = DEFAULT_RETRY_AFTER,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, part: int | None = None) -> None:
         """Open every root: ``roots`` maps each root's name (its directory, as errors and
         damaged files name it) to a callable that opens it.  Roots are ordered by name.
 
-        Raises InvalidInputError for fewer than one root or a bad ``retry_after``, before
-        opening anything; the error of the first root that fails to open (the others are
-        closed again)."""
+        ``part``: open and serve root ``part`` alone (0-based, in that order), under the
+        ids it has in the whole queue (``r<part>-``): one process of a relay whose
+        backend cannot be shared serves one root, and names its mail as the commands that
+        open every root do (``relay_master``).  A handle of another root is refused.
+
+        Raises InvalidInputError for fewer than one root, a bad ``retry_after`` or
+        ``part``, before opening anything; the error of the first root that fails to open
+        (the others are closed again)."""
         Storage.__init__(self)
         if not isinstance(roots, Mapping) or not roots:
             raise InvalidInputError("a multi-root queue needs at least one root")
@@ -142,7 +147,14 @@ class MultiRootQueue(Storage):
             if not isinstance(name, str) or not name or not callable(opener):
                 raise InvalidInputError(f"root {name!r}: expected a name and a callable "
                                         "that opens it")
-        self._roots = [_Root(i, n, roots[n]) for i, n in enumerate(sorted(roots))]
+        if part is not None and (not isinstance(part, int) or isinstance(part, bool)
+                                 or not 0 <= part < len(roots)):
+            raise InvalidInputError(f"part must be the index of one of the {len(roots)} "
+                                    f"roots, got {part!r}")
+        self._count = len(roots)  # the roots of the whole queue (ids name one of them)
+        self._roots = [_Root(i, n, roots[n]) for i, n in enumerate(sorted(roots))
+                       if part is None or i == part]
+        self._by_index = {r.index: r for r in self._roots}
         self.retry_after = float(retry_after)
         self._clock = clock
         self._lock = threading.Lock()
@@ -165,7 +177,8 @@ class MultiRootQueue(Storage):
 
     @classmethod
     def open_fs(cls, roots: Sequence[str], io: IO | None = None, *, sync: str | None = None,
-                retry_after: float = DEFAULT_RETRY_AFTER) -> MultiRootQueue:
+                retry_after: float = DEFAULT_RETRY_AFTER,
+                part: int | None = None) -> MultiRootQueue:
         """The filesystem queue (``FsQueue(root, io, sync=sync)``) on each directory of
         ``roots``.  Raises InvalidInputError for no roots or a directory given twice.
 
@@ -179,12 +192,14 @@ class MultiRootQueue(Storage):
                 and share_a_file_system([r for r in roots if isinstance(r, str) and r]):
             sync = "fsync"
         return cls.over(roots, lambda path: FsQueue(path, io, sync=sync),
-                        retry_after=retry_after)
+                        retry_after=retry_after, part=part)
 
     @classmethod
     def over(cls, roots: Sequence[str], open_root: Callable[[str], Storage], *,
-             retry_after: float = DEFAULT_RETRY_AFTER) -> MultiRootQueue:
-        """``open_root(directory)`` on each directory of ``roots`` (made absolute).  Raises
+             retry_after: float = DEFAULT_RETRY_AFTER,
+             part: int | None = None) -> MultiRootQueue:
+        """``open_root(directory)`` on each directory of ``roots`` (made absolute), or on
+        the one ``part`` names (see ``__init__``).  Raises
         InvalidInputError for no roots, a path that is empty or holds NUL, or a directory
         given twice."""
         if isinstance(roots, (str, bytes)) or not isinstance(roots, Sequence) or not roots:
@@ -197,7 +212,7 @@ class MultiRootQueue(Storage):
             if path in openers or os.path.realpath(path) in map(os.path.realpath, openers):
                 raise InvalidInputError(f"the root {path} is given twice")
             openers[path] = partial(open_root, path)
-        return cls(openers, retry_after=retry_after)
+        return cls(openers, retry_after=retry_after, part=part)
 
     # ---- roots -------------------------------------------------------------------------
 
@@ -291,10 +306,13 @@ class MultiRootQueue(Storage):
     def _route(self, h: Handle) -> tuple[_Root, Handle]:
         """The root of a handle just taken, and its own handle there."""
         inner = h._extra
-        parsed = split_id(h.entry_id, len(self._roots))
+        parsed = split_id(h.entry_id, self._count)
         if not isinstance(inner, _Inner) or parsed is None or parsed[0] != inner.root:
             raise InvalidInputError(f"entry id {h.entry_id!r} names no root of this queue")
-        r = self._roots[inner.root]
+        r = self._by_index.get(inner.root)
+        if r is None:
+            raise InvalidInputError(f"entry id {h.entry_id!r} names root {inner.root}, "
+                                    "which this queue does not serve (part)")
         if inner.generation != r.generation or r.store is None:
             raise ClosedError(f"root {r.name} was reopened since entry {h.entry_id} was "
                               "listed: list it again")

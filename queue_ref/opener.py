@@ -165,19 +165,21 @@ def open_serving(path: str, backend: str = "fs"
     return q, recover_beside
 
 
-def open_queues(paths: Sequence[str], backend: str = "fs") -> Storage:
+def open_queues(paths: Sequence[str], backend: str = "fs", *,
+                part: int | None = None) -> Storage:
     """Open the queue at ``paths``: one directory as ``open_queue``; several as one queue
     over them (``queue_ref.multi_root.MultiRootQueue``), each root opened by the named
-    backend."""
+    backend; with ``part``, that root of them alone, under its ids in the whole queue."""
     if isinstance(paths, str) or not paths:
         raise InvalidInputError(f"expected a non-empty list of queue directories, got {paths!r}")
-    if len(paths) == 1:
+    if len(paths) == 1 and part is None:
         return open_queue(paths[0], backend)
     from queue_ref.multi_root import MultiRootQueue
 
     if backend in ("fs", "fs-fsync"):  # syncfs only for roots on file systems of their own
-        return MultiRootQueue.open_fs(paths, sync="fsync" if backend == "fs-fsync" else None)
-    return MultiRootQueue.over(paths, load_backend(backend))
+        return MultiRootQueue.open_fs(paths, sync="fsync" if backend == "fs-fsync" else None,
+                                      part=part)
+    return MultiRootQueue.over(paths, load_backend(backend), part=part)
 
 
 def relay_on_any(paths: Sequence[str]) -> tuple[int, str] | None:

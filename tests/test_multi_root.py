@@ -16,7 +16,7 @@ from conformance.crashexplore.crash_task import explore_task, task_for
 from conformance.crashexplore.traced_runs import run_workload
 from conformance.crashexplore.workloads import enqueue_call
 from queue_ref.fsqueue import FsQueue
-from queue_ref.multi_root import MultiRootQueue, share_a_file_system, split_id
+from queue_ref.multi_root import MultiRootQueue, _Root, share_a_file_system, split_id
 from queue_ref.storage import (
     InvalidInputError,
     MisuseError,
@@ -211,3 +211,43 @@ def test_a_crash_inside_the_second_root_keeps_the_first_roots_mail() -> None:
                               recovery_sample=1))
     assert r.points > 20 and r.eio_points > 0 and not r.errors
     assert not r.failures, [f"{f.scenario}: {f.violations}" for f in r.failures[:5]]
+
+
+def test_a_part_serves_one_root_under_the_ids_it_has_in_the_whole_queue(tmp_path: Any) -> None:
+    """``part=k``: one process of a relay whose backend processes cannot share serves
+    root k alone.  Its ids are those the whole queue gives that root's mail (``r<k>-``,
+    as ``mailq`` over every root shows them); the other root is not opened, so another
+    process can hold it at the same time (the KV queue's store is one process's); a
+    handle of another root is refused, not served from the wrong store."""
+    from queue_ref.kv.kv_queue import KvQueue
+
+    roots = [str(tmp_path / "a"), str(tmp_path / "b")]
+    whole = MultiRootQueue.over(roots, KvQueue.open_log)
+    put(whole, 0)
+    put(whole, 1)  # one message in each root (round robin)
+    ids = sorted(m.entry_id for m in whole.list_queue())
+    whole.close()
+    assert [i[:3] for i in ids] == ["r0-", "r1-"]
+
+    second = MultiRootQueue.over(roots, KvQueue.open_log, part=1)
+    first = MultiRootQueue.over(roots, KvQueue.open_log, part=0)  # both open at once
+    try:
+        assert second.root_names == [roots[1]] and first.root_names == [roots[0]]
+        assert [m.entry_id for m in second.list_queue()] == [ids[1]]
+        assert [m.entry_id for m in first.list_queue()] == [ids[0]]
+        put(second, 2)  # new mail in a part goes to its root, under its prefix
+        assert all(m.entry_id.startswith("r1-") for m in second.list_queue())
+        assert len(list(second.list_queue())) == 2
+        # a handle naming root 0, issued by the part serving root 1 (forged: no call makes one)
+        inner = next(iter(first.root_stores()[0].list_queue()))
+        forged = second._wrap(_Root(0, roots[0], lambda: first), inner)
+        with pytest.raises(InvalidInputError, match="which this queue does not serve"):
+            second.send_start(forged)
+        assert len(deliver_all(second)) == 2 and deliver_all(first) == [
+            b"Subject: 0\r\n\r\nbody 0\r\n"]
+    finally:
+        second.close()
+        first.close()
+    for bad in (2, -1, True, "0"):
+        with pytest.raises(InvalidInputError, match="part must be"):
+            MultiRootQueue.over(roots, KvQueue.open_log, part=bad)  # type: ignore[arg-type]

@@ -346,6 +346,8 @@ def test_processes_a_backend_cannot_share_or_a_bad_count_are_refused(tmp_path):
              "--processes", "2")
     assert r.returncode == 1
     assert "backend kv-log cannot be shared by several processes" in r.stderr
+    assert "one root per process (queue_directories, or --queue once per root: 2 roots for " \
+           "processes = 2; now 1)" in r.stderr
     assert not os.path.exists(tmp_path / "kv" / PID_FILE)
     r = _cli("--queue", str(tmp_path / "q"), "--processes", "0", "--check-config")
     assert r.returncode == 2

@@ -413,3 +413,48 @@ def _read_to_end(c: socket.socket) -> bytes:
     while chunk := c.recv(4096):
         out += chunk
     return out
+
+
+def test_an_etrn_is_passed_to_every_other_worker_and_one_not_sent_is_noted(workers):
+    """Workers that each serve one root of the queue: an ETRN one of them took goes to
+    the others (their roots may hold the domain's mail), not back to it; a worker whose
+    channel is full is noted for the master to log, and the others still get it."""
+    d, theirs = workers
+    inbox = SessionInbox(theirs[0], asyncio.Protocol, lambda e: None, lambda e: None)
+    assert inbox.send_etrn("example.net")
+    d.read_reports()
+    got = [end.recv(1024) for end in theirs[1:]]
+    assert got == [b"e:example.net"] * 2 and d.unsent_etrn == []
+    with pytest.raises(BlockingIOError):
+        theirs[0].recv(1024)
+    while True:  # fill worker 2's channel
+        try:
+            d._channels[2].sock.send(b"0")
+        except BlockingIOError:
+            break
+    assert inbox.send_etrn("bücher.example")
+    d.read_reports()
+    assert theirs[1].recv(1024) == "e:bücher.example".encode()
+    assert d.unsent_etrn == [(2, "bücher.example")]
+
+
+def test_the_inbox_hands_an_etrn_from_another_worker_on_and_ignores_it_while_draining():
+    d, mine, end = _one_worker()
+    asked: list[str] = []
+
+    async def run() -> None:
+        inbox = SessionInbox(end, asyncio.Protocol, lambda e: None, lambda e: None,
+                             asked.append)
+        inbox.start(asyncio.get_running_loop())
+        mine.send(b"e:example.net")
+        for _ in range(100):
+            if asked:
+                break
+            await asyncio.sleep(0.01)
+        assert asked == ["example.net"]
+        mine.send(b"e:example.org")
+        inbox.drain()  # the worker stops: its flush would come too late
+        assert asked == ["example.net"]
+
+    asyncio.run(run())
+    d.drop(0)

@@ -10,9 +10,18 @@ queue's claims are exclusive across processes (C7), so two workers never deliver
 an entry a worker held when it died has a dead owner, and the next scan of any worker
 finds it (``find_inflight``) and delivers it.
 
-Before anything listens, the master opens the queue once: recovery runs there, and a
-backend that processes cannot share (no ``Capability.MULTI_PROCESS``: the KV queues) is
-refused with a clear message.  It binds the port first (port 0 picks one for all), writes
+Before anything listens, the master opens the queue once: recovery runs there.  A backend
+that processes cannot share (no ``Capability.MULTI_PROCESS``: the KV queues, whose store
+one process holds) needs one root of the queue per process (``queue_directories`` with
+two roots for ``processes = 2``): worker i then serves root i alone, under the ids that root has in the
+whole queue (``r<i>-``, ``MultiRootQueue(part=i)``), so its logs name mail as ``mailq``
+over every root does.  New mail goes to the root of the worker the connection was handed
+to; each worker delivers its own root's mail, and a worker started again after a death
+recovers its root.  An ``ETRN`` taken by one worker is passed by the master to the
+others, which flush the domain in their roots too.  ODMR (``odmr_listen``,
+``ondemand_domains``) hands a client all its domain's mail over one connection, so it is
+refused with split roots.  Any other root count is refused with a message that says how
+to fix it.  It binds the port first (port 0 picks one for all), writes
 ``relay.pid`` and prints the one ready line once every worker listens.
 
 Signals to the master: SIGTERM and SIGINT stop every worker in order (each as one relay
@@ -88,12 +97,12 @@ def _die_with_parent() -> None:
 
 
 def _worker_main(config: RelayConfig, index: int, conn: Connection,
-                 handoff: socket.socket) -> None:
+                 handoff: socket.socket, part: bool = False) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C reaches the master
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     relay = Relay(config, worker=index, ready_stream=_ReadyPipe(conn),  # type: ignore[arg-type]
-                  handoff=handoff)
+                  handoff=handoff, part=index if part else None)
     try:
         run_relay(config, relay.run())
     except (RelayStartError, ConfigError) as e:
@@ -131,6 +140,9 @@ class RelayMaster:
         self._wake = False
         self._wrote_pid = False
         self.worker_config = config
+        #: each worker serves root ``index`` of the queue alone (a backend processes
+        #: cannot share, ``_split_roots``); False: every worker serves the whole queue
+        self.parts = False
 
     # ---- start ----
 
@@ -148,11 +160,28 @@ class RelayMaster:
                                   f"(backend {self.config.backend}): {e}") from e
         try:
             if Capability.MULTI_PROCESS not in store.capabilities:
-                raise RelayStartError(
-                    f"backend {self.config.backend} cannot be shared by several processes "
-                    f"(no multi-process capability): run it with processes = 1")
+                self._split_roots()
         finally:
             store.close()
+
+    def _split_roots(self) -> None:
+        """A backend processes cannot share: each worker serves one root of the queue (as
+        many roots as processes), or the start is refused, saying how to fix it."""
+        n, backend = self.config.processes, self.config.backend
+        if len(self.queue_dirs) != n:
+            raise RelayStartError(
+                f"backend {backend} cannot be shared by several processes (no multi-process "
+                f"capability): give the queue one root per process (queue_directories, or "
+                f"--queue once per root: {n} roots for processes = {n}; now "
+                f"{len(self.queue_dirs)}), each served by one process, or run it with "
+                f"processes = 1")
+        both = [k for k in ("odmr_listen", "ondemand_domains") if getattr(self.config, k)]
+        if both:
+            raise RelayStartError(
+                f"{' and '.join(both)}: with backend {backend} each process serves one root "
+                f"of the queue, and a client taking its domain's mail must get all of it; "
+                f"run it with processes = 1, or on a backend processes share (fs)")
+        self.parts = True
 
     def _reserve_port(self) -> None:
         """Bind the address (port 0: the port the workers' Received headers and logs
@@ -191,7 +220,8 @@ class RelayMaster:
         parent, child = self._ctx.Pipe(duplex=False)
         mine, theirs = channel_pair()
         w.proc = self._ctx.Process(target=_worker_main,
-                                   args=(self.worker_config, w.index, child, theirs),
+                                   args=(self.worker_config, w.index, child, theirs,
+                                         self.parts),
                                    name=f"queue-ref-relay-{w.index}", daemon=False)
         try:
             w.proc.start()
@@ -326,6 +356,11 @@ class RelayMaster:
                 self.log.emit("error", what="counting sessions",
                               reason=f"workers reported {excess} more ended sessions than "
                                      f"they were handed")
+            for index, domain in self._dispatch.unsent_etrn:
+                self.log.emit("error", what="passing on an ETRN", worker=index, domain=domain,
+                              reason="its channel is full or closed: its mail for the "
+                                     "domain goes at its own time")
+            self._dispatch.unsent_etrn.clear()
             if self._dispatch.any_ready():
                 self._accept()
 

@@ -36,6 +36,7 @@ from queue_ref.opener import (
     remove_relay_pid,
     write_relay_pid,
 )
+from queue_ref.operate.queue_actions import flush
 from queue_ref.relay.delivery_log import DeliveryLog, LogStream
 from queue_ref.relay.delivery_scheduler import DeliveryScheduler
 from queue_ref.relay.mx_routing import Router
@@ -68,9 +69,12 @@ Service = Callable[["Relay"], Awaitable[None]]
 class Relay:
     def __init__(self, config: RelayConfig, *, log_stream: LogStream | None = None,
                  ready_stream: IO[str] | None = None, worker: int | None = None,
-                 handoff: socket.socket | None = None) -> None:
+                 handoff: socket.socket | None = None, part: int | None = None) -> None:
         self.config = config
         self.worker = worker
+        #: the one root of the queue this worker serves (``relay_master._split_roots``);
+        #: None: every root
+        self.part = part
         #: a worker's channel from its master, which accepts its connections
         #: (``session_handoff``); None: the relay listens itself
         self._inbox: SessionInbox | None = None
@@ -100,6 +104,7 @@ class Relay:
         self._recover_beside: Callable[[], RecoveryReport] | None = None
         self._recovering: asyncio.Task[None] | None = None  # see _recover
         self._stopping = False
+        self._flushing: set[asyncio.Task[None]] = set()  # ETRNs of other workers
         self.reopens = 0  # times the queue was closed and opened again after a failed sync
         #: the ATRN listener (``odmr_listen``), a service of this relay
         self.odmr = OdmrServer(self) if config.odmr_listen else None
@@ -134,12 +139,12 @@ class Relay:
         if other is not None:  # one relay per set of roots: none may share one
             raise RelayStartError(f"another relay (pid {other[0]}) works on {other[1]}")
         try:
-            if len(self.queue_dirs) == 1:  # a filesystem queue's recovery may come later
+            if len(self.queue_dirs) == 1 and self.part is None:
+                # a filesystem queue's recovery may come later
                 self._store, self._recover_beside = await loop.run_in_executor(
                     self.executor, open_serving, self.queue_dirs[0], self.config.backend)
             else:
-                self._store = await loop.run_in_executor(
-                    self.executor, open_queues, self.queue_dirs, self.config.backend)
+                self._store = await loop.run_in_executor(self.executor, self._open)
         except Exception as e:
             raise RelayStartError(f"cannot open the queue {self.queue_dir} "
                                   f"(backend {self.config.backend}): {e}") from e
@@ -161,10 +166,13 @@ class Relay:
         self.receiver.on_queue_failed = self._queue_failed
         host, port = self.config.listen_address()
         if self._handoff is not None:  # the master listens and hands connections over
-            self._inbox = SessionInbox(self._handoff, self.receiver.protocol,
-                                       self._handoff_failed, self._handoff_lost)
+            self._inbox = SessionInbox(
+                self._handoff, self.receiver.protocol, self._handoff_failed,
+                self._handoff_lost, self._etrn_from_elsewhere if self.part is not None else None)
             self._handoff = None
             self.receiver.on_session_end = self._inbox.ended
+            if self.part is not None:  # the other roots' workers flush their share
+                self.receiver.etrn_elsewhere = self._inbox.send_etrn
             self._inbox.start(loop)
             self.smtp_address = (host, port)
         else:
@@ -278,8 +286,7 @@ class Relay:
             pause = 1.0
             while True:
                 try:
-                    store = await loop.run_in_executor(
-                        self.executor, open_queues, self.queue_dirs, self.config.backend)
+                    store = await loop.run_in_executor(self.executor, self._open)
                     break
                 except Exception as e:
                     self.log.emit("error", what="reopening the queue",
@@ -304,6 +311,28 @@ class Relay:
             self.log.emit("relay", what="reopened the queue", reopens=self.reopens)
         finally:
             self._reopening = None
+
+    def _open(self) -> Storage:
+        return open_queues(self.queue_dirs, self.config.backend, part=self.part)
+
+    def _etrn_from_elsewhere(self, domain: str) -> None:
+        """Another worker took an ETRN for ``domain``: flush it in this worker's root."""
+        task = asyncio.get_running_loop().create_task(self._flush_for_another(domain))
+        self._flushing.add(task)
+        task.add_done_callback(self._flushing.discard)
+
+    async def _flush_for_another(self, domain: str) -> None:
+        if self._stopping or self._store is None:
+            return
+        try:
+            res = await asyncio.get_running_loop().run_in_executor(
+                self.executor, flush, self._store, domain)
+        except Exception as e:
+            self.log.emit("error", what="etrn from another process", domain=domain,
+                          reason=f"{type(e).__name__}: {e}")
+            return
+        if (res.changed or res.skipped) and self.scheduler is not None:
+            self.scheduler.wake()
 
     def _etrn(self, domain: str, outcome: str) -> None:
         if self.metrics is not None:
@@ -362,6 +391,8 @@ class Relay:
         self._started_services = []
         if self.receiver is not None:
             await self.receiver.close_sessions(self.config.shutdown_timeout)
+        if self._flushing:  # ETRNs of other workers: their flush runs on the queue
+            await asyncio.gather(*list(self._flushing), return_exceptions=True)
         if self._server is not None:
             await self._server.wait_closed()
             self._server = None

@@ -36,12 +36,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 from collections.abc import Callable
 
 __all__ = ["Dispatcher", "SessionInbox", "channel_pair"]
 
 _TAKE = b"s"  # the byte that carries a connection's descriptor
+#: the start of an ETRN passed between workers that each serve one root of the queue:
+#: ``e:`` and the domain (UTF-8), from a worker to the master, which sends it on to the
+#: other workers
+_ETRN = b"e:"
+_MAX_MESSAGE = 1024  # a domain is at most 255 octets
 
 
 def channel_pair() -> tuple[socket.socket, socket.socket]:
@@ -66,6 +72,8 @@ class Dispatcher:
     def __init__(self) -> None:
         self._channels: dict[int, _Channel] = {}
         self._turn = 0
+        #: (worker, domain) of ETRNs that could not be passed on (the master logs them)
+        self.unsent_etrn: list[tuple[int, str]] = []
 
     def attach(self, index: int, sock: socket.socket) -> None:
         """A new worker at ``index`` (its predecessor's channel dropped): not ready yet."""
@@ -99,10 +107,10 @@ class Dispatcher:
         many ended sessions were reported beyond those handed over (0 unless a worker
         miscounts; the master logs it)."""
         excess = 0
-        for ch in self._channels.values():
+        for index, ch in list(self._channels.items()):
             while True:
                 try:
-                    msg = ch.sock.recv(32)
+                    msg = ch.sock.recv(_MAX_MESSAGE)
                 except (BlockingIOError, InterruptedError):
                     break
                 except OSError:
@@ -110,11 +118,24 @@ class Dispatcher:
                 if not msg:  # its end closed (it stops): it takes no more
                     ch.closed, ch.ready = True, False
                     break
-                if msg.isdigit():
+                if msg.startswith(_ETRN):
+                    self._pass_on(index, msg)
+                elif msg.isdigit():
                     ch.sessions -= int(msg)
                     if ch.sessions < 0:
                         excess, ch.sessions = excess - ch.sessions, 0
         return excess
+
+    def _pass_on(self, sender: int, msg: bytes) -> None:
+        """An ETRN from worker ``sender`` to every other worker; one whose channel is
+        full or gone is noted in ``unsent_etrn`` (its mail goes at its own time)."""
+        for i, ch in self._channels.items():
+            if i == sender or ch.closed:
+                continue
+            try:
+                ch.sock.send(msg)
+            except OSError:
+                self.unsent_etrn.append((i, msg[len(_ETRN):].decode("utf-8", "replace")))
 
     def dispatch(self, conn: socket.socket) -> bool:
         """Send ``conn`` to the ready worker holding the fewest sessions (the next in turn
@@ -148,15 +169,18 @@ class SessionInbox:
 
     def __init__(self, sock: socket.socket, protocol: Callable[[], asyncio.Protocol],
                  on_error: Callable[[BaseException], None],
-                 on_lost: Callable[[BaseException | None], None]) -> None:
+                 on_lost: Callable[[BaseException | None], None],
+                 on_etrn: Callable[[str], None] | None = None) -> None:
         """``on_error``: a connection could not become a session (the others go on);
         ``on_lost``: the channel failed (its error) or the master closed it (None): no
-        more connections will come, the worker should stop."""
+        more connections will come, the worker should stop; ``on_etrn``: another worker
+        asks this one to flush a domain (``send_etrn``)."""
         self._sock = sock
         self._sock.setblocking(False)
         self._protocol = protocol
         self._on_error = on_error
         self._on_lost = on_lost
+        self._on_etrn = on_etrn
         self._loop: asyncio.AbstractEventLoop | None = None
         self._paused: asyncio.TimerHandle | None = None
         self._unsent = 0  # ended sessions not yet reported (the channel was full)
@@ -173,7 +197,8 @@ class SessionInbox:
         loop = self._loop or asyncio.get_running_loop()
         while True:
             try:
-                msg, fds, _, _ = socket.recv_fds(self._sock, 16, 4, socket.MSG_CMSG_CLOEXEC)
+                msg, fds, _, _ = socket.recv_fds(self._sock, _MAX_MESSAGE, 4,
+                                                 socket.MSG_CMSG_CLOEXEC)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:
@@ -186,6 +211,12 @@ class SessionInbox:
                     self.close()
                     self._on_lost(None)
                 return
+            if msg.startswith(_ETRN):
+                for fd in fds:  # none is sent with it
+                    os.close(fd)
+                if not draining and self._on_etrn is not None:
+                    self._on_etrn(msg[len(_ETRN):].decode("utf-8", "replace"))
+                continue
             for fd in fds:
                 conn = socket.socket(fileno=fd)
                 conn.setblocking(False)
@@ -230,6 +261,15 @@ class SessionInbox:
             conn.close()
             self.ended()
             self._on_error(e)
+
+    def send_etrn(self, domain: str) -> bool:
+        """Ask the master to have every other worker flush ``domain`` (their roots of the
+        queue may hold its mail); False if the channel is full or gone."""
+        try:
+            self._sock.send(_ETRN + domain.encode("utf-8"))
+        except OSError:
+            return False
+        return True
 
     def ended(self) -> None:
         """One session handed over by the master has ended: tell it (now, or with the next

@@ -311,6 +311,9 @@ class SmtpReceiver:
         self.sessions: set[RelaySMTP] = set()
         #: Called as each session ends (a worker tells its master, ``session_handoff``).
         self.on_session_end: Callable[[], None] | None = None
+        #: a worker serving one root of the queue: asks the workers serving the others to
+        #: flush the domain too; True if the request went out (``session_handoff``)
+        self.etrn_elsewhere: Callable[[str], bool] | None = None
         #: close_for_shutdown of sessions accepted while the relay stops, under way
         self.closing: set[asyncio.Task[None]] = set()
         self.shutting_down = False
@@ -538,6 +541,9 @@ class SmtpReceiver:
                 self.on_etrn(domain, "failed")
             return f"458 4.3.0 Unable to queue messages for node {domain}"
         waiting = len(res.changed) + len(res.skipped)
+        # mail in the other roots is not counted here: asked to flush, they may hold some
+        if self.etrn_elsewhere is not None and self.etrn_elsewhere(domain):
+            waiting += 1
         if self.on_etrn is not None:
             self.on_etrn(domain, "started" if waiting else "empty")
         if not waiting:
