@@ -66,6 +66,7 @@ from queue_ref.storage import Capability
 __all__ = ["RelayMaster"]
 
 START_TIMEOUT = 120.0  # for every worker to open the queue and listen
+PENDING_RETRY = 0.02  # s: a connection no worker could take is tried again after this
 _PR_SET_PDEATHSIG = 1
 
 
@@ -136,6 +137,7 @@ class RelayMaster:
         #: an accepted connection no worker could take yet: while it waits, the master
         #: accepts no more (the kernel's accept queue holds them)
         self._pending: socket.socket | None = None
+        self._pending_wait = PENDING_RETRY  # until it is tried again: doubles to 0.5 s
         self._stop = False
         self._wake = False
         self._wrote_pid = False
@@ -349,8 +351,9 @@ class RelayMaster:
             waits += self._dispatch.sockets()
             if self._sock is not None and self._pending is None and self._dispatch.any_ready():
                 waits.append(self._sock)
-            # a signal handler runs in between; a waiting connection is tried again soon
-            wait(waits, timeout=0.5 if self._pending is None else 0.02)
+            # a signal handler runs in between; a waiting connection is tried again soon,
+            # then less often while every channel stays full (stalled workers)
+            wait(waits, timeout=0.5 if self._pending is None else self._pending_wait)
             excess = self._dispatch.read_reports()  # sessions ended, before new ones
             if excess:
                 self.log.emit("error", what="counting sessions",
@@ -383,9 +386,11 @@ class RelayMaster:
                         return
                     continue  # that connection's own failure (ECONNABORTED...)
             if not self._dispatch.dispatch(conn):
+                if self._pending is conn:
+                    self._pending_wait = min(self._pending_wait * 2, 0.5)
                 self._pending = conn  # every worker's channel is full
                 return
-            self._pending = None
+            self._pending, self._pending_wait = None, PENDING_RETRY
             conn.close()  # the worker has its own descriptor
 
     def _signal_all(self, sig: int) -> None:
