@@ -52,6 +52,7 @@ from queue_ref.storage import (
     CorruptionError,
     Enqueuer,
     EntryMeta,
+    Finished,
     Footprint,
     Handle,
     HeldMail,
@@ -467,6 +468,66 @@ class MultiRootQueue(Storage):
         validate_schedule(schedule)  # before the handle is taken, as on one root
         h = self._take(mail, InflightMail)
         return self._call(h, lambda s, i: s.send_cancel(i, schedule))  # type: ignore[return-value,arg-type]
+
+    def send_finish(self, done: Sequence[InflightMail] = (),
+                    cancel: Sequence[tuple[InflightMail, Schedule]] = ()) -> Finished:
+        """Each root's entries in one ``send_finish`` of that root (its one durable step,
+        C15), the roots in turn.  On ``StorageIOError`` from a root: the roots before it
+        moved their entries durably (in ``finished``), that root's error says which of
+        its own did, the roots after it moved nothing; every handle of the batch is
+        handed back live (a retry moves what did not move and answers None for the
+        rest)."""
+        dones, cancels = self._take_batch(done, cancel)
+        every = [*dones, *(h for h, _ in cancels)]
+        try:
+            routed = [self._route(h) for h in every]
+        except Exception:
+            for h in every:
+                self._give_back(h)
+            raise
+        order: dict[int, list[int]] = {}  # root index -> positions in ``every``
+        for pos, (r, _) in enumerate(routed):
+            order.setdefault(r.index, []).append(pos)
+        got: list[Handle | None] = [None] * len(every)
+        schedules = [s for _, s in cancels]
+        n = len(dones)
+        for index, positions in order.items():
+            r = self._by_index[index]
+            inner_d = [routed[p][1] for p in positions if p < n]
+            inner_c = [(routed[p][1], schedules[p - n]) for p in positions if p >= n]
+            try:
+                res = self._store(r).send_finish(inner_d, inner_c)  # type: ignore[arg-type]
+            except StorageIOError as e:
+                self._failed(r, e)
+                raise self._finish_failed(e, r, positions, every, routed, got, n) from None
+            for p, x in zip(positions, [*res.done, *res.cancelled], strict=True):
+                got[p] = None if x is None else self._wrap(r, x)
+        return Finished(got[:n], got[n:])  # type: ignore[arg-type]
+
+    def _finish_failed(self, e: StorageIOError, failed: _Root, positions: list[int],
+                       every: list[InflightMail], routed: list[tuple[_Root, Handle]],
+                       got: list[Handle | None], n_done: int) -> StorageIOError:
+        """``send_finish``'s error: this queue's handles, each re-armed over a live handle
+        of its root (the failing root's from its error; the others' own, re-armed), and
+        what moved durably (``got``: the roots before; the failing root's ``finished``)."""
+        mine = dict(zip(positions, e.handles or (), strict=False))
+        theirs = [*e.finished.done, *e.finished.cancelled] if e.finished is not None else []
+        for p, x in zip(positions, theirs, strict=False):
+            if x is not None:
+                got[p] = self._wrap(failed, x)
+        handles = []
+        for p, h in enumerate(every):
+            r, inner = routed[p]
+            live = mine.get(p, inner) if r is failed else inner
+            if not live._live:  # moved by its root's send_finish: a retry answers None
+                self._store(r)._give_back(live)
+            h._extra = _Inner(r.index, r.generation, live)
+            handles.append(self._give_back(h))
+        e.handle = None
+        e.handles = tuple(handles)
+        e.finished = (Finished(got[:n_done], got[n_done:])  # type: ignore[arg-type]
+                      if any(x is not None for x in got) else None)
+        return e
 
     def drop(self, mail: QueuedMail) -> PendingCleanupMail | None:
         h = self._take(mail, QueuedMail)

@@ -349,3 +349,45 @@ def test_a_spare_still_named_by_a_failed_cleanups_link_does_not_keep_the_next_me
         assert again.last_recovery is not None and again.last_recovery.lost == ()
     finally:
         again.close()
+
+
+class _UnlinkKinds(OsIO):
+    """Which call removed each message file (``data/<msgid>``; not an entry's link,
+    ``data/<msgid>.<i>``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kinds: list[str] = []
+
+    @staticmethod
+    def _message_file(path: str) -> bool:
+        return os.path.basename(os.path.dirname(path)) == "data" and \
+            "." not in os.path.basename(path)
+
+    def unlink(self, path: str) -> None:
+        if self._message_file(path):
+            self.kinds.append("unlink")
+        super().unlink(path)
+
+    def unlink_large(self, path: str) -> None:
+        if self._message_file(path):
+            self.kinds.append("unlink_large")
+        os.unlink(path)
+
+
+def test_only_a_large_message_file_is_unlinked_with_the_gil_released(root: str) -> None:
+    """A message file that is not kept as a spare is unlinked through ``unlink_large``
+    (the GIL released while its blocks are freed) only past ``SPARE_MAX_BODY``: a small
+    one stays one GIL-keeping call, as the short calls of a lifecycle are."""
+    io = _UnlinkKinds()
+    q = FsQueue(root, io)
+    try:
+        for body in (b"Subject: small\r\n\r\nbody\r\n", b"x" * (SPARE_MAX_BODY + 1) + b"\r\n"):
+            for m in put(q, 2, body):  # two recipients: never a spare
+                f = q.send_start(m)
+                assert f is not None
+                done = q.send_done(f)
+                assert done is not None and q.cleanup(done)
+        assert io.kinds == ["unlink", "unlink_large"]
+    finally:
+        q.close()

@@ -205,7 +205,8 @@ def test_a_large_unlink_lets_other_threads_run_and_a_plain_one_does_not(
     held = _longest_stall(lambda: io.unlink(f"{tmp_path}/b"))
     released = _longest_stall(lambda: io.unlink_large(f"{tmp_path}/a"))
     assert os.listdir(tmp_path) == []
-    assert held > 0.005, f"unlinking 96 MiB took {held * 1e3:.1f} ms: too short to judge"
+    if held <= 0.005:  # a file system that frees blocks lazily: nothing to compare
+        pytest.skip(f"unlinking 96 MiB took {held * 1e3:.1f} ms: too short to judge")
     assert released < held / 2, (released, held)
 
 

@@ -458,3 +458,27 @@ def test_the_inbox_hands_an_etrn_from_another_worker_on_and_ignores_it_while_dra
 
     asyncio.run(run())
     d.drop(0)
+
+
+def test_an_etrn_for_a_worker_being_started_again_waits_for_its_successor(workers):
+    """Worker 1 died (its channel dropped) and worker 2 is stopping (its end closed) when
+    worker 0 passes on an ETRN: each one's successor finds it in its new channel, once,
+    however often it was passed on meanwhile."""
+    d, theirs = workers
+    d.drop(1)
+    theirs[2].close()
+    d.read_reports()  # the master sees worker 2's end closed
+    inbox = SessionInbox(theirs[0], asyncio.Protocol, lambda e: None, lambda e: None)
+    for _ in range(2):
+        assert inbox.send_etrn("example.net")
+        d.read_reports()
+    assert d.unsent_etrn == []
+    for i in (1, 2):
+        mine, end = channel_pair()
+        d.attach(i, mine)
+        end.setblocking(False)
+        assert end.recv(1024) == b"e:example.net"
+        with pytest.raises(BlockingIOError):
+            end.recv(1024)
+        theirs[i].close()
+        theirs[i] = end

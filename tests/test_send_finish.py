@@ -313,3 +313,65 @@ def test_the_default_batch_hands_back_what_it_finished_before_a_failure() -> Non
     assert s.cleanup(e.finished.done[0])  # the handle the error gave is live
     again = s.send_finish(list(e.handles[1:]))  # type: ignore[arg-type]
     assert all(again.done)
+
+
+class _CountingSyncs(OsIO):
+    syncs = 0
+
+    def fdatasync(self, fd: int) -> None:
+        self.syncs += 1
+        super().fdatasync(fd)
+
+    def fsync(self, fd: int) -> None:
+        self.syncs += 1
+        super().fsync(fd)
+
+
+@pytest.mark.parametrize("part", [None, 1])
+def test_a_multi_root_batch_is_one_durable_step_per_root(tmp_path: os.PathLike[str],
+                                                          part: int | None) -> None:
+    """Over KV roots, each root's outcomes go in one ``send_finish`` of that root: one
+    synced write, not one per recipient (a relay worker serving one root of a KV queue,
+    ``part``, took 50 synced writes for 50 recipients before)."""
+    io = _CountingSyncs()
+    roots = [os.path.join(tmp_path, "a"), os.path.join(tmp_path, "b")]
+    q = MultiRootQueue.over(roots, lambda p: KvQueue.open_log(p, io), part=part)
+    try:
+        mails = [m for _ in range(2) for m in claimed(q, 25)]
+        assert len({m.entry_id[:3] for m in mails}) == (2 if part is None else 1)
+        before = io.syncs
+        got = q.send_finish(mails[:40], [(m, Schedule(9, 1, "later")) for m in mails[40:]])
+        assert all(got.done) and all(got.cancelled)
+        assert [h.entry_id for h in got.done] == [m.entry_id for m in mails[:40]]
+        assert [h.entry_id for h in got.cancelled] == [m.entry_id for m in mails[40:]]
+        assert io.syncs - before == (2 if part is None else 1)
+        assert sorted(listed(q)) == sorted(m.entry_id for m in mails[40:])
+    finally:
+        q.close()
+
+
+def test_a_multi_root_batch_failing_in_its_second_root_says_what_moved() -> None:
+    """Root r0 moves its entries, root r1 fails after its first: ``finished`` holds the
+    new handles of those three, every handle comes back live, and a retry through them
+    moves the rest and answers None for what moved."""
+    q = MultiRootQueue({"a": MemoryStorage, "b": SecondDoneFails})
+    try:
+        mails = [m for _ in range(2) for m in claimed(q, 1)]
+        mails += [m for _ in range(4) for m in claimed(q, 1)]
+        mails.sort(key=lambda m: m.entry_id)  # r0's three, then r1's three
+        assert [m.entry_id[:3] for m in mails] == ["r0-"] * 3 + ["r1-"] * 3
+        with pytest.raises(StorageIOError) as err:
+            q.send_finish(mails)
+        e = err.value
+        assert e.finished is not None and e.handle is None
+        moved = [h is not None for h in e.finished.done]
+        assert moved == [True, True, True, True, False, False]
+        assert [h.entry_id for h in e.finished.done if h] == [m.entry_id for m in mails[:4]]
+        assert [h.entry_id for h in e.handles] == [m.entry_id for m in mails]
+        assert all(h._live for h in e.handles)
+        again = q.send_finish(list(e.handles))  # type: ignore[arg-type]
+        assert [h is not None for h in again.done] == [False] * 4 + [True, True]
+        assert all(q.cleanup(h) for h in [*e.finished.done[:4], *again.done[4:]] if h)
+        assert listed(q) == {} and list(q.find_pending_cleanup()) == []
+    finally:
+        q.close()

@@ -536,6 +536,11 @@ class FsSteps:
         the file's size; or None to unlink it (FsQueue decides; see ``spares.py``)."""
         return None
 
+    def _file_is_small(self, msgid: str) -> bool:
+        """Whether the message file of ``msgid`` is known to be small enough to unlink
+        with the GIL kept (``IO.unlink``; else ``unlink_large``).  FsQueue knows sizes."""
+        return False
+
     def _delete_message_data(self, msgid: str) -> None:
         """Take the message file out of ``data/`` (missing is fine), only once no entry
         needs it (C1): renamed to a spare name in this owner's ``tmp/`` if the queue keeps
@@ -543,8 +548,9 @@ class FsSteps:
         either name is one recovery removes (an orphan, or a dead owner's tmp file)."""
         path = self.layout.msg_file(msgid)
         spare = self._spare_for(msgid)
+        unlink = self.io.unlink if self._file_is_small(msgid) else self.io.unlink_large
         if spare is None:
-            if_exists(self.io.unlink_large, path)
+            if_exists(unlink, path)
             return
         name, size = spare
         kept = False
@@ -552,7 +558,7 @@ class FsSteps:
             self.io.rename(path, name)
             kept = True
         except FileNotFoundError:  # gone already; or the spare's directory is, then unlink
-            if_exists(self.io.unlink_large, path)
+            if_exists(unlink, path)
         finally:
             self._spares.put(name, size if kept else None)
 

@@ -172,7 +172,7 @@ class Relay:
             self._handoff = None
             self.receiver.on_session_end = self._inbox.ended
             if self.part is not None:  # the other roots' workers flush their share
-                self.receiver.etrn_elsewhere = self._inbox.send_etrn
+                self.receiver.etrn_elsewhere = self._pass_etrn
             self._inbox.start(loop)
             self.smtp_address = (host, port)
         else:
@@ -315,6 +315,15 @@ class Relay:
     def _open(self) -> Storage:
         return open_queues(self.queue_dirs, self.config.backend, part=self.part)
 
+    def _pass_etrn(self, domain: str) -> bool:
+        """Ask the workers serving the other roots to flush ``domain`` too."""
+        if self._inbox is not None and self._inbox.send_etrn(domain):
+            return True
+        self.log.emit("error", what="passing on an ETRN", domain=domain,
+                      reason="the channel to the master is full or closed: the other "
+                             "roots' mail for the domain goes at its own time")
+        return False
+
     def _etrn_from_elsewhere(self, domain: str) -> None:
         """Another worker took an ETRN for ``domain``: flush it in this worker's root."""
         task = asyncio.get_running_loop().create_task(self._flush_for_another(domain))
@@ -322,7 +331,12 @@ class Relay:
         task.add_done_callback(self._flushing.discard)
 
     async def _flush_for_another(self, domain: str) -> None:
-        if self._stopping or self._store is None:
+        if self._stopping:
+            return
+        if self._store is None:  # being reopened after a failed sync
+            self.log.emit("error", what="etrn from another process", domain=domain,
+                          reason="the queue is being reopened: its mail for the domain "
+                                 "goes at its own time")
             return
         try:
             res = await asyncio.get_running_loop().run_in_executor(

@@ -11,7 +11,9 @@ The master accepts and sends each connection's descriptor to a worker over a
 ``SOCK_SEQPACKET`` pair (``SCM_RIGHTS``), one message per connection; the worker sends a
 message back for each session that ended (the number of sessions, ASCII digits), so the
 master knows how many each holds.  It picks the ready worker holding the fewest, the
-next in turn among equals.
+next in turn among equals.  Workers that each serve one root of a KV queue also pass
+ETRNs over it (``e:`` and the domain): a worker sends one to the master, which sends it
+to every other worker (held for a worker being started again).
 
 What holds after a failure:
 
@@ -48,11 +50,16 @@ _TAKE = b"s"  # the byte that carries a connection's descriptor
 #: other workers
 _ETRN = b"e:"
 _MAX_MESSAGE = 1024  # a domain is at most 255 octets
+HELD_ETRN = 256  # ETRNs (distinct domains) held at most for a worker being started again
+
+
+def _domain(msg: bytes) -> str:
+    return msg[len(_ETRN):].decode("utf-8", "replace")
 
 
 def channel_pair() -> tuple[socket.socket, socket.socket]:
     """(the master's end, the worker's end): a SOCK_SEQPACKET pair, each message one
-    connection handed over or one count of sessions ended."""
+    connection handed over, one count of sessions ended, or one ETRN passed on."""
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     mine.setblocking(False)
     return mine, theirs
@@ -74,17 +81,24 @@ class Dispatcher:
         self._turn = 0
         #: (worker, domain) of ETRNs that could not be passed on (the master logs them)
         self.unsent_etrn: list[tuple[int, str]] = []
+        #: ETRNs for a worker index with no live channel, sent to its successor
+        self._held: dict[int, list[bytes]] = {}
 
     def attach(self, index: int, sock: socket.socket) -> None:
-        """A new worker at ``index`` (its predecessor's channel dropped): not ready yet."""
+        """A new worker at ``index`` (its predecessor's channel dropped): not ready yet.
+        The ETRNs passed on while there was none at ``index`` wait in its channel."""
         self.drop(index)
         self._channels[index] = _Channel(sock)
+        for msg in self._held.pop(index, []):
+            self._send_etrn(index, sock, msg)
 
     def drop(self, index: int) -> None:
-        """The worker at ``index`` died or stopped: its channel closed, its count gone."""
+        """The worker at ``index`` died or stopped: its channel closed, its count gone;
+        ETRNs for it are held for its successor."""
         ch = self._channels.pop(index, None)
         if ch is not None:
             ch.sock.close()
+            self._held.setdefault(index, [])
 
     def set_ready(self, index: int) -> None:
         ch = self._channels.get(index)
@@ -127,15 +141,25 @@ class Dispatcher:
         return excess
 
     def _pass_on(self, sender: int, msg: bytes) -> None:
-        """An ETRN from worker ``sender`` to every other worker; one whose channel is
-        full or gone is noted in ``unsent_etrn`` (its mail goes at its own time)."""
-        for i, ch in self._channels.items():
-            if i == sender or ch.closed:
+        """An ETRN from worker ``sender`` to every other worker.  One that is stopping or
+        gone (a successor to come) has it held for its successor (``attach``); one whose
+        channel is full is noted in ``unsent_etrn`` (its mail goes at its own time)."""
+        for i in sorted({*self._channels, *self._held} - {sender}):
+            ch = self._channels.get(i)
+            if ch is None or ch.closed:
+                held = self._held.setdefault(i, [])
+                if msg not in held and len(held) < HELD_ETRN:
+                    held.append(msg)
+                elif msg not in held:
+                    self.unsent_etrn.append((i, _domain(msg)))
                 continue
-            try:
-                ch.sock.send(msg)
-            except OSError:
-                self.unsent_etrn.append((i, msg[len(_ETRN):].decode("utf-8", "replace")))
+            self._send_etrn(i, ch.sock, msg)
+
+    def _send_etrn(self, index: int, sock: socket.socket, msg: bytes) -> None:
+        try:
+            sock.send(msg)
+        except OSError:
+            self.unsent_etrn.append((index, _domain(msg)))
 
     def dispatch(self, conn: socket.socket) -> bool:
         """Send ``conn`` to the ready worker holding the fewest sessions (the next in turn

@@ -532,6 +532,8 @@ class SmtpReceiver:
             return f"459 4.7.1 <{domain}>: Node not allowed: client not permitted"
         if self.shutting_down:
             return "421 4.3.2 Service shutting down"
+        # the other roots' workers first: they flush whatever this root's flush meets
+        elsewhere = self.etrn_elsewhere is not None and self.etrn_elsewhere(domain)
         loop = asyncio.get_running_loop()
         try:
             res = await loop.run_in_executor(self.executor, flush, self.store, domain)
@@ -540,10 +542,8 @@ class SmtpReceiver:
             if self.on_etrn is not None:
                 self.on_etrn(domain, "failed")
             return f"458 4.3.0 Unable to queue messages for node {domain}"
-        waiting = len(res.changed) + len(res.skipped)
         # mail in the other roots is not counted here: asked to flush, they may hold some
-        if self.etrn_elsewhere is not None and self.etrn_elsewhere(domain):
-            waiting += 1
+        waiting = len(res.changed) + len(res.skipped) + elsewhere
         if self.on_etrn is not None:
             self.on_etrn(domain, "started" if waiting else "empty")
         if not waiting:
