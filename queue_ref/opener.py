@@ -108,9 +108,42 @@ def load_backend(name: str) -> Callable[[str], Storage]:
     return open_with_factory
 
 
+def queue_kind(path: str) -> str | None:
+    """Which backend's queue ``path`` holds ("fs", "kv-log", "kv-leveldb"), or None when
+    it holds none (or is no directory)."""
+    try:
+        names = set(os.listdir(path))
+    except OSError:
+        return None
+    if {"data", "queue"} <= names and all(os.path.isdir(os.path.join(path, n))
+                                          for n in ("data", "queue")):
+        return "fs"
+    if "CURRENT" in names and any(n.startswith("MANIFEST-") for n in names) and (
+            names & {"queue-ref.reserve", "queue-ref.closed", "queue-ref.lock"}):
+        return "kv-leveldb" if names & {"LOG", "queue-ref.lock"} else "kv-log"
+    return None
+
+
+def check_backend(path: str, backend: str) -> None:
+    """Refuse to open with ``backend`` a directory that holds another of the project's
+    backends' queues: opening it would make a second, empty queue beside the first, whose
+    mail then no relay and no command lists.  InvalidInputError, naming the backend to
+    use.  A backend of one's own (``module:factory``) is not checked."""
+    if backend not in BACKENDS:
+        return
+    found = queue_kind(path)
+    family = "fs" if backend.startswith("fs") else backend
+    if found is not None and found != family:
+        raise InvalidInputError(
+            f"{path} holds a {found} queue, not a {backend} one: give --backend {found} (or "
+            f"backend = \"{found}\"); opened as {backend}, its mail would be hidden")
+
+
 def open_queue(path: str, backend: str = "fs") -> Storage:
-    """Open (and so recover) the queue at ``path`` with the named backend."""
+    """Open (and so recover) the queue at ``path`` with the named backend; refused if the
+    directory holds another backend's queue (``check_backend``)."""
     opener = load_backend(backend)
+    check_backend(path, backend)
     return opener(path)
 
 
@@ -135,6 +168,7 @@ def open_serving(path: str, backend: str = "fs"
     and names ``queue-ref repair``)."""
     if backend not in ("fs", "fs-fsync"):
         return open_queue(path, backend), None
+    check_backend(path, backend)
     from queue_ref.fsqueue import FsQueue
     from queue_ref.fsqueue.layout import Layout
 
@@ -176,6 +210,9 @@ def open_queues(paths: Sequence[str], backend: str = "fs", *,
         return open_queue(paths[0], backend)
     from queue_ref.multi_root import MultiRootQueue
 
+    for path in paths:
+        if isinstance(path, str) and path:
+            check_backend(path, backend)
     if backend in ("fs", "fs-fsync"):  # syncfs only for roots on file systems of their own
         return MultiRootQueue.open_fs(paths, sync="fsync" if backend == "fs-fsync" else None,
                                       part=part)

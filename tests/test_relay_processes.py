@@ -342,10 +342,12 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_processes_a_backend_cannot_share_or_a_bad_count_are_refused(tmp_path):
-    r = _cli("--queue", str(tmp_path / "kv"), "--backend", "kv-log", "--listen", "127.0.0.1:0",
-             "--processes", "2")
-    assert r.returncode == 1
-    assert "backend kv-log cannot be shared by several processes" in r.stderr
+    for check in ([], ["--check-config"]):  # refused by the configuration's check alike
+        r = _cli("--queue", str(tmp_path / "kv"), "--backend", "kv-log", "--listen",
+                 "127.0.0.1:0", "--processes", "2", *check)
+        assert r.returncode == 2, r.stderr
+        assert "backend kv-log cannot be shared by several processes" in r.stderr
+    assert not os.path.exists(tmp_path / "kv")  # nothing was made: no KV store
     assert "one root per process (queue_directories, or --queue once per root: 2 roots for " \
            "processes = 2; now 1)" in r.stderr
     assert not os.path.exists(tmp_path / "kv" / PID_FILE)

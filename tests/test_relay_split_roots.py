@@ -105,16 +105,52 @@ def test_an_etrn_flushes_the_domain_in_every_root(tmp_path: Path) -> None:
 
 
 def test_a_root_count_that_does_not_match_or_odmr_is_refused(tmp_path: Path) -> None:
+    """Refused by the configuration's check (``--check-config`` too, exit 2), before any
+    root is opened: nothing is made in the directories."""
     three = [str(tmp_path / f"q{i}") for i in range(3)]
-    r = _cli(*_args(three, "[127.0.0.1]:9"))
-    assert r.returncode == 1
-    assert "2 roots for processes = 2; now 3)" in r.stderr
+    for check in ([], ["--check-config"]):
+        r = _cli(*_args(three, "[127.0.0.1]:9"), *check)
+        assert r.returncode == 2, r.stderr
+        assert "2 roots for processes = 2; now 3)" in r.stderr
+    assert not any(os.path.exists(d) for d in three)
     conf = tmp_path / "relay.toml"
     secrets = tmp_path / "odmr_secrets"
     secrets.write_text("alice:a-secret-of-some-length\n")
     secrets.chmod(0o600)
     conf.write_text(f'odmr_listen = "127.0.0.1:0"\nodmr_cram_md5_file = "{secrets}"\n'
                     "smtpd_tls_auth_only = false\n")
-    r = _cli("--config", str(conf), *_args(_roots(tmp_path), "[127.0.0.1]:9"))
-    assert r.returncode == 1, r.stderr
-    assert "odmr_listen: with backend kv-log each process serves one root" in r.stderr
+    for check in ([], ["--check-config"]):
+        r = _cli("--config", str(conf), *_args(_roots(tmp_path), "[127.0.0.1]:9"), *check)
+        assert r.returncode == 2, r.stderr
+        assert "odmr_listen: with backend kv-log each process serves one root" in r.stderr
+    conf.write_text('ondemand_domains = ["example.net"]\n')
+    r = _cli("--config", str(conf), *_args(_roots(tmp_path), "[127.0.0.1]:9"), "--check-config")
+    assert r.returncode == 2 and "ondemand_domains: with backend kv-log" in r.stderr, r.stderr
+    assert not any(os.path.exists(d) for d in _roots(tmp_path))
+
+
+def test_a_root_holding_another_backends_queue_is_refused(tmp_path: Path) -> None:
+    """A KV queue's roots started without ``--backend kv-log`` (the default is fs), and an
+    fs queue's root started as kv-log: each refused, naming the backend to give, and
+    nothing is written into the roots (a second, empty queue beside the first would hide
+    its mail from the relay and from mailq)."""
+    roots = _roots(tmp_path)
+    store = open_queues(roots, "kv-log")
+    with store.enqueue("a@example.org") as enq:
+        enq.write(b"Subject: kept\r\n\r\nbody\r\n")
+        enq.commit([Recipient("u@example.net", Schedule(0))])
+    store.close()
+    before = {d: sorted(os.listdir(d)) for d in roots}
+    for procs in ("1", "2"):
+        queues = [a for root in roots for a in ("--queue", root)]
+        r = _cli(*queues, "--listen", "127.0.0.1:0", "--processes", procs,
+                 "--relayhost", "[127.0.0.1]:9")
+        assert r.returncode == 1, r.stderr
+        assert "holds a kv-log queue, not a fs one: give --backend kv-log" in r.stderr
+        assert {d: sorted(os.listdir(d)) for d in roots} == before
+    fs_root = str(tmp_path / "fsq")
+    open_queues([fs_root], "fs").close()
+    r = _cli("--queue", fs_root, "--backend", "kv-log", "--listen", "127.0.0.1:0",
+             "--relayhost", "[127.0.0.1]:9")
+    assert r.returncode == 1 and "holds a fs queue, not a kv-log one" in r.stderr, r.stderr
+    assert "CURRENT" not in os.listdir(fs_root)

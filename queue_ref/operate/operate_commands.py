@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from queue_ref.opener import open_queue, read_relay_pid, wake_relay
+from queue_ref.opener import open_queue, queue_kind, read_relay_pid, wake_relay
 from queue_ref.operate import queue_actions as qa
 from queue_ref.storage import (
     CorruptionError,
@@ -81,19 +81,6 @@ def open_for_operator(path: str, backend: str | None, *, recover: bool = True
 
         return FsQueue(path, recover=False, sync="fsync" if kind == "fs-fsync" else None), kind
     return open_queue(path, kind), kind
-
-
-def queue_kind(path: str) -> str | None:
-    """Which backend's queue ``path`` holds ("fs", "kv-log", "kv-leveldb"), or None when
-    it holds none: the commands never create a queue where there was none."""
-    names = set(os.listdir(path))
-    if {"data", "queue"} <= names and all(os.path.isdir(os.path.join(path, n))
-                                          for n in ("data", "queue")):
-        return "fs"
-    if "CURRENT" in names and any(n.startswith("MANIFEST-") for n in names) and (
-            names & {"queue-ref.reserve", "queue-ref.closed", "queue-ref.lock"}):
-        return "kv-leveldb" if names & {"LOG", "queue-ref.lock"} else "kv-log"
-    return None
 
 
 def _fmt_time(ns: int) -> str:

@@ -100,7 +100,8 @@ def register(sub: Any) -> None:
     p.add_argument("--processes", type=int, metavar="N",
                    help="relay processes sharing the queue and the port (a master accepts and hands "
                         "each connection to the worker with the fewest sessions); "
-                        "the backend must allow several processes (fs, fs-fsync)")
+                        "a KV queue (kv-log, kv-leveldb) needs one --queue root per "
+                        "process, each served by one of them")
     p.add_argument("--event-loop", choices=EVENT_LOOPS,
                    help="the event loop of each relay process: uvloop, asyncio, or auto "
                         "(uvloop where it is installed; the default)")

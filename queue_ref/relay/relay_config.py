@@ -42,6 +42,31 @@ def default_myhostname(mydomain: str = "") -> str:
     return name if "." in name else f"{name}.{mydomain or 'localdomain'}"
 
 
+
+#: The project's backends whose store one process holds (no ``Capability.MULTI_PROCESS``):
+#: with ``processes`` > 1 each worker serves one root (``relay_master``).
+UNSHARED_BACKENDS = ("kv-log", "kv-leveldb")
+
+
+def split_roots_problem(backend: str, processes: int, roots: int, odmr: bool,
+                        ondemand: bool) -> str | None:
+    """Why ``processes`` workers cannot each serve one of ``roots`` roots of a queue whose
+    ``backend`` processes cannot share; None if they can."""
+    if roots != processes:
+        return (f"backend {backend} cannot be shared by several processes (no multi-process "
+                f"capability): give the queue one root per process (queue_directories, or "
+                f"--queue once per root: {processes} roots for processes = {processes}; now "
+                f"{roots}), each served by one process, or run it with processes = 1")
+    if odmr or ondemand:
+        both = " and ".join(k for k, on in (("odmr_listen", odmr), ("ondemand_domains", ondemand))
+                            if on)
+        return (f"{both}: with backend {backend} each process serves one root of the queue, "
+                f"while a domain held for an on-demand client is served from every root by "
+                f"one process (ATRN hands the client all its mail over one connection; a "
+                f"probe's success flushes the domain); run it with processes = 1, or on a "
+                f"backend processes share (fs)")
+    return None
+
 @dataclass
 class RelayConfig:
     """The effective configuration.  Names follow Postfix's main.cf where one exists."""
@@ -210,6 +235,11 @@ class RelayConfig:
             raise ConfigError("dns_port and smtp_port must be from 1 to 65535")
         if self.processes > 256:
             raise ConfigError(f"processes: at most 256 (got {self.processes})")
+        if self.processes > 1 and self.backend in UNSHARED_BACKENDS:
+            problem = split_roots_problem(self.backend, self.processes, len(self.queue_roots()),
+                                          bool(self.odmr_listen), bool(self.ondemand_domains))
+            if problem is not None:
+                raise ConfigError(problem)
         if self.maximal_backoff_time < self.minimal_backoff_time:
             raise ConfigError("maximal_backoff_time is below minimal_backoff_time")
         if not 0 <= self.backoff_jitter < 1:

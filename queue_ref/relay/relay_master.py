@@ -58,7 +58,13 @@ from queue_ref.opener import (
     write_relay_pid,
 )
 from queue_ref.relay.delivery_log import DeliveryLog
-from queue_ref.relay.relay_config import ConfigError, RelayConfig, loop_kind, run_relay
+from queue_ref.relay.relay_config import (
+    ConfigError,
+    RelayConfig,
+    loop_kind,
+    run_relay,
+    split_roots_problem,
+)
 from queue_ref.relay.relay_server import Relay, RelayStartError
 from queue_ref.relay.session_handoff import Dispatcher, channel_pair
 from queue_ref.storage import Capability
@@ -169,20 +175,11 @@ class RelayMaster:
     def _split_roots(self) -> None:
         """A backend processes cannot share: each worker serves one root of the queue (as
         many roots as processes), or the start is refused, saying how to fix it."""
-        n, backend = self.config.processes, self.config.backend
-        if len(self.queue_dirs) != n:
-            raise RelayStartError(
-                f"backend {backend} cannot be shared by several processes (no multi-process "
-                f"capability): give the queue one root per process (queue_directories, or "
-                f"--queue once per root: {n} roots for processes = {n}; now "
-                f"{len(self.queue_dirs)}), each served by one process, or run it with "
-                f"processes = 1")
-        both = [k for k in ("odmr_listen", "ondemand_domains") if getattr(self.config, k)]
-        if both:
-            raise RelayStartError(
-                f"{' and '.join(both)}: with backend {backend} each process serves one root "
-                f"of the queue, and a client taking its domain's mail must get all of it; "
-                f"run it with processes = 1, or on a backend processes share (fs)")
+        c = self.config
+        problem = split_roots_problem(c.backend, c.processes, len(self.queue_dirs),
+                                      bool(c.odmr_listen), bool(c.ondemand_domains))
+        if problem is not None:
+            raise RelayStartError(problem)
         self.parts = True
 
     def _reserve_port(self) -> None:

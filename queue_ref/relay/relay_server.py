@@ -81,6 +81,8 @@ class Relay:
         self._handoff = handoff
         self.queue_dirs = config.queue_roots()  # every root of the queue
         self.queue_dir = ",".join(self.queue_dirs)  # as logs name it
+        if part is not None:  # the root it serves (in MultiRootQueue's order)
+            self.queue_dir = sorted(self.queue_dirs)[part]
         self.log = DeliveryLog(config.log_json, config.log_file, log_stream)
         self._ready_stream = ready_stream
         self.executor = ThreadPoolExecutor(STORAGE_THREADS, thread_name_prefix="relay-storage")
