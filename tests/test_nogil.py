@@ -205,8 +205,13 @@ def test_a_large_unlink_lets_other_threads_run_and_a_plain_one_does_not(
     held = _longest_stall(lambda: io.unlink(f"{tmp_path}/b"))
     released = _longest_stall(lambda: io.unlink_large(f"{tmp_path}/a"))
     assert os.listdir(tmp_path) == []
-    if held <= 0.005:  # a file system that frees blocks lazily: nothing to compare
-        pytest.skip(f"unlinking 96 MiB took {held * 1e3:.1f} ms: too short to judge")
+    # On ext4 (this machine's /tmp: 15-22 ms measured) unlink frees the blocks in the
+    # call.  A file system that frees them later, in the background (XFS, btrfs, tmpfs
+    # pages), returns at once either way: there the two calls cannot be told apart by
+    # timing and the test has nothing to judge, so it says so rather than pass or fail.
+    if held <= 0.005:
+        pytest.skip(f"unlinking 96 MiB took {held * 1e3:.1f} ms on this file system: it "
+                    "frees blocks outside the call, so a GIL held during it shows no stall")
     assert released < held / 2, (released, held)
 
 

@@ -70,6 +70,35 @@ def _workers(rp: RelayProcess) -> dict[int, int]:
     return found
 
 
+def kill_a_worker_while_mail_flows(rp: RelayProcess, port: int, sink: Sink,
+                                   tokens: list[str], index: int, after: int) -> list[str]:
+    """Three clients send ``tokens``; once ``after`` are acknowledged worker ``index`` is
+    killed (SIGKILL) while mail flows through both workers.  Asserts that it is started
+    again, that every token is acknowledged and every acknowledged one delivered; then
+    stops the relay.  The subjects the sink got."""
+    acked: set[str] = set()
+    lock = threading.Lock()
+    assert _wait(lambda: len(_workers(rp)) == 2)
+    victim = _workers(rp)[index]
+    threads = [threading.Thread(target=_send, args=(port, tokens[k::3], acked, lock))
+               for k in range(3)]
+    for t in threads:
+        t.start()
+    assert _wait(lambda: len(acked) >= after)
+    os.kill(victim, signal.SIGKILL)
+    killed_at = len(acked)
+    assert _wait(lambda: _workers(rp).get(index) not in (None, victim))
+    for t in threads:
+        t.join(180)
+    assert killed_at < len(tokens) and acked == set(tokens)
+    got = _wait_delivered(sink, acked, timeout=90)
+    missing = acked - set(got)
+    assert not missing, f"{len(missing)} acknowledged, never delivered: {sorted(missing)[:5]}"
+    rp.send_signal(signal.SIGTERM)
+    assert rp.wait(60) == 0
+    return got
+
+
 def _wait(cond: object, timeout: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -278,29 +307,10 @@ def test_connections_handed_to_a_stopping_worker_are_told_421(tmp_path):
 def test_a_killed_worker_is_started_again_and_nothing_acknowledged_is_lost(tmp_path):
     queue = str(tmp_path / "q")
     tokens = [f"k{i:03d}" for i in range(240)]
-    acked: set[str] = set()
-    lock = threading.Lock()
     with Sink() as sink, relay_process(["--queue", queue, "--listen", "127.0.0.1:0",
                                         "--processes", "2",
                                         "--relayhost", f"[127.0.0.1]:{sink.port}"]) as (rp, port):
-        assert _wait(lambda: len(_workers(rp)) == 2)
-        victim = _workers(rp)[0]
-        threads = [threading.Thread(target=_send, args=(port, tokens[k::3], acked, lock))
-                   for k in range(3)]
-        for t in threads:
-            t.start()
-        assert _wait(lambda: len(acked) >= 60)
-        os.kill(victim, signal.SIGKILL)  # while mail flows through both workers
-        killed_at = len(acked)
-        assert _wait(lambda: _workers(rp).get(0) not in (None, victim))
-        for t in threads:
-            t.join(180)
-        assert killed_at < len(tokens) and acked == set(tokens)
-        got = _wait_delivered(sink, acked, timeout=90)
-        missing = acked - set(got)
-        assert not missing, f"{len(missing)} acknowledged, never delivered: {sorted(missing)[:5]}"
-        rp.send_signal(signal.SIGTERM)
-        assert rp.wait(60) == 0
+        kill_a_worker_while_mail_flows(rp, port, sink, tokens, 0, after=60)
         err = rp.stderr()
     assert "what=worker died, worker=0, exit=-9" in err
     assert "what=worker restarted, worker=0" in err

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -288,31 +288,40 @@ asyncio.run(run())
     assert r.stdout.split() == ["0", "1", "True"], r.stdout
 
 
+class _Bye(asyncio.Protocol):
+    """A session of a stopping relay: its 421, then closed."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.write(b"421 closing\r\n")  # type: ignore[attr-defined]
+        transport.close()
+
+
+async def _heard(clients: list[socket.socket],
+                 read: Callable[[socket.socket], bytes]) -> list[bytes]:
+    """What each client read (``read``, in a thread, 10 s at most), each then closed."""
+    loop = asyncio.get_running_loop()
+    heard = []
+    for c in clients:
+        c.settimeout(10)
+        heard.append(await loop.run_in_executor(None, read, c))
+        c.close()
+    return heard
+
+
 def test_drain_takes_what_the_channel_holds_before_it_closes():
     """A worker that stops takes the connections still in its channel (they get the
     stopping relay's 421 as sessions); closing the channel instead would drop them."""
     d, _, end = _one_worker()
 
-    class Bye(asyncio.Protocol):
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            transport.write(b"421 closing\r\n")  # type: ignore[attr-defined]
-            transport.close()
-
     async def run() -> list[bytes]:
-        loop = asyncio.get_running_loop()
-        inbox = SessionInbox(end, Bye, lambda e: None, lambda e: None)
+        inbox = SessionInbox(end, _Bye, lambda e: None, lambda e: None)
         clients = _hand(d, 3)  # in the channel; the inbox has not read (not started)
         inbox.drain()
         assert end.fileno() == -1  # closed once drained
         late, server = socket.socketpair()
         with late, server:  # handed over after the drain: refused, for another worker
             assert not d.dispatch(server)
-        heard = []
-        for c in clients:
-            c.settimeout(5)
-            heard.append(await loop.run_in_executor(None, c.recv, 64))
-            c.close()
-        return heard
+        return await _heard(clients, lambda c: c.recv(64))
 
     assert asyncio.run(run()) == [b"421 closing\r\n"] * 3
     d.drop(0)
@@ -326,26 +335,15 @@ def test_drain_goes_past_a_connection_that_came_without_its_descriptor():
     errors: list[BaseException] = []
     lost: list[BaseException | None] = []
 
-    class Bye(asyncio.Protocol):
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            transport.write(b"421 closing\r\n")  # type: ignore[attr-defined]
-            transport.close()
-
     async def run() -> list[bytes]:
-        loop = asyncio.get_running_loop()
-        inbox = SessionInbox(end, Bye, errors.append, lost.append)
+        inbox = SessionInbox(end, _Bye, errors.append, lost.append)
         clients = _hand(d, 1)
         d._channels[0].sessions += 1  # the master counted the one whose descriptor is lost
         _descriptorless(mine)
         clients += _hand(d, 2)
         inbox.drain()
         assert inbox._paused is None and end.fileno() == -1
-        heard = []
-        for c in clients:
-            c.settimeout(5)
-            heard.append(await loop.run_in_executor(None, c.recv, 64))
-            c.close()
-        return heard
+        return await _heard(clients, lambda c: c.recv(64))
 
     assert asyncio.run(run()) == [b"421 closing\r\n"] * 3
     assert len(errors) == 1 and "without a descriptor" in str(errors[0])
@@ -372,17 +370,11 @@ def test_a_stopping_worker_gives_the_421_to_what_its_channel_holds(tmp_path: Pat
     d, _, end = _one_worker()
 
     async def run() -> list[bytes]:
-        loop = asyncio.get_running_loop()
         relay, _ = _worker_relay(tmp_path, end)
         await relay.start()
         clients = _hand(d, 3)  # in the channel; the loop does not run before stop drains
         await relay.stop()
-        heard = []
-        for c in clients:
-            c.settimeout(10)
-            heard.append(await loop.run_in_executor(None, _read_to_end, c))
-            c.close()
-        return heard
+        return await _heard(clients, _read_to_end)
 
     heard = asyncio.run(run())
     assert all(b"\r\n421 4.3.2 " in b"\r\n" + h for h in heard), heard

@@ -14,14 +14,13 @@ import re
 import signal
 import smtplib
 import socket
-import threading
 import time
 from pathlib import Path
 
 from queue_ref.opener import open_queues
 from queue_ref.storage import Recipient, Schedule
 from tests.relay_support import Sink, relay_process
-from tests.test_relay_processes import _cli, _send, _wait, _wait_delivered, _workers
+from tests.test_relay_processes import _cli, _wait, _workers, kill_a_worker_while_mail_flows
 
 _RECEIVED_ID = re.compile(r"queue-ref/relay\[\d+\]: (r[01]-[0-9a-f.]+): received")
 
@@ -39,27 +38,8 @@ def _args(roots: list[str], relayhost: str, *more: str) -> list[str]:
 def test_each_worker_serves_its_root_and_a_killed_one_loses_nothing(tmp_path: Path) -> None:
     roots = _roots(tmp_path)
     tokens = [f"k{i:03d}" for i in range(150)]
-    acked: set[str] = set()
-    lock = threading.Lock()
     with Sink() as sink, relay_process(_args(roots, f"[127.0.0.1]:{sink.port}")) as (rp, port):
-        assert _wait(lambda: len(_workers(rp)) == 2)
-        victim = _workers(rp)[1]
-        threads = [threading.Thread(target=_send, args=(port, tokens[k::3], acked, lock))
-                   for k in range(3)]
-        for t in threads:
-            t.start()
-        assert _wait(lambda: len(acked) >= 40)
-        os.kill(victim, signal.SIGKILL)  # while mail flows through both workers
-        killed_at = len(acked)
-        assert _wait(lambda: _workers(rp).get(1) not in (None, victim))
-        for t in threads:
-            t.join(180)
-        assert killed_at < len(tokens) and acked == set(tokens)
-        got = _wait_delivered(sink, acked, timeout=90)
-        missing = acked - set(got)
-        assert not missing, f"{len(missing)} acknowledged, never delivered: {sorted(missing)[:5]}"
-        rp.send_signal(signal.SIGTERM)
-        assert rp.wait(60) == 0
+        got = kill_a_worker_while_mail_flows(rp, port, sink, tokens, 1, after=40)
         err = rp.stderr()
     # a delivery the victim made and had not recorded when killed goes again (at least
     # once); nothing else is delivered twice

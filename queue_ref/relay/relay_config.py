@@ -42,7 +42,6 @@ def default_myhostname(mydomain: str = "") -> str:
     return name if "." in name else f"{name}.{mydomain or 'localdomain'}"
 
 
-
 #: The project's backends whose store one process holds (no ``Capability.MULTI_PROCESS``):
 #: with ``processes`` > 1 each worker serves one root (``relay_master``).
 UNSHARED_BACKENDS = ("kv-log", "kv-leveldb")
@@ -66,6 +65,7 @@ def split_roots_problem(backend: str, processes: int, roots: int, odmr: bool,
                 f"probe's success flushes the domain); run it with processes = 1, or on a "
                 f"backend processes share (fs)")
     return None
+
 
 @dataclass
 class RelayConfig:

@@ -13,16 +13,17 @@ finds it (``find_inflight``) and delivers it.
 Before anything listens, the master opens the queue once: recovery runs there.  A backend
 that processes cannot share (no ``Capability.MULTI_PROCESS``: the KV queues, whose store
 one process holds) needs one root of the queue per process (``queue_directories`` with
-two roots for ``processes = 2``): worker i then serves root i alone, under the ids that root has in the
-whole queue (``r<i>-``, ``MultiRootQueue(part=i)``), so its logs name mail as ``mailq``
-over every root does.  New mail goes to the root of the worker the connection was handed
-to; each worker delivers its own root's mail, and a worker started again after a death
-recovers its root.  An ``ETRN`` taken by one worker is passed by the master to the
-others, which flush the domain in their roots too.  ODMR (``odmr_listen``,
-``ondemand_domains``) hands a client all its domain's mail over one connection, so it is
-refused with split roots.  Any other root count is refused with a message that says how
-to fix it.  It binds the port first (port 0 picks one for all), writes
-``relay.pid`` and prints the one ready line once every worker listens.
+two roots for ``processes = 2``): worker i then serves root i alone, under the ids that
+root has in the whole queue (``r<i>-``, ``MultiRootQueue(part=i)``), so its logs name
+mail as ``mailq`` over every root does.  New mail goes to the root of the worker the
+connection was handed to; each worker delivers its own root's mail, and a worker started
+again after a death recovers its root.  An ``ETRN`` taken by one worker is passed by the
+master to the others, which flush the domain in their roots too.  ODMR (``odmr_listen``,
+``ondemand_domains``) needs a domain's mail served from every root by one process, so it
+is refused with split roots, as is any other root count, with a message that says how to
+fix it (``relay_config.split_roots_problem``, also checked with the configuration).  It
+binds the port first (port 0 picks one for all), writes ``relay.pid`` and prints the one
+ready line once every worker listens.
 
 Signals to the master: SIGTERM and SIGINT stop every worker in order (each as one relay
 stops: 421, deliveries finish or are put back, the queue is closed) and the master exits
