@@ -181,3 +181,41 @@ def test_a_message_reaching_the_last_delivery_slot_goes_in_one_transaction(
             time.sleep(0.3)  # a second transaction of the message would come now
             got = [m for m in sink.state.messages if m.mail_from == "list@example.org"]
             assert [sorted(m.rcpts) for m in got] == [sorted(wide)]
+
+
+def test_a_handle_that_comes_while_a_job_holds_its_entry_is_not_kept(tmp_path: Path) -> None:
+    """A listing can find a message before the receiver pushes its handles (the receiver
+    commits, the listing sees the entries and a job claims them, then the receiver's
+    handles come): those late handles are stale and must not be counted as queued,
+    while the handle the job itself queues again (a deferral) is kept.  Forced here on
+    the loop: the handles pushed, claimed, and pushed again before the job starts."""
+    queue = str(tmp_path / "q")
+    with Sink() as sink, RelayThread(relay_config(
+            queue, relayhost=f"[127.0.0.1]:{sink.port}", log_json=True,
+            queue_scan_interval=3600.0)) as r:
+        scheduler = r.relay.scheduler
+        assert scheduler is not None
+        assert r.wait_events(1, "relay", what="queue listed")
+        with r.relay.store.enqueue("s@example.org", {"arrival": f"{time.time():.3f}"}) as enq:
+            enq.write(b"Subject: late\r\n\r\nbody\r\n")
+            handles = enq.commit([Recipient("ok@example.net", Schedule(0, 0)),
+                                  Recipient("defer-x@example.net", Schedule(0, 0))])
+
+        def pushed_twice() -> dict[str, int]:
+            scheduler.add(handles)
+            scheduler._dispatch()  # the job claims both entries
+            scheduler.add(handles)  # the late ones
+            return scheduler.sizes()
+
+        assert r.call(pushed_twice) == {"queued": 0, "inflight": 2, "held": 0}
+        sink.wait_for(1)
+        r.wait_events(1, status="sent")
+        r.wait_events(1, status="deferred")
+        deadline = time.monotonic() + 10
+        while r.call(lambda: scheduler._jobs):
+            assert time.monotonic() < deadline, "the job never ended"
+            time.sleep(0.01)
+        assert r.call(scheduler.sizes) == {"queued": 1, "inflight": 0, "held": 0}
+        (kept,) = r.call(lambda: list(scheduler._latest.values()))
+    assert kept.entry_id == handles[1].entry_id
+    assert kept.schedule.attempts == 1 and kept.schedule.at > time.time()  # the job's own

@@ -217,6 +217,10 @@ class DeliveryScheduler:
         return out
 
     def _push(self, h: QueuedMail) -> None:
+        if h.entry_id in self._claimed:
+            # a job holds the entry (a listing found it before the receiver's handle came):
+            # this handle is stale, and the job pushes whatever follows it
+            return
         if self._scanning:
             self._added_in_scan[h.entry_id] = h
         self._latest[h.entry_id] = h
@@ -407,6 +411,7 @@ class DeliveryScheduler:
                    | None = None) -> None:
         loop = asyncio.get_running_loop()
         ids = [h.entry_id for h in handles]
+        back: list[QueuedMail] = []  # the handles the job queues again, pushed as it ends
         try:
             claim = loop.run_in_executor(self.executor, self._claim, handles)
             try:
@@ -414,25 +419,26 @@ class DeliveryScheduler:
             except asyncio.CancelledError:
                 job = await claim
                 if job is not None:
-                    self.add(await loop.run_in_executor(self.executor, self._put_back, job))
+                    back = await loop.run_in_executor(self.executor, self._put_back, job)
                 raise
             if job is None:
                 return
             try:
                 outcomes = await (deliver or self._deliver)(job)
             except asyncio.CancelledError:
-                self.add(await loop.run_in_executor(self.executor, self._put_back, job))
+                back = await loop.run_in_executor(self.executor, self._put_back, job)
                 raise
             finish = loop.run_in_executor(self.executor, self._finish, job, outcomes)
             try:
-                requeued = await asyncio.shield(finish)
+                back = await asyncio.shield(finish)
             except asyncio.CancelledError:
-                requeued = await finish
-                self.add(requeued)
+                back = await finish
                 raise
-            self.add(requeued)
         finally:
+            # the entries let go first: a handle pushed while a job holds its entry is
+            # stale (``_push``), and these are the ones that follow the job's
             self._claimed.difference_update(ids)
+            self.add(back)
 
     def _claim(self, handles: list[QueuedMail]) -> _Job | None:
         """send_start every entry, read the body once (a storage thread)."""
