@@ -406,3 +406,24 @@ def test_the_master_exits_only_after_every_worker_stopped(tmp_path):
     assert len(stops) == 3 and master == [max(stops)], lines[-10:]
     with open_queue(queue) as q:  # the delivery cut short is queued again, not lost
         assert [h.message_id for h in q.list_queue()] and list(q.find_inflight()) == []
+
+
+def test_a_worker_stopped_on_its_own_is_logged_as_stopped_and_started_again(tmp_path):
+    """SIGTERM to one worker (not the master): it stops cleanly (exit 0), which the
+    master logs as a stop, not a death, and starts it again; the relay goes on."""
+    with Sink() as sink, relay_process(["--queue", str(tmp_path / "q"), "--listen",
+                                        "127.0.0.1:0", "--processes", "2", "--relayhost",
+                                        f"[127.0.0.1]:{sink.port}"]) as (rp, port):
+        assert _wait(lambda: len(_workers(rp)) == 2)
+        victim = _workers(rp)[1]
+        os.kill(victim, signal.SIGTERM)
+        assert _wait(lambda: _workers(rp).get(1) not in (None, victim))
+        acked: set[str] = set()
+        _send(port, ["after-stop"], acked, threading.Lock())
+        assert acked == {"after-stop"}
+        assert _wait_delivered(sink, acked) == ["after-stop"]
+        rp.send_signal(signal.SIGTERM)
+        assert rp.wait(60) == 0
+        err = rp.stderr()
+    assert "what=worker stopped, worker=1, exit=0" in err
+    assert "what=worker died" not in err

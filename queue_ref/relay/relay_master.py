@@ -338,7 +338,10 @@ class RelayMaster:
                     if now - w.started > 60:  # it ran a while: not a crash loop
                         w.backoff = 1.0
                     w.proc, w.restart_at = None, now + w.backoff
-                    self.log.emit("relay", what="worker died", worker=w.index, exit=code,
+                    # exit 0: it stopped cleanly (an operator's SIGTERM to the worker
+                    # alone); else it died (a signal, exit=-N, or an error)
+                    self.log.emit("relay", what="worker stopped" if code == 0
+                                  else "worker died", worker=w.index, exit=code,
                                   restart_in=w.backoff)
                     w.backoff = min(w.backoff * 2, 30.0)
                 if w.proc is None and now >= w.restart_at:
