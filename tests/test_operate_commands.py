@@ -399,3 +399,57 @@ def test_an_action_beside_a_relay_takes_every_entry_that_stayed_queued(tmp_path:
     finally:
         operator.close()
         relay.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_postsuper_ways_of_naming_entries_all_and_ids_on_standard_input(
+        tmp_path: Path, backend: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ALL`` alone names every entry and ``-`` reads ids from standard input, as
+    postsuper takes them: ids as mailq prints them (a ``*`` or ``!`` after the id) or
+    one per line."""
+    import io
+
+    q = tmp_path / "q"
+    ids = fill(q, backend)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{ids[0]}!\n  {ids[1]}.1*\n\n"))
+    _, res = run_json(capsys, "hold", "--queue", str(q), "-")
+    assert sorted(res["entries"]) == sorted([f"{ids[0]}.0", f"{ids[0]}.1", f"{ids[1]}.1"])
+    _, res = run_json(capsys, "release", "--queue", str(q), "ALL")
+    assert res["changed"] == 3 and res["skipped"] == 7  # release applies to held ones
+    _, res = run_json(capsys, "requeue", "--queue", str(q), "ALL")
+    assert res["changed"] == 10
+    assert all(s == "queued" and sched.at <= time.time() + 5
+               for s, sched in state(q, backend).values())
+    before = state(q, backend)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(" \n"))
+    for argv, message in ((["delete", "--queue", str(q), "ALL", ids[0]], "give it alone"),
+                          (["delete", "--queue", str(q), "ALL", "--all"], "give it alone"),
+                          (["delete", "--queue", str(q), "-"], "no queue id on standard input")):
+        code, out, err = run(capsys, *argv)
+        assert code == 2 and message in err and out == "", (argv, err)
+    assert state(q, backend) == before
+    _, res = run_json(capsys, "delete", "--queue", str(q), "ALL")
+    assert res["changed"] == 10 and state(q, backend) == {}
+
+
+def test_with_json_a_refusal_is_also_a_json_object_on_standard_output(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A script reading the last line of ``--json`` output reads why it failed and the
+    exit status, besides the one line on standard error."""
+    q = tmp_path / "q"
+    fill(q, "kv-log")
+    code, out, err = run(capsys, "hold", "--queue", str(q), "nope", "--json")
+    assert code == 2 and "unknown queue id 'nope'" in err
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["status"] == 2 and "unknown queue id 'nope'" in got["error"]
+    (q / PID_FILE).write_text(str(os.getpid()))  # this process stands for the relay
+    try:
+        code, out, err = run(capsys, "mailq", "--queue", str(q), "--json")
+    finally:
+        (q / PID_FILE).unlink()
+    assert code == 1 and f"the relay (pid {os.getpid()})" in err
+    assert out.count("\n") == 1
+    got = json.loads(out)
+    assert got == {"error": got["error"], "status": 1}
+    assert f"the relay (pid {os.getpid()})" in got["error"]

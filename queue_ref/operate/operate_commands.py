@@ -3,10 +3,10 @@
 
     queue-ref mailq   (--queue DIR [--backend B] | --config RELAY.toml) [--json]
     queue-ref qshape  --queue DIR [--by recipient|sender] [--held] [--top N] [--json]
-    queue-ref hold    --queue DIR (ID... | --domain D | --all) [--json]
-    queue-ref release --queue DIR (ID... | --domain D | --all) [--json]
-    queue-ref delete  --queue DIR (ID... | --domain D | --all) [--json]
-    queue-ref requeue --queue DIR (ID... | --domain D | --all) [--json]
+    queue-ref hold    --queue DIR (ID... | ALL | - | --domain D | --all) [--json]
+    queue-ref release --queue DIR (ID... | ALL | - | --domain D | --all) [--json]
+    queue-ref delete  --queue DIR (ID... | ALL | - | --domain D | --all) [--json]
+    queue-ref requeue --queue DIR (ID... | ALL | - | --domain D | --all) [--json]
     queue-ref flush   --queue DIR [--domain D] [--json]
     queue-ref show    --queue DIR ID [--body] [--json]
 
@@ -16,7 +16,8 @@ A KV queue belongs to one process: while a relay works on it (``relay.pid``) the
 commands refuse, naming the relay, rather than open it beside the relay.  ``--backend``
 defaults to the one whose files are in DIR.  Exit status: 0 done, 1 the queue could not
 be opened or failed, 2 bad usage (unknown id, malformed domain, not a queue directory):
-one line on standard error, and nothing changed.
+one line on standard error (with ``--json`` also ``{"error": ..., "status": N}`` on
+standard output), and nothing changed.
 """
 
 from __future__ import annotations
@@ -152,9 +153,22 @@ def _qshape(store: Storage, args: argparse.Namespace) -> int:
     return 0
 
 
+def _ids(given: list[str]) -> list[str]:
+    """The ids given, ``-`` replaced by those read from standard input (postsuper's
+    ``-``: whitespace apart, mailq's ``*`` and ``!`` marks after an id dropped)."""
+    if "-" not in given:
+        return given
+    read = [t.rstrip("*!") for t in sys.stdin.read().split()]
+    ids = [i for i in given if i != "-"] + [t for t in read if t]
+    if not ids:
+        raise InvalidInputError("no queue id on standard input")
+    return ids
+
+
 def _action(fn: Callable[..., qa.ActionResult]) -> Callable[[Storage, argparse.Namespace], int]:
     def run(store: Storage, args: argparse.Namespace) -> int:
-        chosen = qa.select(qa.listing(store), ids=args.ids, domain=args.domain, every=args.all)
+        chosen = qa.select(qa.listing(store), ids=_ids(args.ids), domain=args.domain,
+                           every=args.all)
         res = fn(store, chosen)
         if res.changed and res.action in ("release", "requeue"):
             # entries became due: a running relay looks at once (no wait for its scan)
@@ -264,24 +278,28 @@ def _run(name: str, fn: Callable[[Storage, argparse.Namespace], int],
         args.queue = [os.path.abspath(q) for q in queues]
         store = _open_roots(args.queue, backend, recover=name not in _LISTINGS)
     except InvalidInputError as e:
-        print(f"queue-ref {name}: {e}", file=sys.stderr)
-        return 2
+        return _failed(name, str(e), 2, args)
     except QueueError as e:
-        print(f"queue-ref {name}: {e}", file=sys.stderr)
-        return 1
+        return _failed(name, str(e), 1, args)
     try:
         return fn(store, args)
     except InvalidInputError as e:
-        print(f"queue-ref {name}: {e}", file=sys.stderr)
-        return 2
+        return _failed(name, str(e), 2, args)
     except CorruptionError as e:
-        print(f"queue-ref {name}: {e} (quarantined)", file=sys.stderr)
-        return 1
+        return _failed(name, f"{e} (quarantined)", 1, args)
     except QueueError as e:
-        print(f"queue-ref {name}: {e}", file=sys.stderr)
-        return 1
+        return _failed(name, str(e), 1, args)
     finally:
         store.close()
+
+
+def _failed(name: str, reason: str, status: int, args: argparse.Namespace) -> int:
+    """One line on standard error; with ``--json`` also one object on standard output
+    (``error``, ``status``), so a script that reads the last line reads why."""
+    print(f"queue-ref {name}: {reason}", file=sys.stderr)
+    if getattr(args, "json", False):
+        print(json.dumps({"error": reason, "status": status}))
+    return status
 
 
 def _open_roots(paths: list[str], backend: str | None, *, recover: bool) -> Storage:
@@ -308,7 +326,9 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _selection(p: argparse.ArgumentParser) -> None:
-    p.add_argument("ids", nargs="*", metavar="ID", help="entry or message ids (see mailq)")
+    p.add_argument("ids", nargs="*", metavar="ID",
+                   help="entry or message ids (see mailq); ALL: every entry; -: the ids on "
+                        "standard input (as postsuper takes them)")
     p.add_argument("--domain", default=None, help="every entry of this recipient domain")
     p.add_argument("--all", action="store_true", help="every entry")
 

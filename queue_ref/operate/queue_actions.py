@@ -222,9 +222,14 @@ def stream_messages(infos: Iterable[EntryInfo]) -> Iterator[MessageInfo]:
 
 def select(listed: Sequence[tuple[Handle, EntryInfo]], *, ids: Sequence[str] = (),
            domain: str | None = None, every: bool = False) -> list[tuple[Handle, EntryInfo]]:
-    """The listed entries an operator named: by entry or message id, by recipient
-    domain, or all.  InvalidInputError (nothing chosen) for an id that names no listed
-    entry or a malformed domain."""
+    """The listed entries an operator named: by entry or message id (``ALL`` alone:
+    every entry, as postsuper takes it), by recipient domain, or all.
+    InvalidInputError (nothing chosen) for an id that names no listed entry, ``ALL``
+    beside other ids, or a malformed domain."""
+    if "ALL" in ids:
+        if len(ids) > 1 or domain is not None or every:
+            raise InvalidInputError("ALL names every entry: give it alone")
+        ids, every = (), True
     if sum((bool(ids), domain is not None, every)) != 1:
         raise InvalidInputError("name the entries: queue ids, --domain D, or --all")
     if every:
