@@ -453,3 +453,36 @@ def test_with_json_a_refusal_is_also_a_json_object_on_standard_output(
     got = json.loads(out)
     assert got == {"error": got["error"], "status": 1}
     assert f"the relay (pid {os.getpid()})" in got["error"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_id_of_a_split_queue_given_for_one_root_alone_is_refused_with_the_way_out(
+        tmp_path: Path, backend: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A relay on split roots logs ids as the whole queue gives them (``r1-<id>``).  An
+    operator who opens one root alone with ``--queue`` and gives such an id is told
+    what to give instead; nothing is guessed (KV ids repeat from root to root: root 0
+    holds an entry of the same own id, which must not be taken for it)."""
+    from queue_ref.opener import open_queues
+
+    roots = [str(tmp_path / "a"), str(tmp_path / "b")]
+    handles = {}
+    for part in (0, 1):
+        with open_queues(roots, backend, part=part) as q, \
+                q.enqueue("s@example.org", {}) as enq:
+            enq.write(b"Subject: split %d\r\n\r\nbody\r\n" % part)
+            (handles[part],) = enq.commit([Recipient("u@d.example", Schedule(LATER, 0))])
+    h = handles[1]
+    assert h.entry_id.startswith("r1-")
+    own = h.entry_id[len("r1-"):]
+    before = state(tmp_path / "a", backend), state(tmp_path / "b", backend)
+    for root in roots:
+        code, out, err = run(capsys, "hold", "--queue", root, h.entry_id)
+        assert code == 2 and out == "", err
+        assert f"unknown queue id {h.entry_id!r}: an id of root 1" in err
+        assert f"give every root (--queue once per root, or --config), or {own!r}" in err
+    assert (state(tmp_path / "a", backend), state(tmp_path / "b", backend)) == before
+    _, res = run_json(capsys, "hold", "--queue", roots[1], own)  # the way out, alone
+    assert res["entries"] == [own]
+    _, res = run_json(capsys, "release", "--queue", roots[0], "--queue", roots[1],
+                      h.entry_id)  # the whole queue: its own ids
+    assert res["entries"] == [h.entry_id]

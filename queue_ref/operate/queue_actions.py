@@ -13,11 +13,13 @@ prints them.  Domains: a recipient (or sender) domain, compared case-insensitive
 from __future__ import annotations
 
 import re
+import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from queue_ref.multi_root import split_id
 from queue_ref.storage import (
     Capability,
     Handle,
@@ -238,7 +240,18 @@ def select(listed: Sequence[tuple[Handle, EntryInfo]], *, ids: Sequence[str] = (
         d = check_domain(domain)
         return [x for x in listed if domain_of(x[1].rcpt) == d]
     known = {x[1].entry_id for x in listed} | {x[1].message_id for x in listed}
+
     unknown = [i for i in ids if i not in known]
+    split = next((i for i in unknown if split_id(i, sys.maxsize) is not None), None)
+    if split is not None:
+        # an id as a queue over several roots gives it (a split relay logs them): with one
+        # root opened alone its own id is the rest, but only the operator knows which
+        # root DIR is (KV ids repeat from root to root), so nothing is guessed
+        k, rest = split_id(split, sys.maxsize) or (0, split)
+        raise InvalidInputError(
+            f"unknown queue id {split!r}: an id of root {k} of a queue over several roots; "
+            f"give every root (--queue once per root, or --config), or {rest!r} if this "
+            f"directory is root {k}")
     if unknown:
         raise InvalidInputError(f"unknown queue id {unknown[0]!r}: no queued or held entry "
                                 "of this queue has it (see mailq)")
