@@ -19,6 +19,7 @@ No backend names a file ``relay.pid``, so it lives beside their files untouched.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib
 import os
 import signal
@@ -35,6 +36,10 @@ __all__ = [
 ]
 
 PID_FILE = "relay.pid"
+#: The pid files this process wrote, open and locked (``flock``) while it runs: the lock,
+#: not the pid, says that the relay lives (a relay killed by SIGKILL leaves its file, and
+#: its pid may be another process's by then).
+_HELD_PID_FILES: dict[str, int] = {}
 
 
 def _fs(path: str) -> Storage:
@@ -230,40 +235,64 @@ def relay_on_any(paths: Sequence[str]) -> tuple[int, str] | None:
 
 
 def read_relay_pid(path: str) -> int | None:
-    """The pid of the relay working on the queue at ``path``, if one is alive."""
+    """The pid of the relay working on the queue at ``path``, if one is alive: the pid
+    file's lock is held (``write_relay_pid``).  A file nobody holds was left by a relay
+    that died (SIGKILL, a power cut); its pid is not trusted, since the system may have
+    given it to another process since."""
     try:
-        with open(os.path.join(path, PID_FILE), encoding="ascii") as f:
-            pid = int(f.read().strip() or "0")
-    except (FileNotFoundError, ValueError):
-        return None
-    if pid <= 0:
+        fd = os.open(os.path.join(path, PID_FILE), os.O_RDONLY | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
         return None
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    except PermissionError:
-        return pid
-    return pid
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:  # held: the relay that wrote it lives
+            pass
+        else:
+            return None
+        try:
+            pid = int(os.read(fd, 32).decode("ascii").strip() or "0")
+        except (ValueError, UnicodeDecodeError):
+            return None
+        return pid if pid > 0 else None
+    finally:
+        os.close(fd)
 
 
 def write_relay_pid(path: str) -> None:
-    """Say that this process is the relay working on the queue at ``path``."""
+    """Say that this process is the relay working on the queue at ``path``: the pid file
+    is written and kept open with an exclusive lock until ``remove_relay_pid`` (or the
+    end of this process)."""
     pid_path = os.path.join(path, PID_FILE)
     tmp = f"{pid_path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="ascii") as f:
-        f.write(f"{os.getpid()}\n")
-    os.replace(tmp, pid_path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, f"{os.getpid()}\n".encode("ascii"))
+        os.replace(tmp, pid_path)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    old = _HELD_PID_FILES.pop(os.path.abspath(path), None)
+    _HELD_PID_FILES[os.path.abspath(path)] = fd
+    if old is not None:
+        os.close(old)
 
 
 def remove_relay_pid(path: str) -> None:
-    """Remove the relay's pid file at ``path`` if it names this process (best effort)."""
+    """Remove the relay's pid file at ``path`` if it names this process, and let its
+    lock go (best effort)."""
     pid_path = os.path.join(path, PID_FILE)
     with contextlib.suppress(OSError):
         with open(pid_path, encoding="ascii") as f:
             mine = f.read().strip() == str(os.getpid())
         if mine:
             os.unlink(pid_path)
+    fd = _HELD_PID_FILES.pop(os.path.abspath(path), None)
+    if fd is not None:
+        os.close(fd)
 
 
 def wake_relay(path: str) -> bool:

@@ -16,7 +16,7 @@ import pytest
 from conformance.cli import main
 from queue_ref.fsqueue import FsQueue
 from queue_ref.io import OsIO
-from queue_ref.opener import PID_FILE, open_queue
+from queue_ref.opener import PID_FILE, open_queue, remove_relay_pid, write_relay_pid
 from queue_ref.operate import queue_actions as qa
 from queue_ref.storage import Recipient, Schedule
 
@@ -190,11 +190,11 @@ def test_a_kv_queue_with_a_running_relay_is_refused(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     q = tmp_path / "q"
     fill(q, "kv-log")
-    (q / PID_FILE).write_text(str(os.getpid()))  # this process stands for the relay
+    write_relay_pid(str(q))  # this process stands for the relay
     try:
         code, _out, err = run(capsys, "hold", "--queue", str(q), "--all")
     finally:
-        (q / PID_FILE).unlink()
+        remove_relay_pid(str(q))
     assert code == 1 and f"the relay (pid {os.getpid()}) works on this KV queue" in err
     assert all(s == "queued" for s, _ in state(q, "kv-log").values())
 
@@ -443,11 +443,11 @@ def test_with_json_a_refusal_is_also_a_json_object_on_standard_output(
     assert code == 2 and "unknown queue id 'nope'" in err
     got = json.loads(out.strip().splitlines()[-1])
     assert got["status"] == 2 and "unknown queue id 'nope'" in got["error"]
-    (q / PID_FILE).write_text(str(os.getpid()))  # this process stands for the relay
+    write_relay_pid(str(q))  # this process stands for the relay
     try:
         code, out, err = run(capsys, "mailq", "--queue", str(q), "--json")
     finally:
-        (q / PID_FILE).unlink()
+        remove_relay_pid(str(q))
     assert code == 1 and f"the relay (pid {os.getpid()})" in err
     assert out.count("\n") == 1
     got = json.loads(out)
@@ -486,3 +486,37 @@ def test_an_id_of_a_split_queue_given_for_one_root_alone_is_refused_with_the_way
     _, res = run_json(capsys, "release", "--queue", roots[0], "--queue", roots[1],
                       h.entry_id)  # the whole queue: its own ids
     assert res["entries"] == [h.entry_id]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_pid_file_a_dead_relay_left_names_no_relay_and_its_pid_is_not_signalled(
+        tmp_path: Path, backend: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A relay killed by SIGKILL leaves ``relay.pid``; its pid may be another process's
+    by then.  That process must not get the relay's SIGUSR1 (``release``, ``flush``,
+    which would kill it), and a KV queue must not be refused for it: only a pid file
+    whose lock is held names a live relay."""
+    q = tmp_path / "q"
+    ids = fill(q, backend)
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (q / PID_FILE).write_text(f"{stranger.pid}\n")  # left behind, the pid reused
+        _, res = run_json(capsys, "hold", "--queue", str(q), ids[0])
+        assert res["changed"] == 2
+        _, res = run_json(capsys, "release", "--queue", str(q), ids[0])
+        assert res["changed"] == 2
+        _, res = run_json(capsys, "flush", "--queue", str(q))
+        assert res["changed"] == 10 and res["relay_woken"] is False
+        time.sleep(0.2)
+        assert stranger.poll() is None, "the stranger got the relay's signal"
+    finally:
+        stranger.kill()
+        stranger.wait()
+    # and a live relay (here this process, holding the lock) is still found
+    write_relay_pid(str(q))
+    try:
+        from queue_ref.opener import read_relay_pid
+
+        assert read_relay_pid(str(q)) == os.getpid()
+    finally:
+        remove_relay_pid(str(q))
+    assert not (q / PID_FILE).exists()
