@@ -164,6 +164,8 @@ def test_bad_input_one_line_exit_2_nothing_changed(
     before = state(q, "fs")
     empty = tmp_path / "empty"
     empty.mkdir()
+    bad_toml = tmp_path / "bad.toml"
+    bad_toml.write_text("queue = [\n")
     cases = [
         (["hold", "--queue", str(q), ids[0], "nope"], "unknown queue id 'nope'"),
         (["delete", "--queue", str(q), other_ids[0]], "unknown queue id"),  # another queue's
@@ -175,11 +177,14 @@ def test_bad_input_one_line_exit_2_nothing_changed(
         (["mailq", "--queue", str(tmp_path / "missing")], "is not a directory"),
         (["mailq", "--queue", str(q), "--backend", "kv-log"], "is not a kv-log queue"),
         (["show", "--queue", str(q), "zzz"], "unknown queue id"),
+        (["show", "--queue", str(q), "ALL"], "show takes one queue id"),
+        (["mailq", "--config", str(bad_toml)], f"{bad_toml}: "),
     ]
     for argv, message in cases:
         code, out, err = run(capsys, *argv)
         assert code == 2, (argv, err)
         assert len(err.strip().splitlines()) == 1 and message in err, (argv, err)
+        assert err.count(str(bad_toml)) <= 1, err  # the file named once
         assert out == ""
     assert state(q, "fs") == before
     assert sorted(os.listdir(empty)) == []  # never made a queue there
@@ -422,10 +427,17 @@ def test_postsuper_ways_of_naming_entries_all_and_ids_on_standard_input(
     assert all(s == "queued" and sched.at <= time.time() + 5
                for s, sched in state(q, backend).values())
     before = state(q, backend)
-    monkeypatch.setattr(sys, "stdin", io.StringIO(" \n"))
-    for argv, message in ((["delete", "--queue", str(q), "ALL", ids[0]], "give it alone"),
-                          (["delete", "--queue", str(q), "ALL", "--all"], "give it alone"),
-                          (["delete", "--queue", str(q), "-"], "no queue id on standard input")):
+    for argv, given, message in (
+            (["delete", "--queue", str(q), "ALL", ids[0]], "", "give it alone"),
+            (["delete", "--queue", str(q), "ALL", "--all"], "", "give it alone"),
+            (["delete", "--queue", str(q), "ALL", "-"], "", "give it alone"),  # stdin empty
+            (["delete", "--queue", str(q), "-"], " \n", "no queue id on standard input"),
+            (["delete", "--queue", str(q), "-"], "ALL\n", "unknown queue id 'ALL'"),  # literal
+            (["delete", "--queue", str(q), "-", "--all"], None, "name the entries"),
+            (["delete", "--queue", str(q), "-", "--domain", "d0.example"], None,
+             "name the entries")):
+        # None: standard input must not be read at all
+        monkeypatch.setattr(sys, "stdin", io.StringIO(given) if given is not None else None)
         code, out, err = run(capsys, *argv)
         assert code == 2 and message in err and out == "", (argv, err)
     assert state(q, backend) == before
@@ -486,6 +498,9 @@ def test_an_id_of_a_split_queue_given_for_one_root_alone_is_refused_with_the_way
     _, res = run_json(capsys, "release", "--queue", roots[0], "--queue", roots[1],
                       h.entry_id)  # the whole queue: its own ids
     assert res["entries"] == [h.entry_id]
+    code, _, err = run(capsys, "release", "--queue", roots[0], "--queue", roots[1],
+                       "r1-999.0")  # every root given: no hint to give them
+    assert code == 2 and "unknown queue id 'r1-999.0': no queued or held entry" in err
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -520,3 +535,42 @@ def test_a_pid_file_a_dead_relay_left_names_no_relay_and_its_pid_is_not_signalle
     finally:
         remove_relay_pid(str(q))
     assert not (q / PID_FILE).exists()
+
+
+def test_ids_on_standard_input_are_read_before_the_queue_is_opened(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``mailq | ... | delete -`` on a KV queue (one process at a time): the action reads
+    its ids before it opens the queue, so mailq, still listing, is not shut out."""
+    q = tmp_path / "q"
+    ids = fill(q, "kv-log")
+
+    class Stdin:
+        def read(self) -> str:
+            with open_queue(str(q), "kv-log"):  # fails if the action holds the queue
+                pass
+            return f"{ids[2]}\n"
+
+    monkeypatch.setattr(sys, "stdin", Stdin())
+    _, res = run_json(capsys, "delete", "--queue", str(q), "-")
+    assert res["changed"] == 2
+
+
+def test_an_id_in_delivery_is_refused_as_such_and_qshape_top_must_not_be_negative(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """mailq marks a message in delivery with ``*``; an action on it is refused saying
+    so (not "unknown queue id"), and nothing changes."""
+    q = tmp_path / "q"
+    ids = fill(q, "fs")
+    with FsQueue(str(q)) as sender:  # another owner's claim, as a relay's
+        (h,) = [h for h in sender.list_queue() if h.entry_id == f"{ids[3]}.0"]
+        assert sender.send_start(h) is not None
+        before = state(q, "fs")
+        code, out, err = run(capsys, "hold", "--queue", str(q), f"{ids[3]}.0")
+        assert code == 2 and out == ""
+        assert f"queue id '{ids[3]}.0' is in delivery now (mailq's *)" in err, err
+        assert state(q, "fs") == before
+        _, res = run_json(capsys, "hold", "--queue", str(q), ids[3])  # the message: the
+        assert res["entries"] == [f"{ids[3]}.1"]  # entry not in delivery
+    code, _, err = run(capsys, "qshape", "--queue", str(q), "--top", "-1")
+    assert code == 2 and "--top: at least 0" in err

@@ -390,9 +390,11 @@ def test_a_worker_whose_master_closes_the_channel_stops(tmp_path: Path) -> None:
         relay, lines = _worker_relay(tmp_path, end)
         await relay.start()
         assert relay._stop_requested is not None and not relay._stop_requested.is_set()
+        assert not relay.channel_lost
         d.drop(0)
         await asyncio.wait_for(relay._stop_requested.wait(), 10)
         await relay.stop()
+        assert relay.channel_lost  # the worker exits CHANNEL_LOST: the master logs a death
         return lines
 
     records = [json.loads(line) for line in asyncio.run(run())]

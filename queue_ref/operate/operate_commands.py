@@ -140,6 +140,8 @@ def _mailq(store: Storage, args: argparse.Namespace) -> int:
 
 def _qshape(store: Storage, args: argparse.Namespace) -> int:
     """Counted while the queue is listed (``qa.scan``): no entry is kept."""
+    if args.top < 0:
+        raise InvalidInputError(f"--top: at least 0 (0: every domain), got {args.top}")
     infos = (i for _, i in qa.scan(store) if not args.held or i.state == "held")
     rows = qa.qshape(infos, time.time_ns(), by=args.by, top=args.top)
     if args.json:
@@ -153,22 +155,30 @@ def _qshape(store: Storage, args: argparse.Namespace) -> int:
     return 0
 
 
-def _ids(given: list[str]) -> list[str]:
-    """The ids given, ``-`` replaced by those read from standard input (postsuper's
-    ``-``: whitespace apart, mailq's ``*`` and ``!`` marks after an id dropped)."""
-    if "-" not in given:
-        return given
-    read = [t.rstrip("*!") for t in sys.stdin.read().split()]
-    ids = [i for i in given if i != "-"] + [t for t in read if t]
-    if not ids:
-        raise InvalidInputError("no queue id on standard input")
-    return ids
+def _take_ids(args: argparse.Namespace) -> None:
+    """postsuper's ways of naming entries, before the queue is opened: ``ALL`` alone
+    (every entry, as ``--all``), and ``-``: the ids on standard input (whitespace apart,
+    mailq's ``*`` and ``!`` marks after an id dropped, each taken as it is: an ``ALL``
+    there is an id like any other).  Standard input is read before the queue is opened,
+    so ``mailq | ... | delete -`` on a KV queue opens it once mailq has closed it."""
+    given = args.ids
+    if "ALL" in given:
+        if len(given) > 1 or args.domain is not None or args.all:
+            raise InvalidInputError("ALL names every entry: give it alone")
+        args.ids, args.all = [], True
+    elif "-" in given:
+        if args.domain is not None or args.all:
+            raise InvalidInputError("name the entries: queue ids (or -), --domain D, or --all")
+        read = [t.rstrip("*!") for t in sys.stdin.read().split()]
+        args.ids = [i for i in given if i != "-"] + [t for t in read if t]
+        if not args.ids:
+            raise InvalidInputError("no queue id on standard input")
 
 
 def _action(fn: Callable[..., qa.ActionResult]) -> Callable[[Storage, argparse.Namespace], int]:
     def run(store: Storage, args: argparse.Namespace) -> int:
-        chosen = qa.select(qa.listing(store), ids=_ids(args.ids), domain=args.domain,
-                           every=args.all)
+        chosen = qa.select(qa.listing(store), ids=args.ids, domain=args.domain, every=args.all,
+                           roots=len(args.queue), busy=lambda: qa.in_delivery(store))
         res = fn(store, chosen)
         if res.changed and res.action in ("release", "requeue"):
             # entries became due: a running relay looks at once (no wait for its scan)
@@ -200,8 +210,10 @@ def _flush(store: Storage, args: argparse.Namespace) -> int:
 
 
 def _show(store: Storage, args: argparse.Namespace) -> int:
+    if args.id in ("ALL", "-"):
+        raise InvalidInputError("show takes one queue id (see mailq)")
     listed = qa.listing(store)
-    chosen = qa.select(listed, ids=[args.id])
+    chosen = qa.select(listed, ids=[args.id], roots=len(args.queue))
     msg_id = chosen[0][1].message_id
     entries: list[tuple[object, qa.EntryInfo]] = [x for x in listed if x[1].message_id == msg_id]
     entries += [(None, i) for i in qa.in_delivery(store) if i.message_id == msg_id]
@@ -263,7 +275,8 @@ def _where(args: argparse.Namespace) -> tuple[list[str], str | None]:
     try:
         cfg = load_config(args.config)
     except (ConfigError, OSError) as e:
-        raise InvalidInputError(f"{args.config}: {e}") from e
+        said = str(e)  # a ConfigError names the file already
+        raise InvalidInputError(said if args.config in said else f"{args.config}: {said}") from e
     return cfg.queue_roots(), args.backend if args.backend is not None else cfg.backend
 
 
@@ -274,6 +287,8 @@ _LISTINGS = frozenset({"mailq", "qshape"})
 def _run(name: str, fn: Callable[[Storage, argparse.Namespace], int],
          args: argparse.Namespace) -> int:
     try:
+        if hasattr(args, "ids"):  # the actions
+            _take_ids(args)
         queues, backend = _where(args)
         args.queue = [os.path.abspath(q) for q in queues]
         store = _open_roots(args.queue, backend, recover=name not in _LISTINGS)

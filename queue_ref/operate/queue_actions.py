@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -223,15 +223,14 @@ def stream_messages(infos: Iterable[EntryInfo]) -> Iterator[MessageInfo]:
 
 
 def select(listed: Sequence[tuple[Handle, EntryInfo]], *, ids: Sequence[str] = (),
-           domain: str | None = None, every: bool = False) -> list[tuple[Handle, EntryInfo]]:
-    """The listed entries an operator named: by entry or message id (``ALL`` alone:
-    every entry, as postsuper takes it), by recipient domain, or all.
-    InvalidInputError (nothing chosen) for an id that names no listed entry, ``ALL``
-    beside other ids, or a malformed domain."""
-    if "ALL" in ids:
-        if len(ids) > 1 or domain is not None or every:
-            raise InvalidInputError("ALL names every entry: give it alone")
-        ids, every = (), True
+           domain: str | None = None, every: bool = False, roots: int = 1,
+           busy: Callable[[], Iterable[EntryInfo]] | None = None
+           ) -> list[tuple[Handle, EntryInfo]]:
+    """The listed entries an operator named: by entry or message id, by recipient
+    domain, or all.  InvalidInputError (nothing chosen) for an id that names no listed
+    entry (with why, where it can tell: an entry of ``busy()``, in delivery now; an id
+    ``r<k>-...`` of a queue over several roots given for one of ``roots = 1``) or a
+    malformed domain."""
     if sum((bool(ids), domain is not None, every)) != 1:
         raise InvalidInputError("name the entries: queue ids, --domain D, or --all")
     if every:
@@ -240,23 +239,35 @@ def select(listed: Sequence[tuple[Handle, EntryInfo]], *, ids: Sequence[str] = (
         d = check_domain(domain)
         return [x for x in listed if domain_of(x[1].rcpt) == d]
     known = {x[1].entry_id for x in listed} | {x[1].message_id for x in listed}
-
     unknown = [i for i in ids if i not in known]
-    split = next((i for i in unknown if split_id(i, sys.maxsize) is not None), None)
-    if split is not None:
-        # an id as a queue over several roots gives it (a split relay logs them): with one
-        # root opened alone its own id is the rest, but only the operator knows which
-        # root DIR is (KV ids repeat from root to root), so nothing is guessed
-        k, rest = split_id(split, sys.maxsize) or (0, split)
-        raise InvalidInputError(
-            f"unknown queue id {split!r}: an id of root {k} of a queue over several roots; "
-            f"give every root (--queue once per root, or --config), or {rest!r} if this "
-            f"directory is root {k}")
     if unknown:
-        raise InvalidInputError(f"unknown queue id {unknown[0]!r}: no queued or held entry "
-                                "of this queue has it (see mailq)")
+        raise InvalidInputError(_unknown(unknown, roots, busy))
     wanted = set(ids)
     return [x for x in listed if x[1].entry_id in wanted or x[1].message_id in wanted]
+
+
+def _unknown(unknown: list[str], roots: int,
+             busy: Callable[[], Iterable[EntryInfo]] | None) -> str:
+    """Why the first of ``unknown`` names no queued or held entry, as far as it shows."""
+    if busy is not None:
+        sending = {x for i in busy() for x in (i.entry_id, i.message_id)}
+        named = next((i for i in unknown if i in sending), None)
+        if named is not None:
+            return (f"queue id {named!r} is in delivery now (mailq's *): an action takes "
+                    "queued and held entries; try again once the attempt ends")
+    if roots == 1:
+        for i in unknown:
+            split = split_id(i, sys.maxsize)
+            if split is not None:
+                # an id as a queue over several roots gives it (a split relay logs them):
+                # with one root opened alone its own id is the rest, but only the
+                # operator knows which root DIR is (KV ids repeat from root to root)
+                k, rest = split
+                return (f"unknown queue id {i!r}: an id of root {k} of a queue over "
+                        f"several roots; give every root (--queue once per root, or "
+                        f"--config), or {rest!r} if this directory is root {k}")
+    return (f"unknown queue id {unknown[0]!r}: no queued or held entry of this queue has "
+            "it (see mailq)")
 
 
 @dataclass

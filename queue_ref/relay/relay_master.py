@@ -104,6 +104,11 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
+#: A worker's exit status when its channel from the master failed or closed while the
+#: master did not stop it: logged "worker died" (exit 0 is a clean stop of its own).
+CHANNEL_LOST = 3
+
+
 def _worker_main(config: RelayConfig, index: int, conn: Connection,
                  handoff: socket.socket, part: bool = False) -> None:
     _die_with_parent()
@@ -116,7 +121,7 @@ def _worker_main(config: RelayConfig, index: int, conn: Connection,
     except (RelayStartError, ConfigError) as e:
         conn.send(("error", str(e)))
         sys.exit(1)
-    sys.exit(0)
+    sys.exit(CHANNEL_LOST if relay.channel_lost else 0)
 
 
 @dataclasses.dataclass
@@ -339,7 +344,8 @@ class RelayMaster:
                         w.backoff = 1.0
                     w.proc, w.restart_at = None, now + w.backoff
                     # exit 0: it stopped cleanly (an operator's SIGTERM to the worker
-                    # alone); else it died (a signal, exit=-N, or an error)
+                    # alone); else it died (a signal, exit=-N; its channel lost,
+                    # CHANNEL_LOST; an error)
                     self.log.emit("relay", what="worker stopped" if code == 0
                                   else "worker died", worker=w.index, exit=code,
                                   restart_in=w.backoff)

@@ -106,6 +106,8 @@ class Relay:
         self._recover_beside: Callable[[], RecoveryReport] | None = None
         self._recovering: asyncio.Task[None] | None = None  # see _recover
         self._stopping = False
+        #: the channel from the master failed or closed while it ran (a worker exits non-zero)
+        self.channel_lost = False
         self._flushing: set[asyncio.Task[None]] = set()  # ETRNs of other workers
         self.reopens = 0  # times the queue was closed and opened again after a failed sync
         #: the ATRN listener (``odmr_listen``), a service of this relay
@@ -252,6 +254,7 @@ class Relay:
         self.log.emit("error", what="the channel from the master",
                       reason=(f"{type(e).__name__}: {e}" if e is not None else "closed")
                       + ": stopping")
+        self.channel_lost = True  # the worker exits CHANNEL_LOST: a failure, not a stop
         self.request_stop()
 
     def _queue_failed(self, e: BaseException) -> None:
