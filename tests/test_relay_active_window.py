@@ -219,3 +219,35 @@ def test_a_handle_that_comes_while_a_job_holds_its_entry_is_not_kept(tmp_path: P
         (kept,) = r.call(lambda: list(scheduler._latest.values()))
     assert kept.entry_id == handles[1].entry_id
     assert kept.schedule.attempts == 1 and kept.schedule.at > time.time()  # the job's own
+
+
+def test_entries_delivered_over_a_clients_connection_leave_the_window(tmp_path: Path) -> None:
+    """ATRN delivers a domain's entries over its client's connection (``run_job``) while
+    the window holds them, due later: once delivered they are not counted as queued
+    (the window's handles of them were left there, stale, until the next listing)."""
+    import asyncio
+
+    from queue_ref.relay.smtp_delivery import RcptResult
+
+    queue = str(tmp_path / "q")
+    with RelayThread(relay_config(queue, relayhost="[127.0.0.1]:9", log_json=True,
+                                  queue_scan_interval=3600.0)) as r:
+        scheduler = r.relay.scheduler
+        assert scheduler is not None
+        assert r.wait_events(1, "relay", what="queue listed")
+        with r.relay.store.enqueue("s@example.org", {"arrival": f"{time.time():.3f}"}) as enq:
+            enq.write(b"Subject: atrn\r\n\r\nbody\r\n")
+            handles = enq.commit([Recipient(f"u{i}@odmr.example", Schedule(
+                int(time.time()) + 3600, 1)) for i in range(2)])
+        r.call(scheduler.add, handles)
+        assert r.call(scheduler.sizes)["queued"] == 2
+
+        async def over(mail_from: str, rcpts: list[str], body: bytes,
+                       params: dict[str, str]) -> list[RcptResult]:
+            return [RcptResult(250, "2.0.0", "250 ok", "client") for _ in rcpts]
+
+        asyncio.run_coroutine_threadsafe(scheduler.run_job(handles, over),
+                                         r._loop).result(20)
+        assert r.call(scheduler.sizes) == {"queued": 0, "inflight": 0, "held": 0}
+        with open_queue(queue, "fs") as q:
+            assert list(q.list_queue()) == []

@@ -348,18 +348,23 @@ class DeliveryScheduler:
                     len(self._jobs) + len(due) >= self.config.max_deliveries:
                 break  # a new job would pass the limit; a message's next entry joins its job
             _, _, entry_id, h = heapq.heappop(self._heap)
-            if self._latest.get(entry_id) is not h or entry_id in self._claimed:
-                continue  # superseded by a newer handle, or ours already
-            del self._latest[entry_id]
-            self._claimed.add(entry_id)
-            if self._scanning:  # the listing may have seen it queued, or it came since
-                self._taken_in_scan.add(entry_id)
-                self._added_in_scan.pop(entry_id, None)
+            if self._latest.get(entry_id) is not h:
+                continue  # superseded by a newer handle, or taken (``_take``)
+            self._take(entry_id)
             due.setdefault(h.message_id, []).append(h)
         for message_id, handles in due.items():
             task = asyncio.get_running_loop().create_task(self._job(handles), name=message_id)
             self._jobs.add(task)
             task.add_done_callback(self._job_done)
+
+    def _take(self, entry_id: str) -> None:
+        """Claim ``entry_id`` for a job of ours: out of the window (its heap item is
+        passed over when popped), and out of what a listing running now brings back."""
+        self._latest.pop(entry_id, None)
+        self._claimed.add(entry_id)
+        if self._scanning:  # the listing may have seen it queued, or it came since
+            self._taken_in_scan.add(entry_id)
+            self._added_in_scan.pop(entry_id, None)
 
     def _job_done(self, task: asyncio.Task[None]) -> None:
         self._jobs.discard(task)
@@ -392,7 +397,8 @@ class DeliveryScheduler:
         handles = [h for h in handles if h.entry_id not in self._claimed]
         if not handles:
             return
-        self._claimed.update(h.entry_id for h in handles)
+        for h in handles:  # the window's own handles of these are stale from now on
+            self._take(h.entry_id)
 
         async def over(job: _Job) -> list[tuple[_Entry, RcptResult]]:
             try:
