@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import select
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 #: command -> (module that adds it, its help), in the order --help lists them.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -68,10 +70,24 @@ def _named_command(argv: Sequence[str]) -> str | None:
     return None
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors (exit 2) are also one JSON object on
+    standard output, ``{"error": ..., "status": 2}``, when ``--json`` was asked for: a
+    script reading the last line reads why (the commands' own refusals do the same).
+    Subparsers are made of this class too (argparse makes them of the parser's type)."""
+
+    json_errors = False  # set by ``main`` for each call
+
+    def error(self, message: str) -> NoReturn:
+        if _Parser.json_errors:
+            print(json.dumps({"error": f"{self.prog}: {message}", "status": 2}), flush=True)
+        super().error(message)
+
+
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The parser for ``argv`` (None: every command's module is imported): the named
     command's module adds its commands; the others are listed with their help only."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="queue-ref",
         description="A crash-safe mail queue, its contract, fault injection and conformance suite.",
     )
@@ -105,6 +121,7 @@ def _stdout_closed() -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else list(argv)
+    _Parser.json_errors = "--json" in args_list
     try:
         args = build_parser(args_list).parse_args(args_list)
         code: int = args.func(args)

@@ -574,3 +574,24 @@ def test_an_id_in_delivery_is_refused_as_such_and_qshape_top_must_not_be_negativ
         assert res["entries"] == [f"{ids[3]}.1"]  # entry not in delivery
     code, _, err = run(capsys, "qshape", "--queue", str(q), "--top", "-1")
     assert code == 2 and "--top: at least 0" in err
+
+
+def test_with_json_a_usage_error_is_also_a_json_object(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse's own refusals (a missing id, an unknown option, a bad number) exit 2
+    and, with ``--json``, print ``{"error", "status"}`` as the commands' refusals do."""
+    q = tmp_path / "q"
+    fill(q, "fs")
+    for argv, message in ((["show", "--queue", str(q)], "the following arguments are required"),
+                          (["mailq", "--queue", str(q), "--bogus"], "unrecognized arguments"),
+                          (["qshape", "--queue", str(q), "--top", "x"], "invalid int value")):
+        with pytest.raises(SystemExit) as stop:
+            main([*argv, "--json"])
+        out = capsys.readouterr()
+        assert stop.value.code == 2
+        got = json.loads(out.out.strip().splitlines()[-1])
+        assert got["status"] == 2 and message in got["error"], got
+        assert message in out.err
+        with pytest.raises(SystemExit):
+            main(argv)  # without --json: standard error only
+        assert capsys.readouterr().out == ""
