@@ -989,3 +989,37 @@ def test_a_body_is_checked_by_the_digest_its_record_holds(
     assert f is not None
     with pytest.raises(CorruptionError, match="digest mismatch"):
         read_body(q, f)
+
+
+def test_a_second_process_taking_the_clean_close_record_first_is_a_locked_queue(
+        tmp_path: Path) -> None:
+    """Two processes open a cleanly closed KV queue at once: both read the record of its
+    clean close before the engine's lock, and the one that renames it second finds it
+    gone.  That open is refused as a queue another process holds (not a raw ENOENT),
+    keeps no copies of what it compared, and the queue opens whole afterwards."""
+    from queue_ref.io import OsIO
+    from queue_ref.kv import atrest
+    from queue_ref.kv.engine_errors import DatabaseLockedError
+
+    path = str(tmp_path / "kv")
+    with KvQueue.open_log(path) as q, q.enqueue("s@example.org", {}) as enq:
+        enq.write(b"Subject: race\r\n\r\nbody\r\n")
+        (h,) = enq.commit([Recipient("r@example.net", Schedule(0, 0))])
+
+    class OtherOpenedFirst(OsIO):
+        """The other opener's rename of the record lands just before ours."""
+
+        def rename(self, src: str, dst: str) -> None:
+            if src.endswith(atrest.NAME):
+                os.rename(src, dst)
+            super().rename(src, dst)
+
+    with pytest.raises(StorageIOError) as refused:
+        KvQueue.open_log(path, OtherOpenedFirst())
+    assert isinstance(refused.value.__cause__, DatabaseLockedError)
+    assert "locked by another open engine" in str(refused.value)
+    assert not os.path.exists(os.path.join(path, atrest.QUARANTINE)) or \
+        os.listdir(os.path.join(path, atrest.QUARANTINE)) == []
+    with KvQueue.open_log(path) as q:
+        assert [x.entry_id for x in q.list_queue()] == [h.entry_id]
+        assert not (q.last_recovery and q.last_recovery.lost)

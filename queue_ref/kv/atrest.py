@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from queue_ref.io import IO, read_file, write_file_durable
 from queue_ref.kv import keys, kv_records
 from queue_ref.kv.base import KV
+from queue_ref.kv.engine_errors import DatabaseLockedError
 from queue_ref.kv.kv_records import BadRecord, EntryRec
 
 NAME = "queue-ref.closed"
@@ -252,7 +253,16 @@ def take(io: IO, path: str) -> tuple[AtRest | None, list[str], list[str]]:
     else:
         problems, kept = check_files(io, path, got)
         rest = got
-    io.rename(os.path.join(path, NAME), os.path.join(path, OPENED))
+    try:
+        io.rename(os.path.join(path, NAME), os.path.join(path, OPENED))
+    except FileNotFoundError:
+        # another process opening the queue took the record between our read and now:
+        # it compared the files first and holds them, and what this open took for
+        # changes may be its writes, so the copies made of them are no evidence
+        for copy in kept:
+            with contextlib.suppress(OSError):
+                io.unlink(os.path.join(path, copy))
+        raise DatabaseLockedError(path) from None
     io.fsync_dir(path)
     return rest, problems, kept
 
