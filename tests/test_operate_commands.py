@@ -3,11 +3,13 @@ against real queues the tests fill, in text and JSON, and their answers to bad i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,16 @@ def run_json(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, Any]:
     code, out, err = run(capsys, *args, "--json")
     assert code == 0, err
     return code, json.loads(out.strip().splitlines()[-1])
+
+
+@contextlib.contextmanager
+def standing_for_the_relay(q: Path) -> Iterator[None]:
+    """This process writes and holds the queue's ``relay.pid``, as a running relay does."""
+    write_relay_pid(str(q))
+    try:
+        yield
+    finally:
+        remove_relay_pid(str(q))
 
 
 def state(path: Path, backend: str) -> dict[str, tuple[str, Schedule]]:
@@ -195,11 +207,8 @@ def test_a_kv_queue_with_a_running_relay_is_refused(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     q = tmp_path / "q"
     fill(q, "kv-log")
-    write_relay_pid(str(q))  # this process stands for the relay
-    try:
+    with standing_for_the_relay(q):
         code, _out, err = run(capsys, "hold", "--queue", str(q), "--all")
-    finally:
-        remove_relay_pid(str(q))
     assert code == 1 and f"the relay (pid {os.getpid()}) works on this KV queue" in err
     assert all(s == "queued" for s, _ in state(q, "kv-log").values())
 
@@ -455,11 +464,8 @@ def test_with_json_a_refusal_is_also_a_json_object_on_standard_output(
     assert code == 2 and "unknown queue id 'nope'" in err
     got = json.loads(out.strip().splitlines()[-1])
     assert got["status"] == 2 and "unknown queue id 'nope'" in got["error"]
-    write_relay_pid(str(q))  # this process stands for the relay
-    try:
+    with standing_for_the_relay(q):
         code, out, err = run(capsys, "mailq", "--queue", str(q), "--json")
-    finally:
-        remove_relay_pid(str(q))
     assert code == 1 and f"the relay (pid {os.getpid()})" in err
     assert out.count("\n") == 1
     got = json.loads(out)
@@ -526,14 +532,10 @@ def test_a_pid_file_a_dead_relay_left_names_no_relay_and_its_pid_is_not_signalle
     finally:
         stranger.kill()
         stranger.wait()
-    # and a live relay (here this process, holding the lock) is still found
-    write_relay_pid(str(q))
-    try:
+    with standing_for_the_relay(q):  # a live relay (holding the lock) is still found
         from queue_ref.opener import read_relay_pid
 
         assert read_relay_pid(str(q)) == os.getpid()
-    finally:
-        remove_relay_pid(str(q))
     assert not (q / PID_FILE).exists()
 
 

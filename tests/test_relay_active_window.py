@@ -183,6 +183,15 @@ def test_a_message_reaching_the_last_delivery_slot_goes_in_one_transaction(
             assert [sorted(m.rcpts) for m in got] == [sorted(wide)]
 
 
+def commit_beside(r: RelayThread, subject: str, rcpts: list[Recipient]) -> list[QueuedMail]:
+    """A message committed to the running relay's store, not through SMTP, once its first
+    listing is over (so no listing brings the entries): their handles, pushed nowhere."""
+    assert r.wait_events(1, "relay", what="queue listed")
+    with r.relay.store.enqueue("s@example.org", {"arrival": f"{time.time():.3f}"}) as enq:
+        enq.write(b"Subject: %s\r\n\r\nbody\r\n" % subject.encode())
+        return enq.commit(rcpts)
+
+
 def test_a_handle_that_comes_while_a_job_holds_its_entry_is_not_kept(tmp_path: Path) -> None:
     """A listing can find a message before the receiver pushes its handles (the receiver
     commits, the listing sees the entries and a job claims them, then the receiver's
@@ -195,11 +204,8 @@ def test_a_handle_that_comes_while_a_job_holds_its_entry_is_not_kept(tmp_path: P
             queue_scan_interval=3600.0)) as r:
         scheduler = r.relay.scheduler
         assert scheduler is not None
-        assert r.wait_events(1, "relay", what="queue listed")
-        with r.relay.store.enqueue("s@example.org", {"arrival": f"{time.time():.3f}"}) as enq:
-            enq.write(b"Subject: late\r\n\r\nbody\r\n")
-            handles = enq.commit([Recipient("ok@example.net", Schedule(0, 0)),
-                                  Recipient("defer-x@example.net", Schedule(0, 0))])
+        handles = commit_beside(r, "late", [Recipient("ok@example.net", Schedule(0, 0)),
+                                            Recipient("defer-x@example.net", Schedule(0, 0))])
 
         def pushed_twice() -> dict[str, int]:
             scheduler.add(handles)
@@ -234,11 +240,8 @@ def test_entries_delivered_over_a_clients_connection_leave_the_window(tmp_path: 
                                   queue_scan_interval=3600.0)) as r:
         scheduler = r.relay.scheduler
         assert scheduler is not None
-        assert r.wait_events(1, "relay", what="queue listed")
-        with r.relay.store.enqueue("s@example.org", {"arrival": f"{time.time():.3f}"}) as enq:
-            enq.write(b"Subject: atrn\r\n\r\nbody\r\n")
-            handles = enq.commit([Recipient(f"u{i}@odmr.example", Schedule(
-                int(time.time()) + 3600, 1)) for i in range(2)])
+        handles = commit_beside(r, "atrn", [Recipient(f"u{i}@odmr.example", Schedule(
+            int(time.time()) + 3600, 1)) for i in range(2)])
         r.call(scheduler.add, handles)
         assert r.call(scheduler.sizes)["queued"] == 2
 
