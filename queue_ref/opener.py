@@ -19,7 +19,6 @@ No backend names a file ``relay.pid``, so it lives beside their files untouched.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import importlib
 import os
 import signal
@@ -27,6 +26,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 
+from queue_ref.io import OsIO
 from queue_ref.storage import InvalidInputError, RecoveryReport, Storage
 
 __all__ = [
@@ -244,11 +244,7 @@ def read_relay_pid(path: str) -> int | None:
     except (FileNotFoundError, NotADirectoryError):
         return None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:  # held: the relay that wrote it lives
-            pass
-        else:
+        if OsIO().lock_file(fd, shared=True):  # nobody holds it: its relay died
             return None
         try:
             pid = int(os.read(fd, 32).decode("ascii").strip() or "0")
@@ -267,7 +263,7 @@ def write_relay_pid(path: str) -> None:
     tmp = f"{pid_path}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        OsIO().lock_file(fd, shared=False, blocking=True)  # a new file: nobody else has it
         os.write(fd, f"{os.getpid()}\n".encode("ascii"))
         os.replace(tmp, pid_path)
     except BaseException:

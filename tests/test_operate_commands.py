@@ -18,7 +18,13 @@ import pytest
 from conformance.cli import main
 from queue_ref.fsqueue import FsQueue
 from queue_ref.io import OsIO
-from queue_ref.opener import PID_FILE, open_queue, remove_relay_pid, write_relay_pid
+from queue_ref.opener import (
+    PID_FILE,
+    open_queue,
+    read_relay_pid,
+    remove_relay_pid,
+    write_relay_pid,
+)
 from queue_ref.operate import queue_actions as qa
 from queue_ref.storage import Recipient, Schedule
 
@@ -533,8 +539,6 @@ def test_a_pid_file_a_dead_relay_left_names_no_relay_and_its_pid_is_not_signalle
         stranger.kill()
         stranger.wait()
     with standing_for_the_relay(q):  # a live relay (holding the lock) is still found
-        from queue_ref.opener import read_relay_pid
-
         assert read_relay_pid(str(q)) == os.getpid()
     assert not (q / PID_FILE).exists()
 
@@ -549,8 +553,7 @@ def test_ids_on_standard_input_are_read_before_the_queue_is_opened(
 
     class Stdin:
         def read(self) -> str:
-            with open_queue(str(q), "kv-log"):  # fails if the action holds the queue
-                pass
+            open_queue(str(q), "kv-log").close()  # raises if the action holds the queue
             return f"{ids[2]}\n"
 
     monkeypatch.setattr(sys, "stdin", Stdin())
