@@ -142,8 +142,10 @@ def test_unreadable_body_is_an_io_error_not_corruption(root: str) -> None:
     i = q.send_start(h[0])
     assert i is not None
     io.faults[("open_read", f"/{h[0].message_id}")] = PermissionError(errno.EACCES, "denied")
-    with pytest.raises(StorageIOError) as ei:
-        q.read_inflight(i)
+    with q.read_inflight(i) as r:  # the file is opened when the body is first read
+        assert r.meta.rcpt == "user0@example.org"
+        with pytest.raises(StorageIOError) as ei:
+            r.read_all()
     assert ei.value.handle is i and not isinstance(ei.value, NoSpaceError)
     assert os.listdir(os.path.join(root, "quarantine")) == []
     io.faults.clear()
@@ -411,10 +413,56 @@ def test_corrupt_schedule_quarantines_only_that_entry(loaded: Any, root: str) ->
 
 def test_corrupt_schedule_of_an_inflight_entry(loaded: Any, root: str) -> None:
     q, h = loaded
-    i = _inflight(q, h[0])
+    h0 = q.reschedule(h[0], Schedule(0, 1))  # a schedule record, read again when opened
+    assert h0 is not None
+    i = _inflight(q, h0)
     path = os.path.join(root, "data", f"{h[0].entry_id}.sched")
     with open(path, "wb") as f:
         f.write(b"qr-record 1 garbage")
     with pytest.raises(CorruptionError) as ei:
         q.read_inflight(i)
     assert ei.value.quarantined_to is not None and ei.value.quarantined_to.endswith(".sched")
+
+
+def test_a_schedule_record_appearing_after_the_claim_is_not_read(loaded: Any,
+                                                                 root: str) -> None:
+    """An entry claimed without a schedule record has none while we hold it (nobody else
+    writes one), so opening it reads none: a hundred recipients cost no hundred opens.
+    A file planted there meanwhile does not stop the delivery, and the next recovery
+    removes it."""
+    q, h = loaded
+    i = _inflight(q, h[0])
+    path = os.path.join(root, "data", f"{h[0].entry_id}.sched")
+    with open(path, "wb") as f:
+        f.write(b"qr-record 1 garbage")
+    with q.read_inflight(i) as r:
+        assert r.meta.schedule == h[0].schedule
+        assert len(r.read_all()) == 256 * 800
+    p = q.send_done(i)
+    assert p is not None and q.cleanup(p)
+    q.close()
+    q2 = FsQueue(root)
+    try:
+        assert not os.path.exists(path)
+        assert sorted(m.entry_id for m in q2.list_queue()) == [h[1].entry_id, h[2].entry_id]
+        assert os.listdir(os.path.join(root, "quarantine")) == []
+    finally:
+        q2.close()
+
+
+def test_a_message_file_gone_before_the_body_is_read_is_corruption(loaded: Any,
+                                                                   root: str) -> None:
+    """The reader opens the message file when the body is first read: a file removed by
+    damage before then is found there, and the entry is quarantined, not delivered."""
+    q, h = loaded
+    i = _inflight(q, h[0])
+    with q.read_inflight(i) as r:
+        os.unlink(os.path.join(root, "data", h[0].message_id))
+        assert r.meta.rcpt == "user0@example.org"
+        with pytest.raises(CorruptionError, match="message file is missing") as ei:
+            r.read_all()
+    assert ei.value.entry_id == h[0].entry_id
+    assert os.listdir(os.path.join(root, "inflight")) == []
+    assert any(n.startswith(h[0].entry_id) for n in os.listdir(os.path.join(root,
+                                                                            "quarantine")))
+    assert q.send_done(i) is None  # no longer inflight: never reported delivered

@@ -617,22 +617,27 @@ class FsQueue(FsMetadata, Storage):
                     env = self._live_envelope(e.msgid)  # we hold the entry
                     if env is None:
                         raise Corrupt("message file is missing", True)
-                    sched = self._entry_schedule(e, env)[0]
+                    # claimed here without a schedule record: nobody else writes one
+                    # while we hold it (``_Held``), so there is none to read
+                    held = h._extra
+                    sched = (h.schedule if isinstance(held, _Held) and not held.record
+                             else self._entry_schedule(e, env)[0])
                 except Corrupt as c:
                     raise self._corruption(e, link, c) from None
-                try:
-                    fd = self.io.open_read(self.layout.msg_file(e.msgid))
-                except FileNotFoundError:
-                    raise self._corruption(e, link, Corrupt("message file is missing",
-                                                            True)) from None
         except OSError as err:
             raise storage_error("opening the mail", err, h) from err
+        path = self.layout.msg_file(e.msgid)
+
+        def open_body() -> int:  # when the body is first read (a missing file: corrupt)
+            with self._rw.shared():
+                return self.io.open_read(path)
+
         r = env.rcpts[e.index]
         meta = EntryMeta(e.msgid, e.entry_id, env.mail_from, r.address, e.index, r.zone,
                          dict(env.params), sched, env.body_size)
         with self._reading_lock:  # its file is not made a spare while a reader has it open
             self._reading[e.msgid] += 1
-        return FsMailReader(self.io, fd, meta, env.body_digest, h,
+        return FsMailReader(self.io, open_body, meta, env.body_digest, h,
                             lambda why: self._body_corrupt(e, link, why),
                             lambda: self._reader_closed(e.msgid))
 

@@ -6,6 +6,11 @@ body's size).  It hashes every byte it hands out, and before it hands out the by
 reach the end of the body it checks that the hash matches; on a mismatch it quarantines
 the message and raises CorruptionError instead, so the last bytes of altered mail are
 never delivered.  Memory use is one chunk.
+
+A reader of an inflight entry opens the message file when its body is first read: the
+relay reads the metadata of each of a message's entries and the body of one, and a
+hundred recipients need not cost a hundred opens.  Its process holds the entry, so the
+file is not released meanwhile.
 """
 
 from __future__ import annotations
@@ -21,12 +26,15 @@ CHUNK = 1 << 16
 
 
 class FsMailReader(MailReader):
-    def __init__(self, io: IO, fd: int, meta: EntryMeta, digest: str, handle: Handle | None,
-                 on_corrupt: Callable[[str], CorruptionError],
+    def __init__(self, io: IO, fd: int | Callable[[], int], meta: EntryMeta, digest: str,
+                 handle: Handle | None, on_corrupt: Callable[[str], CorruptionError],
                  on_close: Callable[[], None]) -> None:
+        """``fd``: the message file open, or how to open it when the body is first read
+        (raising FileNotFoundError if it is missing: then the entry is corrupt)."""
         self.meta = meta
         self._io = io
-        self._fd: int | None = fd
+        self._open = None if isinstance(fd, int) else fd
+        self._fd: int | None = fd if isinstance(fd, int) else -1
         self._expect = digest
         self._handle = handle
         self._on_corrupt = on_corrupt
@@ -45,13 +53,23 @@ class FsMailReader(MailReader):
             raise self._fail("body digest does not match its envelope")
         self._verified = True
 
-    def _read_some(self, n: int) -> bytes:
+    def _file(self) -> int:
+        if self._open is not None:
+            try:
+                self._fd = self._open()
+            except FileNotFoundError:
+                raise self._fail("message file is missing") from None
+            self._open = None
         assert self._fd is not None
+        return self._fd
+
+    def _read_some(self, n: int) -> bytes:
+        fd = self._file()
         want = min(n, self.meta.body_size - self._pos)
         parts = []
         got = 0
         while got < want:
-            b = self._io.read(self._fd, min(want - got, 1 << 20))
+            b = self._io.read(fd, min(want - got, 1 << 20))
             if not b:
                 raise self._fail(
                     f"body ends at {self._pos + got} of its {self.meta.body_size} bytes")
@@ -88,6 +106,7 @@ class FsMailReader(MailReader):
         fd, self._fd = self._fd, None
         if fd is not None:
             try:
-                self._io.close(fd)
+                if fd >= 0:
+                    self._io.close(fd)
             finally:
                 self._on_close()
