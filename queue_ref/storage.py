@@ -589,9 +589,10 @@ class Storage(abc.ABC):
         not wait for the whole queue to be read.  The default is ``list_queue``, then
         ``list_held`` where the backend holds mail; a backend whose ordered listing must
         read every name first (the filesystem queue) lists in its directory order
-        instead, a message's entries of one state together.  An entry that changes state
-        while the scan runs may be given in either state, in both, or left out, and so
-        may the other entries of its message (C13)."""
+        instead.  A backend should give a message's entries together whatever their
+        state and zone (the filesystem and KV queues do), so that ``mailq`` shows it
+        once.  An entry that changes state while the scan runs may be given in either
+        state, in both, or left out, and so may the other entries of its message (C13)."""
         yield from self.list_queue()
         if Capability.HOLD in self.capabilities:
             yield from self.list_held()

@@ -107,6 +107,46 @@ def test_mailq_lists_every_message_in_text_and_json(
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_mailq_shows_a_message_once_whatever_the_states_and_zones_of_its_entries(
+        tmp_path: Path, backend: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A message partly held, partly queued in two delivery zones and (fs) partly in
+    another process's delivery is one request in mailq, with all its recipients, and
+    the totals count it once; a message wholly held is one request too."""
+    q = tmp_path / "q"
+    ids = fill(q, backend)
+    with open_queue(str(q), backend) as store:
+        with store.enqueue("list@example.org") as enq:
+            enq.write(b"Subject: list\r\n\r\nbody\r\n")
+            mixed = enq.commit([Recipient(f"m{j}@d{j % 3}.example", Schedule(LATER, 1),
+                                          zone="slow" if j % 2 else "default")
+                                for j in range(6)])[0].message_id
+        for h in list(store.list_queue()):
+            if h.entry_id in (f"{mixed}.1", f"{mixed}.4") or h.message_id == ids[4]:
+                assert store.hold(h) is not None
+    states = {f"{mixed}.{j}": "queued" for j in range(6)}
+    states[f"{mixed}.1"] = states[f"{mixed}.4"] = "held"
+    with contextlib.ExitStack() as stack:
+        if backend == "fs":  # another owner's claim, as a relay's (one KV process at once)
+            sender = stack.enter_context(FsQueue(str(q)))
+            (h,) = [h for h in sender.list_queue() if h.entry_id == f"{mixed}.2"]
+            assert sender.send_start(h) is not None
+            states[f"{mixed}.2"] = "inflight"
+        _, out, _ = run(capsys, "mailq", "--queue", str(q), "--json")
+        *msgs, total = [json.loads(x) for x in out.strip().splitlines()]
+        _, text, _ = run(capsys, "mailq", "--queue", str(q))
+    assert sorted(m["queue_id"] for m in msgs) == sorted([*ids, mixed])
+    assert total["messages"] == 6 and total["recipients"] == 16
+    (m,) = [m for m in msgs if m["queue_id"] == mixed]
+    assert {r["entry_id"]: r["state"] for r in m["recipients"]} == states
+    assert [r["recipient"] for r in m["recipients"]] == [f"m{j}@d{j % 3}.example"
+                                                         for j in range(6)]
+    (h4,) = [m for m in msgs if m["queue_id"] == ids[4]]
+    assert {r["state"] for r in h4["recipients"]} == {"held"}
+    assert text.rstrip().endswith("in 6 Requests, 16 recipients."), text
+    assert sum(line.startswith(mixed) for line in text.splitlines()) == 1, text
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_hold_release_delete_requeue_by_id_domain_and_all(
         tmp_path: Path, backend: str, capsys: pytest.CaptureFixture[str]) -> None:
     q = tmp_path / "q"

@@ -79,7 +79,6 @@ from queue_ref.storage import (
     EntryMeta,
     Finished,
     Footprint,
-    H,
     Handle,
     HeldMail,
     InflightMail,
@@ -439,21 +438,37 @@ class FsQueue(FsMetadata, Storage):
         """Every QUEUED entry (queue/), then every HELD one (held/), in the directories'
         own order, read a buffer of names at a time: the first entry comes after one
         buffer whatever the queue holds (``mailq`` at a million queued), and no name is
-        kept.  A message's entries in one directory come together, when the first of its
-        names met there is its lowest there (``_scan_message``).  As Postfix's ``showq``
-        may miss a message moving between its queues, an entry whose message changes
-        state meanwhile may be left out: a name passed over because a lower entry of its
-        message was there is not given if that entry moves before the scan meets it."""
+        kept.  A message's entries come together, the held ones with its queued ones,
+        when the first of its names met is its lowest in queue/ (``_scan_message``): so
+        ``mailq`` shows a message partly held once.  As Postfix's ``showq`` may miss a
+        message moving between its queues, an entry whose message changes state
+        meanwhile may be left out or given twice: a name passed over because a lower
+        entry of its message was there is not given if that entry moves before the scan
+        meets it, and a held message found with a queued entry is given with that."""
         self._check_open()
-        yield from self._scan_dir(self.layout.queue, self.layout.queue_link, QueuedMail,
-                                  "listing the queue")
-        yield from self._scan_dir(self.layout.held, self.layout.held_link, HeldMail,
-                                  "listing held entries")
+        # the held siblings of queued entries are looked for only when something is held
+        held = self._has_names(self.layout.held)
+        yield from self._scan_dir(self.layout.queue, queued=True, held=held)
+        yield from self._scan_dir(self.layout.held, queued=False, held=True)
 
-    def _scan_dir(self, directory: str, link_of: Callable[[EntryName], str],
-                  kind: type[H], what: str) -> Iterator[H]:
+    def _has_names(self, directory: str) -> bool:
+        names = self.io.iter_names(directory)
+        try:
+            return next(iter(names), None) is not None
+        except FileNotFoundError:
+            return False
+        except OSError as err:
+            raise storage_error(f"listing {directory}", err) from err
+        finally:
+            close = getattr(names, "close", None)
+            if close is not None:
+                close()
+
+    def _scan_dir(self, directory: str, *, queued: bool, held: bool
+                  ) -> Iterator[QueuedMail | HeldMail]:
         names: Iterator[str] = iter(())
         given: set[str] = set()  # messages given although their lowest link failed
+        what = "listing the queue" if queued else "listing held entries"
         try:
             names = self.io.iter_names(directory)
             for name in names:
@@ -462,8 +477,8 @@ class FsQueue(FsMetadata, Storage):
                     continue
                 self._check_open()
                 with self._guard(what, None, writes=False):
-                    found = self._scan_message(e, link_of, given)
-                for sibling, schedule in found:
+                    found = self._scan_message(e, queued, held, given)
+                for sibling, schedule, kind in found:
                     yield self._issue(kind, sibling.entry_id, sibling.msgid, schedule)
         except FileNotFoundError:
             return  # the directory is gone (a queue being removed): nothing in it
@@ -474,18 +489,21 @@ class FsQueue(FsMetadata, Storage):
             if close is not None:
                 close()
 
-    def _scan_message(self, e: EntryName, link_of: Callable[[EntryName], str],
-                      given: set[str]) -> list[tuple[EntryName, Schedule]]:
-        """The entries of ``e``'s message linked in ``e``'s directory, when ``e`` is the
-        lowest of them (none otherwise: the lowest gives them when it is met).  The
-        message's envelope bounds the looks: a name that is no link, of no message, or
-        past its recipients gives nothing (junk, which recovery quarantines), and a
-        lower entry is looked for from the next index down, so an entry costs one look
-        past the gap below it: about one per entry of a message, not one per pair.  The
-        entries from ``e`` up are each verified as ``list_queue`` does: a corrupt one is
-        quarantined and left out, the others still given; if ``e`` itself fails, its
-        message goes in ``given`` (the scan skips its later names, which would find no
-        lower link and give the others again)."""
+    def _scan_message(self, e: EntryName, queued: bool, held: bool, given: set[str]
+                      ) -> list[tuple[EntryName, Schedule, type[QueuedMail | HeldMail]]]:
+        """The entries of ``e``'s message linked in ``e``'s directory (queue/ if
+        ``queued``, else held/), when ``e`` is the lowest of them (none otherwise: the
+        lowest gives them when it is met); in queue/, with ``held``, also the message's
+        held entries, and in held/ nothing of a message with a queued entry (given
+        with that).  The message's envelope bounds the looks: a name that is no link,
+        of no message, or past its recipients gives nothing (junk, which recovery
+        quarantines), and a lower entry is looked for from the next index down, so an
+        entry costs one look past the gap below it: about one per entry of a message, not
+        one per pair.  The entries from ``e`` up are each verified as ``list_queue``
+        does: a corrupt one is quarantined and left out, the others still given; if
+        ``e`` itself fails, its message goes in ``given`` (the scan skips its later
+        names, which would find no lower link and give the others again)."""
+        link_of = self.layout.queue_link if queued else self.layout.held_link
         if not is_link_file(self.io, link_of(e)):
             return []
         try:
@@ -498,14 +516,24 @@ class FsQueue(FsMetadata, Storage):
         for lower in range(e.index - 1, -1, -1):
             if is_link_file(self.io, link_of(EntryName(e.msgid, lower))):
                 return []
-        out = []
-        for index in range(e.index, len(env.rcpts)):
+        n = len(env.rcpts)
+        if not queued and any(is_link_file(self.io, self.layout.queue_link(
+                EntryName(e.msgid, i))) for i in range(n)):
+            return []  # given with its queued entries
+        kind: type[QueuedMail | HeldMail] = QueuedMail if queued else HeldMail
+        out: list[tuple[EntryName, Schedule, type[QueuedMail | HeldMail]]] = []
+        for index in range(n):
             sibling = EntryName(e.msgid, index)
-            got = self._verified(sibling, link_of(sibling))
+            got = None if index < e.index else self._verified(sibling, link_of(sibling))
             if got is not None:
-                out.append((sibling, got[1]))
-            elif sibling == e:
+                out.append((sibling, got[1], kind))
+                continue
+            if sibling == e:
                 given.add(e.msgid)
+            if queued and held:
+                got = self._verified(sibling, self.layout.held_link(sibling))
+                if got is not None:
+                    out.append((sibling, got[1], HeldMail))
         return out
 
     def find_pending_cleanup(self) -> Iterator[PendingCleanupMail]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import heapq
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -381,6 +382,42 @@ class KvQueue(Storage):
     def list_held(self) -> Iterator[HeldMail]:
         self._check_open()
         return self._held()
+
+    def scan_queue(self) -> Iterator[QueuedMail | HeldMail]:
+        """Every QUEUED and HELD entry in message order: each delivery zone's entries (in
+        message order within the zone) and the held ones, merged as they are read, so a
+        message's entries come together whatever their zone and state and nothing of the
+        queue is kept (one iterator a zone)."""
+        self._check_open()
+        streams: list[Iterator[QueuedMail | HeldMail]] = [
+            self._queued(p, keys.end_of(p)) for p in self._zone_prefixes()]
+        streams.append(self._held())
+        return heapq.merge(*streams, key=lambda h: keys.parse_entry_id(h.entry_id))
+
+    def _zone_prefixes(self) -> list[bytes]:
+        """The key prefix of every delivery zone that holds a QUEUED entry: one look a
+        zone (each skips past the zone before it)."""
+        out: list[bytes] = []
+        start = keys.ZONE
+        with self._io("listing the queue"):
+            while True:
+                pairs = self._kv.iterate(start, keys.end_of(keys.ZONE))
+                try:
+                    found = next(iter(pairs), None)
+                finally:
+                    close = getattr(pairs, "close", None)
+                    if close is not None:
+                        close()
+                if found is None:
+                    return out
+                try:
+                    zone = keys.parse_indexed(found[0])[0]
+                except keys.BadKey:
+                    # not an entry key: recovery deals with it; look past it
+                    start = found[0] + b"\x00"
+                    continue
+                out.append(keys.zone_prefix(zone))
+                start = keys.end_of(out[-1])
 
     def _held(self) -> Iterator[HeldMail]:
         with self._io("listing held entries"):

@@ -168,14 +168,21 @@ def _with_envelopes(store: Storage, handles: Iterable[QueuedMail | HeldMail]
 
 
 def stream(store: Storage) -> Iterator[EntryInfo]:
-    """What ``mailq`` shows, as it is found: the entries in delivery first (a sender's
-    few), then ``scan``; an entry claimed meanwhile is shown once, in delivery."""
-    busy = in_delivery(store)
-    shown = {i.entry_id for i in busy}
-    yield from busy
+    """What ``mailq`` shows, as it is found: ``scan``, with the entries in delivery (a
+    sender's few, read first) given beside the first entry of their message the scan
+    meets, and those of messages it does not meet at the end: a message partly in
+    delivery comes once (``stream_messages``).  An entry claimed meanwhile is shown
+    once, in delivery."""
+    busy: dict[str, list[EntryInfo]] = {}
+    for i in in_delivery(store):
+        busy.setdefault(i.message_id, []).append(i)
+    shown = {i.entry_id for infos in busy.values() for i in infos}
     for _, info in scan(store):
         if info.entry_id not in shown:
+            yield from busy.pop(info.message_id, ())
             yield info
+    for infos in busy.values():
+        yield from infos
 
 
 def in_delivery(store: Storage) -> list[EntryInfo]:
@@ -205,9 +212,9 @@ def group_messages(infos: Iterable[EntryInfo]) -> list[MessageInfo]:
 
 def stream_messages(infos: Iterable[EntryInfo]) -> Iterator[MessageInfo]:
     """``group_messages`` as it streams: the entries of one message that come one after
-    another make one MessageInfo, given as soon as the next message's entry comes.  A
-    message whose entries are listed apart (some held, some queued or in delivery) comes
-    once per run of entries."""
+    another make one MessageInfo, given as soon as the next message's entry comes.  The
+    backends' scans give a message's entries together (``stream``); one whose entries
+    move while the scan runs may come once per run of them."""
     current: MessageInfo | None = None
     for e in infos:
         if current is not None and current.message_id != e.message_id:
