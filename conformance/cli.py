@@ -109,6 +109,19 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _chosen(parser: argparse.ArgumentParser, args: argparse.Namespace
+            ) -> argparse.ArgumentParser:
+    """The (sub)command parser ``args`` were parsed by, the deepest chosen."""
+    while parser._subparsers is not None:
+        (action,) = [a for a in parser._subparsers._group_actions
+                     if isinstance(a, argparse._SubParsersAction)]
+        name = getattr(args, action.dest, None)
+        if name not in action.choices:
+            break
+        parser = action.choices[name]
+    return parser
+
+
 def _stdout_closed() -> bool:
     """Whether standard output is a pipe whose reader has closed it (poll says POLLERR)."""
     try:
@@ -123,7 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else list(argv)
     _Parser.json_errors = "--json" in args_list
     try:
-        args = build_parser(args_list).parse_args(args_list)
+        parser = build_parser(args_list)
+        args, extras = parser.parse_known_args(args_list)
+        if extras:  # refused by the command's own parser: its usage, not the top one's
+            _chosen(parser, args).error(f"unrecognized arguments: {' '.join(extras)}")
         code: int = args.func(args)
         sys.stdout.flush()
     except BrokenPipeError:

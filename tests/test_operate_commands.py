@@ -636,7 +636,12 @@ def test_with_json_a_usage_error_is_also_a_json_object(
         assert stop.value.code == 2
         got = json.loads(out.out.strip().splitlines()[-1])
         assert got["status"] == 2 and message in got["error"], got
-        assert message in out.err
+        # the command's own usage and name, not the top-level one's
+        assert got["error"].startswith(f"queue-ref {argv[0]}: "), got
+        assert message in out.err and f"usage: queue-ref {argv[0]} " in out.err, out.err
         with pytest.raises(SystemExit):
             main(argv)  # without --json: standard error only
         assert capsys.readouterr().out == ""
+    with pytest.raises(SystemExit):  # a subcommand's subcommand: its usage
+        main(["crash", "explore", "--bogus"])
+    assert "usage: queue-ref crash explore " in capsys.readouterr().err
