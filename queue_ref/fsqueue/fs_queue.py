@@ -452,8 +452,9 @@ class FsQueue(FsMetadata, Storage):
         yield from self._scan_dir(self.layout.held, queued=False, held=True)
 
     def _has_names(self, directory: str) -> bool:
-        names = self.io.iter_names(directory)
+        names: Iterator[str] = iter(())
         try:
+            names = self.io.iter_names(directory)
             return next(iter(names), None) is not None
         except FileNotFoundError:
             return False
