@@ -16,6 +16,7 @@ from queue_ref.fsqueue.fs_records import trailer
 from queue_ref.fsqueue.steps import BODY_BUFFER
 from queue_ref.io import OsIO
 from queue_ref.storage import (
+    ClosedError,
     CorruptionError,
     Footprint,
     InflightMail,
@@ -466,3 +467,19 @@ def test_a_message_file_gone_before_the_body_is_read_is_corruption(loaded: Any,
     assert any(n.startswith(h[0].entry_id) for n in os.listdir(os.path.join(root,
                                                                             "quarantine")))
     assert q.send_done(i) is None  # no longer inflight: never reported delivered
+
+
+def test_an_entry_taken_from_us_is_found_when_its_body_is_read(loaded: Any,
+                                                               root: str) -> None:
+    """An entry claimed here is opened from what the claim read (no look at the disk per
+    recipient); its link is looked at when the body is first read, so an entry no
+    longer ours is refused there, and its delivery is never reported done."""
+    q, h = loaded
+    i = _inflight(q, h[0])
+    (link,) = os.listdir(os.path.join(root, "inflight"))
+    os.unlink(os.path.join(root, "inflight", link))  # as another process would take it
+    with q.read_inflight(i) as r:
+        assert r.meta.rcpt == "user0@example.org"
+        with pytest.raises(ClosedError, match="no longer inflight here"):
+            r.read_all()
+    assert q.send_done(i) is None

@@ -634,23 +634,27 @@ class FsQueue(FsMetadata, Storage):
 
     def read_inflight(self, mail: InflightMail) -> MailReader:
         """Open an inflight entry of ours; see ``Storage.read_inflight``.  ClosedError if the
-        entry is no longer ours (another process quarantined it)."""
+        entry is no longer ours (another process quarantined it).
+
+        An entry claimed here without a schedule record (``_Held``) is opened from what
+        the claim read, without a look at the disk: nobody else writes its record while
+        we hold it, and its link is looked at when the body is first read.  The relay
+        opens each of a message's entries for its recipient and reads one body, so a
+        hundred recipients cost no hundred looks."""
         h = self._peek(mail, InflightMail)
         e = self._entry(h)
         link = self.layout.inflight_link(e, self.owner)
+        held = h._extra
+        fresh = isinstance(held, _Held) and not held.record
         try:
             with self._rw.shared():
-                if not is_link_file(self.io, link):
+                if not fresh and not is_link_file(self.io, link):
                     raise self._gone(e)
                 try:
                     env = self._live_envelope(e.msgid)  # we hold the entry
                     if env is None:
                         raise Corrupt("message file is missing", True)
-                    # claimed here without a schedule record: nobody else writes one
-                    # while we hold it (``_Held``), so there is none to read
-                    held = h._extra
-                    sched = (h.schedule if isinstance(held, _Held) and not held.record
-                             else self._entry_schedule(e, env)[0])
+                    sched = h.schedule if fresh else self._entry_schedule(e, env)[0]
                 except Corrupt as c:
                     raise self._corruption(e, link, c) from None
         except OSError as err:
@@ -659,6 +663,8 @@ class FsQueue(FsMetadata, Storage):
 
         def open_body() -> int:  # when the body is first read (a missing file: corrupt)
             with self._rw.shared():
+                if fresh and not is_link_file(self.io, link):
+                    raise self._gone(e)
                 return self.io.open_read(path)
 
         r = env.rcpts[e.index]
