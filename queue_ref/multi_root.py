@@ -557,6 +557,42 @@ class MultiRootQueue(Storage):
                 e.handle = self._give_back(h)
             raise
 
+    def cleanup_all(self, mails: Sequence[PendingCleanupMail]) -> list[bool]:
+        """Each root's entries in one ``cleanup_all`` of that root (C16), the roots in
+        turn.  On ``StorageIOError`` from a root, the roots before it released theirs and
+        the roots after it nothing: the error hands back a live handle of every entry
+        that may not be released (the failing root's say which of its own)."""
+        every = self._take_all(mails, PendingCleanupMail, "cleanup_all")
+        try:
+            routed = [self._route(h) for h in every]
+        except Exception:
+            for h in every:
+                self._give_back(h)
+            raise
+        order: dict[int, list[int]] = {}  # root index -> positions in ``every``
+        for pos, (r, _) in enumerate(routed):
+            order.setdefault(r.index, []).append(pos)
+        released = [False] * len(every)
+        finished: set[int] = set()
+        for index, positions in order.items():
+            r = self._by_index[index]
+            try:
+                res = self._store(r).cleanup_all(
+                    [routed[p][1] for p in positions])  # type: ignore[misc]
+            except StorageIOError as e:
+                self._failed(r, e)
+                back = {id(x) for x in e.handles or ()}
+                e.handle = None
+                e.handles = tuple(
+                    self._give_back(h) for p, h in enumerate(every)
+                    if p not in finished and (routed[p][0] is not r
+                                              or id(routed[p][1]) in back))
+                raise
+            for p, x in zip(positions, res, strict=True):
+                released[p] = x
+                finished.add(p)
+        return released
+
     # ---- lifecycle ---------------------------------------------------------------------
 
     @property

@@ -704,6 +704,34 @@ class Storage(abc.ABC):
     def cleanup(self, mail: PendingCleanupMail) -> bool:
         """Release the entry's bytes, and the message's when it was the last (C8)."""
 
+    def cleanup_all(self, mails: Sequence[PendingCleanupMail]) -> list[bool]:
+        """``cleanup`` of every entry of ``mails``, in one call (C16): the relay's
+        delivered entries of one message released together.
+
+        Each entry is released exactly as its own call would release it, and its result
+        (in the order given) is what that call returns.  Every handle is checked before
+        anything is released: a misused handle, or one entry twice, raises
+        ``MisuseError`` and nothing changes.  After a crash inside it, each entry is
+        PENDING_CLEANUP or GONE, each on its own (recovery finishes it: rule 5).  On
+        ``StorageIOError`` its ``handles`` are live handles of every entry of the batch
+        that may not be released (``handle`` is None): a retry with one releases it, or
+        answers False where it was released meanwhile.  This default makes the calls one
+        by one; a backend may release a message's entries together (the filesystem
+        queue looks at the message file's link count once a message, not twice an
+        entry)."""
+        handles = self._take_all(mails, PendingCleanupMail, "cleanup_all")
+        for h in handles:
+            self._give_back(h)  # each call below takes its own
+        released: list[bool] = []
+        try:
+            for h in handles:
+                released.append(self.cleanup(h))
+        except StorageIOError as e:
+            e.handle = None
+            e.handles = tuple(self._give_back(h) for h in handles[len(released):])
+            raise
+        return released
+
     # -- lifecycle --
 
     @abc.abstractmethod
@@ -784,16 +812,27 @@ class Storage(abc.ABC):
             if not isinstance(pair, tuple) or len(pair) != 2:
                 raise MisuseError("cancel takes (InflightMail, Schedule) pairs")
             cancels.append((self._peek(pair[0], InflightMail), validate_schedule(pair[1])))
-        every = [*dones, *(h for h, _ in cancels)]
+        self._consume_all([*dones, *(h for h, _ in cancels)], "send_finish")
+        return dones, cancels
+
+    def _take_all(self, handles: Sequence[object], cls: type[H], what: str) -> list[H]:
+        """Check every handle of a batch call, then consume them all at once; on any
+        misuse nothing is consumed (C11)."""
+        if isinstance(handles, (str, bytes)) or not isinstance(handles, Sequence):
+            raise MisuseError(f"{what} takes a sequence of {cls.__name__}")
+        every = [self._peek(h, cls) for h in handles]
+        self._consume_all(every, what)
+        return every
+
+    def _consume_all(self, every: Sequence[Handle], what: str) -> None:
         if len({id(h) for h in every}) != len(every) or \
                 len({h.entry_id for h in every}) != len(every):
-            raise MisuseError("send_finish names one entry more than once")
+            raise MisuseError(f"{what} names one entry more than once")
         with self._handle_lock:
             if not all(h._live for h in every):
                 raise MisuseError("a handle of this batch was used already")
             for h in every:
                 h._live = False
-        return dones, cancels
 
     def _batch_failed(self, e: StorageIOError, dones: Sequence[InflightMail],
                       cancels: Sequence[tuple[InflightMail, Schedule]]) -> StorageIOError:

@@ -2,8 +2,8 @@
 
 A crash inside operation ``op`` applied to model state ``S`` must leave, once recovery has
 run, exactly the restart view of ``S`` (the operation did not happen) or of ``op(S)`` (it
-did); inside a SEND_FINISH (rule 7), each entry's view from one or the other.  Nothing
-else: no mixture (atomicity), nothing older (durability of everything
+did); inside a SEND_FINISH or CLEANUP_ALL (rules 7, 8), each entry's view from one or
+the other.  Nothing else: no mixture (atomicity), nothing older (durability of everything
 acknowledged before), nothing resurrected.  This is the "pending" oracle of RocksDB's
 stress test, with one pending operation.
 
@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from spec.model import Call, EntryKey, EntryView, Model, run
-from spec.states import EntryState, Op
+from spec.states import BATCHES, EntryState, Op
 
 CLAUSES: dict[str, str] = {
     "C1": "Durable ack",
@@ -109,8 +109,8 @@ def judge(
                 "C5", f"entry {key} has schedule {g.schedule}, allowed {sorted(scheds)}"))
     if not out and call is not None and call.op is Op.ENQUEUE:
         out.append(Violation("C2", "only some entries of the interrupted enqueue survived"))
-    if not out and call is not None and call.op is Op.SEND_FINISH:
-        return out  # rule 7: each entry of the batch old or new, independently
+    if not out and call is not None and call.op in BATCHES:
+        return out  # rules 7 and 8: each entry of the batch old or new, independently
     if not out:
         out.append(Violation("C5", "a mixture of the old and new states was recovered"))
     return out

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from spec.contract_errors import ScheduleError
 from spec.states import (
-    BATCH_OPS,
+    BATCHES,
     LIVE_STATES,
     TABLE,
     EntryState,
@@ -171,7 +171,7 @@ class Model:
     ) -> tuple[Model, Outcome]:
         """Apply a single-entry operation.  Returns the new model and the outcome.
 
-        pre: op != Op.ENQUEUE and op != Op.SEND_FINISH
+        pre: op != Op.ENQUEUE and op not in BATCHES
         pre: (schedule is not None) == TABLE[op].changes_schedule
         pre: all(k in self.retired for k in self.keys_in(EntryState.PENDING_CLEANUP))
         post: (__return__[1] == Outcome.MOVED) == (self.state_of(key) == TABLE[op].source)
@@ -182,8 +182,8 @@ class Model:
         """
         if op is Op.ENQUEUE:
             raise ValueError("use Model.enqueue for ENQUEUE")
-        if op is Op.SEND_FINISH:
-            raise ValueError("use Model.finish for SEND_FINISH")
+        if op in BATCHES:
+            raise ValueError(f"use Model.finish for {op.name}")
         t = TABLE[op]
         if t.changes_schedule and schedule is None:
             raise ValueError(f"{op.value} needs a schedule")
@@ -206,15 +206,18 @@ class Model:
                 messages = {m: v for m, v in messages.items() if m != key[0]}
         return replace(self, entries=entries, retired=retired, messages=messages), outcome
 
-    def finish(self, parts: Sequence[Call]) -> tuple[Model, tuple[Outcome, ...]]:
-        """A SEND_FINISH (rule 7): each part applied in turn, as if called alone.
+    def finish(self, parts: Sequence[Call], batch: Op = Op.SEND_FINISH
+               ) -> tuple[Model, tuple[Outcome, ...]]:
+        """A SEND_FINISH or a CLEANUP_ALL (``batch``, rules 7 and 8): each part applied in
+        turn, as if called alone.
 
-        pre: all(c.op in BATCH_OPS and c.key is not None for c in parts)
+        pre: batch in BATCHES
+        pre: all(c.op in BATCHES[batch] and c.key is not None for c in parts)
         pre: len({c.key for c in parts}) == len(parts)
         post: len(__return__[1]) == len(parts)
         post: __return__[0].next_id == self.next_id and self.retired <= __return__[0].retired
         """
-        check_parts(parts)
+        check_parts(parts, batch)
         model = self
         outcomes = []
         for c in parts:
@@ -250,12 +253,13 @@ class Call:
     mail_from: str = ""
     body: bytes = b""
     rcpts: tuple[tuple[str, Schedule], ...] = ()
-    #: the steps of a SEND_FINISH call (rule 7), each a single-entry call of BATCH_OPS
+    #: the steps of a SEND_FINISH or CLEANUP_ALL call (rules 7 and 8), each a
+    #: single-entry call of the ops ``BATCHES`` names for it
     parts: tuple[Call, ...] = ()
 
     def describe(self) -> str:
-        if self.op is Op.SEND_FINISH:
-            return f"send_finish({'; '.join(p.describe() for p in self.parts)})"
+        if self.op in BATCHES:
+            return f"{self.op.value}({'; '.join(p.describe() for p in self.parts)})"
         if self.op is Op.ENQUEUE:
             rc = ", ".join(f"{r}@{s.at}" for r, s in self.rcpts)
             return f"enqueue(from={self.mail_from!r}, body={len(self.body)}B, rcpts=[{rc}])"
@@ -267,36 +271,39 @@ class Call:
         return f"{self.op.value}({', '.join(args)})"
 
 
-def check_parts(parts: Sequence[Call]) -> None:
-    """The steps of a SEND_FINISH: single-entry calls of BATCH_OPS on distinct entries."""
+def check_parts(parts: Sequence[Call], batch: Op = Op.SEND_FINISH) -> None:
+    """The steps of a SEND_FINISH or CLEANUP_ALL (``batch``): single-entry calls of the
+    ops ``BATCHES`` names for it, on distinct entries."""
+    allowed = BATCHES[batch]
     for c in parts:
-        if c.op not in BATCH_OPS or c.key is None or c.parts:
-            raise ValueError(f"a send_finish step must be send_done or send_cancel of one "
+        if c.op not in allowed or c.key is None or c.parts:
+            raise ValueError(f"a {batch.value} step must be "
+                             f"{' or '.join(sorted(o.value for o in allowed))} of one "
                              f"entry, not {c.describe()}")
     if len({c.key for c in parts}) != len(parts):
-        raise ValueError("a send_finish names one entry more than once")
+        raise ValueError(f"a {batch.value} names one entry more than once")
 
 
-def finish_call(parts: Sequence[Call]) -> Call:
-    """A SEND_FINISH call of ``parts`` (rule 7)."""
-    check_parts(parts)
-    return Call(Op.SEND_FINISH, parts=tuple(parts))
+def finish_call(parts: Sequence[Call], batch: Op = Op.SEND_FINISH) -> Call:
+    """A SEND_FINISH (rule 7) or CLEANUP_ALL (rule 8) call of ``parts``."""
+    check_parts(parts, batch)
+    return Call(batch, parts=tuple(parts))
 
 
 def keys_of(call: Call) -> list[EntryKey]:
-    """The entries a call names (every step's of a SEND_FINISH; none for an enqueue)."""
-    if call.op is Op.SEND_FINISH:
+    """The entries a call names (every step's of a batch; none for an enqueue)."""
+    if call.op in BATCHES:
         return [k for p in call.parts if (k := p.key) is not None]
     return [] if call.key is None else [call.key]
 
 
 def run(model: Model, call: Call) -> tuple[Model, Outcome | int]:
-    """Apply one workload call to the model.  A SEND_FINISH answers MOVED when any of its
-    steps moved (``Model.finish`` gives each step's outcome)."""
+    """Apply one workload call to the model.  A batch (SEND_FINISH, CLEANUP_ALL) answers
+    MOVED when any of its steps moved (``Model.finish`` gives each step's outcome)."""
     if call.op is Op.ENQUEUE:
         return model.enqueue(call.mail_from, call.body, call.rcpts)
-    if call.op is Op.SEND_FINISH:
-        after, outcomes = model.finish(call.parts)
+    if call.op in BATCHES:
+        after, outcomes = model.finish(call.parts, call.op)
         return after, Outcome.MOVED if Outcome.MOVED in outcomes else Outcome.VANISHED
     assert call.key is not None
     return model.apply(call.op, call.key, call.schedule)

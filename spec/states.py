@@ -34,6 +34,9 @@ Rules, which the table below encodes and nothing else may add to:
    SEND_CANCEL steps on distinct entries (``BATCH_OPS``; a delivery's outcomes), each
    entry moving by its own row as if called alone.  Crashed inside, each entry is
    where its own step before or after would leave it, independently of the others.
+8. CLEANUP_ALL is no row either: one call of several CLEANUP steps on distinct entries
+   (a delivered message's entries released together), each as if called alone, and
+   after a crash inside each entry where its own step before or after would leave it.
 
 No I/O lives here.
 """
@@ -65,6 +68,7 @@ class Op(enum.Enum):
     RELEASE = "release"
     DROP_HELD = "drop_held"
     SEND_FINISH = "send_finish"  # rule 7: steps of BATCH_OPS, not a transition
+    CLEANUP_ALL = "cleanup_all"  # rule 8: CLEANUP steps, not a transition
 
 
 class Outcome(enum.Enum):
@@ -107,6 +111,11 @@ DELIVERABLE = frozenset({EntryState.QUEUED, EntryState.HELD, EntryState.INFLIGHT
 #: The steps one SEND_FINISH call may make (rule 7).
 BATCH_OPS = frozenset({Op.SEND_DONE, Op.SEND_CANCEL})
 
+#: The calls made of single-entry steps on distinct entries, and the steps each may make
+#: (rules 7 and 8).
+BATCHES: dict[Op, frozenset[Op]] = {Op.SEND_FINISH: BATCH_OPS,
+                                    Op.CLEANUP_ALL: frozenset({Op.CLEANUP})}
+
 #: The operations of the hold capability (``Capability.HOLD`` of a Storage).
 HOLD_OPS = frozenset({Op.HOLD, Op.RELEASE, Op.DROP_HELD})
 
@@ -124,7 +133,7 @@ RESTART: dict[EntryState, EntryState] = {
 
 def step(state: EntryState, op: Op) -> tuple[Outcome, EntryState]:
     """Apply ``op`` to one entry in ``state`` (rules 1 and 2).  ``op`` is a row of the
-    table (SEND_FINISH is not: rule 7).
+    table (SEND_FINISH and CLEANUP_ALL are not: rules 7 and 8).
 
     pre: op in TABLE
     post: (__return__[0] == Outcome.MOVED) == (state == TABLE[op].source)

@@ -70,11 +70,12 @@ def test_enumeration_is_exhaustive_and_deterministic() -> None:
             assert before.next_id <= 2
     ops = {c.op for s in steps for c in s.workload}
     # the hold operations: workloads.hold_workloads; send_finish needs two INFLIGHT
-    # entries first, so it appears at bound 4
-    assert ops == set(Op) - HOLD_OPS - {Op.SEND_FINISH}
-    four = [s.workload for s in enumerate_steps(4) if s.workload
-            and s.workload[-1].op is Op.SEND_FINISH]
-    assert four and all(len(w) == 4 for w in four)
+    # entries first and cleanup_all two PENDING_CLEANUP ones, so they appear at bound 4
+    assert ops == set(Op) - HOLD_OPS - {Op.SEND_FINISH, Op.CLEANUP_ALL}
+    for batch in (Op.SEND_FINISH, Op.CLEANUP_ALL):
+        four = [s.workload for s in enumerate_steps(4) if s.workload
+                and s.workload[-1].op is batch]
+        assert four and all(len(w) == 4 for w in four), batch
     # two recipients at most, bodies distinct per message
     enq = [c for s in steps for c in s.workload if c.op is Op.ENQUEUE]
     assert {len(c.rcpts) for c in enq} == {1, 2}

@@ -496,6 +496,40 @@ def test_send_finish_steps_are_checked() -> None:
         Model().apply(Op.SEND_FINISH, k)
 
 
+def test_cleanup_all_is_the_fold_of_its_cleanups_and_checked() -> None:
+    """Every reachable state with two PENDING_CLEANUP entries or more: a CLEANUP_ALL of
+    any two or more of them (rule 8) is the cleanups one after the other, it keeps every
+    invariant, and a crash inside it may leave each entry where its own step before or
+    after would (after recovery: GONE alike)."""
+    n = 0
+    for m in explore(CI_BOUND).states:
+        keys = m.keys_in(EntryState.PENDING_CLEANUP)
+        for size in range(2, len(keys) + 1):
+            for chosen in itertools.combinations(keys, size):
+                parts = [Call(Op.CLEANUP, k) for k in chosen]
+                call = finish_call(parts, Op.CLEANUP_ALL)
+                after, outcomes = m.finish(parts, Op.CLEANUP_ALL)
+                want = m
+                for p in parts:
+                    want, _ = run(want, p)
+                assert after == want and outcomes == (Outcome.MOVED,) * size
+                assert run(m, call) == (after, Outcome.MOVED)
+                assert check(after) == []
+                assert judge(m, call, after.restart().view()) == []
+                assert judge(m, call, m.restart().view()) == []
+                n += 1
+    assert n > 10
+    k = (0, 0)
+    for bad in ([Call(Op.CLEANUP, k), Call(Op.CLEANUP, k)], [Call(Op.SEND_DONE, k)],
+                [Call(Op.CLEANUP, None)]):
+        with pytest.raises(ValueError):
+            finish_call(bad, Op.CLEANUP_ALL)
+    with pytest.raises(ValueError):
+        Model().apply(Op.CLEANUP_ALL, k)
+    with pytest.raises(ValueError):  # a send_finish takes no cleanup
+        finish_call([Call(Op.CLEANUP, k)])
+
+
 def test_judge_allows_each_entry_of_a_batch_old_or_new_on_its_own() -> None:
     """Inside a SEND_FINISH every mixture of the steps' old and new views is allowed (rule
     7), and nothing else: an entry outside the batch changed, a done entry listed with

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spec.model import EntryKey, Model, Schedule
-from spec.states import TABLE, EntryState, Op, Outcome
+from spec.states import BATCHES, TABLE, EntryState, Op, Outcome
 
 #: The listings a history records, and the state each lists.
 LISTINGS: dict[str, EntryState] = {
@@ -70,7 +70,8 @@ LISTINGS: dict[str, EntryState] = {
 #: A read of an INFLIGHT entry's envelope and body (compared with its enqueue's data).
 READ = "read_inflight"
 #: The transitions a history records, by the name of the Storage method.
-TRANSITIONS: dict[str, Op] = {op.value: op for op in Op if op not in (Op.ENQUEUE, Op.SEND_FINISH)}
+TRANSITIONS: dict[str, Op] = {op.value: op for op in Op
+                              if op is not Op.ENQUEUE and op not in BATCHES}
 #: The operations that retire an entry (after them it is never delivered: C3).
 RETIRING = frozenset({Op.SEND_DONE, Op.DROP, Op.DROP_HELD})
 #: Which clause to name first when several calls cannot be linearized.

@@ -126,6 +126,10 @@ class Driver:
             with self._bracket(call.op.value):
                 self._finish(index, model, call)
             return after
+        if call.op is Op.CLEANUP_ALL:
+            with self._bracket(call.op.value):
+                self._cleanup_all(index, model, call)
+            return after
         assert call.key is not None
         key = call.key
         if result is Outcome.MOVED:
@@ -186,6 +190,24 @@ class Driver:
                 raise Divergence(index, call, "C5", f"the new handle of entry {p.key} has "
                                                     f"schedule {h.schedule}, not {want}")
             self.handles[p.key] = h
+
+    def _cleanup_all(self, index: int, model: Model, call: Call) -> None:
+        """A CLEANUP_ALL: one ``cleanup_all`` of every step, each answer checked as its own
+        ``cleanup``'s would be.  Every step must move (no stale PendingCleanupMail)."""
+        _, outcomes = model.finish(call.parts, Op.CLEANUP_ALL)
+        if Outcome.VANISHED in outcomes:
+            raise ValueError(f"call {index} {call.describe()}: a cleanup_all step whose "
+                             "entry is not PENDING_CLEANUP has no handle to pass")
+        got = self.storage.cleanup_all(
+            [self.handles.pop(p.key) for p in call.parts if p.key is not None])
+        if len(got) != len(call.parts):
+            raise Divergence(index, call, "API", f"cleanup_all answered {len(got)} results "
+                                                 f"for {len(call.parts)} entries")
+        for p, released in zip(call.parts, got, strict=True):
+            if released is not True:
+                raise Divergence(index, call, "C1",
+                                 f"cleanup_all answered {released!r} for entry {p.key}, "
+                                 "which was PENDING_CLEANUP")
 
     def take_spares(self, keys: Iterable[EntryKey]) -> None:
         """List the queue and keep one more handle of each entry of ``keys``; an entry the

@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from spec.model import Call, EntryKey, Model, Schedule, finish_call, run
-from spec.states import EntryState, Op, Outcome
+from spec.states import BATCHES, EntryState, Op, Outcome
 
 Workload = tuple[Call, ...]
 
@@ -116,6 +116,9 @@ def _options(history: Sequence[Model], model: Model, max_messages: int,
             Call(Op.SEND_DONE, key) if i % 2 == 0 else
             Call(Op.SEND_CANCEL, key, _bumped(model, key, attempt=True))
             for i, key in enumerate(inflight)]))
+    pending = model.keys_in(EntryState.PENDING_CLEANUP)
+    if len(pending) >= 2:  # a delivered message's entries released together
+        out.append(finish_call([Call(Op.CLEANUP, key) for key in pending], Op.CLEANUP_ALL))
     if stale:
         for key in stale_candidates(history, model):
             out.append(Call(Op.SEND_START, key))
@@ -222,7 +225,7 @@ def targeted_workloads(max_length: int = 4) -> list[Workload]:
         key: tuple[Op, int]
         if call.op is Op.ENQUEUE:
             key = (call.op, len(call.rcpts))
-        elif call.op is Op.SEND_FINISH and res is Outcome.MOVED:
+        elif call.op in BATCHES and res is Outcome.MOVED:
             key = (call.op, len(call.parts))
         elif res is Outcome.MOVED and call.key is not None:
             key = (call.op, len(step.before.messages[call.key[0]].rcpts))

@@ -84,7 +84,8 @@ class CheckSpec:
 CHECKS: tuple[CheckSpec, ...] = (
     CheckSpec("lockstep", "backend and model in lockstep under random operations "
               "(hypothesis state machine), stale handles, reads, drain to zero",
-              Kind.LOCKSTEP, ("C2", "C3", "C5", "C6", "C7", "C8", "C9", "C13", "C15", API)),
+              Kind.LOCKSTEP, ("C2", "C3", "C5", "C6", "C7", "C8", "C9", "C13", "C15", "C16",
+                              API)),
     CheckSpec("restart", "lockstep with orderly restarts: close and reopen keeps every "
               "acknowledged entry; recovery requeues inflight, finishes cleanups",
               Kind.LOCKSTEP, ("C1", "C3", "C4", "C10", API)),
@@ -114,7 +115,8 @@ CHECKS: tuple[CheckSpec, ...] = (
               "ones) under each persistence model, judged by the pending-op oracle; "
               "crashes inside recovery; fsyncs failing with EIO",
               Kind.CRASH_EXPLORATION,
-              ("C1", "C2", "C3", "C4", "C5", "C6", "C8", "C9", "C10", "C15"), Level.OPTIONAL,
+              ("C1", "C2", "C3", "C4", "C5", "C6", "C8", "C9", "C10", "C15", "C16"),
+              Level.OPTIONAL,
               (Capability.IO_SEAM,), crash=True, seam_only=True),
     CheckSpec("io-errors", "a disk call fails with EIO or ENOSPC; the outcome is judged "
               "against the model: failed with StorageIOError and the old or new state, or "

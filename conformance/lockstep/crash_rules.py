@@ -46,7 +46,7 @@ from faultinject import MODELS, CrashState, crash_states, materialize
 from faultinject.seam import FaultyIO
 from spec.crash import CLAUSES, allowed_views
 from spec.model import Call, Model, run
-from spec.states import Op
+from spec.states import BATCHES, Op
 
 #: How many crash states ``crash_states`` builds to choose from (see faultinject.models).
 EXHAUSTIVE_LIMIT = 6
@@ -114,7 +114,7 @@ class CrashRules(RestartRules):
         if call is not None:
             views = to_views(rec, self.mids, self.keys, before, call)
             allowed = allowed_views(before, call)
-            if call.op is Op.SEND_FINISH:  # each step old or new on its own (rule 7)
+            if call.op in BATCHES:  # each step old or new on its own (rules 7, 8)
                 got = {(v.msg, v.index): v for v in views}
                 for part in call.parts:
                     one = run(after, part)[0]

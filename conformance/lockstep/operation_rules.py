@@ -53,7 +53,8 @@ from spec.model import Call, EntryKey, finish_call, run
 from spec.states import HOLD_OPS, TABLE, EntryState, Op
 
 #: The operations the crash rule may crash inside, by rule name.
-CRASHABLE = ("enqueue", "enqueue_aborted", *(op.value for op in TAKES), Op.SEND_FINISH.value)
+CRASHABLE = ("enqueue", "enqueue_aborted", *(op.value for op in TAKES), Op.SEND_FINISH.value,
+             Op.CLEANUP_ALL.value)
 
 BAD_INPUT = ("mail_from", "rcpt", "no-rcpts", "zone")
 
@@ -287,6 +288,34 @@ class Operations(MachineBase):
     def cleanup(self, data: st.DataObject) -> None:
         self._act(data, Op.CLEANUP)
 
+    @precondition(lambda self: self._has(PendingCleanupMail))
+    @rule(data=st.data())
+    def cleanup_all(self, data: st.DataObject) -> None:
+        self._cleanup_all(data)
+
+    def _cleanup_all(self, data: st.DataObject) -> Call:
+        """``cleanup_all`` of some PENDING_CLEANUP entries (C16), each through any handle
+        the pool holds of it (a stale one included): each answer compared as its own
+        ``cleanup``'s, the model folding the steps in order."""
+        keys = sorted({k for h, k in self.pool if type(h) is PendingCleanupMail})
+        chosen = data.draw(st.lists(st.sampled_from(keys), min_size=1, max_size=len(keys),
+                                    unique=True))
+        parts: list[tuple[Handle, EntryKey]] = []
+        for key in chosen:
+            held = [x for x in self.pool if type(x[0]) is PendingCleanupMail and x[1] == key]
+            h, _ = held[data.draw(st.integers(0, len(held) - 1))]
+            self.pool.remove((h, key))
+            parts.append((h, key))
+        self.log.append("cleanup_all(" + "; ".join(f"cleanup{key}" for _, key in parts) + ")")
+        got = self._call("cleanup_all", lambda: self.store.cleanup_all(
+            [h for h, _ in parts]), "cleanup_all")
+        if not isinstance(got, list) or len(got) != len(parts):
+            raise ClauseViolation("API", f"cleanup_all answered {got!r} for {len(parts)} "
+                                         "entries")
+        for (h, key), answer in zip(parts, got, strict=True):
+            self._transition(Op.CLEANUP, key, h, answer, None)
+        return finish_call([Call(Op.CLEANUP, key) for _, key in parts], Op.CLEANUP_ALL)
+
     @precondition(lambda self: self.holds and self._has(QueuedMail))
     @rule(data=st.data())
     def hold(self, data: st.DataObject) -> None:
@@ -309,6 +338,8 @@ class Operations(MachineBase):
             return True
         if name == Op.SEND_FINISH.value:
             return self._has(InflightMail)
+        if name == Op.CLEANUP_ALL.value:
+            return self._has(PendingCleanupMail)
         if Op(name) in HOLD_OPS and not self.holds:
             return False
         return self._has(TAKES[Op(name)])
@@ -323,6 +354,8 @@ class Operations(MachineBase):
         op = Op(name)
         if op is Op.SEND_FINISH:
             return self._finish(data)
+        if op is Op.CLEANUP_ALL:
+            return self._cleanup_all(data)
         return self._act(data, op, data.draw(schedules) if TABLE[op].changes_schedule else None)
 
     # ---- reading and draining ----------------------------------------------------------
