@@ -111,6 +111,40 @@ def test_send_finish_rule_compares_each_step_with_the_model() -> None:
     assert "send_cancel" in info.value.detail
 
 
+class _CleanupAllKeepsFiles(FsQueue):
+    """A cleanup_all that never looks at the message file's link count: every entry of
+    the batch gives up its names as if another still held the file (C8: a message
+    released whole by one batch leaves its file behind)."""
+
+    def _cleanup_entry(self, e, *, single=None, record=True,  # type: ignore[no-untyped-def]
+                       shared=False):
+        return super()._cleanup_entry(e, single=False, record=record,
+                                      shared=shared or self._in_batch)
+
+    _in_batch = False
+
+    def cleanup_all(self, mails):  # type: ignore[no-untyped-def]
+        self._in_batch = True
+        try:
+            return super().cleanup_all(mails)
+        finally:
+            self._in_batch = False
+
+
+def test_cleanup_all_rule_compares_each_step_with_the_model() -> None:
+    """The lockstep's cleanup_all rule folds the steps into the model, and a batch that
+    leaves a released message's file behind is C8 when the queue drains."""
+    broken = Backend.from_factory(lambda root, io: _CleanupAllKeepsFiles(root, io),
+                                  "fs-cleanup-all-keeps-files")
+    machine = lockstep_machine(broken)
+    with pytest.raises(ClauseViolation) as info:
+        run_state_machine_as_test(machine, settings=settings(
+            max_examples=400, stateful_step_count=30, derandomize=True, database=None,
+            phases=[Phase.explicit, Phase.generate], deadline=None, print_blob=False,
+            suppress_health_check=list(HealthCheck)))
+    assert info.value.clause == "C8", info.value
+
+
 def test_crash_rule_catches_a_commit_without_directory_fsync() -> None:
     """NoCommitDirFsync acknowledges an enqueue whose commit rename is not yet durable:
     a power cut during a later operation may lose the message (C1).  Opened as crash

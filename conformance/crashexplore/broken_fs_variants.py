@@ -228,10 +228,24 @@ class CleanupSharedData(_Fsync):
     the message still need it."""
 
     def _release_link(self, e: EntryName, link: str, *, single: bool | None = None,
-                      keep: str | None = None) -> tuple[bool, bool]:
+                      keep: str | None = None, shared: bool = False) -> tuple[bool, bool]:
         if_exists(self.io.unlink, self.layout.ref(e))
         kept = self._free_message(e.msgid, keep)
         return self._unlink_link(link), kept
+
+
+class CleanupAllLinkBeforeRef(_Fsync):
+    """cleanup_all unlinks the cleanup/ link of an entry another of the batch still holds
+    the file for before its reference: a crash in between leaves a reference no link
+    names, which keeps the message file from being known as released."""
+
+    def _release_link(self, e: EntryName, link: str, *, single: bool | None = None,
+                      keep: str | None = None, shared: bool = False) -> tuple[bool, bool]:
+        if not shared:
+            return super()._release_link(e, link, single=single, keep=keep)
+        removed = self._unlink_link(link)
+        if_exists(self.io.unlink, self.layout.ref(e))
+        return removed, False
 
 
 class CleanupLinkFirst(_Fsync):
@@ -240,7 +254,7 @@ class CleanupLinkFirst(_Fsync):
     names."""
 
     def _release_link(self, e: EntryName, link: str, *, single: bool | None = None,
-                      keep: str | None = None) -> tuple[bool, bool]:
+                      keep: str | None = None, shared: bool = False) -> tuple[bool, bool]:
         if_exists(self.io.unlink, self.layout.ref(e))
         removed = self._unlink_link(link)
         st = lstat_or_none(self.io, self.layout.msg_file(e.msgid))
@@ -442,6 +456,13 @@ VARIANTS: tuple[Variant, ...] = (
             (_E1, _START, Call(Op.SEND_CANCEL, _K, Schedule(1100, 1, "451 4.4.1 deferred")))),
     Variant("fs-broken-cleanup-shared", CleanupSharedData, "C1",
             (_E2, Call(Op.DROP, _K), Call(Op.CLEANUP, _K))),
+    Variant("fs-broken-cleanup-all-link-first", CleanupAllLinkBeforeRef, "",
+            (_E2, Call(Op.DROP, _K), Call(Op.DROP, (0, 1)),
+             finish_call([Call(Op.CLEANUP, _K), Call(Op.CLEANUP, (0, 1))], Op.CLEANUP_ALL)),
+            "absorbed: a reference left without its link is a name no link refers to, "
+            "which recovery removes, and the message file then goes as the cleanup's "
+            "orphan; an entry PENDING_CLEANUP is never sent again, so a crash inside a "
+            "cleanup can only leak, and recovery finishes every cleanup"),
     Variant("fs-broken-spare-not-cut", SpareNotCut, "C1", (*LIFE, enqueue_call(1, 1))),
     Variant("fs-broken-noorphans", NoOrphanScan, "C8", (_E1, _RESCHED)),
     Variant("fs-broken-requeue-unlink-first", RequeueUnlinkFirst, "C10", (_E1, _START)),

@@ -1047,6 +1047,36 @@ class FsQueue(FsMetadata, Storage):
                 return self._cleanup_entry(e)
             return self._cleanup_entry(e, single=held.single, record=held.record)
 
+    def cleanup_all(self, mails: Sequence[PendingCleanupMail]) -> list[bool]:
+        """See ``Storage.cleanup_all``: a message's entries released together.  Every
+        entry of a message in the batch but its last gives up its names without a look
+        at the message file's link count: the last still holds its own names, so none of
+        the others can be the file's last holder.  The last is released as ``cleanup``
+        releases an entry (C8), looking at the count once the others' names are gone:
+        one look a message instead of two an entry."""
+        handles = self._take_all(mails, PendingCleanupMail, "cleanup_all")
+        released = [False] * len(handles)
+        by_message: dict[str, list[int]] = {}
+        for k, h in enumerate(handles):
+            by_message.setdefault(h.message_id, []).append(k)
+        finished: set[int] = set()
+        try:
+            with self._guard("cleanup", None):
+                for ks in by_message.values():
+                    for k in ks:
+                        h = handles[k]
+                        held = h._extra if isinstance(h._extra, _Held) else None
+                        released[k] = self._cleanup_entry(
+                            self._entry(h), single=None if held is None else held.single,
+                            record=held is None or held.record, shared=k != ks[-1])
+                        finished.add(k)
+        except StorageIOError as err:
+            err.handle = None
+            err.handles = tuple(self._give_back(h) for k, h in enumerate(handles)
+                                if k not in finished)
+            raise
+        return released
+
     # ---- lifecycle -------------------------------------------------------------------
 
     def recover(self) -> RecoveryReport:

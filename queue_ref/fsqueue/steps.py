@@ -476,7 +476,7 @@ class FsSteps:
     # ---- cleanup ---------------------------------------------------------------------
 
     def _release_link(self, e: EntryName, link: str, *, single: bool | None = None,
-                      keep: str | None = None) -> tuple[bool, bool]:
+                      keep: str | None = None, shared: bool = False) -> tuple[bool, bool]:
         """Remove an entry's ``link`` and its hold on the message file (its reference
         ``data/<msgid>.<i>`` first, 2+ recipients): the file goes (renamed to ``keep``
         instead, when given: a quarantined entry's intact body stays for salvage) when no
@@ -491,10 +491,15 @@ class FsSteps:
         A holder that sees other links unlinks its own first and then looks again: of
         several entries released at once, the last to unlink sees the count at one and
         frees the file, without a shared counter (C8).  ``single``: the message is known
-        to have one recipient (its link is the only one: no count is read)."""
+        to have one recipient (its link is the only one: no count is read).  ``shared``:
+        the caller holds another entry of the message until after this call, so this is
+        not the last holder (no count is read either)."""
         path = self.layout.msg_file(e.msgid)
         if single is None:
             single = self._single_recipient(e.msgid)
+        if shared:
+            if_exists(self.io.unlink, self.layout.ref(e))
+            return self._unlink_link(link), False
         if not single:
             if_exists(self.io.unlink, self.layout.ref(e))
             st = lstat_or_none(self.io, path)
@@ -567,7 +572,7 @@ class FsSteps:
         return if_exists(self.io.unlink, path)
 
     def _cleanup_entry(self, e: EntryName, *, single: bool | None = None,
-                       record: bool = True) -> bool:
+                       record: bool = True, shared: bool = False) -> bool:
         """Release a PENDING_CLEANUP entry: its schedule record, then its ``cleanup/`` link
         and the message file if no other entry holds it (``_release_link``).
 
@@ -578,12 +583,14 @@ class FsSteps:
         Power loss may keep the link's unlink and lose an earlier unlink: the leftover is
         then a name no link refers to, which the first recovery after the power loss
         (exclusive, since every process died) removes (C3, C8).  Returns True if this
-        call removed the link.
+        call removed the link.  ``shared``: another entry of the message, released
+        after this one by the same caller, holds the file meanwhile (``cleanup_all``).
         """
         self._drop_from_index(e)
         if record:
             if_exists(self.io.unlink, self.layout.sched(e))
-        return self._release_link(e, self.layout.cleanup_link(e), single=single)[0]
+        return self._release_link(e, self.layout.cleanup_link(e), single=single,
+                                  shared=shared)[0]
 
     # ---- small shared helpers --------------------------------------------------------
 
