@@ -6,7 +6,9 @@ send_cancel, and enqueue and commit of a message with the null sender (the relay
 bounces: the receiver's commits of the test's mail are not touched).  The relay hands a
 job's outcomes over in one ``send_finish``: ``send_done`` and ``send_cancel`` fail it when
 it holds such outcomes (before it moves anything), ``send_finish`` fails it after it moved
-the first half of its entries, one by one (a backend that broke off in the middle).  The
+the first half of its entries, one by one (a backend that broke off in the middle), and
+``cleanup_all`` likewise after it released the first half of its entries (``cleanup``
+fails it before it releases anything).  The
 file ``<queue>.io-send_finish`` makes the next batch fail as a disk does
 (``StorageIOError``, every handle given back, nothing moved)."""
 
@@ -20,7 +22,7 @@ from queue_ref.fsqueue import FsQueue
 from queue_ref.storage import Enqueuer, QueuedMail, Recipient, StorageIOError
 
 CALLS = ("send_start", "read_inflight", "send_done", "cleanup", "send_cancel", "enqueue",
-         "commit", "send_finish")
+         "commit", "send_finish", "cleanup_all")
 
 
 def trigger_of(path: str, call: str) -> str:
@@ -113,6 +115,14 @@ class FaultyStepsQueue(FsQueue):
     def cleanup(self, mail: Any) -> Any:
         self.maybe_fail("cleanup")
         return super().cleanup(mail)
+
+    def cleanup_all(self, mails: Any) -> Any:
+        self.maybe_fail("cleanup")
+        if os.path.exists(trigger_of(self.root, "cleanup_all")):
+            for h in list(mails)[: max(1, len(mails) // 2)]:
+                super().cleanup(h)  # released, and the answers lost with the error
+            self.maybe_fail("cleanup_all")
+        return super().cleanup_all(mails)
 
     def send_cancel(self, mail: Any, schedule: Any) -> Any:
         self.maybe_fail("send_cancel")

@@ -636,10 +636,29 @@ class DeliveryScheduler:
         the schedule."""
         if got is None:
             return
-        for pending in got.done:
-            if pending is not None:
-                self._retrying("cleanup", self.store.cleanup, pending)
+        self._release([pending for pending in got.done if pending is not None])
         requeued.extend(q for q in got.cancelled if q is not None)
+
+    def _release(self, pending: list[PendingCleanupMail]) -> None:
+        """A message's delivered entries released in one ``cleanup_all`` (C16: the
+        filesystem queue looks at the message file once, not twice an entry).  After a
+        failure each entry it may not have released goes on its own, with retries (an
+        entry it did release answers ``MisuseError`` for its spent handle: logged)."""
+        if len(pending) > 1:
+            try:
+                self.store.cleanup_all(pending)
+                return
+            except StorageIOError as err:
+                self.log.emit("error", pending[0].message_id, what="cleanup_all",
+                              reason=f"{type(err).__name__}: {err}")
+                self._queue_error(err)
+                if isinstance(err, ReopenRequiredError):
+                    return  # the reopened queue's recovery finishes every cleanup
+                pending = [h for h in err.handles if isinstance(h, PendingCleanupMail)]
+            except Exception as err:  # what no backend should raise: each entry alone
+                self._job_error("cleanup_all", pending[0].message_id, err)
+        for h in pending:
+            self._retrying("cleanup", self.store.cleanup, h)
 
     def _one_by_one(self, done: list[_Entry], cancel: list[tuple[_Entry, Schedule]],
                     requeued: list[QueuedMail], finished: Finished | None = None) -> None:
