@@ -23,7 +23,8 @@ Figures:
 * one message to 1,000 recipients (enqueue, then every entry's lifecycle);
 * 100-recipient messages (4 producers, 24 messages a round, three interleaved rounds):
   each message enqueued, every entry claimed, delivered and cleaned up, its outcomes in
-  one ``send_finish`` (C15) against one ``send_done`` per recipient
+  one ``send_finish`` (C15) and its cleanups in one ``cleanup_all`` (C16), as the relay
+  makes them, against one ``send_done`` and one ``cleanup`` per recipient
   (``wide_100_rcpts``, ``ratio_send_finish_to_each``);
 * peak Python memory while enqueuing and reading back a 100 MB body (in a child process);
 * the raw log ceiling: append 16 records of 4 KiB, one fdatasync, repeatedly; each KV
@@ -282,7 +283,8 @@ def many_recipients(q: Storage, n: int) -> dict[str, float]:
 
 def wide_one(q: Storage, now: int, rcpts: int, batch: bool) -> None:
     """One message of ``rcpts`` recipients (as a mailing list sends): every entry claimed,
-    all delivered, cleaned up; the outcomes in one ``send_finish`` or one call each."""
+    all delivered, cleaned up; the outcomes in one ``send_finish`` and the cleanups in one
+    ``cleanup_all`` (``batch``), or one call each."""
     with q.enqueue("list@example.org") as enq:
         enq.write(BODY)
         mails = enq.commit([Recipient(f"r{i}@d{i % 7}.example.net", Schedule(now))
@@ -291,9 +293,13 @@ def wide_one(q: Storage, now: int, rcpts: int, batch: bool) -> None:
     claimed = [m for m in inflight if m is not None]
     assert len(claimed) == rcpts
     done = q.send_finish(claimed).done if batch else [q.send_done(m) for m in claimed]
-    for d in done:
-        assert d is not None
-        q.cleanup(d)
+    pending = [d for d in done if d is not None]
+    assert len(pending) == rcpts
+    if batch:
+        assert all(q.cleanup_all(pending))
+    else:
+        for d in pending:
+            assert q.cleanup(d)
 
 
 def wide_rate(q: Storage, producers: int, messages: int, rcpts: int, batch: bool) -> float:
@@ -304,8 +310,9 @@ def wide_rate(q: Storage, producers: int, messages: int, rcpts: int, batch: bool
 
 def wide(q: Storage, rounds_: int, messages: int, rcpts: int = 100, producers: int = 4
          ) -> dict[str, object]:
-    """The 100-recipient lifecycle, its outcomes in one ``send_finish`` per message against
-    one ``send_done`` per recipient, in interleaved rounds on one queue."""
+    """The 100-recipient lifecycle, its outcomes in one ``send_finish`` and its cleanups in
+    one ``cleanup_all`` per message against one call per recipient each, in interleaved
+    rounds on one queue."""
     wide_rate(q, producers, producers, rcpts, True)  # warm
     batch: list[float] = []
     single_calls: list[float] = []
