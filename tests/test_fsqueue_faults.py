@@ -16,7 +16,6 @@ from queue_ref.fsqueue.fs_records import trailer
 from queue_ref.fsqueue.steps import BODY_BUFFER
 from queue_ref.io import OsIO
 from queue_ref.storage import (
-    ClosedError,
     CorruptionError,
     Footprint,
     InflightMail,
@@ -469,17 +468,69 @@ def test_a_message_file_gone_before_the_body_is_read_is_corruption(loaded: Any,
     assert q.send_done(i) is None  # no longer inflight: never reported delivered
 
 
-def test_an_entry_taken_from_us_is_found_when_its_body_is_read(loaded: Any,
-                                                               root: str) -> None:
-    """An entry claimed here is opened from what the claim read (no look at the disk per
-    recipient); its link is looked at when the body is first read, so an entry no
-    longer ours is refused there, and its delivery is never reported done."""
-    q, h = loaded
-    i = _inflight(q, h[0])
-    (link,) = os.listdir(os.path.join(root, "inflight"))
-    os.unlink(os.path.join(root, "inflight", link))  # as another process would take it
-    with q.read_inflight(i) as r:
-        assert r.meta.rcpt == "user0@example.org"
-        with pytest.raises(ClosedError, match="no longer inflight here"):
+def test_entries_of_a_message_quarantined_elsewhere_are_refused_when_opened(
+        root: str) -> None:
+    """Three entries claimed here, the first read; another open of the queue (another
+    process's) then quarantines the message.  The others are refused when opened (this
+    queue still has the envelope cached: only the link tells), never delivered, and the
+    quarantine note keeps its reason (found by a cold review: opened from the claim
+    alone, they were handed to the relay, and the next read re-quarantined the message
+    as "message file is missing")."""
+    q = FsQueue(root)
+    try:
+        inf = [_inflight(q, h) for h in put(q, n=3)]
+        with q.read_inflight(inf[0]) as r:
+            assert r.read_all().startswith(b"Subject")
+        with FsQueue(root) as other:
+            other._quarantine_message(inf[0].message_id, "found corrupt elsewhere")
+        (note,) = [n for n in os.listdir(os.path.join(root, "quarantine"))
+                   if n.endswith(".note")]
+        with open(os.path.join(root, "quarantine", note)) as f:
+            said = f.read()
+        for m in inf[1:]:
+            with pytest.raises(CorruptionError, match="was quarantined"):
+                q.read_inflight(m)
+        with open(os.path.join(root, "quarantine", note)) as f:
+            assert f.read() == said
+        assert q.send_finish(inf[1:]).done == [None, None]
+    finally:
+        q.close()
+
+
+def test_a_damaged_body_is_quarantined_once_with_its_reason(root: str) -> None:
+    """The relay's claim loop over a message whose body rotted: the first read finds the
+    digest wrong and quarantines the message; the others are refused as quarantined, and
+    the note still says why."""
+    q = FsQueue(root)
+    try:
+        inf = [_inflight(q, h) for h in put(q, n=3)]
+        with open(os.path.join(root, "data", inf[0].message_id), "r+b") as f:
+            f.write(b"X")
+        with q.read_inflight(inf[0]) as r, pytest.raises(CorruptionError,
+                                                         match="digest does not match"):
             r.read_all()
-    assert q.send_done(i) is None
+        for m in inf[1:]:
+            with pytest.raises(CorruptionError, match="was quarantined"):
+                q.read_inflight(m)
+        notes = [n for n in os.listdir(os.path.join(root, "quarantine")) if n.endswith(".note")]
+        assert len(notes) == 1
+        with open(os.path.join(root, "quarantine", notes[0])) as f:
+            assert "digest does not match" in f.read()
+    finally:
+        q.close()
+
+
+def test_an_empty_body_whose_file_is_gone_is_found(root: str) -> None:
+    """The file is opened when the body is first read, an empty body included: a message
+    file gone under our link is damage, found there and quarantined."""
+    q = FsQueue(root)
+    try:
+        (h,) = put(q, n=1, body=b"")
+        i = _inflight(q, h)
+        with q.read_inflight(i) as r:
+            os.unlink(os.path.join(root, "data", h.message_id))
+            with pytest.raises(CorruptionError, match="message file is missing"):
+                r.read()
+        assert q.send_done(i) is None
+    finally:
+        q.close()

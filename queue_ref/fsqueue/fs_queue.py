@@ -636,11 +636,11 @@ class FsQueue(FsMetadata, Storage):
         """Open an inflight entry of ours; see ``Storage.read_inflight``.  ClosedError if the
         entry is no longer ours (another process quarantined it).
 
-        An entry claimed here without a schedule record (``_Held``) is opened from what
-        the claim read, without a look at the disk: nobody else writes its record while
-        we hold it, and its link is looked at when the body is first read.  The relay
-        opens each of a message's entries for its recipient and reads one body, so a
-        hundred recipients cost no hundred looks."""
+        The message file is opened when the body is first read: the relay opens each of
+        a message's entries for its recipient and reads one body, and a hundred
+        recipients need not cost a hundred opens.  An entry claimed here without a
+        schedule record (``_Held``) has none while we hold it (nobody else writes one),
+        so none is looked for."""
         h = self._peek(mail, InflightMail)
         e = self._entry(h)
         link = self.layout.inflight_link(e, self.owner)
@@ -648,7 +648,7 @@ class FsQueue(FsMetadata, Storage):
         fresh = isinstance(held, _Held) and not held.record
         try:
             with self._rw.shared():
-                if not fresh and not is_link_file(self.io, link):
+                if not is_link_file(self.io, link):
                     raise self._gone(e)
                 try:
                     env = self._live_envelope(e.msgid)  # we hold the entry
@@ -661,11 +661,17 @@ class FsQueue(FsMetadata, Storage):
             raise storage_error("opening the mail", err, h) from err
         path = self.layout.msg_file(e.msgid)
 
-        def open_body() -> int:  # when the body is first read (a missing file: corrupt)
+        def open_body() -> int:
+            """The message file, when the body is first read.  Gone with our link: the
+            entry was taken from us meanwhile (quarantined: its note says why); gone
+            under our link: damage (FileNotFoundError: the reader quarantines it)."""
             with self._rw.shared():
-                if fresh and not is_link_file(self.io, link):
-                    raise self._gone(e)
-                return self.io.open_read(path)
+                try:
+                    return self.io.open_read(path)
+                except FileNotFoundError:
+                    if not is_link_file(self.io, link):
+                        raise self._gone(e) from None
+                    raise
 
         r = env.rcpts[e.index]
         meta = EntryMeta(e.msgid, e.entry_id, env.mail_from, r.address, e.index, r.zone,

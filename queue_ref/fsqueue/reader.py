@@ -89,6 +89,7 @@ class FsMailReader(MailReader):
         if self._fd is None:
             raise ClosedError("this MailReader is closed")
         try:
+            self._file()  # opened (and so found) even when the body is empty
             if self._pos == self.meta.body_size and not self._verified:
                 self._verify_end()
             if n == 0 or self._pos == self.meta.body_size:
