@@ -244,3 +244,24 @@ def test_a_name_with_a_huge_index_costs_a_few_looks(tmp_path: Path) -> None:
         assert io.lstats < 20, io.lstats
     finally:
         q.close()
+
+
+def test_a_held_entry_beside_a_corrupt_queued_one_is_given_once(tmp_path: Path) -> None:
+    """No concurrent change: entry .0 is queued with a damaged schedule record, .1 is
+    held.  The queue/ pass quarantines .0 and gives .1 with its message; the held/ pass
+    must not give .1 again although no queued entry of the message is left (found by a
+    cold review: mailq counted that recipient twice)."""
+    root = tmp_path / "q"
+    q = FsQueue(str(root))
+    try:
+        h = put(q, 2)
+        q0 = q.reschedule(h[0], Schedule(5, 1, "451 later"))
+        assert q0 is not None and q.hold(h[1]) is not None
+        (record,) = [n for n in os.listdir(root / "data") if n.endswith(".sched")]
+        with open(root / "data" / record, "r+b") as f:
+            f.write(b"garbage!")
+        got = [(type(x).__name__, x.entry_id) for x in q.scan_queue()]
+        assert got == [("HeldMail", h[1].entry_id)]
+        assert any(n.startswith(h[0].entry_id) for n in os.listdir(root / "quarantine"))
+    finally:
+        q.close()

@@ -446,10 +446,15 @@ class FsQueue(FsMetadata, Storage):
         entry of its message was there is not given if that entry moves before the scan
         meets it, and a held message found with a queued entry is given with that."""
         self._check_open()
-        # the held siblings of queued entries are looked for only when something is held
+        # the held siblings of queued entries are looked for only when something is held;
+        # the messages whose held entries the queue/ pass gave are skipped in held/
+        # (kept: as many as messages with held entries, not as the queue holds)
         held = self._has_names(self.layout.held)
-        yield from self._scan_dir(self.layout.queue, queued=True, held=held)
-        yield from self._scan_dir(self.layout.held, queued=False, held=True)
+        with_held: set[str] = set()
+        yield from self._scan_dir(self.layout.queue, queued=True, held=held,
+                                  with_held=with_held)
+        yield from self._scan_dir(self.layout.held, queued=False, held=True,
+                                  with_held=with_held)
 
     def _has_names(self, directory: str) -> bool:
         names: Iterator[str] = iter(())
@@ -465,7 +470,7 @@ class FsQueue(FsMetadata, Storage):
             if close is not None:
                 close()
 
-    def _scan_dir(self, directory: str, *, queued: bool, held: bool
+    def _scan_dir(self, directory: str, *, queued: bool, held: bool, with_held: set[str]
                   ) -> Iterator[QueuedMail | HeldMail]:
         names: Iterator[str] = iter(())
         given: set[str] = set()  # messages given although their lowest link failed
@@ -474,11 +479,13 @@ class FsQueue(FsMetadata, Storage):
             names = self.io.iter_names(directory)
             for name in names:
                 e = EntryName.parse(name)
-                if e is None or e.msgid in given:
+                if e is None or e.msgid in given or (not queued and e.msgid in with_held):
                     continue
                 self._check_open()
                 with self._guard(what, None, writes=False):
                     found = self._scan_message(e, queued, held, given)
+                if queued and any(kind is HeldMail for _, _, kind in found):
+                    with_held.add(e.msgid)
                 for sibling, schedule, kind in found:
                     yield self._issue(kind, sibling.entry_id, sibling.msgid, schedule)
         except FileNotFoundError:
@@ -495,15 +502,15 @@ class FsQueue(FsMetadata, Storage):
         """The entries of ``e``'s message linked in ``e``'s directory (queue/ if
         ``queued``, else held/), when ``e`` is the lowest of them (none otherwise: the
         lowest gives them when it is met); in queue/, with ``held``, also the message's
-        held entries, and in held/ nothing of a message with a queued entry (given
-        with that).  The message's envelope bounds the looks: a name that is no link,
+        held entries.  The message's envelope bounds the looks: a name that is no link,
         of no message, or past its recipients gives nothing (junk, which recovery
         quarantines), and a lower entry is looked for from the next index down, so an
         entry costs one look past the gap below it: about one per entry of a message, not
-        one per pair.  The entries from ``e`` up are each verified as ``list_queue``
-        does: a corrupt one is quarantined and left out, the others still given; if
-        ``e`` itself fails, its message goes in ``given`` (the scan skips its later
-        names, which would find no lower link and give the others again)."""
+        one per pair (with ``held``, one more in held/ per recipient not in queue/).  The
+        entries from ``e`` up are each verified as ``list_queue`` does: a corrupt one is
+        quarantined and left out, the others still given; if ``e`` itself fails, its
+        message goes in ``given`` (the scan skips its later names, which would find no
+        lower link and give the others again)."""
         link_of = self.layout.queue_link if queued else self.layout.held_link
         if not is_link_file(self.io, link_of(e)):
             return []
@@ -518,9 +525,6 @@ class FsQueue(FsMetadata, Storage):
             if is_link_file(self.io, link_of(EntryName(e.msgid, lower))):
                 return []
         n = len(env.rcpts)
-        if not queued and any(is_link_file(self.io, self.layout.queue_link(
-                EntryName(e.msgid, i))) for i in range(n)):
-            return []  # given with its queued entries
         kind: type[QueuedMail | HeldMail] = QueuedMail if queued else HeldMail
         out: list[tuple[EntryName, Schedule, type[QueuedMail | HeldMail]]] = []
         for index in range(n):
