@@ -395,8 +395,10 @@ class KvQueue(Storage):
         return heapq.merge(*streams, key=lambda h: keys.parse_entry_id(h.entry_id))
 
     def _zone_prefixes(self) -> list[bytes]:
-        """The key prefix of every delivery zone that holds a QUEUED entry: one look a
-        zone (each skips past the zone before it)."""
+        """The key prefix of every delivery zone that holds a QUEUED entry, as its keys
+        spell it (``delivery-zone <escaped zone> ``: one look a zone, each past the zone
+        before it).  Taken from the key found, not escaped again from its name: a
+        damaged key spelling its zone another way still moves the look on."""
         out: list[bytes] = []
         start = keys.ZONE
         with self._io("listing the queue"):
@@ -410,14 +412,14 @@ class KvQueue(Storage):
                         close()
                 if found is None:
                     return out
-                try:
-                    zone = keys.parse_indexed(found[0])[0]
-                except keys.BadKey:
-                    # not an entry key: recovery deals with it; look past it
+                field = found[0][len(keys.ZONE):].split(b" ", 1)[0]
+                prefix = keys.ZONE + field + b" "
+                if not field or not found[0].startswith(prefix):
+                    # no zone field: not an entry key (recovery deals with it); look past it
                     start = found[0] + b"\x00"
                     continue
-                out.append(keys.zone_prefix(zone))
-                start = keys.end_of(out[-1])
+                out.append(prefix)
+                start = keys.end_of(prefix)
 
     def _held(self) -> Iterator[HeldMail]:
         with self._io("listing held entries"):
