@@ -479,15 +479,7 @@ class MultiRootQueue(Storage):
         rest)."""
         dones, cancels = self._take_batch(done, cancel)
         every = [*dones, *(h for h, _ in cancels)]
-        try:
-            routed = [self._route(h) for h in every]
-        except Exception:
-            for h in every:
-                self._give_back(h)
-            raise
-        order: dict[int, list[int]] = {}  # root index -> positions in ``every``
-        for pos, (r, _) in enumerate(routed):
-            order.setdefault(r.index, []).append(pos)
+        routed, order = self._routed(every)
         got: list[Handle | None] = [None] * len(every)
         schedules = [s for _, s in cancels]
         n = len(dones)
@@ -503,6 +495,22 @@ class MultiRootQueue(Storage):
             for p, x in zip(positions, [*res.done, *res.cancelled], strict=True):
                 got[p] = None if x is None else self._wrap(r, x)
         return Finished(got[:n], got[n:])  # type: ignore[arg-type]
+
+    def _routed(self, every: Sequence[Handle]
+                ) -> tuple[list[tuple[_Root, Handle]], dict[int, list[int]]]:
+        """The root and own handle of each handle of a batch just taken, and each root's
+        positions in the batch (root index -> positions, the roots in the order they
+        first appear).  A handle no served root owns gives every handle back."""
+        try:
+            routed = [self._route(h) for h in every]
+        except Exception:
+            for h in every:
+                self._give_back(h)
+            raise
+        order: dict[int, list[int]] = {}
+        for pos, (r, _) in enumerate(routed):
+            order.setdefault(r.index, []).append(pos)
+        return routed, order
 
     def _finish_failed(self, e: StorageIOError, failed: _Root, positions: list[int],
                        every: list[InflightMail], routed: list[tuple[_Root, Handle]],
@@ -561,17 +569,10 @@ class MultiRootQueue(Storage):
         """Each root's entries in one ``cleanup_all`` of that root (C16), the roots in
         turn.  On ``StorageIOError`` from a root, the roots before it released theirs and
         the roots after it nothing: the error hands back a live handle of every entry
-        that may not be released (the failing root's say which of its own)."""
+        that may not be released (the failing root's say which of its own); on another
+        error every handle of the roots not done is given back."""
         every = self._take_all(mails, PendingCleanupMail, "cleanup_all")
-        try:
-            routed = [self._route(h) for h in every]
-        except Exception:
-            for h in every:
-                self._give_back(h)
-            raise
-        order: dict[int, list[int]] = {}  # root index -> positions in ``every``
-        for pos, (r, _) in enumerate(routed):
-            order.setdefault(r.index, []).append(pos)
+        routed, order = self._routed(every)
         released = [False] * len(every)
         finished: set[int] = set()
         for index, positions in order.items():
@@ -579,14 +580,17 @@ class MultiRootQueue(Storage):
             try:
                 res = self._store(r).cleanup_all(
                     [routed[p][1] for p in positions])  # type: ignore[misc]
-            except StorageIOError as e:
-                self._failed(r, e)
-                back = {id(x) for x in e.handles or ()}
-                e.handle = None
-                e.handles = tuple(
+            except Exception as e:
+                if isinstance(e, StorageIOError):
+                    self._failed(r, e)
+                back = {id(x) for x in e.handles} if isinstance(e, StorageIOError) else None
+                handed = tuple(
                     self._give_back(h) for p, h in enumerate(every)
-                    if p not in finished and (routed[p][0] is not r
+                    if p not in finished and (back is None or routed[p][0] is not r
                                               or id(routed[p][1]) in back))
+                if isinstance(e, StorageIOError):
+                    e.handle = None
+                    e.handles = handed
                 raise
             for p, x in zip(positions, res, strict=True):
                 released[p] = x

@@ -717,8 +717,8 @@ class Storage(abc.ABC):
         that may not be released (``handle`` is None): a retry with one releases it, or
         answers False where it was released meanwhile.  This default makes the calls one
         by one; a backend may release a message's entries together (the filesystem
-        queue looks at the message file's link count once a message, not twice an
-        entry)."""
+        queue looks at the message file's link count for a message's last entry of the
+        batch alone, not twice for each entry)."""
         handles = self._take_all(mails, PendingCleanupMail, "cleanup_all")
         for h in handles:
             self._give_back(h)  # each call below takes its own

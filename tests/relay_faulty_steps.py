@@ -116,13 +116,23 @@ class FaultyStepsQueue(FsQueue):
         self.maybe_fail("cleanup")
         return super().cleanup(mail)
 
+    _release_left: int | None = None  # entries FsQueue.cleanup_all releases before failing
+
     def cleanup_all(self, mails: Any) -> Any:
         self.maybe_fail("cleanup")
         if os.path.exists(trigger_of(self.root, "cleanup_all")):
-            for h in list(mails)[: max(1, len(mails) // 2)]:
-                super().cleanup(h)  # released, and the answers lost with the error
-            self.maybe_fail("cleanup_all")
-        return super().cleanup_all(mails)
+            self._release_left = max(1, len(mails) // 2)
+        try:
+            return super().cleanup_all(mails)
+        finally:
+            self._release_left = None
+
+    def _release_entry(self, h: Any, *, shared: bool = False) -> bool:
+        if self._release_left is not None:
+            if not self._release_left:
+                self.maybe_fail("cleanup_all")  # inside FsQueue's batch, half released
+            self._release_left -= 1
+        return super()._release_entry(h, shared=shared)
 
     def send_cancel(self, mail: Any, schedule: Any) -> Any:
         self.maybe_fail("send_cancel")

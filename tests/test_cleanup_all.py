@@ -179,6 +179,34 @@ def test_a_disk_error_hands_back_what_may_not_be_released(tmp_path: os.PathLike[
         q.close()
 
 
+class _ThirdReleaseFails(FsQueue):
+    """An error no backend should raise, from the third release of a batch."""
+
+    releases = 0
+
+    def _release_entry(self, h: PendingCleanupMail, *, shared: bool = False) -> bool:
+        self.releases += 1
+        if self.releases == 3:
+            raise RuntimeError("injected")
+        return super()._release_entry(h, shared=shared)
+
+
+def test_an_unexpected_error_gives_back_the_handles_of_what_was_not_released(
+        tmp_path: os.PathLike[str]) -> None:
+    """The relay then releases each of them on its own (found by a cold review: every
+    handle stayed spent, and the entries waited for the next recovery)."""
+    q = _ThirdReleaseFails(os.path.join(tmp_path, "q"))
+    try:
+        pending = delivered(q, 5)
+        with pytest.raises(RuntimeError):
+            q.cleanup_all(pending)
+        assert [p._live for p in pending] == [False, False, True, True, True]
+        assert [q.cleanup(p) for p in pending[2:]] == [True] * 3
+        assert q.footprint() == Footprint(0, 0)
+    finally:
+        q.close()
+
+
 def test_multi_root_batch_spans_the_roots_and_a_failing_root_says_what_is_left(
         tmp_path: os.PathLike[str]) -> None:
     roots = [os.path.join(tmp_path, "a"), os.path.join(tmp_path, "b")]

@@ -1047,23 +1047,28 @@ class FsQueue(FsMetadata, Storage):
 
     def cleanup(self, mail: PendingCleanupMail) -> bool:
         h = self._take(mail, PendingCleanupMail)
-        e = self._entry(h)
         with self._guard("cleanup", h):
-            # No check of the link first: releasing an entry is idempotent, so a cleanup
-            # that someone else (a recovery) finished already changes nothing and is
-            # told so by the missing link.
-            held = h._extra if isinstance(h._extra, _Held) else None
-            if held is None:
-                return self._cleanup_entry(e)
-            return self._cleanup_entry(e, single=held.single, record=held.record)
+            return self._release_entry(h)
+
+    def _release_entry(self, h: PendingCleanupMail, *, shared: bool = False) -> bool:
+        """``_cleanup_entry`` of a taken handle's entry, with what its claim learnt.  No
+        check of the link first: releasing an entry is idempotent, so a cleanup that
+        someone else (a recovery) finished already changes nothing and is told so by the
+        missing link."""
+        held = h._extra if isinstance(h._extra, _Held) else None
+        if held is None:
+            return self._cleanup_entry(self._entry(h), shared=shared)
+        return self._cleanup_entry(self._entry(h), single=held.single, record=held.record,
+                                   shared=shared)
 
     def cleanup_all(self, mails: Sequence[PendingCleanupMail]) -> list[bool]:
         """See ``Storage.cleanup_all``: a message's entries released together.  Every
         entry of a message in the batch but its last gives up its names without a look
         at the message file's link count: the last still holds its own names, so none of
         the others can be the file's last holder.  The last is released as ``cleanup``
-        releases an entry (C8), looking at the count once the others' names are gone:
-        one look a message instead of two an entry."""
+        releases an entry (C8), looking at the count once the others' names are gone.
+        On any error the handles of the entries not released are given back (with a
+        StorageIOError, in its ``handles``)."""
         handles = self._take_all(mails, PendingCleanupMail, "cleanup_all")
         released = [False] * len(handles)
         by_message: dict[str, list[int]] = {}
@@ -1074,16 +1079,14 @@ class FsQueue(FsMetadata, Storage):
             with self._guard("cleanup", None):
                 for ks in by_message.values():
                     for k in ks:
-                        h = handles[k]
-                        held = h._extra if isinstance(h._extra, _Held) else None
-                        released[k] = self._cleanup_entry(
-                            self._entry(h), single=None if held is None else held.single,
-                            record=held is None or held.record, shared=k != ks[-1])
+                        released[k] = self._release_entry(handles[k], shared=k != ks[-1])
                         finished.add(k)
-        except StorageIOError as err:
-            err.handle = None
-            err.handles = tuple(self._give_back(h) for k, h in enumerate(handles)
-                                if k not in finished)
+        except Exception as err:
+            back = tuple(self._give_back(h) for k, h in enumerate(handles)
+                         if k not in finished)
+            if isinstance(err, StorageIOError):
+                err.handle = None
+                err.handles = back
             raise
         return released
 

@@ -642,8 +642,10 @@ class DeliveryScheduler:
     def _release(self, pending: list[PendingCleanupMail]) -> None:
         """A message's delivered entries released in one ``cleanup_all`` (C16: the
         filesystem queue looks at the message file once, not twice an entry).  After a
-        failure each entry it may not have released goes on its own, with retries (an
-        entry it did release answers ``MisuseError`` for its spent handle: logged)."""
+        failure each entry it may not have released goes on its own, with retries: on
+        ``StorageIOError`` the handles it gave back; on an error no backend should raise,
+        every handle (one the failed call spent answers ``MisuseError``, logged, and its
+        entry waits in PENDING_CLEANUP for the next recovery, as a single call's would)."""
         if len(pending) > 1:
             try:
                 self.store.cleanup_all(pending)
