@@ -25,7 +25,8 @@ Figures:
   each message enqueued, every entry claimed, delivered and cleaned up, its outcomes in
   one ``send_finish`` (C15) and its cleanups in one ``cleanup_all`` (C16), as the relay
   makes them, against one ``send_done`` and one ``cleanup`` per recipient
-  (``wide_100_rcpts``, ``ratio_send_finish_to_each``);
+  (``wide_100_rcpts``, ``ratio_batched_to_each``; until 2026-11-29 the batch side made
+  one ``cleanup`` per recipient, and the figure was named ``ratio_send_finish_to_each``);
 * peak Python memory while enqueuing and reading back a 100 MB body (in a child process);
 * the raw log ceiling: append 16 records of 4 KiB, one fdatasync, repeatedly; each KV
   queue's 16-producer median against it, in lifecycles and in write batches (four per
@@ -321,9 +322,9 @@ def wide(q: Storage, rounds_: int, messages: int, rcpts: int = 100, producers: i
             os.sync()
             (batch if b else single_calls).append(wide_rate(q, producers, messages, rcpts, b))
     return {"recipients": rcpts, "producers": producers, "messages": messages,
-            "messages_per_s_send_finish": spread(batch),
-            "messages_per_s_send_done_each": spread(single_calls),
-            "ratio_send_finish_to_each": spread(
+            "messages_per_s_batched": spread(batch),
+            "messages_per_s_each": spread(single_calls),
+            "ratio_batched_to_each": spread(
                 [x / y for x, y in zip(batch, single_calls, strict=True)])}
 
 
@@ -467,10 +468,10 @@ def single(base: str, name: str, messages: int, rcpts: int, big_mb: int,
     res["wide_100_rcpts"] = w = wide(q, 3, 24)
     q.close()
     shutil.rmtree(root)
-    say(f"{name}: 100-recipient messages, 4 producers: send_finish "
-        f"{w['messages_per_s_send_finish']['median']:.1f}/s, send_done each "
-        f"{w['messages_per_s_send_done_each']['median']:.1f}/s "
-        f"({w['ratio_send_finish_to_each']['median']:.2f}x)")
+    say(f"{name}: 100-recipient messages, 4 producers: send_finish and cleanup_all "
+        f"{w['messages_per_s_batched']['median']:.1f}/s, one call each "
+        f"{w['messages_per_s_each']['median']:.1f}/s "
+        f"({w['ratio_batched_to_each']['median']:.2f}x)")
     peak = big_body_peak(name, base, big_mb * 1024 * 1024)
     res[f"peak_memory_{big_mb}MB_body_bytes"] = peak
     say(f"{name}: 1 producer {res['lifecycle_1p_per_s']:.0f}/s; {rcpts} rcpts "
