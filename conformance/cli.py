@@ -109,15 +109,19 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _chosen(parser: argparse.ArgumentParser, args: argparse.Namespace
-            ) -> argparse.ArgumentParser:
-    """The (sub)command parser ``args`` were parsed by, the deepest chosen."""
+def _chosen(parser: argparse.ArgumentParser, args: argparse.Namespace,
+            argv: Sequence[str], extra: str) -> argparse.ArgumentParser:
+    """The deepest (sub)command parser chosen in ``argv`` before the unknown ``extra``
+    (``queue-ref --bogus mailq`` is the top level's error, ``mailq --bogus`` mailq's)."""
+    at = argv.index(extra) if extra in argv else len(argv)
+    rest = list(argv[:at])
     while parser._subparsers is not None:
         (action,) = [a for a in parser._subparsers._group_actions
                      if isinstance(a, argparse._SubParsersAction)]
         name = getattr(args, action.dest, None)
-        if name not in action.choices:
+        if name not in action.choices or name not in rest:
             break
+        rest = rest[rest.index(name) + 1:]
         parser = action.choices[name]
     return parser
 
@@ -138,8 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         parser = build_parser(args_list)
         args, extras = parser.parse_known_args(args_list)
-        if extras:  # refused by the command's own parser: its usage, not the top one's
-            _chosen(parser, args).error(f"unrecognized arguments: {' '.join(extras)}")
+        if extras:  # refused by the parser of the command they follow: its usage
+            _chosen(parser, args, args_list, extras[0]).error(
+                f"unrecognized arguments: {' '.join(extras)}")
         code: int = args.func(args)
         sys.stdout.flush()
     except BrokenPipeError:

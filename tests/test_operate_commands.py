@@ -645,3 +645,9 @@ def test_with_json_a_usage_error_is_also_a_json_object(
     with pytest.raises(SystemExit):  # a subcommand's subcommand: its usage
         main(["crash", "explore", "--bogus"])
     assert "usage: queue-ref crash explore " in capsys.readouterr().err
+    for argv in (["--bogus", "mailq"], ["crash", "--bogus", "explore"]):
+        with pytest.raises(SystemExit):  # given before the command: not the command's
+            main(argv)
+        err = capsys.readouterr().err
+        assert "unrecognized arguments: --bogus" in err and "mailq [" not in err, err
+        assert "usage: queue-ref crash explore" not in err, err
