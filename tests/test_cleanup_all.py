@@ -11,60 +11,31 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Callable, Iterator
 
 import pytest
 
-from conformance.examples import backends
 from faultinject import FaultPlan, FaultyIO, crash_states, materialize
 from faultinject.persistence import MODELS
 from queue_ref.fsqueue import FsQueue
 from queue_ref.io import OsIO
-from queue_ref.memory import MemoryStorage
 from queue_ref.multi_root import MultiRootQueue
 from queue_ref.storage import (
     Footprint,
-    InflightMail,
     MisuseError,
     PendingCleanupMail,
-    Recipient,
-    Schedule,
     Storage,
     StorageIOError,
 )
+from tests.test_send_finish import (
+    claimed,
+    every_backend,  # noqa: F401  (the ``store`` fixture)
+)
 
-OPENERS: dict[str, Callable[[str], Storage]] = {
-    "fs": backends.fs,
-    "fs_fsync": backends.fs_fsync,
-    "fs_two_roots": backends.fs_two_roots,
-    "kv_log": backends.kv_log,
-    "kv_leveldb": backends.kv_leveldb,
-    "memory": lambda root: MemoryStorage(),
-}
-
-
-@pytest.fixture(params=sorted(OPENERS))
-def store(request: pytest.FixtureRequest, tmp_path: os.PathLike[str]) -> Iterator[Storage]:
-    s = OPENERS[request.param](os.path.join(tmp_path, "q"))
-    yield s
-    s.close()
-
-
-def claimed(s: Storage, n: int) -> list[InflightMail]:
-    with s.enqueue("s@example.org") as enq:
-        enq.write(b"Subject: wide\r\n\r\n" + b"body\r\n" * 100)
-        queued = enq.commit([Recipient(f"r{i}@d{i % 3}.example", Schedule(0, 0))
-                             for i in range(n)])
-    out = []
-    for q in queued:
-        got = s.send_start(q)
-        assert got is not None
-        out.append(got)
-    return out
+BODY = b"Subject: wide\r\n\r\n" + b"body\r\n" * 100
 
 
 def delivered(s: Storage, n: int) -> list[PendingCleanupMail]:
-    done = s.send_finish(claimed(s, n)).done
+    done = s.send_finish(claimed(s, n, body=BODY)).done
     assert all(done)
     return [d for d in done if d is not None]
 
@@ -246,7 +217,7 @@ def test_a_crash_at_any_step_leaves_each_entry_pending_or_gone_and_nothing_behin
     os.mkdir(root)
     io = FaultyIO(root)
     q = FsQueue(root, io)
-    a, b = delivered(q, 3), claimed(q, 3)
+    a, b = delivered(q, 3), claimed(q, 3, body=BODY)
     done = [d for d in q.send_finish(b[:2]).done if d is not None]
     kept = b[2]
     start = len(io.events)
@@ -269,7 +240,7 @@ def test_a_crash_at_any_step_leaves_each_entry_pending_or_gone_and_nothing_behin
                     started = again.send_start(h)
                     assert started is not None
                     with again.read_inflight(started) as r:
-                        assert r.read_all() == b"Subject: wide\r\n\r\n" + b"body\r\n" * 100
+                        assert r.read_all() == BODY
                     finished = again.send_done(started)
                     assert finished is not None and again.cleanup(finished)
                     assert again.footprint() == Footprint(0, 0), (end, model, st.description)

@@ -96,19 +96,24 @@ class _FinishKeepsOldSchedules(FsQueue):
         return super().send_finish(done, [(h, h.schedule) for h, _ in cancel])
 
 
-def test_send_finish_rule_compares_each_step_with_the_model() -> None:
-    """The lockstep's send_finish rule folds the steps into the model and compares every
-    answer: a batch that keeps the old schedules is C5 on its first cancelled step."""
-    broken = Backend.from_factory(lambda root, io: _FinishKeepsOldSchedules(root, io),
-                                  "fs-finish-keeps-old-schedules")
-    machine = lockstep_machine(broken)
+def _lockstep_violation(cls: type[FsQueue], name: str) -> ClauseViolation:
+    """What the lockstep finds in a broken filesystem queue (derandomized: the same on
+    every run)."""
+    machine = lockstep_machine(Backend.from_factory(lambda root, io: cls(root, io), name))
     with pytest.raises(ClauseViolation) as info:
         run_state_machine_as_test(machine, settings=settings(
             max_examples=400, stateful_step_count=30, derandomize=True, database=None,
             phases=[Phase.explicit, Phase.generate], deadline=None, print_blob=False,
             suppress_health_check=list(HealthCheck)))
-    assert info.value.clause == "C5", info.value
-    assert "send_cancel" in info.value.detail
+    return info.value
+
+
+def test_send_finish_rule_compares_each_step_with_the_model() -> None:
+    """The lockstep's send_finish rule folds the steps into the model and compares every
+    answer: a batch that keeps the old schedules is C5 on its first cancelled step."""
+    found = _lockstep_violation(_FinishKeepsOldSchedules, "fs-finish-keeps-old-schedules")
+    assert found.clause == "C5", found
+    assert "send_cancel" in found.detail
 
 
 class _CleanupAllKeepsFiles(FsQueue):
@@ -116,10 +121,8 @@ class _CleanupAllKeepsFiles(FsQueue):
     the batch gives up its names as if another still held the file (C8: a message
     released whole by one batch leaves its file behind)."""
 
-    def _cleanup_entry(self, e, *, single=None, record=True,  # type: ignore[no-untyped-def]
-                       shared=False):
-        return super()._cleanup_entry(e, single=False, record=record,
-                                      shared=shared or self._in_batch)
+    def _release_entry(self, h, *, shared=False):  # type: ignore[no-untyped-def]
+        return super()._release_entry(h, shared=shared or self._in_batch)
 
     _in_batch = False
 
@@ -134,15 +137,8 @@ class _CleanupAllKeepsFiles(FsQueue):
 def test_cleanup_all_rule_compares_each_step_with_the_model() -> None:
     """The lockstep's cleanup_all rule folds the steps into the model, and a batch that
     leaves a released message's file behind is C8 when the queue drains."""
-    broken = Backend.from_factory(lambda root, io: _CleanupAllKeepsFiles(root, io),
-                                  "fs-cleanup-all-keeps-files")
-    machine = lockstep_machine(broken)
-    with pytest.raises(ClauseViolation) as info:
-        run_state_machine_as_test(machine, settings=settings(
-            max_examples=400, stateful_step_count=30, derandomize=True, database=None,
-            phases=[Phase.explicit, Phase.generate], deadline=None, print_blob=False,
-            suppress_health_check=list(HealthCheck)))
-    assert info.value.clause == "C8", info.value
+    found = _lockstep_violation(_CleanupAllKeepsFiles, "fs-cleanup-all-keeps-files")
+    assert found.clause == "C8", found
 
 
 def test_crash_rule_catches_a_commit_without_directory_fsync() -> None:

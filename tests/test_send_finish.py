@@ -43,16 +43,20 @@ OPENERS: dict[str, Callable[[str], Storage]] = {
 }
 
 
-@pytest.fixture(params=sorted(OPENERS))
-def store(request: pytest.FixtureRequest, tmp_path: os.PathLike[str]) -> Iterator[Storage]:
+@pytest.fixture(params=sorted(OPENERS), name="store")
+def every_backend(request: pytest.FixtureRequest, tmp_path: os.PathLike[str]
+                  ) -> Iterator[Storage]:
+    """A queue of each backend (``store``; tests/test_cleanup_all.py uses it too)."""
     s = OPENERS[request.param](os.path.join(tmp_path, "q"))
     yield s
     s.close()
 
 
-def claimed(s: Storage, n: int, *, sender: str = "s@example.org") -> list[InflightMail]:
+def claimed(s: Storage, n: int, *, sender: str = "s@example.org",
+            body: bytes = b"Subject: wide\r\n\r\nbody\r\n") -> list[InflightMail]:
+    """A message of ``n`` recipients, every entry claimed."""
     with s.enqueue(sender) as enq:
-        enq.write(b"Subject: wide\r\n\r\nbody\r\n")
+        enq.write(body)
         queued = enq.commit([Recipient(f"r{i}@d{i % 3}.example", Schedule(0, 0))
                              for i in range(n)])
     out = []
