@@ -369,7 +369,10 @@ def test_every_read_back_takes_the_next_piece_size(seed: int) -> None:
     found = run_lockstep(Backend.from_factory(f"{BROKEN}:fs_read_all_returns_nothing"),
                          QUICK, seed)
     assert [f.clause for f in found] == ["C6"]
-    assert "read in pieces of -1" in found[0].detail
+    # found by the read-back of a listed entry, or first by the read_inflight rule
+    # when it draws read() (which seed meets which depends on the rules' draws)
+    assert ("read in pieces of -1" in found[0].detail
+            or found[0].steps[-1].endswith("in reads of -1")), found[0]
     assert run_lockstep(Backend.from_factory(FS), QUICK, seed) == []
 
 
