@@ -39,7 +39,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "list queued, held and in-delivery mail with envelopes and the reason of each "
               "deferred recipient's last attempt (postqueue -p / -j)"),
     "qshape": ("queue_ref.operate.operate_commands",
-               "domains x age buckets of the queue (Postfix qshape)"),
+               "domains x age buckets of the queue (Postfix qshape): queued and "
+               "in-delivery entries"),
     "hold": ("queue_ref.operate.operate_commands",
              "set entries aside: never delivered until released (postsuper -h)"),
     "release": ("queue_ref.operate.operate_commands",

@@ -3,6 +3,7 @@ against real queues the tests fill, in text and JSON, and their answers to bad i
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -167,6 +168,11 @@ def test_hold_release_delete_requeue_by_id_domain_and_all(
     rows = {r["domain"]: r["counts"] for r in shape["rows"]}
     assert rows["TOTAL"][0] == 4 and rows["d2.example"][0] == 3 and rows["d1.example"][0] == 1
     assert rows["TOTAL"][1] == 4  # all younger than 5 minutes
+    # by default the other six, as Postfix's qshape counts all but its hold queue
+    _, shape = run_json(capsys, "qshape", "--queue", str(q))
+    rows = {r["domain"]: r["counts"] for r in shape["rows"]}
+    assert rows["TOTAL"][0] == 6 and rows["d0.example"][0] == 3 and rows["d1.example"][0] == 3
+    assert "d2.example" not in rows
     _, res = run_json(capsys, "release", "--queue", str(q), ids[1])  # a message id
     assert res["changed"] == 2  # u0@d1 held by id, u1@d2 by domain
     _, res = run_json(capsys, "requeue", "--queue", str(q), ids[0])
@@ -617,6 +623,12 @@ def test_an_id_in_delivery_is_refused_as_such_and_qshape_top_must_not_be_negativ
         assert state(q, "fs") == before
         _, res = run_json(capsys, "hold", "--queue", str(q), ids[3])  # the message: the
         assert res["entries"] == [f"{ids[3]}.1"]  # entry not in delivery
+        # qshape counts the entry in delivery (Postfix's active queue), not the held one
+        _, shape = run_json(capsys, "qshape", "--queue", str(q))
+        want = collections.Counter(f"d{(i + j) % 3}.example" for i in range(5)
+                                   for j in range(2) if (i, j) != (3, 1))
+        assert {r["domain"]: r["counts"][0] for r in shape["rows"][1:]} == want, shape
+        assert shape["rows"][0]["counts"][0] == 9
     code, _, err = run(capsys, "qshape", "--queue", str(q), "--top", "-1")
     assert code == 2 and "--top: at least 0" in err
 

@@ -139,10 +139,12 @@ def _mailq(store: Storage, args: argparse.Namespace) -> int:
 
 
 def _qshape(store: Storage, args: argparse.Namespace) -> int:
-    """Counted while the queue is listed (``qa.scan``): no entry is kept."""
+    """Counted while the queue is listed (``qa.stream``): no entry is kept.  As Postfix's
+    qshape counts its incoming, active and deferred queues and not hold unless asked:
+    the queued entries and those in delivery, or (``--held``) the held ones alone."""
     if args.top < 0:
         raise InvalidInputError(f"--top: at least 0 (0: every domain), got {args.top}")
-    infos = (i for _, i in qa.scan(store) if not args.held or i.state == "held")
+    infos = (i for i in qa.stream(store) if (i.state == "held") == args.held)
     rows = qa.qshape(infos, time.time_ns(), by=args.by, top=args.top)
     if args.json:
         print(json.dumps({"by": args.by, "held_only": args.held, "columns": list(qa.AGE_COLUMNS),
@@ -369,9 +371,11 @@ def register(subparsers: Any) -> None:
 
     add("mailq", "list queued, held and in-delivery mail with envelopes and the reason of "
                  "each deferred recipient's last attempt (postqueue -p / -j)", _mailq)
-    p = add("qshape", "domains x age buckets of the queue (Postfix qshape)", _qshape)
+    p = add("qshape", "domains x age buckets of the queue (Postfix qshape): queued and "
+                      "in-delivery entries", _qshape)
     p.add_argument("--by", choices=("recipient", "sender"), default="recipient")
-    p.add_argument("--held", action="store_true", help="held entries only")
+    p.add_argument("--held", action="store_true",
+                   help="held entries instead (Postfix: qshape hold)")
     p.add_argument("--top", type=int, default=0, help="at most N domains (0: all)")
     for name, (text, fn) in _ACTIONS.items():
         _selection(add(name, text, _action(fn)))
