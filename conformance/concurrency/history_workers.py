@@ -268,6 +268,16 @@ class Worker:
             mail_from=meta.mail_from, rcpts=(meta.rcpt,), body=body_token(bytes(body)),
             index=meta.rcpt_index))
 
+    def read_back(self, handles: Sequence[QueuedMail]) -> None:
+        """Claim each entry, read it back and put it back with the schedule it had: what
+        its commit kept is judged (C6) whatever the callers' race does with it later (a
+        drop before any read would leave it unread)."""
+        for h in handles:
+            got = self.transition("send_start", h)
+            if isinstance(got, InflightMail):
+                self.read(got)
+                self.transition("send_cancel", got, h.schedule)
+
     # ---- the plan ------------------------------------------------------------------------------
 
     def draw_schedule(self) -> Schedule:
