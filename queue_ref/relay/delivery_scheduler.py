@@ -641,7 +641,8 @@ class DeliveryScheduler:
 
     def _release(self, pending: list[PendingCleanupMail]) -> None:
         """A message's delivered entries released in one ``cleanup_all`` (C16: the
-        filesystem queue looks at the message file once, not twice an entry).  After a
+        filesystem queue looks at the message file for its last entry alone, not twice
+        for each entry).  After a
         failure each entry it may not have released goes on its own, with retries: on
         ``StorageIOError`` the handles it gave back; on an error no backend should raise,
         every handle (one the failed call spent answers ``MisuseError``, logged, and its
