@@ -27,8 +27,8 @@ import platform
 import re
 import stat as stat_mod
 import sys
-from collections.abc import Callable, Iterator
-from typing import cast
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar, cast
 
 from queue_ref import nogil
 
@@ -386,6 +386,26 @@ class OsIO(IO):
             self.unlink(path)
         else:
             os.unlink(path)
+
+
+_T = TypeVar("_T")
+
+
+def close_iterator(it: object) -> None:
+    """Close an iterator that can be closed (a directory listing holds its descriptor, a
+    store's iteration its snapshot, until then); a plain one needs nothing."""
+    close = getattr(it, "close", None)
+    if close is not None:
+        close()
+
+
+def first_of(items: Iterable[_T]) -> _T | None:
+    """The first item of ``items`` (None if there is none), the iterator closed after."""
+    it = iter(items)
+    try:
+        return next(it, None)
+    finally:
+        close_iterator(it)
 
 
 def read_file(io: IO, path: str, limit: int = 1 << 20) -> bytes:

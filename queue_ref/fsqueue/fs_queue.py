@@ -70,7 +70,7 @@ from queue_ref.fsqueue.reader import FsMailReader
 from queue_ref.fsqueue.rwlock import SharedExclusive
 from queue_ref.fsqueue.spares import DEFAULT_SPARES, SPARE_MAX_BODY, SPARE_RE, Spares
 from queue_ref.fsqueue.steps import MessageTx
-from queue_ref.io import IO, OsIO, syncfs_reports_errors
+from queue_ref.io import IO, OsIO, close_iterator, first_of, syncfs_reports_errors
 from queue_ref.storage import (
     Capability,
     ClosedError,
@@ -457,18 +457,12 @@ class FsQueue(FsMetadata, Storage):
                                   with_held=with_held)
 
     def _has_names(self, directory: str) -> bool:
-        names: Iterator[str] = iter(())
         try:
-            names = self.io.iter_names(directory)
-            return next(iter(names), None) is not None
+            return first_of(self.io.iter_names(directory)) is not None
         except FileNotFoundError:
             return False
         except OSError as err:
             raise storage_error(f"listing {directory}", err) from err
-        finally:
-            close = getattr(names, "close", None)
-            if close is not None:
-                close()
 
     def _scan_dir(self, directory: str, *, queued: bool, held: bool, with_held: set[str]
                   ) -> Iterator[QueuedMail | HeldMail]:
@@ -493,9 +487,7 @@ class FsQueue(FsMetadata, Storage):
         except OSError as err:
             raise storage_error(f"listing {directory}", err) from err
         finally:  # not left open by an error kept with its traceback
-            close = getattr(names, "close", None)
-            if close is not None:
-                close()
+            close_iterator(names)
 
     def _scan_message(self, e: EntryName, queued: bool, held: bool, given: set[str]
                       ) -> list[tuple[EntryName, Schedule, type[QueuedMail | HeldMail]]]:

@@ -32,7 +32,7 @@ from dataclasses import replace
 from types import TracebackType
 from typing import TypeVar
 
-from queue_ref.io import IO, OsIO
+from queue_ref.io import IO, OsIO, first_of
 from queue_ref.kv import atrest, keys, kv_records, lostids, salvage
 from queue_ref.kv import claims as cl
 from queue_ref.kv.base import KV, WriteBatch
@@ -403,13 +403,7 @@ class KvQueue(Storage):
         start = keys.ZONE
         with self._io("listing the queue"):
             while True:
-                pairs = self._kv.iterate(start, keys.end_of(keys.ZONE))
-                try:
-                    found = next(iter(pairs), None)
-                finally:
-                    close = getattr(pairs, "close", None)
-                    if close is not None:
-                        close()
+                found = first_of(self._kv.iterate(start, keys.end_of(keys.ZONE)))
                 if found is None:
                     return out
                 field = found[0][len(keys.ZONE):].split(b" ", 1)[0]
