@@ -512,6 +512,16 @@ class MultiRootQueue(Storage):
             order.setdefault(r.index, []).append(pos)
         return routed, order
 
+    def _hand_back(self, every: Sequence[Handle], routed: Sequence[tuple[_Root, Handle]],
+                   finished: set[int], failed: _Root, kept: set[int] | None
+                   ) -> tuple[Handle, ...]:
+        """After ``failed``'s batch raised: every handle of the roots not done, re-armed;
+        of ``failed``'s, those whose own handle its error gave back (``kept``: their ids;
+        None: all)."""
+        return tuple(self._give_back(h) for p, h in enumerate(every)
+                     if p not in finished and (kept is None or routed[p][0] is not failed
+                                               or id(routed[p][1]) in kept))
+
     def _finish_failed(self, e: StorageIOError, failed: _Root, positions: list[int],
                        every: list[InflightMail], routed: list[tuple[_Root, Handle]],
                        got: list[Handle | None], n_done: int) -> StorageIOError:
@@ -580,17 +590,14 @@ class MultiRootQueue(Storage):
             try:
                 res = self._store(r).cleanup_all(
                     [routed[p][1] for p in positions])  # type: ignore[misc]
-            except Exception as e:
-                if isinstance(e, StorageIOError):
-                    self._failed(r, e)
-                back = {id(x) for x in e.handles} if isinstance(e, StorageIOError) else None
-                handed = tuple(
-                    self._give_back(h) for p, h in enumerate(every)
-                    if p not in finished and (back is None or routed[p][0] is not r
-                                              or id(routed[p][1]) in back))
-                if isinstance(e, StorageIOError):
-                    e.handle = None
-                    e.handles = handed
+            except StorageIOError as e:
+                self._failed(r, e)
+                e.handle = None
+                e.handles = self._hand_back(every, routed, finished, r,
+                                            {id(x) for x in e.handles})
+                raise
+            except Exception:
+                self._hand_back(every, routed, finished, r, None)
                 raise
             for p, x in zip(positions, res, strict=True):
                 released[p] = x
