@@ -6,6 +6,7 @@ aiosmtpd sink on loopback that refuses its greeting (421) while "unreachable".""
 
 from __future__ import annotations
 
+import asyncio
 import smtplib
 import time
 from pathlib import Path
@@ -102,3 +103,29 @@ def test_etrn_ends_the_wait_at_once(tmp_path: Path) -> None:
                 assert c.docmd("ETRN", DOMAIN)[0] == 250
             got = mx.wait_for(3, timeout=10)
     assert len([x for m in got for x in m.rcpts]) == 3
+
+
+def test_a_stop_as_mail_is_parked_ends_the_prober(tmp_path: Path) -> None:
+    """The prober's wait ends when mail is parked and when the relay stops; both in the
+    same turn of the loop (a delivery deferred as the relay stops) once lost the stop:
+    ``asyncio.wait_for`` on Python 3.11 returns the event's result and swallows the
+    cancellation, and the prober waited for ever (a CI run timed out in ``stop``)."""
+    with Sink() as mx:
+        mx.state.at["connect"] = DOWN
+        config = relay_config(str(tmp_path / "q"), ondemand_domains=[DOMAIN],
+                              transport_maps={DOMAIN: f"[127.0.0.1]:{mx.port}"},
+                              log_json=True, minimal_backoff_time=600.0,
+                              maximal_backoff_time=600.0)
+        with RelayThread(config) as r:
+            r.wait_events(1, "probe", status="failed")  # the probe at start; next in 600 s
+            prober = r.relay.prober
+
+            async def park_and_stop() -> bool:
+                prober._event.set()  # what ``parked`` does, in the turn the stop starts
+                stop = asyncio.ensure_future(prober.stop(r.relay))
+                done, _ = await asyncio.wait({stop}, timeout=5)
+                return bool(done)
+
+            stopped = asyncio.run_coroutine_threadsafe(park_and_stop(), r._loop).result(10)
+            assert stopped, "the prober went on waiting after its task was cancelled"
+            assert prober._task is None

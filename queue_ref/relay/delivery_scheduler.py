@@ -248,7 +248,8 @@ class DeliveryScheduler:
                     wait = min(wait, end - self.clock())  # the entries left in the queue
                 if wait > 0:
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._event.wait(), timeout=max(wait, 0.01))
+                        async with asyncio.timeout(max(wait, 0.01)):  # see ondemand_probe
+                            await self._event.wait()
                 else:
                     await asyncio.sleep(0)
         finally:

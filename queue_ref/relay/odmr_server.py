@@ -127,7 +127,8 @@ class OdmrSMTP(SMTP):
         lines = []
         while True:
             try:
-                line = await asyncio.wait_for(self._reader.readuntil(b"\n"), timeout)
+                async with asyncio.timeout(timeout):  # not wait_for: see ondemand_probe
+                    line = await self._reader.readuntil(b"\n")
             except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError,
                     ConnectionError) as e:
                 raise _Lost(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__) from e
@@ -234,7 +235,8 @@ class _Turned:
 
     async def quit(self) -> None:
         with contextlib.suppress(_Lost):
-            await asyncio.wait_for(self.command("QUIT"), 5)
+            async with asyncio.timeout(5):
+                await self.command("QUIT")
 
 
 class OdmrServer:

@@ -89,8 +89,12 @@ class OndemandProber:
                 await self._probe_and_flush(domain)
             wait = min(self.due.values(), default=now + 3600) - time.time()
             if wait > 0:
+                # not asyncio.wait_for: on Python 3.11 it swallows a cancellation (the
+                # relay stopping) that comes in the turn the event is set (mail parked),
+                # and this loop would wait on for ever
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._event.wait(), timeout=wait)
+                    async with asyncio.timeout(wait):
+                        await self._event.wait()
 
     async def _probe_and_flush(self, domain: str) -> None:
         log = self.relay.log

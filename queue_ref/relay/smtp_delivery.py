@@ -524,7 +524,8 @@ async def _quit(smtp: aiosmtplib.SMTP) -> None:
     connection still there after ``CLOSE_GRACE`` is aborted."""
     protocol, transport = smtp.protocol, smtp.transport
     try:
-        await asyncio.wait_for(smtp.quit(), 5)
+        async with asyncio.timeout(5):  # not wait_for: see ondemand_probe
+            await smtp.quit()
     except (TimeoutError, aiosmtplib.SMTPException, OSError):
         smtp.close()
     if protocol is None or transport is None:

@@ -69,7 +69,8 @@ class _Collector(asyncio.Protocol):
     async def more(self, timeout: float | None) -> None:
         self._arrived = asyncio.get_running_loop().create_future()
         try:
-            await asyncio.wait_for(self._arrived, timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: see ondemand_probe
+                await self._arrived
         except TimeoutError as e:
             raise aiosmtplib.SMTPReadTimeoutError("timed out waiting for the server's "
                                                   "replies") from e
