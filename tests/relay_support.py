@@ -128,6 +128,9 @@ class SinkState:
     #: connection closed instead of a reply
     at: dict[str, str] = field(default_factory=dict)
     without: set[str] = field(default_factory=set)  # EHLO keywords not offered: "8BITMIME"
+    #: a pause point: while it is not set, each message waits after its final dot (its
+    #: delivery stays in progress) before the sink takes it
+    hold: threading.Event | None = None
 
     def behaviour(self, address: str) -> str:
         """What the sink does to ``address``: its script, else by its local part."""
@@ -173,6 +176,9 @@ class _SinkHandler:
         return [r for r in responses if r[4:].split(" ")[0].upper() not in self.state.without]
 
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
+        hold = self.state.hold
+        while hold is not None and not hold.is_set():
+            await asyncio.sleep(0.01)
         dot = self.state.at.get("DOT")
         local = "drop" if dot == "drop" else self.state.behaviour(envelope.rcpt_tos[0])
         if dot is not None and dot != "drop":

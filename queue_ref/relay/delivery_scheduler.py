@@ -163,8 +163,15 @@ class DeliveryScheduler:
         self.scanned = asyncio.Event()  # set once the first listing of the queue is done
         self._stopping = False
         self._jobs: set[asyncio.Task[None]] = set()
-        self._global = asyncio.Semaphore(config.max_deliveries)
+        #: this process's parts of the relay's limits (``RelayConfig.share``)
+        self.max_deliveries = config.share(config.max_deliveries)
+        self.destination_limit = config.share(config.default_destination_concurrency_limit)
+        self._global = asyncio.Semaphore(self.max_deliveries)
         self._destinations: dict[str, asyncio.Semaphore] = {}
+        #: jobs whose delivery waits for a slot (``in_flow``), and whether there are none
+        self.behind = 0
+        self._caught_up = asyncio.Event()
+        self._caught_up.set()
         self._started = self.clock()
         self.held: int | None = None  # held entries at the last scan (Capability.HOLD)
         self.counts = {"sent": 0, "deferred": 0, "bounced": 0, "expired": 0}
@@ -189,6 +196,25 @@ class DeliveryScheduler:
         for h in handles:
             self._push(h)
         self._event.set()
+
+    async def in_flow(self, delay: float) -> None:
+        """Wait while delivery is behind, at most ``delay`` seconds (Postfix's
+        ``in_flow_delay``; the receiver, before it takes a message's data).  Behind: a
+        job's delivery waits for a slot (its destination's concurrency limit, or
+        ``max_deliveries``), so mail comes in faster than it goes out; the wait ends
+        once no job waits.  Mail taken faster than it can be sent waits in the queue
+        (the time from 250 to delivery grows) and holds memory in claimed jobs."""
+        if self.behind and delay > 0:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await self._caught_up.wait()
+
+    def _lagging(self, n: int) -> None:
+        self.behind += n
+        if self.behind:
+            self._caught_up.clear()
+        else:
+            self._caught_up.set()
 
     def wake(self) -> None:
         """List the queue again and deliver what is due now (SIGUSR1, operator tools)."""
@@ -241,7 +267,7 @@ class DeliveryScheduler:
                     next_scan = time.monotonic() + self.config.queue_scan_interval
                 self._dispatch()
                 wait = next_scan - time.monotonic()
-                if self._heap and len(self._jobs) < self.config.max_deliveries:
+                if self._heap and len(self._jobs) < self.max_deliveries:
                     wait = min(wait, self._heap[0][0] - self.clock())
                 end = self._window_end
                 if end is not None and self._scan_task is None and end > self.clock():
@@ -346,7 +372,7 @@ class DeliveryScheduler:
         due: dict[str, list[QueuedMail]] = {}
         while self._heap and self._heap[0][0] <= now:
             if self._heap[0][3].message_id not in due and \
-                    len(self._jobs) + len(due) >= self.config.max_deliveries:
+                    len(self._jobs) + len(due) >= self.max_deliveries:
                 break  # a new job would pass the limit; a message's next entry joins its job
             _, _, entry_id, h = heapq.heappop(self._heap)
             if self._latest.get(entry_id) is not h:
@@ -529,12 +555,22 @@ class DeliveryScheduler:
             return [(e, RcptResult(code, route.dsn, route.reason, "none")) for e in entries]
         sem = self._destinations.get(route.destination)
         if sem is None:
-            sem = asyncio.Semaphore(self.config.default_destination_concurrency_limit)
+            sem = asyncio.Semaphore(self.destination_limit)
             self._destinations[route.destination] = sem
-        async with self._global, sem:
-            results = await self.deliverer.deliver(route.hosts, job.mail_from,
-                                                   [e.rcpt for e in entries], job.body, job.params,
-                                                   wire_ready=job.wire_ready)
+        waits = sem.locked() or self._global.locked()
+        if waits:
+            self._lagging(1)
+        try:
+            async with self._global, sem:
+                if waits:
+                    waits = False
+                    self._lagging(-1)
+                results = await self.deliverer.deliver(
+                    route.hosts, job.mail_from, [e.rcpt for e in entries], job.body,
+                    job.params, wire_ready=job.wire_ready)
+        finally:
+            if waits:  # cancelled while it waited
+                self._lagging(-1)
         return list(zip(entries, results, strict=True))
 
     # ---- outcomes (a storage thread) ----

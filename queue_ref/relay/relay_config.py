@@ -123,6 +123,9 @@ class RelayConfig:
     smtp_line_length_limit: int = 998  # longer lines are folded on delivery; 0: never
     default_destination_concurrency_limit: int = 20
     max_deliveries: int = 100  # Postfix's default_process_limit
+    # the most a DATA command waits while delivery is behind (mail waits for a delivery
+    # slot): mail comes in no faster than it goes out; 0: never (Postfix's in_flow_delay)
+    in_flow_delay: float = 1.0
     # -- retries and bounces --
     minimal_backoff_time: float = 300.0
     maximal_backoff_time: float = 4000.0
@@ -226,6 +229,8 @@ class RelayConfig:
                      "smtp_mx_address_limit", "processes", "qmgr_message_active_limit"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be at least 1")
+        if not 0 <= self.in_flow_delay <= 10:
+            raise ConfigError(f"in_flow_delay: from 0 to 10 seconds, not {self.in_flow_delay}")
         if self.bounce_size_limit < 0:
             raise ConfigError("bounce_size_limit: must be at least 0 (0: headers only)")
         if self.smtp_line_length_limit != 0 and self.smtp_line_length_limit < 80:
@@ -249,6 +254,14 @@ class RelayConfig:
             if host not in ("127.0.0.1", "::1", "localhost"):
                 raise ConfigError("metrics_listen: metrics are served on a loopback address only")
         return self
+
+    def share(self, limit: int) -> int:
+        """One process's part of a limit of the whole relay (``max_deliveries``,
+        ``default_destination_concurrency_limit``): of ``processes`` workers, each takes
+        ``limit / processes`` rounded up, at least 1, so that a destination sees no more
+        connections than its limit, as from one Postfix (unless the limit is below the
+        number of processes)."""
+        return max(1, -(-limit // self.processes))
 
     def listen_address(self) -> tuple[str, int]:
         host, port, _ = parse_hostport(self.listen, "listen", 25)

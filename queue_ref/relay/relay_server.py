@@ -168,6 +168,7 @@ class Relay:
         self.receiver = SmtpReceiver(self.config, store, self.receive_executor, self.log,
                                      self.scheduler.add, self._committed, self._etrn)
         self.receiver.on_queue_failed = self._queue_failed
+        self.receiver.in_flow = self.scheduler.in_flow
         host, port = self.config.listen_address()
         if self._handoff is not None:  # the master listens and hands connections over
             self._inbox = SessionInbox(
@@ -309,6 +310,7 @@ class Relay:
             self.scheduler = self._new_scheduler(store)
             self.receiver.store = store
             self.receiver.on_queued = self.scheduler.add
+            self.receiver.in_flow = self.scheduler.in_flow
             if self.metrics is not None:
                 self.metrics.follow(store)
             self._scheduler_task = loop.create_task(self.scheduler.run())

@@ -1,0 +1,121 @@
+"""Postfix's ``in_flow_delay``: while delivery is behind (a job waits for a delivery slot),
+a DATA command waits before its 354, at most ``in_flow_delay``, so mail is taken no
+faster than it goes out.  The sink holds each message after its final dot (a pause
+point, ``SinkState.hold``) and the destination takes one delivery at a time: a second
+message's job then waits for the slot, and a third client's DATA waits until the sink
+lets the first go."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from queue_ref.relay.relay_config import ConfigError, RelayConfig
+from tests.relay_support import RelayThread, Sink, relay_config, smtp_send
+
+
+def behind_with_a_held_delivery(r: RelayThread, sink: Sink) -> None:
+    """Two messages sent: the first held at the sink, the second's job waiting for the
+    destination's one slot."""
+    smtp_send(r.port, "a@ok.test", ["u1@ok.test"])
+    smtp_send(r.port, "a@ok.test", ["u2@ok.test"])
+    deadline = time.monotonic() + 10
+    while r.call(lambda: r.relay.scheduler.behind) != 1:
+        assert time.monotonic() < deadline, "the second job never waited for the slot"
+        time.sleep(0.02)
+
+
+def data_command(port: int) -> socket.socket:
+    """A client that sent EHLO, MAIL, RCPT and DATA (every reply read but DATA's)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    f = s.makefile("rb")
+    assert f.readline().startswith(b"220")
+    s.sendall(b"EHLO client.test\r\n")
+    while not (line := f.readline()).startswith(b"250 "):
+        assert line.startswith(b"250-"), line
+    for cmd in (b"MAIL FROM:<a@ok.test>", b"RCPT TO:<u3@ok.test>"):
+        s.sendall(cmd + b"\r\n")
+        assert f.readline().startswith(b"250"), cmd
+    s.sendall(b"DATA\r\n")
+    s.settimeout(None)
+    return s
+
+
+def reply_within(s: socket.socket, seconds: float) -> bytes:
+    s.settimeout(seconds)
+    try:
+        return s.recv(100)
+    except TimeoutError:
+        return b""
+
+
+def test_data_waits_while_delivery_is_behind_and_goes_on_when_it_catches_up(
+        tmp_path: Path) -> None:
+    with Sink() as sink:
+        sink.state.hold = gate = threading.Event()
+        config = relay_config(str(tmp_path / "q"), relayhost=f"[127.0.0.1]:{sink.port}",
+                              default_destination_concurrency_limit=1, in_flow_delay=10.0)
+        with RelayThread(config) as r:
+            behind_with_a_held_delivery(r, sink)
+            s = data_command(r.port)
+            try:
+                assert reply_within(s, 1.5) == b""  # no 354 while delivery is behind
+                gate.set()  # the first message goes; the second takes the slot
+                assert reply_within(s, 8).startswith(b"354")
+                s.sendall(b"Subject: third\r\n\r\nbody\r\n.\r\n")
+                assert reply_within(s, 10).startswith(b"250")
+            finally:
+                s.close()
+            got = sink.wait_for(3)
+    assert sorted(x for m in got for x in m.rcpts) == ["u1@ok.test", "u2@ok.test", "u3@ok.test"]
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.5])
+def test_the_wait_is_at_most_in_flow_delay(tmp_path: Path, delay: float) -> None:
+    """Delivery stays behind (the sink holds on): the 354 comes once ``in_flow_delay`` has
+    passed (0: at once), while the second job still waits for its slot."""
+    with Sink() as sink:
+        sink.state.hold = gate = threading.Event()
+        config = relay_config(str(tmp_path / "q"), relayhost=f"[127.0.0.1]:{sink.port}",
+                              default_destination_concurrency_limit=1, in_flow_delay=delay)
+        with RelayThread(config) as r:
+            behind_with_a_held_delivery(r, sink)
+            s = data_command(r.port)
+            started = time.monotonic()
+            try:
+                assert reply_within(s, 8).startswith(b"354")
+                waited = time.monotonic() - started
+                assert r.call(lambda: r.relay.scheduler.behind) == 1  # still behind
+                assert waited >= delay * 0.9
+            finally:
+                s.close()
+                gate.set()
+            sink.wait_for(2)
+
+
+@pytest.mark.parametrize("delay", [-0.1, 10.5])
+def test_in_flow_delay_is_from_0_to_10_seconds(tmp_path: Path, delay: float) -> None:
+    with pytest.raises(ConfigError, match="in_flow_delay"):
+        RelayConfig(queue=str(tmp_path / "q"), in_flow_delay=delay).validate()
+
+
+def test_each_of_n_processes_takes_its_share_of_the_relays_limits(tmp_path: Path) -> None:
+    """A destination sees no more connections than its limit however many processes
+    deliver: of 2, each takes 1 of a limit of 2 (a worker used to take all of it, and the
+    destination saw twice its limit), so this worker's second message waits."""
+    config = relay_config(str(tmp_path / "q"), processes=3,
+                          default_destination_concurrency_limit=20, max_deliveries=100)
+    assert (config.share(20), config.share(100), config.share(1)) == (7, 34, 1)
+    with Sink() as sink:
+        sink.state.hold = gate = threading.Event()
+        config = relay_config(str(tmp_path / "q2"), relayhost=f"[127.0.0.1]:{sink.port}",
+                              processes=2, default_destination_concurrency_limit=2)
+        with RelayThread(config) as r:
+            assert r.relay.scheduler.destination_limit == 1
+            behind_with_a_held_delivery(r, sink)
+            gate.set()
+            sink.wait_for(2)
