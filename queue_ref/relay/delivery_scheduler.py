@@ -49,6 +49,7 @@ wake), so an entry is never left inflight until a restart.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import heapq
 import itertools
@@ -168,10 +169,10 @@ class DeliveryScheduler:
         self.destination_limit = config.share(config.default_destination_concurrency_limit)
         self._global = asyncio.Semaphore(self.max_deliveries)
         self._destinations: dict[str, asyncio.Semaphore] = {}
-        #: jobs whose delivery waits for a slot (``in_flow``), and whether there are none
+        #: jobs whose delivery waits for a slot, and the DATA commands waiting for one of
+        #: them to get its slot, in order (``in_flow``)
         self.behind = 0
-        self._caught_up = asyncio.Event()
-        self._caught_up.set()
+        self._inflow: collections.deque[asyncio.Future[None]] = collections.deque()
         self._started = self.clock()
         self.held: int | None = None  # held entries at the last scan (Capability.HOLD)
         self.counts = {"sent": 0, "deferred": 0, "bounced": 0, "expired": 0}
@@ -201,20 +202,33 @@ class DeliveryScheduler:
         """Wait while delivery is behind, at most ``delay`` seconds (Postfix's
         ``in_flow_delay``; the receiver, before it takes a message's data).  Behind: a
         job's delivery waits for a slot (its destination's concurrency limit, or
-        ``max_deliveries``), so mail comes in faster than it goes out; the wait ends
-        once no job waits.  Mail taken faster than it can be sent waits in the queue
-        (the time from 250 to delivery grows) and holds memory in claimed jobs."""
-        if self.behind and delay > 0:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(delay):
-                    await self._caught_up.wait()
+        ``max_deliveries``), so mail comes in faster than it goes out.  Each job that
+        gets its slot lets the longest waiting DATA go, one message out for one in, as
+        Postfix's queue manager hands its cleanup processes a token per message taken.
+        Mail taken faster than it can be sent waits in the queue (the time from 250 to
+        delivery grows) and holds memory in claimed jobs."""
+        if not self.behind or delay <= 0:
+            return
+        turn = asyncio.get_running_loop().create_future()
+        self._inflow.append(turn)
+        try:
+            async with asyncio.timeout(delay):
+                await turn
+        except TimeoutError:
+            pass
+        finally:
+            if not turn.done():
+                turn.cancel()
 
     def _lagging(self, n: int) -> None:
         self.behind += n
-        if self.behind:
-            self._caught_up.clear()
-        else:
-            self._caught_up.set()
+        if n < 0 or not self.behind:  # a job got its slot: the next DATA goes
+            while self._inflow:
+                turn = self._inflow.popleft()
+                if not turn.done():
+                    turn.set_result(None)
+                    if self.behind:
+                        break
 
     def wake(self) -> None:
         """List the queue again and deliver what is due now (SIGUSR1, operator tools)."""
