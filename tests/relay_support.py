@@ -128,9 +128,9 @@ class SinkState:
     #: connection closed instead of a reply
     at: dict[str, str] = field(default_factory=dict)
     without: set[str] = field(default_factory=set)  # EHLO keywords not offered: "8BITMIME"
-    #: a pause point: while it is not set, each message waits after its final dot (its
-    #: delivery stays in progress) before the sink takes it
-    hold: threading.Event | None = None
+    #: a pause point: each message waits after its final dot (its delivery stays in
+    #: progress) until the event is set, or until it takes one of the semaphore's counts
+    hold: threading.Event | threading.Semaphore | None = None
 
     def behaviour(self, address: str) -> str:
         """What the sink does to ``address``: its script, else by its local part."""
@@ -177,7 +177,8 @@ class _SinkHandler:
 
     async def handle_DATA(self, server: SMTP, session: Session, envelope: Envelope) -> str:
         hold = self.state.hold
-        while hold is not None and not hold.is_set():
+        while hold is not None and not (hold.is_set() if isinstance(hold, threading.Event)
+                                        else hold.acquire(blocking=False)):
             await asyncio.sleep(0.01)
         dot = self.state.at.get("DOT")
         local = "drop" if dot == "drop" else self.state.behaviour(envelope.rcpt_tos[0])

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from queue_ref.opener import open_queue
 from queue_ref.relay.relay_config import ConfigError, RelayConfig
+from queue_ref.storage import Recipient, Schedule
 from tests.relay_support import RelayThread, Sink, relay_config, smtp_send
 
 
@@ -72,6 +74,42 @@ def test_data_waits_while_delivery_is_behind_and_goes_on_when_it_catches_up(
                 s.close()
             got = sink.wait_for(3)
     assert sorted(x for m in got for x in m.rcpts) == ["u1@ok.test", "u2@ok.test", "u3@ok.test"]
+
+
+def test_each_job_that_gets_its_slot_lets_one_waiting_data_go(tmp_path: Path) -> None:
+    """Two jobs wait for the slot and two clients' DATA wait: the sink takes one message,
+    a job gets the slot, and the first client (only) gets its 354; the sink takes
+    another, the last job gets the slot, none waits, and the second client goes too."""
+    queue = str(tmp_path / "q")
+    with open_queue(queue) as q:  # queued before the start (their DATA would wait too)
+        for i in (1, 2, 3):
+            with q.enqueue("a@ok.test") as enq:
+                enq.write(b"Subject: queued\r\n\r\nbody\r\n")
+                enq.commit([Recipient(f"u{i}@ok.test", Schedule(int(time.time())))])
+    with Sink() as sink:
+        sink.state.hold = tokens = threading.Semaphore(0)
+        config = relay_config(queue, relayhost=f"[127.0.0.1]:{sink.port}",
+                              default_destination_concurrency_limit=1, in_flow_delay=10.0)
+        with RelayThread(config) as r:
+            deadline = time.monotonic() + 10
+            while r.call(lambda: r.relay.scheduler.behind) != 2:
+                assert time.monotonic() < deadline, "the jobs never waited for the slot"
+                time.sleep(0.02)
+            first = data_command(r.port)
+            assert reply_within(first, 0.5) == b""
+            second = data_command(r.port)
+            try:
+                assert reply_within(second, 1.0) == b""
+                tokens.release()  # u1 is taken: u2's job gets the slot
+                assert reply_within(first, 8).startswith(b"354")
+                assert reply_within(second, 1.5) == b""  # u3's job still waits
+                tokens.release()  # u2 is taken: u3's job gets the slot, none waits
+                assert reply_within(second, 8).startswith(b"354")
+            finally:
+                first.close()
+                second.close()
+                tokens.release(5)
+            sink.wait_for(3)
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.5])
