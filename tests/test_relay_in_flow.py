@@ -31,7 +31,7 @@ def behind_with_a_held_delivery(r: RelayThread, sink: Sink) -> None:
         time.sleep(0.02)
 
 
-def data_command(port: int) -> socket.socket:
+def data_command(port: int, rcpt: bytes = b"u3@ok.test") -> socket.socket:
     """A client that sent EHLO, MAIL, RCPT and DATA (every reply read but DATA's)."""
     s = socket.create_connection(("127.0.0.1", port), timeout=10)
     f = s.makefile("rb")
@@ -39,7 +39,7 @@ def data_command(port: int) -> socket.socket:
     s.sendall(b"EHLO client.test\r\n")
     while not (line := f.readline()).startswith(b"250 "):
         assert line.startswith(b"250-"), line
-    for cmd in (b"MAIL FROM:<a@ok.test>", b"RCPT TO:<u3@ok.test>"):
+    for cmd in (b"MAIL FROM:<a@ok.test>", b"RCPT TO:<" + rcpt + b">"):
         s.sendall(cmd + b"\r\n")
         assert f.readline().startswith(b"250"), cmd
     s.sendall(b"DATA\r\n")
@@ -76,25 +76,36 @@ def test_data_waits_while_delivery_is_behind_and_goes_on_when_it_catches_up(
     assert sorted(x for m in got for x in m.rcpts) == ["u1@ok.test", "u2@ok.test", "u3@ok.test"]
 
 
+def prequeued(tmp_path: Path, n: int) -> str:
+    """A queue holding ``n`` messages for ok.test, due now (queued before the relay
+    starts: their DATA would wait too)."""
+    queue = str(tmp_path / "q")
+    with open_queue(queue) as q:
+        for i in range(1, n + 1):
+            with q.enqueue("a@ok.test") as enq:
+                enq.write(b"Subject: queued\r\n\r\nbody\r\n")
+                enq.commit([Recipient(f"u{i}@ok.test", Schedule(int(time.time())))])
+    return queue
+
+
+def wait_behind(r: RelayThread, n: int) -> None:
+    deadline = time.monotonic() + 10
+    while r.call(lambda: r.relay.scheduler.behind) != n:
+        assert time.monotonic() < deadline, f"never {n} jobs waiting for the slot"
+        time.sleep(0.02)
+
+
 def test_each_job_that_gets_its_slot_lets_one_waiting_data_go(tmp_path: Path) -> None:
     """Two jobs wait for the slot and two clients' DATA wait: the sink takes one message,
     a job gets the slot, and the first client (only) gets its 354; the sink takes
     another, the last job gets the slot, none waits, and the second client goes too."""
-    queue = str(tmp_path / "q")
-    with open_queue(queue) as q:  # queued before the start (their DATA would wait too)
-        for i in (1, 2, 3):
-            with q.enqueue("a@ok.test") as enq:
-                enq.write(b"Subject: queued\r\n\r\nbody\r\n")
-                enq.commit([Recipient(f"u{i}@ok.test", Schedule(int(time.time())))])
+    queue = prequeued(tmp_path, 3)
     with Sink() as sink:
         sink.state.hold = tokens = threading.Semaphore(0)
         config = relay_config(queue, relayhost=f"[127.0.0.1]:{sink.port}",
                               default_destination_concurrency_limit=1, in_flow_delay=10.0)
         with RelayThread(config) as r:
-            deadline = time.monotonic() + 10
-            while r.call(lambda: r.relay.scheduler.behind) != 2:
-                assert time.monotonic() < deadline, "the jobs never waited for the slot"
-                time.sleep(0.02)
+            wait_behind(r, 2)
             first = data_command(r.port)
             assert reply_within(first, 0.5) == b""
             second = data_command(r.port)
@@ -110,6 +121,59 @@ def test_each_job_that_gets_its_slot_lets_one_waiting_data_go(tmp_path: Path) ->
                 second.close()
                 tokens.release(5)
             sink.wait_for(3)
+
+
+def test_a_turn_no_data_took_is_kept_for_the_next(tmp_path: Path) -> None:
+    """A job gets its slot while no DATA waits: the next DATA for the domain goes at once
+    (the turn was saved, as Postfix keeps its tokens), the one after waits."""
+    queue = prequeued(tmp_path, 3)
+    with Sink() as sink:
+        sink.state.hold = tokens = threading.Semaphore(0)
+        config = relay_config(queue, relayhost=f"[127.0.0.1]:{sink.port}",
+                              default_destination_concurrency_limit=1, in_flow_delay=10.0)
+        with RelayThread(config) as r:
+            wait_behind(r, 2)
+            tokens.release()  # u1 is taken: u2's job gets the slot, no DATA waits
+            wait_behind(r, 1)
+            first = data_command(r.port)
+            second = data_command(r.port)
+            try:
+                assert reply_within(first, 8).startswith(b"354")
+                assert reply_within(second, 1.5) == b""
+            finally:
+                first.close()
+                second.close()
+                tokens.release(5)
+            sink.wait_for(3)
+
+
+def test_mail_for_another_domain_does_not_wait(tmp_path: Path) -> None:
+    """Delivery to ok.test is behind; a DATA for other.test gets its 354 at once, and a
+    DATA that gave up waiting leaves nothing behind in the scheduler."""
+    with Sink() as sink:
+        sink.state.hold = gate = threading.Event()
+        config = relay_config(str(tmp_path / "q"), relayhost=f"[127.0.0.1]:{sink.port}",
+                              default_destination_concurrency_limit=1, in_flow_delay=0.3)
+        with RelayThread(config) as r:
+            behind_with_a_held_delivery(r, sink)
+            other = data_command(r.port, b"v@other.test")
+            try:
+                started = time.monotonic()
+                assert reply_within(other, 8).startswith(b"354")
+                assert time.monotonic() - started < 0.25  # not in_flow_delay
+                assert r.call(lambda: r.relay.scheduler.behind) == 1
+            finally:
+                other.close()
+            for _ in range(3):  # each waits its 0.3 s and gives up
+                s = data_command(r.port)
+                try:
+                    assert reply_within(s, 8).startswith(b"354")
+                finally:
+                    s.close()
+            assert r.call(lambda: dict(r.relay.scheduler._inflow)) == {}
+            assert r.call(lambda: r.relay.scheduler.in_flow_waits) == 3
+            gate.set()
+            sink.wait_for(2)
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.5])
@@ -141,19 +205,20 @@ def test_in_flow_delay_is_from_0_to_10_seconds(tmp_path: Path, delay: float) -> 
         RelayConfig(queue=str(tmp_path / "q"), in_flow_delay=delay).validate()
 
 
-def test_each_of_n_processes_takes_its_share_of_the_relays_limits(tmp_path: Path) -> None:
+def test_each_of_n_processes_takes_its_share_of_a_destinations_limit(tmp_path: Path) -> None:
     """A destination sees no more connections than its limit however many processes
     deliver: of 2, each takes 1 of a limit of 2 (a worker used to take all of it, and the
-    destination saw twice its limit), so this worker's second message waits."""
-    config = relay_config(str(tmp_path / "q"), processes=3,
-                          default_destination_concurrency_limit=20, max_deliveries=100)
-    assert (config.share(20), config.share(100), config.share(1)) == (7, 34, 1)
+    destination saw twice its limit), so this worker's second message waits.  Of 3, each
+    takes 6 of 20 (7 each would make 21).  ``max_deliveries`` stays each process's own."""
+    config = relay_config(str(tmp_path / "q"), processes=3)
+    assert (config.share(20), config.share(2), config.share(1)) == (6, 1, 1)
     with Sink() as sink:
         sink.state.hold = gate = threading.Event()
         config = relay_config(str(tmp_path / "q2"), relayhost=f"[127.0.0.1]:{sink.port}",
                               processes=2, default_destination_concurrency_limit=2)
         with RelayThread(config) as r:
             assert r.relay.scheduler.destination_limit == 1
+            assert r.relay.scheduler.max_deliveries == config.max_deliveries
             behind_with_a_held_delivery(r, sink)
             gate.set()
             sink.wait_for(2)

@@ -55,7 +55,7 @@ import heapq
 import itertools
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
@@ -165,14 +165,17 @@ class DeliveryScheduler:
         self._stopping = False
         self._jobs: set[asyncio.Task[None]] = set()
         #: this process's parts of the relay's limits (``RelayConfig.share``)
-        self.max_deliveries = config.share(config.max_deliveries)
+        self.max_deliveries = config.max_deliveries
+        #: this process's part of a destination's limit (``RelayConfig.share``)
         self.destination_limit = config.share(config.default_destination_concurrency_limit)
         self._global = asyncio.Semaphore(self.max_deliveries)
         self._destinations: dict[str, asyncio.Semaphore] = {}
-        #: jobs whose delivery waits for a slot, and the DATA commands waiting for one of
-        #: them to get its slot, in order (``in_flow``)
-        self.behind = 0
-        self._inflow: collections.deque[asyncio.Future[None]] = collections.deque()
+        #: by recipient domain: jobs whose delivery waits for a slot, turns saved (a job
+        #: got its slot while no DATA waited), the DATA commands waiting (``in_flow``)
+        self._behind: collections.Counter[str] = collections.Counter()
+        self._turns: collections.Counter[str] = collections.Counter()
+        self._inflow: dict[str, collections.deque[asyncio.Future[None]]] = {}
+        self.in_flow_waits = 0  # DATA commands that waited
         self._started = self.clock()
         self.held: int | None = None  # held entries at the last scan (Capability.HOLD)
         self.counts = {"sent": 0, "deferred": 0, "bounced": 0, "expired": 0}
@@ -198,19 +201,35 @@ class DeliveryScheduler:
             self._push(h)
         self._event.set()
 
-    async def in_flow(self, delay: float) -> None:
-        """Wait while delivery is behind, at most ``delay`` seconds (Postfix's
-        ``in_flow_delay``; the receiver, before it takes a message's data).  Behind: a
-        job's delivery waits for a slot (its destination's concurrency limit, or
-        ``max_deliveries``), so mail comes in faster than it goes out.  Each job that
-        gets its slot lets the longest waiting DATA go, one message out for one in, as
-        Postfix's queue manager hands its cleanup processes a token per message taken.
-        Mail taken faster than it can be sent waits in the queue (the time from 250 to
-        delivery grows) and holds memory in claimed jobs."""
-        if not self.behind or delay <= 0:
+    @property
+    def behind(self) -> int:
+        """Jobs whose delivery waits for a slot (each domain of a job counts)."""
+        return sum(self._behind.values())
+
+    async def in_flow(self, domains: Iterable[str], delay: float) -> None:
+        """Wait while delivery to one of ``domains`` (the message's recipients') is
+        behind, at most ``delay`` seconds (Postfix's ``in_flow_delay``; the receiver,
+        before it takes the data).  Behind: a job for the domain waits for a delivery
+        slot (its destination's concurrency limit, or ``max_deliveries``), so its mail
+        comes in faster than it goes out.  Each such job that gets its slot lets the
+        longest waiting DATA for the domain go, or saves the turn for the next one (up
+        to the destination's limit), one message in for one out, as Postfix's queue
+        manager hands its cleanup processes a token per message it takes; once none
+        waits, every DATA goes.  Mail for other domains never waits.  Mail taken faster
+        than it can be sent waits in the queue (the time from 250 to delivery grows)
+        and holds memory in claimed jobs."""
+        if delay <= 0 or not self._behind:
             return
+        domain = next((d for d in {d.lower() for d in domains} if self._behind[d]), None)
+        if domain is None:
+            return
+        if self._turns[domain]:
+            self._turns[domain] -= 1
+            return
+        self.in_flow_waits += 1
         turn = asyncio.get_running_loop().create_future()
-        self._inflow.append(turn)
+        waiting = self._inflow.setdefault(domain, collections.deque())
+        waiting.append(turn)
         try:
             async with asyncio.timeout(delay):
                 await turn
@@ -219,16 +238,32 @@ class DeliveryScheduler:
         finally:
             if not turn.done():
                 turn.cancel()
+            with contextlib.suppress(ValueError):
+                waiting.remove(turn)  # gone already if it was let go
+            if not waiting and self._inflow.get(domain) is waiting:
+                del self._inflow[domain]
 
-    def _lagging(self, n: int) -> None:
-        self.behind += n
-        if n < 0 or not self.behind:  # a job got its slot: the next DATA goes
-            while self._inflow:
-                turn = self._inflow.popleft()
-                if not turn.done():
-                    turn.set_result(None)
-                    if self.behind:
-                        break
+    def _lagging(self, domain: str, n: int) -> None:
+        """``n`` more (or fewer) jobs for ``domain`` wait for a slot; one fewer lets a
+        waiting DATA go (``in_flow``)."""
+        self._behind[domain] += n
+        if self._behind[domain] <= 0:
+            del self._behind[domain]
+            self._turns.pop(domain, None)
+        if n > 0:
+            return
+        waiting = self._inflow.get(domain)
+        everyone = domain not in self._behind  # none waits: every DATA goes
+        let_go = False
+        while waiting and (everyone or not let_go):
+            turn = waiting.popleft()
+            if not turn.done():  # done: given up (its DATA is leaving)
+                turn.set_result(None)
+                let_go = True
+        if not let_go and not everyone:
+            self._turns[domain] = min(self._turns[domain] + 1, self.destination_limit)
+        if waiting is not None and not waiting:
+            del self._inflow[domain]
 
     def wake(self) -> None:
         """List the queue again and deliver what is due now (SIGUSR1, operator tools)."""
@@ -573,18 +608,20 @@ class DeliveryScheduler:
             self._destinations[route.destination] = sem
         waits = sem.locked() or self._global.locked()
         if waits:
-            self._lagging(1)
+            self._lagging(domain, 1)
         try:
-            async with self._global, sem:
+            # the destination's slot first: a job waiting for it holds none of the
+            # others' (it held one of max_deliveries while it waited)
+            async with sem, self._global:
                 if waits:
                     waits = False
-                    self._lagging(-1)
+                    self._lagging(domain, -1)
                 results = await self.deliverer.deliver(
                     route.hosts, job.mail_from, [e.rcpt for e in entries], job.body,
                     job.params, wire_ready=job.wire_ready)
         finally:
             if waits:  # cancelled while it waited
-                self._lagging(-1)
+                self._lagging(domain, -1)
         return list(zip(entries, results, strict=True))
 
     # ---- outcomes (a storage thread) ----

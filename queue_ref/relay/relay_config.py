@@ -256,12 +256,12 @@ class RelayConfig:
         return self
 
     def share(self, limit: int) -> int:
-        """One process's part of a limit of the whole relay (``max_deliveries``,
-        ``default_destination_concurrency_limit``): of ``processes`` workers, each takes
-        ``limit / processes`` rounded up, at least 1, so that a destination sees no more
-        connections than its limit, as from one Postfix (unless the limit is below the
-        number of processes)."""
-        return max(1, -(-limit // self.processes))
+        """One process's part of a limit of the whole relay
+        (``default_destination_concurrency_limit``): of ``processes`` workers, each
+        takes ``limit / processes`` rounded down, at least 1, so that a destination sees
+        no more connections than its limit, as from one Postfix (unless the limit is
+        below the number of processes: then one from each)."""
+        return max(1, limit // self.processes)
 
     def listen_address(self) -> tuple[str, int]:
         host, port, _ = parse_hostport(self.listen, "listen", 25)

@@ -32,9 +32,9 @@ A worker that dies is logged and started again (after 1 s, doubling to 30 s whil
 dying); a worker that cannot start at all stops the start (exit 1, its reason).  Workers
 die with the master (``PR_SET_PDEATHSIG``): a killed master leaves no relay behind.
 
-Limits (``max_deliveries``, ``default_destination_concurrency_limit``) are the whole
-relay's: each worker takes its share (``RelayConfig.share``), so a destination sees no
-more connections than from one Postfix.
+``default_destination_concurrency_limit`` is the whole relay's: each worker takes its
+share (``RelayConfig.share``), so a destination sees no more connections than from one
+Postfix; ``max_deliveries`` applies per process.
 Worker i serves its metrics on the configured port plus i (port 0: each its own).
 """
 
