@@ -7,10 +7,13 @@ lets the first go."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,15 +23,24 @@ from queue_ref.storage import Recipient, Schedule
 from tests.relay_support import RelayThread, Sink, relay_config, smtp_send
 
 
-def behind_with_a_held_delivery(r: RelayThread, sink: Sink) -> None:
-    """Two messages sent: the first held at the sink, the second's job waiting for the
-    destination's one slot."""
-    smtp_send(r.port, "a@ok.test", ["u1@ok.test"])
-    smtp_send(r.port, "a@ok.test", ["u2@ok.test"])
-    deadline = time.monotonic() + 10
-    while r.call(lambda: r.relay.scheduler.behind) != 1:
-        assert time.monotonic() < deadline, "the second job never waited for the slot"
-        time.sleep(0.02)
+@contextlib.contextmanager
+def one_job_behind(tmp_path: Path, **kw: Any
+                   ) -> Iterator[tuple[RelayThread, Sink, threading.Event]]:
+    """A relay whose destination takes one delivery at a time (``kw``: other settings),
+    with two messages sent: the first held at the sink until the event is set, the
+    second's job waiting for the destination's one slot.  The event is set at the end."""
+    with Sink() as sink:
+        sink.state.hold = gate = threading.Event()
+        config = relay_config(str(tmp_path / "q"), relayhost=f"[127.0.0.1]:{sink.port}",
+                              **{"default_destination_concurrency_limit": 1, **kw})
+        with RelayThread(config) as r:
+            smtp_send(r.port, "a@ok.test", ["u1@ok.test"])
+            smtp_send(r.port, "a@ok.test", ["u2@ok.test"])
+            wait_behind(r, 1)
+            try:
+                yield r, sink, gate
+            finally:
+                gate.set()
 
 
 def data_command(port: int, rcpt: bytes = b"u3@ok.test") -> socket.socket:
@@ -57,22 +69,17 @@ def reply_within(s: socket.socket, seconds: float) -> bytes:
 
 def test_data_waits_while_delivery_is_behind_and_goes_on_when_it_catches_up(
         tmp_path: Path) -> None:
-    with Sink() as sink:
-        sink.state.hold = gate = threading.Event()
-        config = relay_config(str(tmp_path / "q"), relayhost=f"[127.0.0.1]:{sink.port}",
-                              default_destination_concurrency_limit=1, in_flow_delay=10.0)
-        with RelayThread(config) as r:
-            behind_with_a_held_delivery(r, sink)
-            s = data_command(r.port)
-            try:
-                assert reply_within(s, 1.5) == b""  # no 354 while delivery is behind
-                gate.set()  # the first message goes; the second takes the slot
-                assert reply_within(s, 8).startswith(b"354")
-                s.sendall(b"Subject: third\r\n\r\nbody\r\n.\r\n")
-                assert reply_within(s, 10).startswith(b"250")
-            finally:
-                s.close()
-            got = sink.wait_for(3)
+    with one_job_behind(tmp_path, in_flow_delay=10.0) as (r, sink, gate):
+        s = data_command(r.port)
+        try:
+            assert reply_within(s, 1.5) == b""  # no 354 while delivery is behind
+            gate.set()  # the first message goes; the second takes the slot
+            assert reply_within(s, 8).startswith(b"354")
+            s.sendall(b"Subject: third\r\n\r\nbody\r\n.\r\n")
+            assert reply_within(s, 10).startswith(b"250")
+        finally:
+            s.close()
+        got = sink.wait_for(3)
     assert sorted(x for m in got for x in m.rcpts) == ["u1@ok.test", "u2@ok.test", "u3@ok.test"]
 
 
@@ -95,10 +102,11 @@ def wait_behind(r: RelayThread, n: int) -> None:
         time.sleep(0.02)
 
 
-def test_each_job_that_gets_its_slot_lets_one_waiting_data_go(tmp_path: Path) -> None:
-    """Two jobs wait for the slot and two clients' DATA wait: the sink takes one message,
-    a job gets the slot, and the first client (only) gets its 354; the sink takes
-    another, the last job gets the slot, none waits, and the second client goes too."""
+@contextlib.contextmanager
+def two_jobs_behind(tmp_path: Path) -> Iterator[tuple[RelayThread, threading.Semaphore]]:
+    """A relay whose destination takes one delivery at a time, with three messages queued
+    before its start: the first held at the sink until the semaphore is released, the
+    other two jobs waiting for the slot.  Every message is delivered at the end."""
     queue = prequeued(tmp_path, 3)
     with Sink() as sink:
         sink.state.hold = tokens = threading.Semaphore(0)
@@ -106,97 +114,89 @@ def test_each_job_that_gets_its_slot_lets_one_waiting_data_go(tmp_path: Path) ->
                               default_destination_concurrency_limit=1, in_flow_delay=10.0)
         with RelayThread(config) as r:
             wait_behind(r, 2)
-            first = data_command(r.port)
-            assert reply_within(first, 0.5) == b""
-            second = data_command(r.port)
             try:
-                assert reply_within(second, 1.0) == b""
-                tokens.release()  # u1 is taken: u2's job gets the slot
-                assert reply_within(first, 8).startswith(b"354")
-                assert reply_within(second, 1.5) == b""  # u3's job still waits
-                tokens.release()  # u2 is taken: u3's job gets the slot, none waits
-                assert reply_within(second, 8).startswith(b"354")
+                yield r, tokens
             finally:
-                first.close()
-                second.close()
                 tokens.release(5)
             sink.wait_for(3)
+
+
+def test_each_job_that_gets_its_slot_lets_one_waiting_data_go(tmp_path: Path) -> None:
+    """Two jobs wait for the slot and two clients' DATA wait: the sink takes one message,
+    a job gets the slot, and the first client (only) gets its 354; the sink takes
+    another, the last job gets the slot, none waits, and the second client goes too."""
+    with two_jobs_behind(tmp_path) as (r, tokens):
+        first = data_command(r.port)
+        assert reply_within(first, 0.5) == b""
+        second = data_command(r.port)
+        try:
+            assert reply_within(second, 1.0) == b""
+            tokens.release()  # u1 is taken: u2's job gets the slot
+            assert reply_within(first, 8).startswith(b"354")
+            assert reply_within(second, 1.5) == b""  # u3's job still waits
+            tokens.release()  # u2 is taken: u3's job gets the slot, none waits
+            assert reply_within(second, 8).startswith(b"354")
+        finally:
+            first.close()
+            second.close()
 
 
 def test_a_turn_no_data_took_is_kept_for_the_next(tmp_path: Path) -> None:
     """A job gets its slot while no DATA waits: the next DATA for the domain goes at once
     (the turn was saved, as Postfix keeps its tokens), the one after waits."""
-    queue = prequeued(tmp_path, 3)
-    with Sink() as sink:
-        sink.state.hold = tokens = threading.Semaphore(0)
-        config = relay_config(queue, relayhost=f"[127.0.0.1]:{sink.port}",
-                              default_destination_concurrency_limit=1, in_flow_delay=10.0)
-        with RelayThread(config) as r:
-            wait_behind(r, 2)
-            tokens.release()  # u1 is taken: u2's job gets the slot, no DATA waits
-            wait_behind(r, 1)
-            first = data_command(r.port)
-            second = data_command(r.port)
-            try:
-                assert reply_within(first, 8).startswith(b"354")
-                assert reply_within(second, 1.5) == b""
-            finally:
-                first.close()
-                second.close()
-                tokens.release(5)
-            sink.wait_for(3)
+    with two_jobs_behind(tmp_path) as (r, tokens):
+        tokens.release()  # u1 is taken: u2's job gets the slot, no DATA waits
+        wait_behind(r, 1)
+        first = data_command(r.port)
+        second = data_command(r.port)
+        try:
+            assert reply_within(first, 8).startswith(b"354")
+            assert reply_within(second, 1.5) == b""
+        finally:
+            first.close()
+            second.close()
 
 
 def test_mail_for_another_domain_does_not_wait(tmp_path: Path) -> None:
     """Delivery to ok.test is behind; a DATA for other.test gets its 354 at once, and a
     DATA that gave up waiting leaves nothing behind in the scheduler."""
-    with Sink() as sink:
-        sink.state.hold = gate = threading.Event()
-        config = relay_config(str(tmp_path / "q"), relayhost=f"[127.0.0.1]:{sink.port}",
-                              default_destination_concurrency_limit=1, in_flow_delay=0.3)
-        with RelayThread(config) as r:
-            behind_with_a_held_delivery(r, sink)
-            other = data_command(r.port, b"v@other.test")
+    with one_job_behind(tmp_path, in_flow_delay=0.3) as (r, sink, gate):
+        other = data_command(r.port, b"v@other.test")
+        try:
+            started = time.monotonic()
+            assert reply_within(other, 8).startswith(b"354")
+            assert time.monotonic() - started < 0.25  # not in_flow_delay
+            assert r.call(lambda: r.relay.scheduler.behind) == 1
+        finally:
+            other.close()
+        for _ in range(3):  # each waits its 0.3 s and gives up
+            s = data_command(r.port)
             try:
-                started = time.monotonic()
-                assert reply_within(other, 8).startswith(b"354")
-                assert time.monotonic() - started < 0.25  # not in_flow_delay
-                assert r.call(lambda: r.relay.scheduler.behind) == 1
+                assert reply_within(s, 8).startswith(b"354")
             finally:
-                other.close()
-            for _ in range(3):  # each waits its 0.3 s and gives up
-                s = data_command(r.port)
-                try:
-                    assert reply_within(s, 8).startswith(b"354")
-                finally:
-                    s.close()
-            assert r.call(lambda: dict(r.relay.scheduler._inflow)) == {}
-            assert r.call(lambda: r.relay.scheduler.in_flow_waits) == 3
-            gate.set()
-            sink.wait_for(2)
+                s.close()
+        assert r.call(lambda: dict(r.relay.scheduler._inflow)) == {}
+        assert r.call(lambda: r.relay.scheduler.in_flow_waits) == 3
+        gate.set()
+        sink.wait_for(2)
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.5])
 def test_the_wait_is_at_most_in_flow_delay(tmp_path: Path, delay: float) -> None:
     """Delivery stays behind (the sink holds on): the 354 comes once ``in_flow_delay`` has
     passed (0: at once), while the second job still waits for its slot."""
-    with Sink() as sink:
-        sink.state.hold = gate = threading.Event()
-        config = relay_config(str(tmp_path / "q"), relayhost=f"[127.0.0.1]:{sink.port}",
-                              default_destination_concurrency_limit=1, in_flow_delay=delay)
-        with RelayThread(config) as r:
-            behind_with_a_held_delivery(r, sink)
-            s = data_command(r.port)
-            started = time.monotonic()
-            try:
-                assert reply_within(s, 8).startswith(b"354")
-                waited = time.monotonic() - started
-                assert r.call(lambda: r.relay.scheduler.behind) == 1  # still behind
-                assert waited >= delay * 0.9
-            finally:
-                s.close()
-                gate.set()
-            sink.wait_for(2)
+    with one_job_behind(tmp_path, in_flow_delay=delay) as (r, sink, gate):
+        s = data_command(r.port)
+        started = time.monotonic()
+        try:
+            assert reply_within(s, 8).startswith(b"354")
+            waited = time.monotonic() - started
+            assert r.call(lambda: r.relay.scheduler.behind) == 1  # still behind
+            assert waited >= delay * 0.9
+        finally:
+            s.close()
+        gate.set()
+        sink.wait_for(2)
 
 
 @pytest.mark.parametrize("delay", [-0.1, 10.5])
@@ -212,13 +212,9 @@ def test_each_of_n_processes_takes_its_share_of_a_destinations_limit(tmp_path: P
     takes 6 of 20 (7 each would make 21).  ``max_deliveries`` stays each process's own."""
     config = relay_config(str(tmp_path / "q"), processes=3)
     assert (config.share(20), config.share(2), config.share(1)) == (6, 1, 1)
-    with Sink() as sink:
-        sink.state.hold = gate = threading.Event()
-        config = relay_config(str(tmp_path / "q2"), relayhost=f"[127.0.0.1]:{sink.port}",
-                              processes=2, default_destination_concurrency_limit=2)
-        with RelayThread(config) as r:
-            assert r.relay.scheduler.destination_limit == 1
-            assert r.relay.scheduler.max_deliveries == config.max_deliveries
-            behind_with_a_held_delivery(r, sink)
-            gate.set()
-            sink.wait_for(2)
+    with one_job_behind(tmp_path, processes=2, default_destination_concurrency_limit=2
+                        ) as (r, sink, gate):
+        assert r.relay.scheduler.destination_limit == 1
+        assert r.relay.scheduler.max_deliveries == r.relay.config.max_deliveries
+        gate.set()
+        sink.wait_for(2)

@@ -164,8 +164,7 @@ class DeliveryScheduler:
         self.scanned = asyncio.Event()  # set once the first listing of the queue is done
         self._stopping = False
         self._jobs: set[asyncio.Task[None]] = set()
-        #: this process's parts of the relay's limits (``RelayConfig.share``)
-        self.max_deliveries = config.max_deliveries
+        self.max_deliveries = config.max_deliveries  # this process's own
         #: this process's part of a destination's limit (``RelayConfig.share``)
         self.destination_limit = config.share(config.default_destination_concurrency_limit)
         self._global = asyncio.Semaphore(self.max_deliveries)
