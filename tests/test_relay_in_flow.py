@@ -21,6 +21,7 @@ from queue_ref.opener import open_queue
 from queue_ref.relay.relay_config import ConfigError, RelayConfig
 from queue_ref.storage import Recipient, Schedule
 from tests.relay_support import RelayThread, Sink, relay_config, smtp_send
+from tests.test_relay_metrics import scrape
 
 
 @contextlib.contextmanager
@@ -160,7 +161,8 @@ def test_a_turn_no_data_took_is_kept_for_the_next(tmp_path: Path) -> None:
 def test_mail_for_another_domain_does_not_wait(tmp_path: Path) -> None:
     """Delivery to ok.test is behind; a DATA for other.test gets its 354 at once, and a
     DATA that gave up waiting leaves nothing behind in the scheduler."""
-    with one_job_behind(tmp_path, in_flow_delay=0.3) as (r, sink, gate):
+    with one_job_behind(tmp_path, in_flow_delay=0.3, metrics_listen="127.0.0.1:0"
+                        ) as (r, sink, gate):
         other = data_command(r.port, b"v@other.test")
         try:
             started = time.monotonic()
@@ -177,6 +179,8 @@ def test_mail_for_another_domain_does_not_wait(tmp_path: Path) -> None:
                 s.close()
         assert r.call(lambda: dict(r.relay.scheduler._inflow)) == {}
         assert r.call(lambda: r.relay.scheduler.in_flow_waits) == 3
+        assert r.relay.metrics_port is not None  # what an operator sees
+        assert scrape(r.relay.metrics_port)[("queue_ref_relay_in_flow_waits_total", ())] == 3
         gate.set()
         sink.wait_for(2)
 

@@ -226,6 +226,8 @@ class DeliveryScheduler:
             self._turns[domain] -= 1
             return
         self.in_flow_waits += 1
+        if self.metrics is not None:
+            self.metrics.in_flow_waits.inc()
         turn = asyncio.get_running_loop().create_future()
         waiting = self._inflow.setdefault(domain, collections.deque())
         waiting.append(turn)

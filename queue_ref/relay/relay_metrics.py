@@ -107,6 +107,10 @@ class RelayMetrics:
             "Unexpected errors in a delivery job, by step (claim, route, deliver, bounce, "
             "finish, return); the entries concerned went back to the queue with a retry",
             ["step"], registry=r)
+        self.in_flow_waits = Counter(
+            "queue_ref_relay_in_flow_waits",
+            "DATA commands that waited before their 354 because delivery to a recipient "
+            "domain of theirs was behind (in_flow_delay)", registry=r)
         r.register(_QueueSizeCollector(queue_sizes))
         self._group_commit = _GroupCommitCollector(store)
         r.register(self._group_commit)
