@@ -62,11 +62,13 @@ def deferred(r: RelayThread, n: int) -> None:
 
 
 def serve_turned(sock: socket.socket, replies: dict[str, str], data_reply: str = "",
-                 lines: list[str] | None = None) -> list[tuple[str, list[str], bytes]]:
+                 lines: list[str] | None = None, answer_quit: bool = True
+                 ) -> list[tuple[str, list[str], bytes]]:
     """Be the SMTP server on ``sock`` after ATRN's 250: the greeting, then each command
     answered (``replies``: recipient -> its RCPT reply, else 250; ``data_reply``, when
-    given, answers DATA instead of 354) until QUIT; the messages taken (sender,
-    recipients accepted, content).  ``lines`` gets every command line read."""
+    given, answers DATA instead of 354) until QUIT (unanswered unless ``answer_quit``:
+    then until the relay hangs up); the messages taken (sender, recipients accepted,
+    content).  ``lines`` gets every command line read."""
     f = sock.makefile("rb")
     sock.sendall(b"220 customer.test ESMTP\r\n")
     got: list[tuple[str, list[str], bytes]] = []
@@ -98,9 +100,11 @@ def serve_turned(sock: socket.socket, replies: dict[str, str], data_reply: str =
                 data += f.readline()
             got.append((mail_from, rcpts, data))
             sock.sendall(b"250 2.0.0 Ok: taken\r\n")
-        elif verb == "QUIT":
+        elif verb == "QUIT" and answer_quit:
             sock.sendall(b"221 2.0.0 Bye\r\n")
             return got
+        elif verb == "QUIT":
+            continue
         else:
             sock.sendall(b"250 2.0.0 Ok\r\n")
 
@@ -297,3 +301,23 @@ def test_a_data_command_refused_on_the_turned_connection_defers_and_resets(
     assert "451 4.3.0 try later" in last["reason"]
     (left,) = queued_entries(str(tmp_path / "q"))
     assert left.rcpt == f"one@{DOMAIN}"
+
+
+def test_a_customer_that_never_answers_quit_is_hung_up_on(tmp_path: Path) -> None:
+    """The turned session's QUIT waits 5 s for its reply; then the relay closes the
+    connection all the same, with nothing logged as an error (the timeout used to escape
+    the ATRN command: aiosmtpd logged a session exception and reset the connection)."""
+    with Sink() as sink, RelayThread(_config(tmp_path, sink)) as r:
+        smtp_send(r.port, "a@example.org", [f"one@{DOMAIN}"])
+        deferred(r, 1)
+        lines: list[str] = []
+        with _odmr(r) as c:
+            assert c.docmd("ATRN", DOMAIN)[0] == 250
+            c.sock.settimeout(15)
+            started = time.monotonic()
+            got = serve_turned(c.sock, {}, lines=lines, answer_quit=False)
+            took = time.monotonic() - started
+        r.wait_events(1, "delivery", status="sent")
+    assert [rc for _, rc, _ in got] == [[f"one@{DOMAIN}"]]
+    assert lines[-1] == "QUIT" and 4.5 <= took < 12, took
+    assert r.events("error") == []

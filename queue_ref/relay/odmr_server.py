@@ -234,7 +234,9 @@ class _Turned:
         return [r if r is not None else self._result(451, "4.4.2 no reply") for r in results]
 
     async def quit(self) -> None:
-        with contextlib.suppress(_Lost):
+        """QUIT, waiting 5 s at most for the reply: a customer that never answers it is
+        hung up on all the same (its mail was finished already)."""
+        with contextlib.suppress(_Lost, TimeoutError):
             async with asyncio.timeout(5):
                 await self.command("QUIT")
 
