@@ -123,8 +123,9 @@ class RelayConfig:
     smtp_line_length_limit: int = 998  # longer lines are folded on delivery; 0: never
     default_destination_concurrency_limit: int = 20
     max_deliveries: int = 100  # Postfix's default_process_limit
-    # the most a DATA command waits while delivery is behind (mail waits for a delivery
-    # slot): mail comes in no faster than it goes out; 0: never (Postfix's in_flow_delay)
+    # the most a DATA command waits while delivery to one of its recipient domains is
+    # behind (a job for it waits for a delivery slot): mail comes in no faster than it
+    # goes out; 0: never (Postfix's in_flow_delay; DeliveryScheduler.in_flow)
     in_flow_delay: float = 1.0
     # -- retries and bounces --
     minimal_backoff_time: float = 300.0
