@@ -161,26 +161,26 @@ def test_a_turn_no_data_took_is_kept_for_the_next(tmp_path: Path) -> None:
 def test_mail_for_another_domain_does_not_wait(tmp_path: Path) -> None:
     """Delivery to ok.test is behind; a DATA for other.test gets its 354 at once, and a
     DATA that gave up waiting leaves nothing behind in the scheduler."""
-    with one_job_behind(tmp_path, in_flow_delay=0.3, metrics_listen="127.0.0.1:0"
+    with one_job_behind(tmp_path, in_flow_delay=2.0, metrics_listen="127.0.0.1:0"
                         ) as (r, sink, gate):
         other = data_command(r.port, b"v@other.test")
         try:
             started = time.monotonic()
             assert reply_within(other, 8).startswith(b"354")
-            assert time.monotonic() - started < 0.25  # not in_flow_delay
+            assert time.monotonic() - started < 1.5  # not in_flow_delay
             assert r.call(lambda: r.relay.scheduler.behind) == 1
         finally:
             other.close()
-        for _ in range(3):  # each waits its 0.3 s and gives up
+        for _ in range(2):  # each waits its 2 s and gives up
             s = data_command(r.port)
             try:
                 assert reply_within(s, 8).startswith(b"354")
             finally:
                 s.close()
         assert r.call(lambda: dict(r.relay.scheduler._inflow)) == {}
-        assert r.call(lambda: r.relay.scheduler.in_flow_waits) == 3
+        assert r.call(lambda: r.relay.scheduler.in_flow_waits) == 2
         assert r.relay.metrics_port is not None  # what an operator sees
-        assert scrape(r.relay.metrics_port)[("queue_ref_relay_in_flow_waits_total", ())] == 3
+        assert scrape(r.relay.metrics_port)[("queue_ref_relay_in_flow_waits_total", ())] == 2
         gate.set()
         sink.wait_for(2)
 
@@ -196,7 +196,8 @@ def test_the_wait_is_at_most_in_flow_delay(tmp_path: Path, delay: float) -> None
             assert reply_within(s, 8).startswith(b"354")
             waited = time.monotonic() - started
             assert r.call(lambda: r.relay.scheduler.behind) == 1  # still behind
-            assert waited >= delay * 0.9
+            if delay:
+                assert waited >= delay * 0.9
         finally:
             s.close()
         gate.set()
