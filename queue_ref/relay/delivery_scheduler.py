@@ -205,9 +205,9 @@ class DeliveryScheduler:
         """Jobs whose delivery waits for a slot (each domain of a job counts)."""
         return sum(self._behind.values())
 
-    async def in_flow(self, domains: Iterable[str], delay: float) -> None:
-        """Wait while delivery to one of ``domains`` (the message's recipients') is
-        behind, at most ``delay`` seconds (Postfix's ``in_flow_delay``; the receiver,
+    async def in_flow(self, rcpts: Iterable[str], delay: float) -> None:
+        """Wait while delivery to the domain of one of ``rcpts`` (the message's
+        recipients) is behind, at most ``delay`` seconds (Postfix's ``in_flow_delay``; the receiver,
         before it takes the data).  Behind: a job for the domain waits for a delivery
         slot (its destination's concurrency limit, or ``max_deliveries``), so its mail
         comes in faster than it goes out.  Each such job that gets its slot lets the
@@ -219,7 +219,8 @@ class DeliveryScheduler:
         and holds memory in claimed jobs."""
         if delay <= 0 or not self._behind:
             return
-        domain = next((d for d in {d.lower() for d in domains} if self._behind[d]), None)
+        domains = {r.rpartition("@")[2].lower() for r in rcpts}  # only once mail is behind
+        domain = next((d for d in domains if self._behind[d]), None)
         if domain is None:
             return
         if self._turns[domain]:
@@ -232,13 +233,10 @@ class DeliveryScheduler:
         waiting = self._inflow.setdefault(domain, collections.deque())
         waiting.append(turn)
         try:
-            async with asyncio.timeout(delay):
-                await turn
-        except TimeoutError:
-            pass
+            with contextlib.suppress(TimeoutError):  # waited the whole delay: it goes
+                async with asyncio.timeout(delay):
+                    await turn  # cancelled with the wait (the timeout, the session gone)
         finally:
-            if not turn.done():
-                turn.cancel()
             with contextlib.suppress(ValueError):
                 waiting.remove(turn)  # gone already if it was let go
             if not waiting and self._inflow.get(domain) is waiting:

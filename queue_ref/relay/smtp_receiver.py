@@ -199,8 +199,7 @@ class RelaySMTP(SMTP):
             return
         in_flow = self.receiver.in_flow
         if in_flow is not None:  # delivery behind: the data waits (in_flow_delay at most)
-            await in_flow([r.rpartition("@")[2] for r in self.envelope.rcpt_tos],
-                          self.receiver.config.in_flow_delay)
+            await in_flow(self.envelope.rcpt_tos, self.receiver.config.in_flow_delay)
         await self.push("354 End data with <CR><LF>.<CR><LF>")
         try:
             # lines of any length, as Postfix's smtpd: delivery folds them (smtp_delivery)
@@ -312,8 +311,8 @@ class SmtpReceiver:
         self.on_commit_time = on_commit_time
         #: Called with the ReopenRequiredError a commit raised (the relay reopens).
         self.on_queue_failed: Callable[[BaseException], None] | None = None
-        #: Awaited with the recipients' domains and ``in_flow_delay`` before each DATA's
-        #: 354 (the scheduler's ``in_flow``: while delivery is behind, the data waits).
+        #: Awaited with the recipients and ``in_flow_delay`` before each DATA's 354
+        #: (the scheduler's ``in_flow``: while delivery is behind, the data waits).
         self.in_flow: Callable[[list[str], float], Awaitable[None]] | None = None
         self.sessions: set[RelaySMTP] = set()
         #: Called as each session ends (a worker tells its master, ``session_handoff``).
