@@ -518,6 +518,25 @@ def kv_flush_drops_tombstones(root: str, io: IO | None = None) -> Storage:
     return KvQueue.open_log(root, io, engine=DropsTombstones)
 
 
+def kv_log_never_spills(root: str, io: IO | None = None) -> Storage:
+    """The KV queue (log engine) whose engine ignores the hint of an enqueue streaming a
+    big body in (``KV.spill``): the body stays in the memtable up to its whole limit
+    (32 MiB, room for a relay's mail in flight), so a 100 MB body takes 32 MiB of heap
+    while it is written.  Only the streaming check fails it (the heap under 16 MiB)::
+
+        queue-ref certify conformance.examples.broken_backends:kv_log_never_spills \\
+            --only streaming
+    """
+    from queue_ref.kv.kv_queue import KvQueue
+    from queue_ref.kv.logengine import LogEngine
+
+    class NeverSpills(LogEngine):
+        def spill(self) -> None:
+            """The bug: the hint is ignored."""
+
+    return KvQueue.open_log(root, io, engine=NeverSpills)
+
+
 def kv_failed_commit_keeps_chunks(root: str, io: IO | None = None) -> Storage:
     """The KV queue (log engine) that keeps a large body's chunks after its commit failed
     for a full disk, although the engine cut the log back and knows nothing of the commit

@@ -71,6 +71,14 @@ class KV(abc.ABC):
     ) -> Iterator[tuple[bytes, bytes]]:
         """Pairs with ``start <= key < stop`` (no upper bound if None), ascending."""
 
+    def spill(self) -> None:  # noqa: B027 (a hint: doing nothing is a right answer)
+        """Told by a writer streaming in a body too big to die young in memory (one past
+        ``queue_ref.kv.core.SPILL_AFTER`` bytes), after each of its batches: hold no more
+        than a small write buffer in memory now.  A hint; after it (or a failure of it)
+        every write stays as visible and as durable as it was.  The default does nothing:
+        an engine whose write buffer is small anyway (LevelDB's 4 MiB) has none to
+        shrink."""
+
     @abc.abstractmethod
     def close(self) -> None:
         """Flush nothing more, release files; idempotent."""

@@ -53,6 +53,10 @@ from queue_ref.storage import (
 
 CHUNK = 64 * 1024
 BATCH_BYTES = 1 << 20  # body bytes per unsynced batch while a body streams in
+#: The body bytes an enqueue writes before it tells the engine, after each further batch,
+#: that its body is too big to die young in memory (``KV.spill``): mail's bodies are
+#: mostly far smaller, and a body of 100 MB must not be held whole in a memtable.
+SPILL_AFTER = 4 << 20
 ID_BLOCK = 1024  # ids reserved per synced write of the high-water mark
 META_CACHE = 32  # decoded metadata records kept (a 10,000-recipient one is large)
 MOVE_BATCH = 16  # chunks moved per batch when a body goes to quarantine

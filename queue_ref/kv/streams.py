@@ -10,7 +10,7 @@ from queue_ref.body_digest import BodyDigest
 from queue_ref.kv import claims as cl
 from queue_ref.kv import keys, kv_records
 from queue_ref.kv.base import WriteBatch
-from queue_ref.kv.core import BATCH_BYTES, CHUNK, Core, io_error
+from queue_ref.kv.core import BATCH_BYTES, CHUNK, SPILL_AFTER, Core, io_error
 from queue_ref.kv.kv_records import EntryRec, MetaRec, Stored
 from queue_ref.storage import (
     ClosedError,
@@ -39,7 +39,9 @@ class _Queue(Protocol):
 
 
 class KvEnqueuer(Enqueuer):
-    """Writes chunks as they fill, unsynced, in batches of about 1 MiB.
+    """Writes chunks as they fill, unsynced, in batches of about 1 MiB; from
+    ``SPILL_AFTER`` bytes on, each batch is followed by ``KV.spill`` (a big body is not
+    held in the engine's memory).
 
     The message gets its id at the first batch it writes (so small messages are numbered
     in commit order).  ``commit`` writes the last chunks, the ``#`` and ``*`` records, the
@@ -96,6 +98,8 @@ class KvEnqueuer(Enqueuer):
         if self._batch_bytes >= BATCH_BYTES:
             try:
                 self._core.write(self._batch, sync=False)
+                if self._seq * CHUNK >= SPILL_AFTER:
+                    self._core.kv.spill()
             except OSError as e:
                 if e.errno in _NO_SPACE:
                     self._queue._out_of_space()

@@ -10,7 +10,8 @@ log order and the memtable order agree on every key, the log stays one ordered s
 (a synced batch makes every batch appended before it durable), and a thread's unsynced
 write never waits for another thread's fsync.  Once the memtable passes
 ``memtable_limit`` bytes or the log ``log_limit``, the writer that noticed flushes (below)
-in an exclusive turn; flushes and compactions run in the writers' path, never in a
+in an exclusive turn (a writer streaming a big body in asks for a flush past the smaller
+``spill_limit``: ``spill``); flushes and compactions run in the writers' path, never in a
 background thread, so a single-threaded run's sequence of disk calls is deterministic.
 
 Flush (and ``compact()``, which merges everything): merge the memtable with the tables the
@@ -114,12 +115,23 @@ BACKEND = "kv-log"
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
+#: The bytes of live writes the memtable holds before a flush, by default: room for the
+#: bodies of a relay's mail in flight (megabytes each), so that they die in memory.
+MEMTABLE_LIMIT = 32 << 20
+#: The memtable's limit while a writer streams a body past ``KV.spill``'s threshold in, by
+#: default: what such a body holds in memory at most.
+SPILL_LIMIT = 4 << 20
+#: The largest default log limit: the log is replayed whole at the next open.
+LOG_LIMIT_MAX = 64 << 20
+
+
 def default_log_limit(memtable_limit: int, fs_bytes: int | None) -> int:
-    """Eight memtables of log, but at most a sixteenth of the file system the store is on
-    (when its size is known), and at least 64 KiB: a log holds the bytes of deleted
-    values too until its flush, and on a small disk those filled it while little mail
-    was queued (a 24 MiB file system refused new mail with a 64 MiB limit)."""
-    limit = 8 * memtable_limit
+    """Eight memtables of log, at most ``LOG_LIMIT_MAX``, and at most a sixteenth of the
+    file system the store is on (when its size is known), and at least 64 KiB: a log
+    holds the bytes of deleted values too until its flush, and on a small disk those
+    filled it while little mail was queued (a 24 MiB file system refused new mail with a
+    64 MiB limit)."""
+    limit = min(8 * memtable_limit, LOG_LIMIT_MAX)
     if fs_bytes is not None and fs_bytes > 0:
         limit = min(limit, max(64 * 1024, fs_bytes // 16))
     return limit
@@ -211,11 +223,14 @@ class LogEngine(KV):
     #: The class of a table file opened for reading (a class attribute, as ``_replay``).
     _table: type[Table] = Table
 
-    def __init__(self, path: str, io: IO | None = None, *, memtable_limit: int = 4 << 20,
+    def __init__(self, path: str, io: IO | None = None, *,
+                 memtable_limit: int = MEMTABLE_LIMIT, spill_limit: int | None = None,
                  log_limit: int | None = None, table_limit: int | None = None,
                  max_open_tables: int = MAX_OPEN_TABLES) -> None:
         """Open (or create) the store at ``path``.  ``memtable_limit``: the bytes of live
-        writes held in memory before a flush; ``log_limit``: the size of the live log that
+        writes held in memory before a flush; ``spill_limit``: the same while a writer
+        streams a big body in (``spill``; default: the smaller of ``SPILL_LIMIT`` and
+        ``memtable_limit``); ``log_limit``: the size of the live log that
         forces a flush (default: ``default_log_limit``), which bounds the replay at the next
         open; ``table_limit``: the size of a table file past which a table is cut into
         pieces (default: ``default_table_limit``); ``max_open_tables``: the table files kept
@@ -230,7 +245,11 @@ class LogEngine(KV):
                              if _is_size(memtable_limit) else 0)
             if table_limit is None:
                 table_limit = default_table_limit(fs_bytes)
-        for name, value in (("memtable_limit", memtable_limit), ("log_limit", log_limit),
+        if spill_limit is None:
+            spill_limit = (min(SPILL_LIMIT, memtable_limit) if _is_size(memtable_limit)
+                           else 0)
+        for name, value in (("memtable_limit", memtable_limit), ("spill_limit", spill_limit),
+                            ("log_limit", log_limit),
                             ("table_limit", table_limit), ("max_open_tables", max_open_tables)):
             if not _is_size(value):
                 raise InvalidInputError(f"{name} must be a positive int, got {value!r}")
@@ -239,6 +258,7 @@ class LogEngine(KV):
         self.path = os.path.abspath(path)
         self.io: IO = io if io is not None else OsIO()
         self.memtable_limit = memtable_limit
+        self.spill_limit = spill_limit
         self.log_limit = log_limit
         self.table_limit = table_limit
         self._mu = threading.Lock()  # guards _mem and _tables for readers
@@ -541,11 +561,11 @@ class LogEngine(KV):
             raise
         return out
 
-    def _over_limit(self) -> bool:
+    def _over_limit(self, memtable_limit: int | None = None) -> bool:
         log = self._log
         if log is None:  # closed
             return False
-        return (self._mem.approx_bytes > self.memtable_limit
+        return (self._mem.approx_bytes > (memtable_limit or self.memtable_limit)
                 or log.size + self._buffered > self.log_limit)
 
     @staticmethod
@@ -833,11 +853,19 @@ class LogEngine(KV):
                 self._drained.wait()
             yield
 
-    def _flush(self) -> None:
-        """Flush in an exclusive turn if still over the limit."""
+    def spill(self) -> None:
+        """See ``KV.spill``: flush now if the memtable holds more than ``spill_limit``."""
+        self._check_open()
+        if self._over_limit(self.spill_limit) and self._log_size() >= self._flush_at:
+            self._flush(self.spill_limit)
+
+    def _flush(self, memtable_limit: int | None = None) -> None:
+        """Flush in an exclusive turn if still over the limit (``memtable_limit``, when
+        given, instead of the engine's own)."""
         doomed: list[str] = []
         with self._turn():
-            if self._closed or self._failed is not None or not self._over_limit():
+            if (self._closed or self._failed is not None
+                    or not self._over_limit(memtable_limit)):
                 return
             try:
                 doomed = self._maintain(full=False)
