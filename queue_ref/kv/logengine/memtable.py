@@ -1,14 +1,17 @@
 """The memtable: the writes since the last flush, with tombstones for deletes.
 
-A dict gives point lookups; a list kept sorted (``bisect.insort`` on a key's first write)
-gives ordered ranges.  Keys are never removed before the flush: a delete stores ``None``
-(a tombstone), which hides older values in the tables.  The caller serialises mutation
-and reading (the engine's state lock).
+A dict gives point lookups; a ``SortedList`` of the keys (a key added at its first write)
+gives ordered ranges.  (A plain list kept sorted with ``bisect.insort`` moved half of
+itself at each new key: 10 us a key at 120,000 keys, which a 64 MiB log of small mail
+holds before its flush; a ``SortedList`` takes about 1 us at any size.)  Keys are never
+removed before the flush: a delete stores ``None`` (a tombstone), which hides older
+values in the tables.  The caller serialises mutation and reading (the engine's state
+lock).
 """
 
 from __future__ import annotations
 
-import bisect
+from sortedcontainers import SortedList  # type: ignore[import-untyped]
 
 from queue_ref.kv.logengine.format import Op
 
@@ -22,7 +25,7 @@ ENTRY_OVERHEAD = 112
 class Memtable:
     def __init__(self) -> None:
         self._data: dict[bytes, bytes | None] = {}
-        self._keys: list[bytes] = []
+        self._keys = SortedList()
         self.approx_bytes = 0
 
     def __len__(self) -> int:
@@ -36,7 +39,7 @@ class Memtable:
                 old = data[key]
                 self.approx_bytes += vlen - (0 if old is None else len(old))
             else:
-                bisect.insort(self._keys, key)
+                self._keys.add(key)
                 self.approx_bytes += len(key) + vlen + ENTRY_OVERHEAD
             data[key] = value
 
@@ -48,9 +51,6 @@ class Memtable:
 
     def range(self, start: bytes, stop: bytes | None) -> list[Op]:
         """A copy of the entries with ``start <= key < stop``, ascending, tombstones included."""
-        keys = self._keys
-        i = bisect.bisect_left(keys, start)
-        j = len(keys) if stop is None else bisect.bisect_left(keys, stop)
         data = self._data
-        return [(k, data[k]) for k in keys[i:j]]
+        return [(k, data[k]) for k in self._keys.irange(start, stop, inclusive=(True, False))]
 
