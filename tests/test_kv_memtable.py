@@ -15,7 +15,7 @@ from queue_ref.io import OsIO
 from queue_ref.kv.core import BATCH_BYTES, CHUNK, SPILL_AFTER
 from queue_ref.kv.kv_queue import KvQueue
 from queue_ref.kv.logengine import LogEngine
-from queue_ref.kv.logengine.engine import SPILL_LIMIT
+from queue_ref.kv.logengine.engine import LOG_LIMIT_MAX, SPILL_LIMIT
 from queue_ref.storage import Recipient, Schedule
 
 MiB = 1 << 20
@@ -61,7 +61,9 @@ def test_bodies_in_flight_die_in_memory(tmp_path: Path) -> None:
     table writes; with the memtable of 4 MiB the engine had until 2026-11-29 nearly every
     body went to a table before it was deleted."""
     io = TableBytes()
-    kv = LogEngine(str(tmp_path / "default"), io)
+    # the default limits of a file system of 1 GiB or more (the log's is at most a
+    # sixteenth of the file system)
+    kv = LogEngine(str(tmp_path / "default"), io, log_limit=LOG_LIMIT_MAX)
     try:
         _in_flight(kv, 100, 10)
     finally:
@@ -145,3 +147,20 @@ def test_the_streaming_check_fails_an_engine_that_ignores_the_hint() -> None:
     assert broken.status is Status.FAIL
     assert [f.clause for f in broken.findings] == [API]
     assert "grew by" in broken.findings[0].detail and "written" in broken.findings[0].detail
+
+
+def test_a_big_body_moved_to_quarantine_spills(tmp_path: Path) -> None:
+    """Quarantining a message moves its chunks in batches; once 4 MiB have moved the
+    engine is told after each batch, so a 40 MiB body is not gathered in the memtable."""
+    PeakMemtable.peak = PeakMemtable.spilled_peak = PeakMemtable.spills = 0
+    q = KvQueue.open_log(str(tmp_path / "q"), engine=lambda p, io: PeakMemtable(p, io))
+    try:
+        with q.enqueue("a@example.org") as enq:
+            enq.write(os.urandom(40 * MiB))
+            [mail] = enq.commit([Recipient("c@example.org", Schedule(0))])
+        PeakMemtable.spilled_peak = PeakMemtable.spills = 0
+        q._core.quarantine_chunks(int(mail.message_id))
+        assert PeakMemtable.spills > 0
+        assert PeakMemtable.spilled_peak <= SPILL_LIMIT + 2 * MiB, PeakMemtable.spilled_peak
+    finally:
+        q.close()

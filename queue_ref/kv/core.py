@@ -335,6 +335,7 @@ class Core:
         """Move the message's remaining keys (its chunks) under ``quarantine``."""
         p = keys.message_prefix(mid)
         todo = [k for k, _ in self.kv.iterate(p, keys.end_of(p))]
+        moved = 0
         for i in range(0, len(todo), MOVE_BATCH):
             b = WriteBatch()
             for k in todo[i:i + MOVE_BATCH]:
@@ -342,7 +343,10 @@ class Core:
                 if v is not None:
                     b.put(keys.quarantine(k), v)
                     b.delete(k)
+                    moved += len(v)
             self.write(b, sync=i + MOVE_BATCH >= len(todo))
+            if moved >= SPILL_AFTER:
+                self.kv.spill()  # a big body, moved whole, is not held in memory
 
     @contextmanager
     def message_exclusive(self, mid: int) -> Iterator[None]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 from collections.abc import Mapping, Sequence
 from typing import Protocol
@@ -98,8 +99,6 @@ class KvEnqueuer(Enqueuer):
         if self._batch_bytes >= BATCH_BYTES:
             try:
                 self._core.write(self._batch, sync=False)
-                if self._seq * CHUNK >= SPILL_AFTER:
-                    self._core.kv.spill()
             except OSError as e:
                 if e.errno in _NO_SPACE:
                     self._queue._out_of_space()
@@ -108,6 +107,11 @@ class KvEnqueuer(Enqueuer):
             self._written = self._seq
             self._batch = WriteBatch()
             self._batch_bytes = 0
+            if self._seq * CHUNK >= SPILL_AFTER:
+                # a hint, which fails nothing it follows: a queue closed meanwhile
+                # refuses the next write
+                with contextlib.suppress(ClosedError):
+                    self._core.kv.spill()
 
     def write(self, data: bytes) -> None:
         """Append body bytes.  On StorageIOError the enqueue must be aborted."""
