@@ -215,6 +215,32 @@ def test_a_worker_whose_sessions_ended_gets_the_next_ones(tmp_path):
         assert rp.wait(60) == 0
 
 
+def test_connections_a_killed_worker_never_took_are_greeted_by_another(tmp_path):
+    """One worker stalled (SIGSTOP) while six clients connect: the master hands them out
+    in turn, and those of the stalled worker wait in its channel.  It is killed
+    (SIGKILL) before it took them: the master hands them to the other worker, and every
+    client is greeted.  (Until 2026-11-29 those clients saw their connection closed
+    without a word.)"""
+    with _two_workers(tmp_path) as (rp, port):
+        victim = _workers(rp)[0]
+        os.kill(victim, signal.SIGSTOP)
+        clients = [socket.create_connection(("127.0.0.1", port), timeout=10)
+                   for _ in range(6)]
+        time.sleep(0.5)  # handed over: three wait in the stalled worker's channel
+        os.kill(victim, signal.SIGKILL)
+        heard = []
+        for c in clients:
+            c.settimeout(30)
+            with contextlib.suppress(OSError):
+                heard.append(c.recv(64))
+            c.close()
+        rp.send_signal(signal.SIGTERM)
+        assert rp.wait(60) == 0
+        err = rp.stderr()
+    assert len(heard) == 6 and all(h.startswith(b"220 ") for h in heard), heard
+    assert "what=worker died, worker=0, exit=-9" in err
+
+
 def _read_all(s: socket.socket, timeout: float = 30.0) -> bytes:
     s.settimeout(timeout)
     got = b""

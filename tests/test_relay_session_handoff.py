@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -34,8 +35,7 @@ def workers() -> Iterator[tuple[Dispatcher, list[socket.socket]]]:
         end.setblocking(False)
         theirs.append(end)
     yield d, theirs
-    for i in range(3):
-        d.drop(i)
+    d.close()
     for end in theirs:
         end.close()
 
@@ -110,6 +110,7 @@ def test_a_worker_not_ready_gone_or_closed_is_passed_over(workers):
     client, server = socket.socketpair()
     with client, server:
         assert not d.dispatch(server) and not d.any_ready()
+    d.close()
     for s in clients:
         s.close()
 
@@ -135,7 +136,7 @@ def test_a_report_held_back_by_a_full_channel_goes_with_the_next():
     d.read_reports()
     assert d.sessions() == {0: 2}
     inbox.close()
-    d.drop(0)
+    d.close()
     for s in clients:
         s.close()
 
@@ -166,6 +167,8 @@ def test_the_inbox_makes_sessions_and_reports_their_end():
             c.settimeout(5)
             assert await loop.run_in_executor(None, c.recv, 64) == b"220 ready\r\n"
         assert d.sessions() == {0: 2}
+        d.read_reports()  # the inbox said it took both before answering: no copy kept
+        assert d._channels[0].handed == deque()
         clients[0].sendall(b"QUIT\r\n")
         assert await loop.run_in_executor(None, clients[0].recv, 64) == b""  # closed
         for _ in range(100):
@@ -199,7 +202,7 @@ def test_a_report_of_more_ended_sessions_than_handed_is_counted_not_hidden():
     assert d.read_reports() == 1 and d.sessions() == {0: 0}
     end.send(b"0")
     assert d.read_reports() == 0
-    d.drop(0)
+    d.close()
     end.close()
     for s in clients:
         s.close()
@@ -244,7 +247,7 @@ def test_a_connection_without_its_descriptor_is_counted_ended_and_pauses_the_wor
         client.close()
 
     asyncio.run(run())
-    d.drop(0)
+    d.close()
 
 
 def test_emfile_in_the_worker_really_drops_the_descriptor_and_is_seen():
@@ -324,7 +327,7 @@ def test_drain_takes_what_the_channel_holds_before_it_closes():
         return await _heard(clients, lambda c: c.recv(64))
 
     assert asyncio.run(run()) == [b"421 closing\r\n"] * 3
-    d.drop(0)
+    d.close()
 
 
 def test_drain_goes_past_a_connection_that_came_without_its_descriptor():
@@ -350,7 +353,7 @@ def test_drain_goes_past_a_connection_that_came_without_its_descriptor():
     assert "not reading" not in str(errors[0]) and lost == []
     d.read_reports()
     assert d.sessions() == {0: 3}  # the lost one reported ended; three sessions made
-    d.drop(0)
+    d.close()
 
 
 # ---- a relay worker's inbox: the real Relay over a real queue -------------------------
@@ -374,11 +377,12 @@ def test_a_stopping_worker_gives_the_421_to_what_its_channel_holds(tmp_path: Pat
         await relay.start()
         clients = _hand(d, 3)  # in the channel; the loop does not run before stop drains
         await relay.stop()
+        d.read_reports()  # the drain said it took them: the master's copies go
         return await _heard(clients, _read_to_end)
 
     heard = asyncio.run(run())
     assert all(b"\r\n421 4.3.2 " in b"\r\n" + h for h in heard), heard
-    d.drop(0)
+    d.close()
 
 
 def test_a_worker_whose_master_closes_the_channel_stops(tmp_path: Path) -> None:
@@ -451,7 +455,7 @@ def test_the_inbox_hands_an_etrn_from_another_worker_on_and_ignores_it_while_dra
         assert asked == ["example.net"]
 
     asyncio.run(run())
-    d.drop(0)
+    d.close()
 
 
 def test_an_etrn_for_a_worker_being_started_again_waits_for_its_successor(workers):
@@ -476,3 +480,77 @@ def test_an_etrn_for_a_worker_being_started_again_waits_for_its_successor(worker
             end.recv(1024)
         theirs[i].close()
         theirs[i] = end
+
+
+def test_connections_a_dead_worker_did_not_take_are_handed_on(workers):
+    """Worker 0 takes the first of its two connections, says so and answers it, then
+    dies with the second unread: the master finds the second among its orphans (not the
+    first), hands it to another worker, and that client is answered by it."""
+    d, theirs = workers
+    clients = _hand(d, 6)  # in turn: 0, 1, 2, 0, 1, 2
+    msg, fds, _, _ = socket.recv_fds(theirs[0], 16, 4)
+    assert msg == b"s" and len(fds) == 1
+    theirs[0].send(b"t1")
+    with socket.socket(fileno=fds[0]) as took:
+        took.sendall(b"220 worker 0\r\n")
+    assert clients[0].recv(64) == b"220 worker 0\r\n"
+    theirs[0].close()  # it dies: the kernel drops what its channel held
+    d.drop(0)
+    assert len(d.orphans) == 1
+    orphan = d.orphans.popleft()
+    with orphan:
+        assert d.dispatch(orphan)
+    assert sorted(d.sessions().values()) == [2, 3]
+    for i in (1, 2):
+        for got in _taken(theirs[i]):
+            with got:
+                got.sendall(b"220 worker %d\r\n" % i)
+    assert clients[3].recv(64) in (b"220 worker 1\r\n", b"220 worker 2\r\n")
+    clients[0].settimeout(5)
+    assert clients[0].recv(64) == b""  # the one it took went with it: closed, not handed on
+    for c in clients:
+        c.close()
+
+
+def test_a_connection_is_answered_only_once_the_master_was_told_it_was_taken():
+    """The worker's side of the channel is full when a connection comes: the session is
+    not made (no greeting) until the worker could say it took it; then it is."""
+    d, _, end = _one_worker()
+    greeted: list[int] = []
+
+    class Greet(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            greeted.append(1)
+            transport.write(b"220 ready\r\n")  # type: ignore[attr-defined]
+
+    inbox = SessionInbox(end, Greet, lambda e: None, lambda e: None)
+    end.setblocking(False)
+    filled = 0
+    while True:  # the master does not read: the worker's side fills up
+        try:
+            end.send(b"0")
+            filled += 1
+        except BlockingIOError:
+            break
+
+    async def run() -> bytes:
+        loop = asyncio.get_running_loop()
+        inbox.start(loop)
+        [client] = await loop.run_in_executor(None, _hand, d, 1)
+        await asyncio.sleep(0.3)
+        assert greeted == [] and d._channels[0].handed  # received, not told, not answered
+        d.read_reports()  # the master reads: room again, the worker tells it
+        for _ in range(100):
+            if greeted:
+                break
+            await asyncio.sleep(0.01)
+        client.settimeout(5)
+        heard: bytes = await loop.run_in_executor(None, client.recv, 64)
+        d.read_reports()
+        assert d._channels[0].handed == deque()
+        client.close()
+        return heard
+
+    assert asyncio.run(run()) == b"220 ready\r\n" and filled > 0
+    inbox.close()
+    d.close()

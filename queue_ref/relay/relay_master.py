@@ -358,11 +358,12 @@ class RelayMaster:
             waits: list[Any] = [w.proc.sentinel for w in self._workers if w.proc is not None]
             waits += [w.conn for w in self._workers if w.conn is not None and not w.ready]
             waits += self._dispatch.sockets()
-            if self._sock is not None and self._pending is None and self._dispatch.any_ready():
+            waiting = self._pending is not None or bool(self._dispatch.orphans)
+            if self._sock is not None and not waiting and self._dispatch.any_ready():
                 waits.append(self._sock)
             # a signal handler runs in between; a waiting connection is tried again soon,
             # then less often while every channel stays full (stalled workers)
-            wait(waits, timeout=0.5 if self._pending is None else self._pending_wait)
+            wait(waits, timeout=self._pending_wait if waiting else 0.5)
             excess = self._dispatch.read_reports()  # sessions ended, before new ones
             if excess:
                 self.log.emit("error", what="counting sessions",
@@ -377,11 +378,14 @@ class RelayMaster:
                 self._accept()
 
     def _accept(self) -> None:
-        """Hand the connection that waits, then every one the kernel holds, to the
-        workers (``session_handoff``); one no worker can take now waits."""
+        """Hand the connection that waits, then those a worker died before it took
+        (``Dispatcher.orphans``), then every one the kernel holds, to the workers
+        (``session_handoff``); one no worker can take now waits."""
         assert self._sock is not None
         for _ in range(256):
             conn = self._pending
+            if conn is None and self._dispatch.orphans:
+                conn = self._dispatch.orphans.popleft()
             if conn is None:
                 try:
                     conn, _ = self._sock.accept()
@@ -434,5 +438,6 @@ class RelayMaster:
             if w.conn is not None:
                 w.conn.close()
             self._dispatch.drop(w.index)
+        self._dispatch.close()  # what no stopping worker took: no worker will answer it
         self.log.emit("relay", what="stopped", processes=len(self._workers))
         return code

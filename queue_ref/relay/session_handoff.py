@@ -8,20 +8,26 @@ served all of them while the other idled: 42 messages of 100 recipients a second
 64-66 when they were spread 3 to 2 (``benchmarks/relay.py --scenario wide``).
 
 The master accepts and sends each connection's descriptor to a worker over a
-``SOCK_SEQPACKET`` pair (``SCM_RIGHTS``), one message per connection; the worker sends a
-message back for each session that ended (the number of sessions, ASCII digits), so the
-master knows how many each holds.  It picks the ready worker holding the fewest, the
-next in turn among equals.  Workers that each serve one root of a KV queue also pass
-ETRNs over it (``e:`` and the domain): a worker sends one to the master, which sends it
-to every other worker (held for a worker being started again).
+``SOCK_SEQPACKET`` pair (``SCM_RIGHTS``), one message per connection, and keeps a copy
+of the descriptor until the worker says it took the connection (``t`` and how many,
+sent before any of them is answered); the worker sends a message back for each session
+that ended (the number of sessions, ASCII digits), so the master knows how many each
+holds.  It picks the ready worker holding the fewest, the next in turn among equals.
+Workers that each serve one root of a KV queue also pass ETRNs over it (``e:`` and the
+domain): a worker sends one to the master, which sends it to every other worker (held
+for a worker being started again).
 
 What holds after a failure:
 
-* a worker that dies loses the connections sent to it and not yet taken (their clients
-  see the connection closed before any greeting, as with a dead worker's listening
-  socket before); the master forgets its count and sends it nothing until its successor
-  is ready.  A worker that stops takes what its channel holds first, and those sessions
-  get the 421 of a stopping relay like the others;
+* a worker that dies before it said it took a connection has not answered it: the
+  master reads what the dead worker's channel still holds (its last reports) and hands
+  each connection it did not take to another worker (``orphans``), whose client is
+  greeted as if nothing happened (until 2026-11-29 they were closed unanswered).  A
+  connection it took goes with it.  The master forgets its count and sends it nothing
+  until its successor is ready.  A worker that stops takes what its channel holds
+  first, and those sessions get the 421 of a stopping relay like the others (one it
+  cannot say it took, its channel full, it closes unanswered, and the master hands it
+  on);
 * a worker that cannot take more (its channel full) is passed over; a connection no
   worker can take waits in the master (``dispatch`` returns False), which stops
   accepting until one can: the rest wait in the kernel's accept queue, as before;
@@ -40,11 +46,13 @@ import asyncio
 import contextlib
 import os
 import socket
+from collections import deque
 from collections.abc import Callable
 
 __all__ = ["Dispatcher", "SessionInbox", "channel_pair"]
 
 _TAKE = b"s"  # the byte that carries a connection's descriptor
+_TAKEN = b"t"  # a worker took connections: ``t`` and how many (ASCII digits)
 #: the start of an ETRN passed between workers that each serve one root of the queue:
 #: ``e:`` and the domain (UTF-8), from a worker to the master, which sends it on to the
 #: other workers
@@ -71,6 +79,8 @@ class _Channel:
         self.sessions = 0  # handed to the worker and not yet reported ended
         self.ready = False
         self.closed = False  # the worker closed its end: nothing more to read
+        #: copies of the connections handed over and not yet taken, in the order sent
+        self.handed: deque[socket.socket] = deque()
 
 
 class Dispatcher:
@@ -83,6 +93,9 @@ class Dispatcher:
         self.unsent_etrn: list[tuple[int, str]] = []
         #: ETRNs for a worker index with no live channel, sent to its successor
         self._held: dict[int, list[bytes]] = {}
+        #: connections handed to a worker that died or stopped before it took them: the
+        #: master hands them on (``dispatch``) and closes its own descriptor
+        self.orphans: deque[socket.socket] = deque()
 
     def attach(self, index: int, sock: socket.socket) -> None:
         """A new worker at ``index`` (its predecessor's channel dropped): not ready yet.
@@ -93,10 +106,15 @@ class Dispatcher:
             self._send_etrn(index, sock, msg)
 
     def drop(self, index: int) -> None:
-        """The worker at ``index`` died or stopped: its channel closed, its count gone;
-        ETRNs for it are held for its successor."""
+        """The worker at ``index`` died or stopped: what its channel still holds is read
+        (it said it took connections just before it died), the connections it did not
+        take become ``orphans``, its channel is closed and its count gone; ETRNs for it
+        are held for its successor."""
         ch = self._channels.pop(index, None)
         if ch is not None:
+            self._read(index, ch)
+            self.orphans.extend(ch.handed)
+            ch.handed.clear()
             ch.sock.close()
             self._held.setdefault(index, [])
 
@@ -120,24 +138,34 @@ class Dispatcher:
         """Take every report waiting: each names how many sessions ended.  Returns how
         many ended sessions were reported beyond those handed over (0 unless a worker
         miscounts; the master logs it)."""
+        return sum(self._read(index, ch) for index, ch in list(self._channels.items()))
+
+    def _read(self, index: int, ch: _Channel) -> int:
+        """Take the reports waiting on one channel (``read_reports``)."""
         excess = 0
-        for index, ch in list(self._channels.items()):
-            while True:
-                try:
-                    msg = ch.sock.recv(_MAX_MESSAGE)
-                except (BlockingIOError, InterruptedError):
-                    break
-                except OSError:
-                    msg = b""  # the worker is gone: the supervisor drops its channel
-                if not msg:  # its end closed (it stops): it takes no more
-                    ch.closed, ch.ready = True, False
-                    break
-                if msg.startswith(_ETRN):
-                    self._pass_on(index, msg)
-                elif msg.isdigit():
-                    ch.sessions -= int(msg)
-                    if ch.sessions < 0:
-                        excess, ch.sessions = excess - ch.sessions, 0
+        while not ch.closed:
+            try:
+                msg = ch.sock.recv(_MAX_MESSAGE)
+            except (BlockingIOError, InterruptedError):
+                break
+            except ConnectionResetError:
+                # the worker died with messages unread in its end: the kernel says so
+                # once, before what the worker sent last (which is still read)
+                continue
+            except OSError:
+                msg = b""  # the worker is gone: the supervisor drops its channel
+            if not msg:  # its end closed (it stops): it takes no more
+                ch.closed, ch.ready = True, False
+                break
+            if msg.startswith(_ETRN):
+                self._pass_on(index, msg)
+            elif msg.startswith(_TAKEN) and msg[1:].isdigit():
+                for _ in range(min(int(msg[1:]), len(ch.handed))):
+                    ch.handed.popleft().close()
+            elif msg.isdigit():
+                ch.sessions -= int(msg)
+                if ch.sessions < 0:
+                    excess, ch.sessions = excess - ch.sessions, 0
         return excess
 
     def _pass_on(self, sender: int, msg: bytes) -> None:
@@ -171,6 +199,10 @@ class Dispatcher:
         start = self._turn % len(ready)
         order = ready[start:] + ready[:start]
         order.sort(key=lambda i: self._channels[i].sessions)  # stable: the turn among equals
+        try:
+            copy: socket.socket | None = conn.dup()
+        except OSError:  # out of descriptors: handed over without a copy to hand on
+            copy = None
         for i in order:
             ch = self._channels[i]
             try:
@@ -178,9 +210,20 @@ class Dispatcher:
             except OSError:  # full (BlockingIOError) or the worker is gone
                 continue
             ch.sessions += 1
+            if copy is not None:
+                ch.handed.append(copy)
             self._turn = ready.index(i) + 1
             return True
+        if copy is not None:
+            copy.close()
         return False
+
+    def close(self) -> None:
+        """Drop every channel and close the orphans (the relay stops)."""
+        for index in list(self._channels):
+            self.drop(index)
+        while self.orphans:
+            self.orphans.popleft().close()
 
 
 class SessionInbox:
@@ -209,6 +252,9 @@ class SessionInbox:
         self._paused: asyncio.TimerHandle | None = None
         self._unsent = 0  # ended sessions not yet reported (the channel was full)
         self._tasks: set[asyncio.Task[None]] = set()
+        #: connections received and not yet said taken (the channel was full): they
+        #: become sessions once the master has been told
+        self._untold: list[socket.socket] = []
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -244,9 +290,8 @@ class SessionInbox:
             for fd in fds:
                 conn = socket.socket(fileno=fd)
                 conn.setblocking(False)
-                task = loop.create_task(self._serve(conn))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._untold.append(conn)
+            self._tell_taken(loop)
             missing = msg.count(_TAKE) - len(fds)
             if missing > 0:  # out of descriptors: the kernel dropped them
                 for _ in range(missing):
@@ -260,6 +305,28 @@ class SessionInbox:
                 loop.remove_reader(self._sock.fileno())
                 self._paused = loop.call_later(self.PAUSE, self._resume)
                 return
+
+    def _tell_taken(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Tell the master the connections received were taken, then make them sessions:
+        none is answered before the master knows (else, were this worker to die, the
+        master would hand an answered connection to another).  A full channel defers
+        both until it has room (``add_writer``)."""
+        if not self._untold:
+            return
+        try:
+            self._sock.send(_TAKEN + str(len(self._untold)).encode())
+        except (BlockingIOError, InterruptedError):
+            loop.add_writer(self._sock.fileno(), self._tell_taken, loop)
+            return
+        except OSError:
+            pass  # the master is gone, and its copies with it: this worker answers them
+        with contextlib.suppress(Exception):
+            loop.remove_writer(self._sock.fileno())
+        conns, self._untold = self._untold, []
+        for conn in conns:
+            task = loop.create_task(self._serve(conn))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     def _resume(self) -> None:
         self._paused = None
@@ -308,12 +375,18 @@ class SessionInbox:
         self._unsent = 0
 
     def close(self) -> None:
-        """Take no more connections (the sessions already made go on)."""
+        """Take no more connections (the sessions already made go on).  Those received
+        and not yet said taken are closed unanswered: the master hands them on."""
         if self._paused is not None:
             self._paused.cancel()
             self._paused = None
         if self._loop is not None:
             with contextlib.suppress(Exception):
                 self._loop.remove_reader(self._sock.fileno())
+            with contextlib.suppress(Exception):
+                self._loop.remove_writer(self._sock.fileno())
             self._loop = None
+        for conn in self._untold:
+            conn.close()
+        self._untold = []
         self._sock.close()
