@@ -239,6 +239,7 @@ def test_connections_a_killed_worker_never_took_are_greeted_by_another(tmp_path)
         err = rp.stderr()
     assert len(heard) == 6 and all(h.startswith(b"220 ") for h in heard), heard
     assert "what=worker died, worker=0, exit=-9" in err
+    assert "what=connections handed on, worker=0, connections=3" in err
 
 
 def _read_all(s: socket.socket, timeout: float = 30.0) -> bytes:

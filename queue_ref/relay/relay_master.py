@@ -341,7 +341,13 @@ class RelayMaster:
                     if w.conn is not None:
                         w.conn.close()
                         w.conn = None
+                    before = len(self._dispatch.orphans)
                     self._dispatch.drop(w.index)
+                    if len(self._dispatch.orphans) > before:
+                        self.log.emit("relay", what="connections handed on",
+                                      worker=w.index,
+                                      connections=len(self._dispatch.orphans) - before,
+                                      reason="the worker stopped before it took them")
                     if now - w.started > 60:  # it ran a while: not a crash loop
                         w.backoff = 1.0
                     w.proc, w.restart_at = None, now + w.backoff
