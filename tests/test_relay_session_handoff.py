@@ -230,7 +230,9 @@ def test_a_connection_without_its_descriptor_is_counted_ended_and_pauses_the_wor
         inbox = SessionInbox(end, Hello, errors.append, lambda e: None)
         inbox.PAUSE = 0.5
         inbox.start(loop)
-        d._channels[0].sessions += 1  # the master counted the one whose descriptor is lost
+        # the master counted the one whose descriptor is lost, and had no copy of it
+        d._channels[0].sessions += 1
+        d._channels[0].handed.append(None)
         _descriptorless(mine)
         (client,) = await loop.run_in_executor(None, _hand, d, 1)  # while the worker pauses
         client.settimeout(0.2)
@@ -243,11 +245,39 @@ def test_a_connection_without_its_descriptor_is_counted_ended_and_pauses_the_wor
         client.settimeout(5)
         assert await loop.run_in_executor(None, client.recv, 64) == b"220 hi\r\n"  # resumed
         assert inbox._paused is None
+        d.read_reports()  # told: no copy of the lost one, the next one taken
+        assert d._channels[0].handed == deque() and d.orphans == deque()
         inbox.close()
         client.close()
 
     asyncio.run(run())
     d.close()
+
+
+def test_a_connection_that_came_without_its_descriptor_is_handed_on(workers):
+    """A worker reports a connection that came without its descriptor (``n``, in the
+    order received): the master hands its copy to another worker, whose client is
+    answered, and logs why; the one reported taken (``y``) is not handed on."""
+    d, theirs = workers
+    clients = _hand(d, 4)  # in turn: 0, 1, 2, 0
+    first, second = _taken(theirs[0])
+    first.close()
+    second.close()
+    theirs[0].send(b"tny")  # the first came without its descriptor, the second taken
+    d.read_reports()
+    assert d.handed_on == [(0, 1, "the worker got it without its descriptor")]
+    assert d._channels[0].handed == deque() and len(d.orphans) == 1
+    orphan = d.orphans.popleft()
+    with orphan:
+        assert d.dispatch(orphan)
+    for i in (1, 2):
+        for got in _taken(theirs[i]):
+            with got:
+                got.sendall(b"220 worker %d\r\n" % i)
+    clients[0].settimeout(5)
+    assert clients[0].recv(64) in (b"220 worker 1\r\n", b"220 worker 2\r\n")
+    for c in clients:
+        c.close()
 
 
 def test_emfile_in_the_worker_really_drops_the_descriptor_and_is_seen():
@@ -341,7 +371,9 @@ def test_drain_goes_past_a_connection_that_came_without_its_descriptor():
     async def run() -> list[bytes]:
         inbox = SessionInbox(end, _Bye, errors.append, lost.append)
         clients = _hand(d, 1)
-        d._channels[0].sessions += 1  # the master counted the one whose descriptor is lost
+        # the master counted the one whose descriptor is lost, and had no copy of it
+        d._channels[0].sessions += 1
+        d._channels[0].handed.append(None)
         _descriptorless(mine)
         clients += _hand(d, 2)
         inbox.drain()
@@ -353,6 +385,7 @@ def test_drain_goes_past_a_connection_that_came_without_its_descriptor():
     assert "not reading" not in str(errors[0]) and lost == []
     d.read_reports()
     assert d.sessions() == {0: 3}  # the lost one reported ended; three sessions made
+    assert d._channels[0].handed == deque()  # each reported on, in order
     d.close()
 
 
@@ -490,13 +523,14 @@ def test_connections_a_dead_worker_did_not_take_are_handed_on(workers):
     clients = _hand(d, 6)  # in turn: 0, 1, 2, 0, 1, 2
     msg, fds, _, _ = socket.recv_fds(theirs[0], 16, 4)
     assert msg == b"s" and len(fds) == 1
-    theirs[0].send(b"t1")
+    theirs[0].send(b"ty")
     with socket.socket(fileno=fds[0]) as took:
         took.sendall(b"220 worker 0\r\n")
     assert clients[0].recv(64) == b"220 worker 0\r\n"
     theirs[0].close()  # it dies: the kernel drops what its channel held
     d.drop(0)
     assert len(d.orphans) == 1
+    assert d.handed_on == [(0, 1, "the worker stopped before it took them")]
     orphan = d.orphans.popleft()
     with orphan:
         assert d.dispatch(orphan)

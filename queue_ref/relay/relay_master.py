@@ -46,6 +46,7 @@ import dataclasses
 import errno
 import multiprocessing as mp
 import os
+import resource
 import signal
 import socket
 import sys
@@ -135,6 +136,22 @@ class _Worker:
     started: float = 0.0
     restart_at: float = 0.0
     backoff: float = 1.0
+
+
+#: the most descriptors the master asks for (``_raise_descriptor_limit``)
+DESCRIPTOR_LIMIT = 1 << 16
+
+
+def _raise_descriptor_limit() -> None:
+    """The soft limit of open descriptors raised to the hard one (at most
+    ``DESCRIPTOR_LIMIT``): the master holds a copy of each connection it handed over until
+    the worker reports on it, some 280 for each stalled worker's channel, and its
+    workers (which inherit the limit) one per session."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = DESCRIPTOR_LIMIT if hard == resource.RLIM_INFINITY else min(hard, DESCRIPTOR_LIMIT)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
 class RelayMaster:
@@ -299,6 +316,7 @@ class RelayMaster:
             (signal.SIGTERM, self._on_stop), (signal.SIGINT, self._on_stop),
             (signal.SIGUSR1, self._on_wake), (signal.SIGHUP, self._on_wake))}
         try:
+            _raise_descriptor_limit()
             self._check_queue()
             self._reserve_port()
             self._write_pid()
@@ -341,13 +359,8 @@ class RelayMaster:
                     if w.conn is not None:
                         w.conn.close()
                         w.conn = None
-                    before = len(self._dispatch.orphans)
                     self._dispatch.drop(w.index)
-                    if len(self._dispatch.orphans) > before:
-                        self.log.emit("relay", what="connections handed on",
-                                      worker=w.index,
-                                      connections=len(self._dispatch.orphans) - before,
-                                      reason="the worker stopped before it took them")
+                    self._log_handed_on()
                     if now - w.started > 60:  # it ran a while: not a crash loop
                         w.backoff = 1.0
                     w.proc, w.restart_at = None, now + w.backoff
@@ -365,12 +378,14 @@ class RelayMaster:
             waits += [w.conn for w in self._workers if w.conn is not None and not w.ready]
             waits += self._dispatch.sockets()
             waiting = self._pending is not None or bool(self._dispatch.orphans)
-            if self._sock is not None and not waiting and self._dispatch.any_ready():
+            ready = self._dispatch.any_ready()
+            if self._sock is not None and not waiting and ready:
                 waits.append(self._sock)
             # a signal handler runs in between; a waiting connection is tried again soon,
             # then less often while every channel stays full (stalled workers)
-            wait(waits, timeout=self._pending_wait if waiting else 0.5)
+            wait(waits, timeout=self._pending_wait if waiting and ready else 0.5)
             excess = self._dispatch.read_reports()  # sessions ended, before new ones
+            self._log_handed_on()
             if excess:
                 self.log.emit("error", what="counting sessions",
                               reason=f"workers reported {excess} more ended sessions than "
@@ -382,6 +397,12 @@ class RelayMaster:
             self._dispatch.unsent_etrn.clear()
             if self._dispatch.any_ready():
                 self._accept()
+
+    def _log_handed_on(self) -> None:
+        for index, count, why in self._dispatch.handed_on:
+            self.log.emit("relay", what="connections handed on", worker=index,
+                          connections=count, reason=why)
+        self._dispatch.handed_on.clear()
 
     def _accept(self) -> None:
         """Hand the connection that waits, then those a worker died before it took
@@ -432,7 +453,11 @@ class RelayMaster:
         for w in self._workers:
             if w.proc is None:
                 continue
-            w.proc.join(max(0.0, deadline - time.monotonic()))
+            while w.proc.is_alive() and time.monotonic() < deadline:
+                w.proc.join(0.1)
+                # what the stopping workers say they took: the master's copies go, and
+                # each session's client sees its end when the worker closes it
+                self._dispatch.read_reports()
             if w.proc.is_alive():
                 self.log.emit("error", what="stopping", reason=f"worker {w.index} did not stop "
                               f"in time: killed (its entries are found by the next start)")

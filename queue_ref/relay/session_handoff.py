@@ -9,10 +9,12 @@ served all of them while the other idled: 42 messages of 100 recipients a second
 
 The master accepts and sends each connection's descriptor to a worker over a
 ``SOCK_SEQPACKET`` pair (``SCM_RIGHTS``), one message per connection, and keeps a copy
-of the descriptor until the worker says it took the connection (``t`` and how many,
-sent before any of them is answered); the worker sends a message back for each session
-that ended (the number of sessions, ASCII digits), so the master knows how many each
-holds.  It picks the ready worker holding the fewest, the next in turn among equals.
+of the descriptor until the worker says what became of it: ``t`` and one octet per
+connection message, in the order received, ``y`` for one it took (sent before any of
+them is answered) and ``n`` for one that came without its descriptor; the worker
+sends a message back for each session that ended (the number of sessions, ASCII
+digits), so the master knows how many each holds.  It picks the ready worker holding
+the fewest, the next in turn among equals.
 Workers that each serve one root of a KV queue also pass ETRNs over it (``e:`` and the
 domain): a worker sends one to the master, which sends it to every other worker (held
 for a worker being started again).
@@ -32,9 +34,10 @@ What holds after a failure:
   worker can take waits in the master (``dispatch`` returns False), which stops
   accepting until one can: the rest wait in the kernel's accept queue, as before;
 * a worker out of descriptors gets the message without its descriptor (the kernel drops
-  it, ``MSG_CTRUNC``): that client's connection is closed unanswered; the worker counts
-  the session as ended, logs it and stops reading its channel for a second, so that the
-  channel fills and the master passes it over;
+  it, ``MSG_CTRUNC``): the master hands that connection to another worker from its copy
+  (closed unanswered if the master had none: itself out of descriptors); the worker
+  counts the session as ended, logs it and stops reading its channel for a second, so
+  that the channel fills and the master passes it over;
 * a worker whose channel fails or closes stops (``on_lost``), and the master starts
   another; a master that dies closes the channels (and its workers die with it,
   ``PR_SET_PDEATHSIG``).
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import socket
 from collections import deque
@@ -52,7 +56,11 @@ from collections.abc import Callable
 __all__ = ["Dispatcher", "SessionInbox", "channel_pair"]
 
 _TAKE = b"s"  # the byte that carries a connection's descriptor
-_TAKEN = b"t"  # a worker took connections: ``t`` and how many (ASCII digits)
+_TAKEN = b"t"  # what became of connections: ``t``, then ``y`` or ``n`` for each one
+_YES, _NO = ord("y"), ord("n")
+_FLAGS = 1000  # connections reported at most in one message (``_MAX_MESSAGE``)
+#: a send error by which the master is gone (not a full or short-of-memory channel)
+_GONE = (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF)
 #: the start of an ETRN passed between workers that each serve one root of the queue:
 #: ``e:`` and the domain (UTF-8), from a worker to the master, which sends it on to the
 #: other workers
@@ -79,8 +87,9 @@ class _Channel:
         self.sessions = 0  # handed to the worker and not yet reported ended
         self.ready = False
         self.closed = False  # the worker closed its end: nothing more to read
-        #: copies of the connections handed over and not yet taken, in the order sent
-        self.handed: deque[socket.socket] = deque()
+        #: copies of the connections handed over and not yet reported on, in the order
+        #: sent (None: the master had no descriptor to spare for a copy)
+        self.handed: deque[socket.socket | None] = deque()
 
 
 class Dispatcher:
@@ -93,9 +102,13 @@ class Dispatcher:
         self.unsent_etrn: list[tuple[int, str]] = []
         #: ETRNs for a worker index with no live channel, sent to its successor
         self._held: dict[int, list[bytes]] = {}
-        #: connections handed to a worker that died or stopped before it took them: the
-        #: master hands them on (``dispatch``) and closes its own descriptor
+        #: connections a worker did not take (it died or stopped first, or got them
+        #: without their descriptor): the master hands them on (``dispatch``) and closes
+        #: its own descriptor
         self.orphans: deque[socket.socket] = deque()
+        #: (worker, connections, why) of each time connections became orphans, for the
+        #: master's log
+        self.handed_on: list[tuple[int, int, str]] = []
 
     def attach(self, index: int, sock: socket.socket) -> None:
         """A new worker at ``index`` (its predecessor's channel dropped): not ready yet.
@@ -113,10 +126,16 @@ class Dispatcher:
         ch = self._channels.pop(index, None)
         if ch is not None:
             self._read(index, ch)
-            self.orphans.extend(ch.handed)
+            self._hand_on(index, [c for c in ch.handed if c is not None],
+                          "the worker stopped before it took them")
             ch.handed.clear()
             ch.sock.close()
             self._held.setdefault(index, [])
+
+    def _hand_on(self, index: int, conns: list[socket.socket], why: str) -> None:
+        if conns:
+            self.orphans.extend(conns)
+            self.handed_on.append((index, len(conns), why))
 
     def set_ready(self, index: int) -> None:
         ch = self._channels.get(index)
@@ -143,6 +162,7 @@ class Dispatcher:
     def _read(self, index: int, ch: _Channel) -> int:
         """Take the reports waiting on one channel (``read_reports``)."""
         excess = 0
+        reset = False
         while not ch.closed:
             try:
                 msg = ch.sock.recv(_MAX_MESSAGE)
@@ -151,7 +171,11 @@ class Dispatcher:
             except ConnectionResetError:
                 # the worker died with messages unread in its end: the kernel says so
                 # once, before what the worker sent last (which is still read)
-                continue
+                if reset:
+                    msg = b""
+                else:
+                    reset = True
+                    continue
             except OSError:
                 msg = b""  # the worker is gone: the supervisor drops its channel
             if not msg:  # its end closed (it stops): it takes no more
@@ -159,9 +183,17 @@ class Dispatcher:
                 break
             if msg.startswith(_ETRN):
                 self._pass_on(index, msg)
-            elif msg.startswith(_TAKEN) and msg[1:].isdigit():
-                for _ in range(min(int(msg[1:]), len(ch.handed))):
-                    ch.handed.popleft().close()
+            elif msg.startswith(_TAKEN):
+                lost = []
+                for flag in msg[1:len(ch.handed) + 1]:
+                    copy = ch.handed.popleft()
+                    if copy is None:
+                        continue
+                    if flag == _YES:
+                        copy.close()
+                    else:
+                        lost.append(copy)
+                self._hand_on(index, lost, "the worker got it without its descriptor")
             elif msg.isdigit():
                 ch.sessions -= int(msg)
                 if ch.sessions < 0:
@@ -210,8 +242,7 @@ class Dispatcher:
             except OSError:  # full (BlockingIOError) or the worker is gone
                 continue
             ch.sessions += 1
-            if copy is not None:
-                ch.handed.append(copy)
+            ch.handed.append(copy)
             self._turn = ready.index(i) + 1
             return True
         if copy is not None:
@@ -224,6 +255,7 @@ class Dispatcher:
             self.drop(index)
         while self.orphans:
             self.orphans.popleft().close()
+        self.handed_on.clear()
 
 
 class SessionInbox:
@@ -255,6 +287,11 @@ class SessionInbox:
         #: connections received and not yet said taken (the channel was full): they
         #: become sessions once the master has been told
         self._untold: list[socket.socket] = []
+        #: what to tell the master of each connection message received, in order:
+        #: ``_YES`` (one of ``_untold``) or ``_NO`` (it came without its descriptor)
+        self._flags = bytearray()
+        self._writing = False  # waiting for room in the channel to tell it
+        self._retry: asyncio.TimerHandle | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -291,14 +328,15 @@ class SessionInbox:
                 conn = socket.socket(fileno=fd)
                 conn.setblocking(False)
                 self._untold.append(conn)
-            self._tell_taken(loop)
             missing = msg.count(_TAKE) - len(fds)
+            self._flags += bytes([_YES]) * len(fds) + bytes([_NO]) * max(missing, 0)
+            self._tell_taken(loop)
             if missing > 0:  # out of descriptors: the kernel dropped them
                 for _ in range(missing):
                     self.ended()
                 self._on_error(OSError(
                     f"{missing} connection(s) from the master came without a descriptor "
-                    f"(out of file descriptors?): closed unanswered"
+                    f"(out of file descriptors?): the master hands them to another worker"
                     + ("" if draining else f"; not reading the channel for {self.PAUSE:g} s")))
                 if draining:
                     continue
@@ -307,26 +345,38 @@ class SessionInbox:
                 return
 
     def _tell_taken(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Tell the master the connections received were taken, then make them sessions:
-        none is answered before the master knows (else, were this worker to die, the
-        master would hand an answered connection to another).  A full channel defers
-        both until it has room (``add_writer``)."""
-        if not self._untold:
-            return
-        try:
-            self._sock.send(_TAKEN + str(len(self._untold)).encode())
-        except (BlockingIOError, InterruptedError):
-            loop.add_writer(self._sock.fileno(), self._tell_taken, loop)
-            return
-        except OSError:
-            pass  # the master is gone, and its copies with it: this worker answers them
-        with contextlib.suppress(Exception):
-            loop.remove_writer(self._sock.fileno())
-        conns, self._untold = self._untold, []
-        for conn in conns:
-            task = loop.create_task(self._serve(conn))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        """Tell the master what became of the connections received (``_flags``), then
+        make those taken sessions: none is answered before the master knows (else, were
+        this worker to die, the master would hand an answered connection to another).
+        A full channel defers both until it has room (``add_writer``), another failure
+        to send until a moment later; a master that is gone (its copies with it) leaves
+        them to this worker."""
+        self._retry = None
+        while self._flags:
+            told = bytes(self._flags[:_FLAGS])
+            try:
+                self._sock.send(_TAKEN + told)
+            except (BlockingIOError, InterruptedError):
+                if not self._writing:
+                    loop.add_writer(self._sock.fileno(), self._tell_taken, loop)
+                    self._writing = True
+                return
+            except OSError as e:
+                if e.errno not in _GONE:  # ENOBUFS, ENOMEM: try again a moment later
+                    self._retry = loop.call_later(0.1, self._tell_taken, loop)
+                    return
+                told = bytes(self._flags)  # the master is gone: answer them all
+            del self._flags[:len(told)]
+            taken = told.count(_YES)
+            conns, self._untold = self._untold[:taken], self._untold[taken:]
+            for conn in conns:
+                task = loop.create_task(self._serve(conn))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        if self._writing:
+            self._writing = False
+            with contextlib.suppress(Exception):
+                loop.remove_writer(self._sock.fileno())
 
     def _resume(self) -> None:
         self._paused = None
@@ -380,13 +430,19 @@ class SessionInbox:
         if self._paused is not None:
             self._paused.cancel()
             self._paused = None
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
         if self._loop is not None:
             with contextlib.suppress(Exception):
                 self._loop.remove_reader(self._sock.fileno())
-            with contextlib.suppress(Exception):
-                self._loop.remove_writer(self._sock.fileno())
+            if self._writing:
+                with contextlib.suppress(Exception):
+                    self._loop.remove_writer(self._sock.fileno())
             self._loop = None
+        self._writing = False
         for conn in self._untold:
             conn.close()
         self._untold = []
+        self._flags.clear()
         self._sock.close()
