@@ -60,6 +60,18 @@ def _hand(d: Dispatcher, n: int) -> list[socket.socket]:
     return clients
 
 
+def _fill(end: socket.socket) -> int:
+    """Reports of nothing sent from a worker's ``end`` until its side of the channel is
+    full (the master not reading); how many."""
+    filled = 0
+    while True:
+        try:
+            end.send(b"0")
+        except BlockingIOError:
+            return filled
+        filled += 1
+
+
 def _taken(end: socket.socket) -> list[socket.socket]:
     got = []
     while True:
@@ -121,13 +133,7 @@ def test_a_report_held_back_by_a_full_channel_goes_with_the_next():
     inbox = SessionInbox(end, asyncio.Protocol, lambda e: None, lambda e: None)
     for fd in _taken(end):
         fd.close()
-    filled = 0
-    while True:  # the master does not read: the worker's side fills up
-        try:
-            end.send(b"0")
-            filled += 1
-        except BlockingIOError:
-            break
+    filled = _fill(end)  # the master does not read: the worker's side fills up
     inbox.ended()
     inbox.ended()  # both held back
     d.read_reports()  # the master reads the zeros: room again
@@ -559,13 +565,7 @@ def test_a_connection_is_answered_only_once_the_master_was_told_it_was_taken():
 
     inbox = SessionInbox(end, Greet, lambda e: None, lambda e: None)
     end.setblocking(False)
-    filled = 0
-    while True:  # the master does not read: the worker's side fills up
-        try:
-            end.send(b"0")
-            filled += 1
-        except BlockingIOError:
-            break
+    filled = _fill(end)  # the master does not read: the worker's side fills up
 
     async def run() -> bytes:
         loop = asyncio.get_running_loop()
