@@ -92,6 +92,11 @@ WIRE_READY_KEPT = 4096
 FINISH_RETRIES = (0.2, 1.0, 3.0)  # waits between tries of a transition that hit an I/O error
 
 
+def _domain(rcpt: str) -> str:
+    """A recipient's domain, lower-cased: what delivery groups, routes and throttles by."""
+    return rcpt.rpartition("@")[2].lower()
+
+
 @dataclass
 class _Entry:
     mail: InflightMail
@@ -219,7 +224,7 @@ class DeliveryScheduler:
         and holds memory in claimed jobs."""
         if delay <= 0 or not self._behind:
             return
-        domains = {r.rpartition("@")[2].lower() for r in rcpts}  # only once mail is behind
+        domains = {_domain(r) for r in rcpts}  # only once mail is behind
         domain = next((d for d in domains if self._behind[d]), None)
         if domain is None:
             return
@@ -576,7 +581,7 @@ class DeliveryScheduler:
     async def _deliver(self, job: _Job) -> list[tuple[_Entry, RcptResult]]:
         by_domain: dict[str, list[_Entry]] = {}
         for e in job.entries:
-            by_domain.setdefault(e.rcpt.rpartition("@")[2].lower(), []).append(e)
+            by_domain.setdefault(_domain(e.rcpt), []).append(e)
         groups = await asyncio.gather(*(self._deliver_domain(job, d, es)
                                         for d, es in by_domain.items()))
         return [pair for g in groups for pair in g]
@@ -682,7 +687,7 @@ class DeliveryScheduler:
                 for e, r, status in done + failed:
                     self._record(job, e, r, status, now, arrival)
                 for e, r in deferred:
-                    domain = e.rcpt.rpartition("@")[2].lower()
+                    domain = _domain(e.rcpt)
                     if self.on_parked is not None and domain in self.config.ondemand_domains \
                             and domain not in self.config.atrn_domains:
                         self.on_parked(domain)
@@ -773,7 +778,7 @@ class DeliveryScheduler:
                   null_sender: bool) -> Schedule:
         """The schedule a deferred entry is queued again with, the attempt's reason in it."""
         retry = self._retry_schedule(e.schedule, now)
-        domain = e.rcpt.rpartition("@")[2].lower()
+        domain = _domain(e.rcpt)
         if domain in self.config.atrn_domains or domain in self.config.ondemand_domains:
             # not retried: due again only when its lifetime is over (to bounce), the
             # domain's ATRN (odmr_server) takes it whenever it is queued, a successful
