@@ -90,6 +90,10 @@ PROBE_WAIT = "on-demand domain: unreachable at its last probe; mail waits for th
 #: Message ids ``add(..., wire_ready=True)`` keeps for the jobs that claim them.
 WIRE_READY_KEPT = 4096
 FINISH_RETRIES = (0.2, 1.0, 3.0)  # waits between tries of a transition that hit an I/O error
+#: A job whose every domain waits for a delivery slot lets go of a body bigger than this
+#: and reads it again once a slot is its own: jobs held up behind a slow or hung next hop
+#: (up to ``max_deliveries`` of them) do not each hold a whole message in memory.
+WAITING_BODY_KEPT = 256 * 1024
 
 
 def _domain(rcpt: str) -> str:
@@ -109,12 +113,25 @@ class _Job:
     message_id: str
     mail_from: str
     params: dict[str, str]
-    body: bytes
+    #: None while the job let go of it (``WAITING_BODY_KEPT``); read again when needed
+    body: bytes | None
     entries: list[_Entry] = field(default_factory=list)
     #: the body goes out as it is (``DeliveryScheduler.add``'s ``wire_ready``)
     wire_ready: bool = False
     #: entry ids whose outcome was handed to the queue (finished, or put back)
     settled: set[str] = field(default_factory=set)
+    size: int = 0  # the body's length, also while the job does not hold it
+    #: the job's domains that hold a delivery slot (and use the body), that wait for one
+    sending: int = 0
+    waiting: int = 0
+
+    def __post_init__(self) -> None:
+        self.size = len(self.body) if self.body is not None else self.size
+
+    def let_go(self) -> None:
+        """Drop a big body while every domain of the job that still delivers waits."""
+        if self.waiting and not self.sending and self.size > WAITING_BODY_KEPT:
+            self.body = None
 
     @property
     def arrival(self) -> float:
@@ -169,6 +186,7 @@ class DeliveryScheduler:
         self.scanned = asyncio.Event()  # set once the first listing of the queue is done
         self._stopping = False
         self._jobs: set[asyncio.Task[None]] = set()
+        self._claimed_jobs: dict[int, _Job] = {}  # id -> a job between claim and its end
         self.max_deliveries = config.max_deliveries  # this process's own
         #: this process's part of a destination's limit (``RelayConfig.share``)
         self.destination_limit = config.share(config.default_destination_concurrency_limit)
@@ -221,7 +239,8 @@ class DeliveryScheduler:
         manager hands its cleanup processes a token per message it takes; once none
         waits, every DATA goes.  Mail for other domains never waits.  Mail taken faster
         than it can be sent waits in the queue (the time from 250 to delivery grows)
-        and holds memory in claimed jobs."""
+        and in claimed jobs (which hold no body over ``WAITING_BODY_KEPT`` while they
+        wait)."""
         if delay <= 0 or not self._behind:
             return
         domains = {_domain(r) for r in rcpts}  # only once mail is behind
@@ -294,6 +313,11 @@ class DeliveryScheduler:
         if self.held is not None:
             out["held"] = self.held
         return out
+
+    @property
+    def body_bytes(self) -> int:
+        """Bytes of message bodies this process's delivery jobs hold in memory now."""
+        return sum(len(j.body) for j in list(self._claimed_jobs.values()) if j.body is not None)
 
     def _push(self, h: QueuedMail) -> None:
         if h.entry_id in self._claimed:
@@ -482,9 +506,12 @@ class DeliveryScheduler:
 
         async def over(job: _Job) -> list[tuple[_Entry, RcptResult]]:
             try:
-                results = await send(job.mail_from, [e.rcpt for e in job.entries], job.body,
+                body, entries = await self._body(job, job.entries)
+                if body is None:
+                    return []
+                results = await send(job.mail_from, [e.rcpt for e in entries], body,
                                      job.params)
-                return list(zip(job.entries, results, strict=True))
+                return list(zip(entries, results, strict=True))
             except Exception as e:  # CancelledError goes on up, as in _deliver_domain
                 self._job_error("deliver", job.message_id, e)
                 text = f"internal error in the relay: {type(e).__name__}: {e}"
@@ -497,6 +524,7 @@ class DeliveryScheduler:
                    | None = None) -> None:
         loop = asyncio.get_running_loop()
         ids = [h.entry_id for h in handles]
+        job: _Job | None = None
         back: list[QueuedMail] = []  # the handles the job queues again, pushed as it ends
         try:
             claim = loop.run_in_executor(self.executor, self._claim, handles)
@@ -509,6 +537,7 @@ class DeliveryScheduler:
                 raise
             if job is None:
                 return
+            self._claimed_jobs[id(job)] = job
             try:
                 outcomes = await (deliver or self._deliver)(job)
             except asyncio.CancelledError:
@@ -524,6 +553,8 @@ class DeliveryScheduler:
             # the entries let go first: a handle pushed while a job holds its entry is
             # stale (``_push``), and these are the ones that follow the job's
             self._claimed.difference_update(ids)
+            if job is not None:
+                self._claimed_jobs.pop(id(job), None)
             self.add(back)
 
     def _claim(self, handles: list[QueuedMail]) -> _Job | None:
@@ -575,7 +606,7 @@ class DeliveryScheduler:
             # before a crash or a stop has no ``received`` line of ours; this is its first
             # (Postfix's qmgr: "from=<...>, size=..., nrcpt=... (queue active)")
             self.log.emit("active", job.message_id, **{"from": job.mail_from},
-                          size=len(job.body), nrcpt=len(job.entries))
+                          size=job.size, nrcpt=len(job.entries))
         return job
 
     async def _deliver(self, job: _Job) -> list[tuple[_Entry, RcptResult]]:
@@ -613,6 +644,8 @@ class DeliveryScheduler:
         waits = sem.locked() or self._global.locked()
         if waits:
             self._lagging(domain, 1)
+            job.waiting += 1
+            job.let_go()
         try:
             # the destination's slot first: a job waiting for it holds none of the
             # others' (it held one of max_deliveries while it waited)
@@ -620,13 +653,51 @@ class DeliveryScheduler:
                 if waits:
                     waits = False
                     self._lagging(domain, -1)
-                results = await self.deliverer.deliver(
-                    route.hosts, job.mail_from, [e.rcpt for e in entries], job.body,
-                    job.params, wire_ready=job.wire_ready)
+                    job.waiting -= 1
+                job.sending += 1
+                try:
+                    body, entries = await self._body(job, entries)
+                    if body is None:
+                        return []
+                    results = await self.deliverer.deliver(
+                        route.hosts, job.mail_from, [e.rcpt for e in entries], body,
+                        job.params, wire_ready=job.wire_ready)
+                finally:
+                    job.sending -= 1
+                    job.let_go()  # another domain of the job waits still
         finally:
             if waits:  # cancelled while it waited
                 self._lagging(domain, -1)
+                job.waiting -= 1
         return list(zip(entries, results, strict=True))
+
+    async def _body(self, job: _Job, entries: list[_Entry]
+                    ) -> tuple[bytes | None, list[_Entry]]:
+        """The body to send to ``entries``, read again in a storage thread if the job let
+        go of it, and the entries still to deliver: those found damaged on the way are
+        quarantined (logged), and None when every one of them was."""
+        if job.body is not None:
+            return job.body, entries
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self._read_again, job, entries)
+
+    def _read_again(self, job: _Job, entries: list[_Entry]
+                    ) -> tuple[bytes | None, list[_Entry]]:
+        """``_body`` in a storage thread.  An entry found damaged was quarantined (its
+        ``send_cancel`` or ``send_done`` would answer None); an error other than damage
+        goes up (the entries are deferred as after any unexpected error of a delivery)."""
+        for i, e in enumerate(entries):
+            if job.body is not None:  # another domain's read got it meanwhile
+                return job.body, entries[i:]
+            try:
+                with self.store.read_inflight(e.mail) as reader:
+                    job.body = reader.read_all()
+            except CorruptionError as err:  # every entry of it quarantined: none goes back
+                self.log.emit("error", job.message_id, what="read", entry_id=e.mail.entry_id,
+                              reason=f"quarantined: {err}")
+                continue
+            return job.body, entries[i:]
+        return None, []
 
     # ---- outcomes (a storage thread) ----
 
@@ -853,7 +924,7 @@ class DeliveryScheduler:
             message = build_dsn(reporting_mta=self.config.myhostname, queue_id=job.message_id,
                                 sender=job.mail_from or "MAILER-DAEMON",
                                 arrival=job.arrival or now, recipients=recipients,
-                                original=job.body, now=now,
+                                original=self._original(job), now=now,
                                 size_limit=self.config.bounce_size_limit,
                                 smtputf8=self._smtputf8(job, to))
         except Exception as e:  # not built: the failed entries are tried again later
@@ -865,6 +936,18 @@ class DeliveryScheduler:
             self.log.emit("bounce", job.message_id, bounce_id=handles[0].message_id, to=to,
                           nrcpt=len(failed))
         return handles
+
+    def _original(self, job: _Job) -> bytes:
+        """The body a DSN of ``job`` returns (a storage thread).  The job holds it but
+        when it let go of it and never read it again (the read found it damaged): then it
+        is read again, and a DSN goes without it (headers of an empty message) if that
+        fails."""
+        if job.body is None:
+            try:
+                job.body = self._read_again(job, job.entries)[0]
+            except Exception as e:
+                self._job_error("bounce", job.message_id, e)
+        return job.body or b""
 
     def _smtputf8(self, job: _Job, to: str) -> bool:
         """Whether a DSN of ``job`` sent to ``to`` is internationalized mail."""
@@ -909,7 +992,7 @@ class DeliveryScheduler:
         try:
             message = build_dsn(reporting_mta=self.config.myhostname, queue_id=job.message_id,
                                 sender=job.mail_from, arrival=arrival, recipients=late,
-                                original=job.body, now=now, action="delayed",
+                                original=self._original(job), now=now, action="delayed",
                                 retry_until=until, size_limit=self.config.bounce_size_limit,
                                 smtputf8=self._smtputf8(job, job.mail_from))
         except Exception as e:  # a warning only: the entries go on being retried

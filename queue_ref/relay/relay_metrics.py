@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -85,7 +85,8 @@ class _QueueSizeCollector(Collector):
 
 
 class RelayMetrics:
-    def __init__(self, store: Storage, queue_sizes: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, store: Storage, queue_sizes: Callable[[], dict[str, int]],
+                 body_bytes: Callable[[], int] = lambda: 0) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.deliveries = Counter("queue_ref_relay_deliveries", "Delivery attempts per recipient",
@@ -111,6 +112,11 @@ class RelayMetrics:
             "queue_ref_relay_in_flow_waits",
             "DATA commands that waited before their 354 because delivery to a recipient "
             "domain of theirs was behind (in_flow_delay)", registry=r)
+        self.body_bytes = Gauge(
+            "queue_ref_relay_body_bytes",
+            "Bytes of message bodies the delivery jobs hold in memory (a job waiting for a "
+            "delivery slot holds none over 256 KiB)", registry=r)
+        self.body_bytes.set_function(body_bytes)
         r.register(_QueueSizeCollector(queue_sizes))
         self._group_commit = _GroupCommitCollector(store)
         r.register(self._group_commit)

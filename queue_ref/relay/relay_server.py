@@ -163,7 +163,7 @@ class Relay:
         self._loop = loop
         if self.worker is None:
             self._write_pid()
-        self.metrics = RelayMetrics(store, self._sizes)
+        self.metrics = RelayMetrics(store, self._sizes, self._body_bytes)
         self.scheduler = self._new_scheduler(store)
         self.receiver = SmtpReceiver(self.config, store, self.receive_executor, self.log,
                                      self.scheduler.add, self._committed, self._etrn)
@@ -370,6 +370,9 @@ class Relay:
 
     def _sizes(self) -> dict[str, int]:
         return self.scheduler.sizes() if self.scheduler is not None else {}
+
+    def _body_bytes(self) -> int:
+        return self.scheduler.body_bytes if self.scheduler is not None else 0
 
     def _write_pid(self) -> None:
         for d in self.queue_dirs:

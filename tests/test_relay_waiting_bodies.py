@@ -1,0 +1,163 @@
+"""A delivery job that waits for a slot holds no big body (``WAITING_BODY_KEPT``): a slow
+or hung next hop must not make the relay hold every message queued for it in memory.
+
+The destination takes one delivery at a time and the sink holds the first message after
+its final dot (a pause point), so the other jobs wait for the slot with their bodies let
+go; they read them again once the slot is theirs, and what arrives is what was queued.
+A body damaged on disk while its job waits is quarantined then, never sent, and the
+mail around it goes on.  A DSN of a job that let go of its body still returns it."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+from queue_ref.memory import MemoryStorage
+from queue_ref.opener import open_queue
+from queue_ref.relay.delivery_log import DeliveryLog
+from queue_ref.relay.delivery_scheduler import WAITING_BODY_KEPT, DeliveryScheduler, _Entry, _Job
+from queue_ref.relay.smtp_delivery import RcptResult
+from queue_ref.storage import Recipient, Schedule
+from tests.relay_support import RelayThread, Sink, relay_config
+from tests.test_relay_in_flow import wait_behind
+from tests.test_relay_metrics import scrape
+
+MIB = 1024 * 1024
+
+
+def big_body(i: int, size: int = MIB) -> bytes:
+    """About ``size`` bytes of text mail, every line naming message ``i``."""
+    line = f"message {i:04d} line ".encode()
+    lines = [line + b"%08d" % n + b" " + b"x" * 40 for n in range(size // 70)]
+    return f"Subject: big {i}\r\n\r\n".encode() + b"\r\n".join(lines) + b"\r\n"
+
+
+def prequeue(queue: str, bodies: list[bytes], rcpts: int = 1) -> list[str]:
+    """One message per body for ``rcpts`` recipients at ok.test, due now, in order;
+    their message ids."""
+    ids = []
+    with open_queue(queue) as q:
+        for i, body in enumerate(bodies):
+            with q.enqueue("a@ok.test") as enq:
+                enq.write(body)
+                at = Schedule(int(time.time()) + i)
+                ids.append(enq.commit([Recipient(f"u{i}.{n}@ok.test", at)
+                                       for n in range(rcpts)])[0].message_id)
+    return ids
+
+
+def test_jobs_waiting_for_a_slot_hold_no_big_bodies(tmp_path: Path) -> None:
+    queue = str(tmp_path / "q")
+    bodies = [big_body(i) for i in range(8)]
+    prequeue(queue, bodies)
+    with Sink() as sink:
+        sink.state.hold = tokens = threading.Semaphore(0)
+        config = relay_config(queue, relayhost=f"[127.0.0.1]:{sink.port}",
+                              default_destination_concurrency_limit=1,
+                              metrics_listen="127.0.0.1:0")
+        with RelayThread(config) as r:
+            try:
+                wait_behind(r, 7)
+                held = r.call(lambda: r.relay.scheduler.body_bytes)
+                # the one in delivery (its body on the wire), none of the seven waiting
+                assert held == len(bodies[0]), held
+                port = r.relay.metrics_port
+                assert port is not None
+                assert scrape(port)[("queue_ref_relay_body_bytes", ())] == held
+            finally:
+                tokens.release(8)
+            got = sink.wait_for(8, timeout=60)
+            deadline = time.monotonic() + 10
+            while r.call(lambda: r.relay.scheduler.body_bytes):  # the last job ends
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+    assert sorted(m.data for m in got) == sorted(bodies)
+
+
+def test_a_body_damaged_while_its_job_waits_is_quarantined_and_never_sent(
+        tmp_path: Path) -> None:
+    queue = str(tmp_path / "q")
+    bodies = [big_body(i) for i in range(3)]
+    _, victim, _ = prequeue(queue, bodies, rcpts=2)
+    with Sink() as sink:
+        sink.state.hold = gate = threading.Event()
+        config = relay_config(queue, relayhost=f"[127.0.0.1]:{sink.port}",
+                              default_destination_concurrency_limit=1, log_json=True)
+        with RelayThread(config) as r:
+            try:
+                wait_behind(r, 2)  # read, then let go while they wait
+                flip_a_bit(os.path.join(queue, "data", victim))
+            finally:
+                gate.set()
+            got = sink.wait_for(4, timeout=60)
+            deadline = time.monotonic() + 10
+            while r.call(lambda: r.relay.scheduler.sizes()) != {"queued": 0, "inflight": 0,
+                                                                "held": 0}:
+                assert time.monotonic() < deadline, r.call(lambda: r.relay.scheduler.sizes())
+                time.sleep(0.05)
+    assert sorted(m.data for m in got) == sorted([bodies[0], bodies[2]])
+    assert os.path.exists(os.path.join(queue, "quarantine", f"{victim}.msg"))
+    records = [json.loads(line) for line in r.log_lines]
+    errors = [e for e in records if e["event"] == "error"]
+    assert sorted((e["entry_id"], e["what"]) for e in errors) == [
+        (f"{victim}.0", "read"), (f"{victim}.1", "read")], errors
+    assert all(e["reason"].startswith("quarantined:") for e in errors)
+    assert not any(e["event"] == "delivery" and e["queue_id"] == victim for e in records)
+    with open_queue(queue) as q:
+        assert list(q.list_queue()) == []
+
+
+def flip_a_bit(path: str) -> None:
+    with open(path, "r+b") as f:  # one bit flipped in the middle of the body
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def test_a_dsn_of_a_job_that_let_go_of_its_body_returns_it(tmp_path: Path) -> None:
+    """The job let go of the body while it waited and was refused (5xx) with a slot:
+    the bounce is built from the body read again, not from nothing."""
+    store = MemoryStorage()
+    body = big_body(7, 2 * WAITING_BODY_KEPT)
+    with store.enqueue("s@example.org", {"arrival": "0"}) as enq:
+        enq.write(body)
+        queued = enq.commit([Recipient("r@ok.test", Schedule(0))])
+    mail = store.send_start(queued[0])
+    assert mail is not None
+    out = io.StringIO()
+    s = DeliveryScheduler(store, relay_config(str(tmp_path / "q"), bounce_size_limit=10 * MIB),
+                          None, None, DeliveryLog(json_lines=True, stream=out),  # type: ignore[arg-type]
+                          None, clock=lambda: 1.0)
+    job = _Job(mail.message_id, "s@example.org", {"arrival": "0"}, body,
+               entries=[_Entry(mail, "r@ok.test", mail.schedule)])
+    job.waiting = 1
+    job.let_go()
+    assert job.body is None and job.size == len(body)
+    s._finish(job, [(job.entries[0], RcptResult(550, "5.1.1", "no such user", "mx.ok.test"))])
+    [bounce] = list(store.list_queue())
+    b = store.send_start(bounce)
+    assert b is not None
+    with store.read_inflight(b) as reader:
+        dsn = reader.read_all()
+    assert body in dsn
+
+
+def test_a_small_body_is_kept_while_its_job_waits() -> None:
+    """Reading it again would cost more than holding it: at most ``WAITING_BODY_KEPT``."""
+    job = _Job("m", "s@example.org", {}, b"x" * WAITING_BODY_KEPT)
+    job.waiting = 1
+    job.let_go()
+    assert job.body is not None
+    job.body += b"x"
+    job.size += 1
+    job.sending = 1  # another domain of the job is on the wire with it
+    job.let_go()
+    assert job.body is not None
+    job.sending = 0
+    job.let_go()
+    assert job.body is None
