@@ -66,7 +66,9 @@ def test_a_relay_with_a_short_name_logs_a_warning_and_greets_with_it(tmp_path: P
         while not any('"warning"' in line for line in rp.err_lines) and \
                 time.monotonic() < deadline:
             time.sleep(0.05)
-        records = [json.loads(line) for line in list(rp.err_lines) if line.startswith("{")]
+        lines = list(rp.err_lines)
+    records = [json.loads(line) for line in lines if line.startswith("{")]
+    assert len(records) == len(lines)  # said once, in the log, not again by the command
     warnings = [r for r in records if r["event"] == "warning"]
     assert [w["what"].split(";")[0] for w in warnings] == [
         "myhostname: 'mailhost' is not a fully qualified domain name"]

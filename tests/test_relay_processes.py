@@ -9,6 +9,7 @@ processes cannot share is refused.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -454,3 +455,30 @@ def test_a_worker_stopped_on_its_own_is_logged_as_stopped_and_started_again(tmp_
         err = rp.stderr()
     assert "what=worker stopped, worker=1, exit=0" in err
     assert "what=worker died" not in err
+
+
+def test_json_records_name_the_process_that_wrote_them(tmp_path):
+    """With ``--log-json`` the master and each worker write to one stream: every record
+    carries its writer's pid, as the text line's ``relay[PID]`` does."""
+    queue = str(tmp_path / "q")
+    with Sink() as sink, relay_process(["--queue", queue, "--listen", "127.0.0.1:0",
+                                        "--processes", "2", "--log-json",
+                                        "--relayhost", f"[127.0.0.1]:{sink.port}"]) as (rp, port):
+        def started() -> list[dict]:
+            return [r for r in (json.loads(x) for x in list(rp.err_lines) if x.startswith("{"))
+                    if r.get("what") == "started"]
+
+        assert _wait(lambda: len(started()) == 3)
+        with smtplib.SMTP("127.0.0.1", port, timeout=10) as c:
+            c.sendmail("a@example.org", ["r@example.net"], b"Subject: pid\r\n\r\nbody\r\n")
+        sink.wait_for(1)
+        assert _wait(lambda: any('"delivery"' in x for x in list(rp.err_lines)))
+        records = [json.loads(x) for x in list(rp.err_lines) if x.startswith("{")]
+    workers = {r["worker"]: r["pid"] for r in started() if "worker" in r}
+    [master] = [r["pid"] for r in started() if "processes" in r]
+    assert master == rp.pid and sorted(workers) == [0, 1]
+    assert rp.pid not in workers.values() and len(set(workers.values())) == 2
+    [received] = [r for r in records if r["event"] == "received"]
+    [delivery] = [r for r in records if r["event"] == "delivery"]
+    assert received["pid"] in workers.values() and delivery["pid"] in workers.values()
+    assert all(isinstance(r["pid"], int) for r in records)

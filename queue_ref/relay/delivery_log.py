@@ -1,7 +1,9 @@
 """The relay's log: one record per event, as a Postfix-style line or a JSON object.
 
 Every record has ``ts`` (ISO 8601, UTC), ``event`` and ``queue_id`` (the message id the
-250 reply named).  The events and their fields are documented in ``docs/relay.md``:
+250 reply named), and the process id that wrote it (``pid`` in JSON, ``relay[PID]`` in
+text: the workers of ``--processes`` and their master write to one log).  The events
+and their fields are documented in ``docs/relay.md``:
 
 * ``received``  from, size, nrcpt, client, helo
 * ``delivery``  to, relay, delay, attempts, dsn, status (sent | deferred | bounced |
@@ -89,7 +91,11 @@ class DeliveryLog:
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z",
             "event": event, "queue_id": queue_id}
         record.update({k: v for k, v in fields.items() if v is not None})
-        line = json.dumps(record, sort_keys=False) if self.json_lines else self.text(record)
+        if self.json_lines:
+            record["pid"] = self._pid  # the text line has it in its head
+            line = json.dumps(record, sort_keys=False)
+        else:
+            line = self.text(record)
         held = getattr(self._batches, "lines", None)
         if held is not None:
             held.append(line + "\n")

@@ -48,10 +48,10 @@ def _cmd(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"queue-ref relay: {e}", file=sys.stderr)
         return 2
-    warnings = config.warnings()
-    for line in warnings:  # valid, but likely wrong: said, and the relay still runs
-        print(f"queue-ref relay: warning: {line}", file=sys.stderr)
     if args.check_config:
+        warnings = config.warnings()
+        for line in warnings:  # valid, but likely wrong (a running relay logs them)
+            print(f"queue-ref relay: warning: {line}", file=sys.stderr)
         if args.json:
             print(json.dumps({"ok": True, "config": config.as_dict(), "warnings": warnings}))
         else:
