@@ -271,6 +271,9 @@ def test_shutdown_puts_a_delivery_in_progress_back_with_its_schedule(tmp_path):
         (entry,) = list(q.list_queue())
     assert entry.schedule.attempts == 0  # not counted as an attempt: it was cut short
     assert sink.state.rcpts() == []
+    # the wait and its end are said, not silent
+    said = [(e["what"], e["deliveries"]) for e in r.events("relay") if "deliveries" in e]
+    assert said == [("stopping", 1), ("deliveries cut short", 1)]
 
 
 def test_undeliverable_bounces_go_to_the_double_bounce_recipient(tmp_path):

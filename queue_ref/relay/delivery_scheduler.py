@@ -483,11 +483,17 @@ class DeliveryScheduler:
         self._stopping = True
         self._event.set()
         if self._jobs:
+            self.log.emit("relay", what="stopping", deliveries=len(self._jobs),
+                          reason=f"waiting up to {timeout:g} s (shutdown_timeout) for the "
+                                 "deliveries in progress")
             _, pending = await asyncio.wait(set(self._jobs), timeout=timeout)
             for task in pending:
                 task.cancel()
             if pending:
                 await asyncio.wait(pending)
+                self.log.emit("relay", what="deliveries cut short", deliveries=len(pending),
+                              reason="still running at shutdown_timeout; their entries are "
+                                     "back in the queue with the schedule they had")
 
     # ---- one job ----
 
