@@ -373,7 +373,7 @@ class RelayMaster:
                     w.backoff = min(w.backoff * 2, 30.0)
                 if w.proc is None and now >= w.restart_at:
                     pid = self._spawn(w)
-                    self.log.emit("relay", what="worker restarted", worker=w.index, pid=pid)
+                    self.log.emit("relay", what="worker restarted", worker=w.index, worker_pid=pid)
             waits: list[Any] = [w.proc.sentinel for w in self._workers if w.proc is not None]
             waits += [w.conn for w in self._workers if w.conn is not None and not w.ready]
             waits += self._dispatch.sockets()
