@@ -1,6 +1,6 @@
 """ETRN (RFC 1985) on the relay: a permitted client makes one domain's deferred mail due
 now and the relay delivers it at once; others are refused; held mail stays held; the
-outcome is counted in the metrics."""
+outcome is counted in the metrics and logged."""
 
 from __future__ import annotations
 
@@ -58,6 +58,9 @@ def test_etrn_delivers_one_domain_at_once(tmp_path: Path) -> None:
         assert m[("queue_ref_group_commit_round_size_sum", ())] == m[
             ("queue_ref_group_commit_requests_total", ())]
     assert len(sink.state.rcpts()) == 2
+    # one log record for each ETRN that reached the queue, as operators grep them
+    assert [(e["domain"], e["status"], e["entries"], e["client"]) for e in r.events("etrn")] == [
+        ("one.example", "started", 2, "127.0.0.1"), ("none.example", "empty", 0, "127.0.0.1")]
     with open_queue(queue) as q:
         left = {(h.schedule.at, h.entry_id) for h in q.list_queue()}
         assert len(left) == 3 and all(at == LATER for at, _ in left)  # two.example untouched

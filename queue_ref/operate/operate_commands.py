@@ -76,7 +76,10 @@ def open_for_operator(path: str, backend: str | None, *, recover: bool = True
         if pid is not None:
             raise Refused(f"the relay (pid {pid}) works on this KV queue, and a KV queue is "
                           "opened by one process only: stop the relay first, or use a "
-                          "filesystem queue, which operators share with a running relay")
+                          "filesystem queue, which operators share with a running relay "
+                          "(while it runs: ETRN DOMAIN on its SMTP port flushes a domain, "
+                          "SIGUSR1 makes it list the queue again, and its metrics "
+                          "(metrics_listen) count the entries)")
     if not recover and kind in ("fs", "fs-fsync"):
         from queue_ref.fsqueue import FsQueue
 

@@ -14,6 +14,7 @@ and their fields are documented in ``docs/relay.md``:
 * ``relay``     the process starting or stopping (what, and details)
 * ``error``     a queue operation that failed (what, reason)
 * ``warning``   a setting that is valid but likely wrong, at start (what)
+* ``etrn``      an ETRN that reached the queue (domain, status, entries, client)
 * ``tls``       a TLS session: direction (in, out), client or server, version, cipher,
   bits
 

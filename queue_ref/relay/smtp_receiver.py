@@ -550,6 +550,10 @@ class SmtpReceiver:
             return f"458 4.3.0 Unable to queue messages for node {domain}"
         # mail in the other roots is not counted here: asked to flush, they may hold some
         waiting = len(res.changed) + len(res.skipped) + elsewhere
+        peer = session.peer
+        self.log.emit("etrn", domain=domain, status="started" if waiting else "empty",
+                      entries=len(res.changed) + len(res.skipped), other_roots=elsewhere or None,
+                      client=peer[0] if isinstance(peer, tuple) else "unknown")
         if self.on_etrn is not None:
             self.on_etrn(domain, "started" if waiting else "empty")
         if not waiting:
