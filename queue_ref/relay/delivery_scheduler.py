@@ -90,8 +90,8 @@ PROBE_WAIT = "on-demand domain: unreachable at its last probe; mail waits for th
 #: Message ids ``add(..., wire_ready=True)`` keeps for the jobs that claim them.
 WIRE_READY_KEPT = 4096
 FINISH_RETRIES = (0.2, 1.0, 3.0)  # waits between tries of a transition that hit an I/O error
-#: A job whose every domain waits for a delivery slot lets go of a body bigger than this
-#: and reads it again once a slot is its own: jobs held up behind a slow or hung next hop
+#: A job waiting for a delivery slot lets go of a body bigger than this (unless another
+#: domain of it is on the wire with it) and reads it again once a slot is its own: jobs held up behind a slow or hung next hop
 #: (up to ``max_deliveries`` of them) do not each hold a whole message in memory.
 WAITING_BODY_KEPT = 256 * 1024
 
@@ -121,6 +121,11 @@ class _Job:
     #: entry ids whose outcome was handed to the queue (finished, or put back)
     settled: set[str] = field(default_factory=set)
     size: int = 0  # the body's length, also while the job does not hold it
+    #: the body was found damaged when read again: the message is quarantined (every
+    #: entry of it: none is delivered, put back or bounced from now on)
+    damaged: bool = False
+    #: entries put back when the body could not be read again (``_unreadable``)
+    back: list[QueuedMail] = field(default_factory=list)
     #: the job's domains that hold a delivery slot (and use the body), that wait for one
     sending: int = 0
     waiting: int = 0
@@ -128,8 +133,13 @@ class _Job:
     def __post_init__(self) -> None:
         self.size = len(self.body) if self.body is not None else self.size
 
+    def found_damaged(self) -> bool:
+        """``damaged``, as another thread may have set it since the caller looked."""
+        return self.damaged
+
     def let_go(self) -> None:
-        """Drop a big body while every domain of the job that still delivers waits."""
+        """Drop a big body while a domain of the job waits for a slot and none holds one
+        (none is on the wire with it)."""
         if self.waiting and not self.sending and self.size > WAITING_BODY_KEPT:
             self.body = None
 
@@ -317,7 +327,11 @@ class DeliveryScheduler:
     @property
     def body_bytes(self) -> int:
         """Bytes of message bodies this process's delivery jobs hold in memory now."""
-        return sum(len(j.body) for j in list(self._claimed_jobs.values()) if j.body is not None)
+        held = 0
+        for j in list(self._claimed_jobs.values()):
+            body = j.body  # once: a job may let go of it meanwhile (another thread reads)
+            held += len(body) if body is not None else 0
+        return held
 
     def _push(self, h: QueuedMail) -> None:
         if h.entry_id in self._claimed:
@@ -512,12 +526,12 @@ class DeliveryScheduler:
 
         async def over(job: _Job) -> list[tuple[_Entry, RcptResult]]:
             try:
-                body, entries = await self._body(job, job.entries)
-                if body is None:
+                body = await self._body(job, job.entries)
+                if body is None:  # quarantined, or back in the queue
                     return []
-                results = await send(job.mail_from, [e.rcpt for e in entries], body,
+                results = await send(job.mail_from, [e.rcpt for e in job.entries], body,
                                      job.params)
-                return list(zip(entries, results, strict=True))
+                return list(zip(job.entries, results, strict=True))
             except Exception as e:  # CancelledError goes on up, as in _deliver_domain
                 self._job_error("deliver", job.message_id, e)
                 text = f"internal error in the relay: {type(e).__name__}: {e}"
@@ -561,6 +575,7 @@ class DeliveryScheduler:
             self._claimed.difference_update(ids)
             if job is not None:
                 self._claimed_jobs.pop(id(job), None)
+                back = back + job.back
             self.add(back)
 
     def _claim(self, handles: list[QueuedMail]) -> _Job | None:
@@ -592,17 +607,8 @@ class DeliveryScheduler:
                 self.log.emit("error", mail.message_id, what="read", entry_id=mail.entry_id,
                               reason=f"quarantined: {e}")
                 continue
-            except QueueError as e:
-                self.log.emit("error", mail.message_id, what="read", entry_id=mail.entry_id,
-                              reason=f"{type(e).__name__}: {e}")
-                self._queue_error(e)
-                self._retrying("send_cancel", self.store.send_cancel, mail,
-                               Schedule(int(self.clock()) + 60, mail.schedule.attempts))
-                continue
             except Exception as e:
-                self._job_error("claim", mail.message_id, e, mail.entry_id)
-                self._retrying("send_cancel", self.store.send_cancel, mail,
-                               self._retry_schedule(mail.schedule, self.clock()))
+                self._unreadable(mail.message_id, [mail], e, "claim")
                 continue
             job.entries.append(_Entry(mail, meta.rcpt, mail.schedule))
         if job is None or not job.entries:
@@ -662,8 +668,8 @@ class DeliveryScheduler:
                     job.waiting -= 1
                 job.sending += 1
                 try:
-                    body, entries = await self._body(job, entries)
-                    if body is None:
+                    body = await self._body(job, entries)
+                    if body is None:  # quarantined, or back in the queue
                         return []
                     results = await self.deliverer.deliver(
                         route.hosts, job.mail_from, [e.rcpt for e in entries], body,
@@ -677,33 +683,62 @@ class DeliveryScheduler:
                 job.waiting -= 1
         return list(zip(entries, results, strict=True))
 
-    async def _body(self, job: _Job, entries: list[_Entry]
-                    ) -> tuple[bytes | None, list[_Entry]]:
+    async def _body(self, job: _Job, entries: list[_Entry]) -> bytes | None:
         """The body to send to ``entries``, read again in a storage thread if the job let
-        go of it, and the entries still to deliver: those found damaged on the way are
-        quarantined (logged), and None when every one of them was."""
-        if job.body is not None:
-            return job.body, entries
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, self._read_again, job, entries)
+        go of it; None when it cannot be: the message was found damaged (quarantined,
+        logged: ``job.damaged``), or the read failed (the entries are back in the queue,
+        ``_unreadable``).  A read in progress when the job is cancelled is waited for,
+        as a claim is: no storage call of a job outlives it."""
+        if job.body is not None or job.damaged:
+            return job.body
+        read = asyncio.get_running_loop().run_in_executor(
+            self.executor, self._read_again, job, entries)
+        try:
+            return await asyncio.shield(read)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await read
+            raise
 
-    def _read_again(self, job: _Job, entries: list[_Entry]
-                    ) -> tuple[bytes | None, list[_Entry]]:
-        """``_body`` in a storage thread.  An entry found damaged was quarantined (its
-        ``send_cancel`` or ``send_done`` would answer None); an error other than damage
-        goes up (the entries are deferred as after any unexpected error of a delivery)."""
-        for i, e in enumerate(entries):
-            if job.body is not None:  # another domain's read got it meanwhile
-                return job.body, entries[i:]
-            try:
-                with self.store.read_inflight(e.mail) as reader:
-                    job.body = reader.read_all()
-            except CorruptionError as err:  # every entry of it quarantined: none goes back
-                self.log.emit("error", job.message_id, what="read", entry_id=e.mail.entry_id,
-                              reason=f"quarantined: {err}")
-                continue
-            return job.body, entries[i:]
-        return None, []
+    def _read_again(self, job: _Job, entries: list[_Entry]) -> bytes | None:
+        """``_body`` in a storage thread."""
+        if job.body is not None or job.damaged:  # another domain's read came first
+            return job.body
+        try:
+            with self.store.read_inflight(entries[0].mail) as reader:
+                job.body = reader.read_all()
+            return job.body
+        except CorruptionError as e:  # the backend quarantined the message, every entry
+            job.damaged = True
+            self.log.emit("error", job.message_id, what="read",
+                          entry_id=entries[0].mail.entry_id, reason=f"quarantined: {e}")
+        except Exception as e:
+            if job.found_damaged():  # another domain's read quarantined it meanwhile
+                return None
+            job.settled.update(x.mail.entry_id for x in entries)
+            job.back += self._unreadable(job.message_id, [x.mail for x in entries], e, "read")
+        return None
+
+    def _unreadable(self, message_id: str, mails: list[InflightMail], e: Exception,
+                    step: str) -> list[QueuedMail]:
+        """A body or metadata that could not be read (not found damaged): the entries go
+        back to the queue, logged.  After a queue error (an I/O error, the queue closed)
+        due again in a minute, no attempt counted; after an error no backend should raise,
+        as after a failed attempt (``job_errors``).  The handles of the entries put back."""
+        if isinstance(e, QueueError):
+            self.log.emit("error", message_id, what="read", entry_id=mails[0].entry_id,
+                          reason=f"{type(e).__name__}: {e}")
+            self._queue_error(e)
+        else:
+            self._job_error(step, message_id, e, mails[0].entry_id)
+        back = []
+        for mail in mails:
+            schedule = Schedule(int(self.clock()) + 60, mail.schedule.attempts) \
+                if isinstance(e, QueueError) else self._retry_schedule(mail.schedule, self.clock())
+            queued = self._retrying("send_cancel", self.store.send_cancel, mail, schedule)
+            if isinstance(queued, QueuedMail):
+                back.append(queued)
+        return back
 
     # ---- outcomes (a storage thread) ----
 
@@ -711,6 +746,8 @@ class DeliveryScheduler:
         """Shutdown: every entry back in the queue with the schedule it had."""
         out = []
         for e in job.entries:
+            if e.mail.entry_id in job.settled:  # put back already (``_unreadable``)
+                continue
             queued = self._retrying("send_cancel", self.store.send_cancel, e.mail, e.schedule)
             if isinstance(queued, QueuedMail):
                 out.append(queued)
@@ -914,6 +951,11 @@ class DeliveryScheduler:
                 ) -> list[QueuedMail] | None:
         """Commit the DSN for ``failed`` (the handles to deliver it), [] when none is due
         (a bounce of a bounce is dropped), None when it could not be committed."""
+        if job.damaged:
+            self.log.emit("bounce", job.message_id, status="dropped", nrcpt=len(failed),
+                          reason="the message is quarantined (its body was found damaged): "
+                                 "no DSN is built from it")
+            return []
         to = job.mail_from
         if not to or job.params.get("dsn"):
             if job.params.get("dsn") != "double" and self.config.double_bounce_recipient:
@@ -944,16 +986,13 @@ class DeliveryScheduler:
         return handles
 
     def _original(self, job: _Job) -> bytes:
-        """The body a DSN of ``job`` returns (a storage thread).  The job holds it but
-        when it let go of it and never read it again (the read found it damaged): then it
-        is read again, and a DSN goes without it (headers of an empty message) if that
-        fails."""
+        """The body a DSN of ``job`` returns (a storage thread), read again if the job let
+        go of it (it holds it after a delivery, but not after a read that failed).  An
+        error goes up: the DSN is not built, and its entries are tried again later."""
         if job.body is None:
-            try:
-                job.body = self._read_again(job, job.entries)[0]
-            except Exception as e:
-                self._job_error("bounce", job.message_id, e)
-        return job.body or b""
+            with self.store.read_inflight(job.entries[0].mail) as reader:
+                job.body = reader.read_all()
+        return job.body
 
     def _smtputf8(self, job: _Job, to: str) -> bool:
         """Whether a DSN of ``job`` sent to ``to`` is internationalized mail."""
@@ -984,7 +1023,8 @@ class DeliveryScheduler:
         time the attempt was due to the time it is queued again for (``schedules``), spans
         ``arrival + delay_warning_time`` (the intervals of one entry never overlap)."""
         warn_at = arrival + self.config.delay_warning_time
-        if self.config.delay_warning_time <= 0 or not job.mail_from or not deferred:
+        if self.config.delay_warning_time <= 0 or not job.mail_from or not deferred \
+                or job.damaged:
             return []
         late = []
         for e, r in deferred:

@@ -115,7 +115,8 @@ class RelayMetrics:
         self.body_bytes = Gauge(
             "queue_ref_relay_body_bytes",
             "Bytes of message bodies the delivery jobs hold in memory (a job waiting for a "
-            "delivery slot holds none over 256 KiB)", registry=r)
+            "delivery slot holds none over 256 KiB unless another of its domains is on the "
+            "wire)", registry=r)
         self.body_bytes.set_function(body_bytes)
         r.register(_QueueSizeCollector(queue_sizes))
         self._group_commit = _GroupCommitCollector(store)
