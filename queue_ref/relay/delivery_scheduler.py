@@ -91,8 +91,9 @@ PROBE_WAIT = "on-demand domain: unreachable at its last probe; mail waits for th
 WIRE_READY_KEPT = 4096
 FINISH_RETRIES = (0.2, 1.0, 3.0)  # waits between tries of a transition that hit an I/O error
 #: A job waiting for a delivery slot lets go of a body bigger than this (unless another
-#: domain of it is on the wire with it) and reads it again once a slot is its own: jobs held up behind a slow or hung next hop
-#: (up to ``max_deliveries`` of them) do not each hold a whole message in memory.
+#: domain of it is on the wire with it) and reads it again once a slot is its own: jobs
+#: held up behind a slow or hung next hop (up to ``max_deliveries`` of them) do not each
+#: hold a whole message in memory.
 WAITING_BODY_KEPT = 256 * 1024
 
 
