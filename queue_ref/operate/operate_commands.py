@@ -13,7 +13,8 @@
 They open the queue like any other process (a filesystem queue is shared with a running
 ``queue-ref relay``; every change is one Storage transition, so nothing is claimed twice).
 A KV queue belongs to one process: while a relay works on it (``relay.pid``) the
-commands refuse, naming the relay, rather than open it beside the relay.  ``--backend``
+commands make their calls in the relay, through its control socket
+(``relay_control_client``), and refuse, naming the relay, if it does not answer.  ``--backend``
 defaults to the one whose files are in DIR.  Exit status: 0 done, 1 the queue could not
 be opened or failed, 2 bad usage (unknown id, malformed domain, not a queue directory):
 one line on standard error (with ``--json`` also ``{"error": ..., "status": N}`` on
@@ -33,6 +34,8 @@ from typing import Any
 
 from queue_ref.opener import open_queue, queue_kind, read_relay_pid, wake_relay
 from queue_ref.operate import queue_actions as qa
+from queue_ref.operate.relay_control_client import RelayControlStorage
+from queue_ref.operate.relay_control_wire import socket_path
 from queue_ref.storage import (
     CorruptionError,
     InvalidInputError,
@@ -56,7 +59,8 @@ def open_for_operator(path: str, backend: str | None, *, recover: bool = True
     process's claim: in delivery) until the next recovery.
 
     InvalidInputError when ``path`` is not a queue directory (or the backend is unknown);
-    Refused when a relay holds a KV queue (single-process stores).
+    A KV queue a relay holds (single-process stores) is reached through the relay's
+    control socket; Refused when it does not answer.
     """
     if not os.path.isdir(path):
         raise InvalidInputError(f"{path} is not a directory")
@@ -73,13 +77,14 @@ def open_for_operator(path: str, backend: str | None, *, recover: bool = True
             raise InvalidInputError(f"{path} is not a {kind} queue")
     if kind.startswith("kv"):
         pid = read_relay_pid(path)
-        if pid is not None:
-            raise Refused(f"the relay (pid {pid}) works on this KV queue, and a KV queue is "
-                          "opened by one process only: stop the relay first, or use a "
-                          "filesystem queue, which operators share with a running relay "
-                          "(while it runs: ETRN DOMAIN on its SMTP port flushes a domain, "
-                          "SIGUSR1 makes it list the queue again, and its metrics "
-                          "(metrics_listen) count the entries)")
+        if pid is not None:  # the store is the relay's: its calls are made there
+            try:
+                return RelayControlStorage(path), kind
+            except OSError as e:
+                raise Refused(f"the relay (pid {pid}) works on this KV queue, and a KV queue "
+                              "is opened by one process only; its control socket "
+                              f"{socket_path(path)} does not answer ({e.strerror or e}): "
+                              "try again once the relay has started, or stop it first") from e
     if not recover and kind in ("fs", "fs-fsync"):
         from queue_ref.fsqueue import FsQueue
 

@@ -21,6 +21,7 @@ port is the configured one plus ``i`` (each worker serves its own figures).
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import socket
@@ -29,6 +30,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO
 
+from queue_ref.multi_root import MultiRootQueue
 from queue_ref.opener import (
     open_queues,
     open_serving,
@@ -43,12 +45,13 @@ from queue_ref.relay.mx_routing import Router
 from queue_ref.relay.odmr_server import OdmrServer
 from queue_ref.relay.ondemand_probe import OndemandProber
 from queue_ref.relay.relay_config import RelayConfig, loop_kind, parse_hostport
+from queue_ref.relay.relay_control import RelayControl
 from queue_ref.relay.relay_host import RelayStartError
 from queue_ref.relay.relay_metrics import RelayMetrics
 from queue_ref.relay.session_handoff import SessionInbox
 from queue_ref.relay.smtp_delivery import SmtpDeliverer
 from queue_ref.relay.smtp_receiver import SmtpReceiver
-from queue_ref.storage import RecoveryReport, Storage
+from queue_ref.storage import Capability, RecoveryReport, Storage
 
 __all__ = ["Relay", "RelayStartError"]
 
@@ -98,6 +101,7 @@ class Relay:
         self._server: asyncio.Server | None = None
         self._services: list[tuple[Service, Service]] = []
         self._started_services: list[Service] = []
+        self._controls: list[RelayControl] = []  # control sockets (``relay_control``)
         self._scheduler_task: asyncio.Task[None] | None = None
         self._stop_requested: asyncio.Event | None = None
         self._wrote_pid = False
@@ -199,6 +203,8 @@ class Relay:
         for start, stop in self._services:
             await start(self)
             self._started_services.append(stop)
+        if Capability.MULTI_PROCESS not in self.store.capabilities:
+            await self._serve_control(loop)
         # the first listing of the queue runs in the background (after the recovery, when
         # it was left to run beside the open queue): mail is accepted and delivered
         # meanwhile, and its end is logged (relay what="queue listed")
@@ -231,6 +237,28 @@ class Relay:
         finally:
             if self.scheduler is not None:
                 self.scheduler.release_listing()
+
+    async def _serve_control(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A control socket in each root this process holds (``relay_control``): the
+        operator commands reach a queue no other process may open."""
+        names = self.store.root_names if isinstance(self.store, MultiRootQueue) \
+            else [self.queue_dir]
+        for i, root in enumerate(names):
+            control = RelayControl(root, functools.partial(self._root_store, i), self.executor)
+            try:
+                await control.start()
+            except OSError as e:
+                self.log.emit("warning", what=f"no control socket in {root} ({e}): operator "
+                                              "commands on the queue wait for the relay to stop")
+                continue
+            self._controls.append(control)
+
+    def _root_store(self, index: int) -> Storage | None:
+        """The Storage of this process's ``index``-th root, None while it is reopened."""
+        store = self._store
+        if isinstance(store, MultiRootQueue):
+            return store.root_stores()[index]
+        return store
 
     def _new_scheduler(self, store: Storage) -> DeliveryScheduler:
         scheduler = DeliveryScheduler(store, self.config, Router(self.config), self.deliverer,
@@ -407,6 +435,9 @@ class Relay:
             self._server.close()
         if self._inbox is not None:  # what the master handed over gets the 421 too
             self._inbox.drain()
+        for control in self._controls:  # no operator call starts from now on
+            await control.close()
+        self._controls = []
         for stop in reversed(self._started_services):
             try:
                 await stop(self)

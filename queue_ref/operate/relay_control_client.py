@@ -1,0 +1,242 @@
+"""The Storage of a queue a running relay holds, reached through its control socket.
+
+A KV queue is opened by one process only: while the relay serves it, ``queue-ref mailq``,
+``qshape``, ``show``, ``hold``, ``release``, ``delete``, ``requeue`` and ``flush`` make
+their Storage calls in the relay, through ``<queue>/relay.ctl``
+(``relay_control_wire``), and print what they would print on a stopped queue.  Only the
+calls those commands make are here (the listings, ``inspect_entry``, ``reschedule``,
+``hold``, ``release``, ``drop``, ``drop_held``, ``cleanup``); the others raise
+``UnsupportedError``: mail goes in and out through the relay itself.
+
+A handle is this Storage's own (used once, like any), and names the relay's handle for
+the same entry on this connection.  When the connection breaks the call raises
+``StorageIOError``; when the relay is stopped, the next command opens the queue itself.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import socket
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
+
+from queue_ref.operate.relay_control_wire import (
+    KINDS,
+    error_from_wire,
+    meta_from_wire,
+    schedule_from_wire,
+    schedule_to_wire,
+    socket_path,
+)
+from queue_ref.storage import (
+    BytesReader,
+    Capability,
+    Enqueuer,
+    EntryMeta,
+    Footprint,
+    Handle,
+    HeldMail,
+    InflightMail,
+    MailReader,
+    MisuseError,
+    PendingCleanupMail,
+    QueuedMail,
+    RecoveryReport,
+    Schedule,
+    Storage,
+    StorageIOError,
+    UnsupportedError,
+)
+
+H = TypeVar("H", bound=Handle)
+TIMEOUT = 60.0  # seconds a reply may take (a listing's batch, a move's sync)
+
+
+class RelayControlStorage(Storage):
+    """The queue at ``root``, served by the relay running on it (see the module)."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__()
+        self.root = root
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(TIMEOUT)
+        try:
+            self._sock.connect(socket_path(root))
+        except OSError:
+            self._sock.close()
+            raise
+        self._file = self._sock.makefile("rwb")
+        caps = self._call("capabilities")
+        self.capabilities = frozenset(Capability(c) for c in caps)
+
+    # ---- the wire ----
+
+    def _send(self, op: str, **args: Any) -> None:
+        self._check_open()
+        try:
+            self._file.write(json.dumps({"op": op, **args}).encode() + b"\n")
+            self._file.flush()
+        except OSError as e:
+            raise StorageIOError(f"the relay's control socket: {e}") from e
+
+    def _reply(self) -> dict[str, Any]:
+        try:
+            line = self._file.readline()
+        except OSError as e:
+            raise StorageIOError(f"the relay's control socket: {e}") from e
+        if not line.endswith(b"\n"):
+            raise StorageIOError("the relay closed its control socket (it is stopping?)")
+        reply: dict[str, Any] = json.loads(line)
+        if "error" in reply:
+            raise error_from_wire(reply)
+        return reply
+
+    def _call(self, op: str, **args: Any) -> Any:
+        self._send(op, **args)
+        return self._reply().get("r")
+
+    def _stream(self, op: str, **args: Any) -> Iterator[Any]:
+        """The items of a listing, a batch per request (other calls may come between
+        two batches: ``mailq`` inspects each entry as it is listed)."""
+        self._send(op, **args)
+        reply = self._reply()
+        while True:
+            yield from reply["items"]
+            if reply["end"]:
+                return
+            reply = self._reply_to("more", cursor=reply["cursor"])
+
+    def _reply_to(self, op: str, **args: Any) -> dict[str, Any]:
+        self._send(op, **args)
+        return self._reply()
+
+    def _ref(self, h: Handle, cls: type[H]) -> dict[str, Any]:
+        self._take(h, cls)  # checks it is ours, live, of its kind; spends it
+        return {"kind": next(k for k, c in KINDS.items() if c is cls), "entry_id": h.entry_id}
+
+    def _handle(self, d: dict[str, Any] | None, cls: type[H]) -> H | None:
+        if d is None:
+            return None
+        return self._issue(cls, d["entry_id"], d["message_id"],
+                           schedule_from_wire(d["schedule"]))
+
+    def _handles(self, op: str, cls: type[H], **args: Any) -> Iterator[H]:
+        for d in self._stream(op, **args):
+            h = self._handle(d, cls)
+            assert h is not None
+            yield h
+
+    # ---- what the operator commands call ----
+
+    def list_queue(self) -> Iterator[QueuedMail]:
+        return self._handles("list_queue", QueuedMail)
+
+    def list_held(self) -> Iterator[HeldMail]:
+        return self._handles("list_held", HeldMail)
+
+    def list_domain(self, domain: str) -> Iterator[QueuedMail]:
+        return self._handles("list_domain", QueuedMail, domain=domain)
+
+    def scan_queue(self) -> Iterator[QueuedMail | HeldMail]:
+        for d in self._stream("scan_queue"):
+            h: QueuedMail | HeldMail | None = self._handle(d, HeldMail) \
+                if d["kind"] == "held" else self._handle(d, QueuedMail)
+            assert h is not None
+            yield h
+
+    def inflight_entries(self) -> Iterator[EntryMeta]:
+        return (meta_from_wire(d) for d in self._stream("inflight_entries"))
+
+    def inspect_entry(self, mail: QueuedMail | HeldMail) -> MailReader | None:
+        self._peek(mail, type(mail))
+        ref = {"kind": "held" if isinstance(mail, HeldMail) else "queued",
+               "entry_id": mail.entry_id}
+        got = self._call("inspect_entry", h=ref)
+        if got is None:
+            return None
+        return _RemoteReader(meta_from_wire(got), lambda: self._call("read_body", h=ref))
+
+    def reschedule(self, mail: QueuedMail, schedule: Schedule) -> QueuedMail | None:
+        return self._handle(self._call("reschedule", h=self._ref(mail, QueuedMail),
+                                       schedule=schedule_to_wire(schedule)), QueuedMail)
+
+    def hold(self, mail: QueuedMail) -> HeldMail | None:
+        return self._handle(self._call("hold", h=self._ref(mail, QueuedMail)), HeldMail)
+
+    def release(self, mail: HeldMail) -> QueuedMail | None:
+        return self._handle(self._call("release", h=self._ref(mail, HeldMail)), QueuedMail)
+
+    def drop(self, mail: QueuedMail) -> PendingCleanupMail | None:
+        return self._handle(self._call("drop", h=self._ref(mail, QueuedMail)),
+                            PendingCleanupMail)
+
+    def drop_held(self, mail: HeldMail) -> PendingCleanupMail | None:
+        return self._handle(self._call("drop_held", h=self._ref(mail, HeldMail)),
+                            PendingCleanupMail)
+
+    def cleanup(self, mail: PendingCleanupMail) -> bool:
+        return bool(self._call("cleanup", h=self._ref(mail, PendingCleanupMail)))
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            try:
+                self._file.close()
+            finally:
+                self._sock.close()
+
+    # ---- what goes through the relay itself ----
+
+    def _not_here(self, what: str) -> UnsupportedError:
+        return UnsupportedError(f"{what}: not through the relay's control socket (the relay "
+                                "itself takes and delivers mail)")
+
+    def find_inflight(self) -> Iterator[InflightMail]:
+        raise self._not_here("find_inflight")
+
+    def find_pending_cleanup(self) -> Iterator[PendingCleanupMail]:
+        raise self._not_here("find_pending_cleanup")
+
+    def enqueue(self, mail_from: str, params: Mapping[str, str] | None = None) -> Enqueuer:
+        raise self._not_here("enqueue")
+
+    def read_inflight(self, mail: InflightMail) -> MailReader:
+        raise self._not_here("read_inflight")
+
+    def send_start(self, mail: QueuedMail) -> InflightMail | None:
+        raise self._not_here("send_start")
+
+    def send_done(self, mail: InflightMail) -> PendingCleanupMail | None:
+        raise self._not_here("send_done")
+
+    def send_cancel(self, mail: InflightMail, schedule: Schedule) -> QueuedMail | None:
+        raise self._not_here("send_cancel")
+
+    def recover(self) -> RecoveryReport:
+        raise self._not_here("recover")
+
+    def footprint(self) -> Footprint:
+        raise self._not_here("footprint")
+
+
+class _RemoteReader(MailReader):
+    """The metadata of an entry, and its body fetched from the relay when first read
+    (``mailq`` reads metadata only)."""
+
+    def __init__(self, meta: EntryMeta, fetch: Callable[[], Any]) -> None:
+        self.meta = meta
+        self._fetch = fetch
+        self._body: BytesReader | None = None
+
+    def read(self, n: int = -1) -> bytes:
+        if self._body is None:
+            got = self._fetch()
+            if got is None:
+                raise MisuseError(f"entry {self.meta.entry_id} moved while it was read")
+            self._body = BytesReader(self.meta, base64.b64decode(got))
+        return self._body.read(n)
+
+    def close(self) -> None:
+        if self._body is not None:
+            self._body.close()

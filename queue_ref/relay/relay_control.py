@@ -1,0 +1,194 @@
+"""The relay's control socket: the operator commands on a queue only the relay may open.
+
+A KV queue's store is held by one process (no ``Capability.MULTI_PROCESS``).  While the
+relay serves it, each of its roots has a Unix socket, ``<root>/relay.ctl`` (mode 0600),
+through which ``queue-ref mailq``, ``qshape``, ``show``, ``hold``, ``release``,
+``delete``, ``requeue`` and ``flush`` make their Storage calls in the relay
+(``queue_ref.operate.relay_control_client``; the wire format is
+``queue_ref.operate.relay_control_wire``).  Each call runs in a storage thread on the
+root's Storage, as an operator process's call would on a shared queue (C13: entries the
+relay claims meanwhile move under it as under any other caller); a listing is read a
+batch per request, so the first batch comes at once whatever the queue holds.  (The
+commands wake the relay themselves, SIGUSR1, when entries became due.)  A request
+that is not one of these, or names a handle this connection was not given, is refused
+with an error reply; the connection stays open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import itertools
+import json
+import os
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor
+from typing import Any
+
+from queue_ref.operate.relay_control_wire import (
+    BATCH,
+    KINDS,
+    error_to_wire,
+    handle_to_wire,
+    meta_to_wire,
+    schedule_from_wire,
+    socket_path,
+)
+from queue_ref.storage import (
+    Handle,
+    InvalidInputError,
+    MisuseError,
+    Storage,
+    StorageIOError,
+)
+
+#: The calls that move an entry: the handle they take is spent, the one they return kept.
+MOVES: dict[str, Callable[..., Any]] = {
+    "hold": lambda s, h, req: s.hold(h),
+    "release": lambda s, h, req: s.release(h),
+    "drop": lambda s, h, req: s.drop(h),
+    "drop_held": lambda s, h, req: s.drop_held(h),
+    "cleanup": lambda s, h, req: s.cleanup(h),
+    "reschedule": lambda s, h, req: s.reschedule(h, schedule_from_wire(req["schedule"])),
+}
+#: The listings: handles (or, for ``inflight_entries``, metadata) a batch per request.
+LISTINGS: dict[str, Callable[[Storage, dict[str, Any]], Iterator[Any]]] = {
+    "list_queue": lambda s, req: s.list_queue(),
+    "list_held": lambda s, req: s.list_held(),
+    "scan_queue": lambda s, req: s.scan_queue(),
+    "list_domain": lambda s, req: s.list_domain(str(req["domain"])),
+    "inflight_entries": lambda s, req: s.inflight_entries(),
+}
+
+
+class _Connection:
+    """One operator command's handles and listings in progress."""
+
+    def __init__(self) -> None:
+        self.handles: dict[tuple[str, str], Handle] = {}
+        self.cursors: dict[int, Iterator[Any]] = {}
+
+    def keep(self, h: Any) -> dict[str, Any]:
+        if isinstance(h, Handle):
+            d = handle_to_wire(h)
+            self.handles[(d["kind"], h.entry_id)] = h
+            return d
+        return meta_to_wire(h)  # inflight_entries
+
+    def handle(self, req: dict[str, Any], *, spend: bool) -> Any:
+        ref = req.get("h")
+        key = (str(ref.get("kind")), str(ref.get("entry_id"))) if isinstance(ref, dict) \
+            else ("", "")
+        h = self.handles.pop(key, None) if spend else self.handles.get(key)
+        if h is None or key[0] not in KINDS:
+            raise MisuseError(f"no {key[0] or 'such'} handle for entry {key[1]!r} was given "
+                              "on this connection")
+        return h
+
+
+class RelayControl:
+    """Serves ``relay.ctl`` in ``root`` for the Storage ``store_of()`` gives (None while
+    the queue is being reopened)."""
+
+    def __init__(self, root: str, store_of: Callable[[], Storage | None],
+                 executor: Executor) -> None:
+        self.root = root
+        self.path = socket_path(root)
+        self._store_of = store_of
+        self._executor = executor
+        self._server: asyncio.Server | None = None
+        self._cursor_ids = itertools.count(1)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        """Listen (a socket left by a relay that died is replaced: the pid file says this
+        relay is the queue's).  OSError when the socket cannot be made (a path too long)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        old = os.umask(0o177)  # the socket is the queue owner's alone
+        try:
+            self._server = await asyncio.start_unix_server(self._serve, self.path)
+        finally:
+            os.umask(old)
+
+    async def close(self) -> None:
+        if self._server is None:
+            return
+        self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._server.wait_closed()
+        self._server = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        conn = _Connection()
+        loop = asyncio.get_running_loop()
+        try:
+            while line := await reader.readline():
+                reply = await loop.run_in_executor(self._executor, self._answer, conn, line)
+                writer.write(json.dumps(reply).encode() + b"\n")
+                await writer.drain()
+        except (ConnectionError, ValueError, asyncio.IncompleteReadError):
+            pass  # the command went away, or sent a line over the limit
+        finally:
+            self._tasks.discard(task)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    def _answer(self, conn: _Connection, line: bytes) -> dict[str, Any]:
+        """The reply to one request line (a storage thread)."""
+        try:
+            req = json.loads(line)
+            if not isinstance(req, dict):
+                raise InvalidInputError("a request is one JSON object")
+            return self._call(conn, req)
+        except json.JSONDecodeError:
+            return error_to_wire(InvalidInputError("a request is one JSON object"))
+        except Exception as e:
+            return error_to_wire(e)
+
+    def _call(self, conn: _Connection, req: dict[str, Any]) -> dict[str, Any]:
+        op = req.get("op")
+        if op == "more":
+            return self._batch(conn, int(req.get("cursor", 0)))
+        store = self._store_of()
+        if store is None:
+            raise StorageIOError("the relay is reopening the queue; run the command again")
+        if op == "capabilities":
+            return {"r": sorted(c.value for c in store.capabilities)}
+        if op in LISTINGS:
+            cursor = next(self._cursor_ids)
+            conn.cursors[cursor] = iter(LISTINGS[op](store, req))
+            return self._batch(conn, cursor)
+        if op in ("inspect_entry", "read_body"):
+            h = conn.handle(req, spend=False)
+            reader = store.inspect_entry(h)
+            if reader is None:
+                return {"r": None}
+            with reader:
+                if op == "inspect_entry":
+                    return {"r": meta_to_wire(reader.meta)}
+                return {"r": base64.b64encode(reader.read_all()).decode("ascii")}
+        if op in MOVES:
+            h = conn.handle(req, spend=True)
+            got = MOVES[str(op)](store, h, req)
+            return {"r": conn.keep(got) if isinstance(got, Handle) else got}
+        raise InvalidInputError(f"unknown request {op!r}")
+
+    def _batch(self, conn: _Connection, cursor: int) -> dict[str, Any]:
+        it = conn.cursors.get(cursor)
+        if it is None:
+            raise MisuseError(f"no listing {cursor} on this connection")
+        items = [conn.keep(x) for x in itertools.islice(it, BATCH)]
+        end = len(items) < BATCH
+        if end:
+            del conn.cursors[cursor]
+        return {"items": items, "end": end, "cursor": cursor}

@@ -1,0 +1,156 @@
+"""The operator commands on a KV queue a running relay holds: a KV store is opened by one
+process only, so ``mailq``, ``qshape``, ``show``, ``hold``, ``release``, ``delete`` and
+``flush`` make their Storage calls in the relay, through ``<root>/relay.ctl``
+(``relay_control``).  A real ``queue-ref relay`` process, the commands run here: what
+they print and change is what they would on a stopped queue, held mail waits, deleted
+mail is gone, flushed mail is delivered at once, and the socket answers bad requests
+with errors, not by dying."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from conformance.cli import main
+from queue_ref.opener import open_queue
+from queue_ref.operate.relay_control_wire import socket_path
+from queue_ref.storage import Recipient, Schedule
+from tests.relay_support import Sink, relay_process
+
+LATER = int(time.time()) + 3600
+
+
+def enqueue(queue: str, names: list[str]) -> None:
+    """Deferred mail (tried once, due in an hour) to ``NAME@example.net``."""
+    with open_queue(queue, "kv-log") as q:
+        for n in names:
+            with q.enqueue("ops@example.org", {"arrival": f"{time.time():.3f}"}) as enq:
+                enq.write(b"Subject: %s\r\n\r\nbody of %s\r\n" % (n.encode(), n.encode()))
+                enq.commit([Recipient(f"{n}@example.net", Schedule(LATER, 1, "450 busy"))])
+
+
+def cmd(capsys: pytest.CaptureFixture[str], *args: str) -> list[dict[str, object]]:
+    """A command's JSON lines (it must succeed)."""
+    code = main([*args, "--json"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def ids_by_name(capsys: pytest.CaptureFixture[str], *queue: str) -> dict[str, str]:
+    """``mailq``: recipient local part -> message id."""
+    return {str(m["recipients"][0]["recipient"]).split("@")[0]: str(m["queue_id"])  # type: ignore[index]
+            for m in cmd(capsys, "mailq", *queue) if "queue_id" in m}
+
+
+def relay_args(sink: Sink, *roots: str) -> list[str]:
+    return [*(x for r in roots for x in ("--queue", r)), "--backend", "kv-log",
+            "--listen", "127.0.0.1:0", "--relayhost", f"[127.0.0.1]:{sink.port}"]
+
+
+def test_operator_commands_reach_a_running_relays_kv_queue(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    queue = str(tmp_path / "q")
+    names = ["keep", "look", "gone", "rest"]
+    enqueue(queue, names)
+    with Sink() as sink, relay_process(relay_args(sink, queue)) as (rp, _):
+        q = ("--queue", queue)
+        ids = ids_by_name(capsys, *q)
+        assert sorted(ids) == sorted(names)
+        listed = [m for m in cmd(capsys, "mailq", *q) if "queue_id" in m]
+        assert all(m["recipients"][0]["delay_reason"] == "450 busy" for m in listed)  # type: ignore[index]
+        shape = cmd(capsys, "qshape", *q)[-1]
+        assert shape["rows"][0] == {"domain": "TOTAL", "counts": [4, 4] + [0] * 9}
+        assert cmd(capsys, "hold", *q, ids["keep"])[-1]["changed"] == 1
+        [shown] = cmd(capsys, "show", *q, ids["look"], "--body")
+        assert shown["body"] == "body of look\r\n" and shown["sender"] == "ops@example.org"
+        assert cmd(capsys, "delete", *q, ids["gone"])[-1]["changed"] == 1
+        states = {str(m["queue_id"]): m["queue_name"] for m in cmd(capsys, "mailq", *q)
+                  if "queue_id" in m}
+        assert states == {ids["keep"]: "hold", ids["look"]: "deferred", ids["rest"]: "deferred"}
+        flushed = cmd(capsys, "flush", *q)[-1]
+        assert flushed["changed"] == 2 and flushed["relay_woken"]
+        got = sink.wait_for(2, timeout=20)  # at once, not at the next scan of the queue
+        assert sorted(r for m in got for r in m.rcpts) == ["look@example.net", "rest@example.net"]
+        assert cmd(capsys, "release", *q, ids["keep"])[-1]["changed"] == 1
+        assert cmd(capsys, "flush", *q)[-1]["changed"] == 1
+        sink.wait_for(3, timeout=20)
+        time.sleep(0.5)
+        assert sorted(sink.state.rcpts()) == ["keep@example.net", "look@example.net",
+                                              "rest@example.net"]
+        rp.terminate()
+        assert rp.wait(30) == 0
+    assert not os.path.exists(socket_path(queue))  # gone with the relay
+    with open_queue(queue, "kv-log") as store:
+        assert list(store.list_queue()) == [] and list(store.list_held()) == []
+    assert cmd(capsys, "mailq", "--queue", queue)[-1]["messages"] == 0  # opened directly now
+
+
+def test_a_queue_over_two_roots_served_by_two_workers(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--processes 2``: each worker holds one root and serves its socket; a command
+    given both roots sees one queue (ids naming their root) and changes either."""
+    roots = [str(tmp_path / "a"), str(tmp_path / "b")]
+    enqueue(roots[0], ["a0", "a1"])
+    enqueue(roots[1], ["b0", "b1"])
+    with Sink() as sink, relay_process([*relay_args(sink, *roots), "--processes", "2"]) \
+            as (_, _):
+        q = ("--queue", roots[0], "--queue", roots[1])
+        deadline = time.monotonic() + 20
+        while not all(os.path.exists(socket_path(r)) for r in roots):
+            assert time.monotonic() < deadline, "the workers serve no control socket"
+            time.sleep(0.05)
+        ids = ids_by_name(capsys, *q)
+        assert sorted(ids) == ["a0", "a1", "b0", "b1"]
+        assert {i.split("-")[0] for i in ids.values()} == {"r0", "r1"}
+        assert cmd(capsys, "hold", *q, ids["b1"])[-1]["changed"] == 1
+        assert cmd(capsys, "flush", *q)[-1]["changed"] == 3
+        got = sink.wait_for(3, timeout=20)
+        assert sorted(r for m in got for r in m.rcpts) == [
+            "a0@example.net", "a1@example.net", "b0@example.net"]
+        held = [m for m in cmd(capsys, "mailq", *q) if m.get("queue_name") == "hold"]
+        assert [m["queue_id"] for m in held] == [ids["b1"]]
+
+
+def _ask(s: socket.socket, f: object, request: bytes) -> dict[str, object]:
+    s.sendall(request + b"\n")
+    reply: dict[str, object] = json.loads(f.readline())  # type: ignore[attr-defined]
+    return reply
+
+
+def test_the_control_socket_refuses_bad_requests_and_is_the_owners_alone(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    queue = str(tmp_path / "q")
+    enqueue(queue, ["one"])
+    with Sink() as sink, relay_process(relay_args(sink, queue)) as (rp, _):
+        path = socket_path(queue)
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(path)
+            f = s.makefile("rb")
+            assert _ask(s, f, b"not json")["error"] == "InvalidInputError"
+            assert _ask(s, f, b"[1, 2]")["error"] == "InvalidInputError"
+            assert _ask(s, f, b'{"op": "send_start"}')["error"] == "InvalidInputError"
+            made_up = b'{"op": "drop", "h": {"kind": "queued", "entry_id": "0.0"}}'
+            assert _ask(s, f, made_up)["error"] == "MisuseError"  # never given here
+            assert _ask(s, f, b'{"op": "more", "cursor": 99}')["error"] == "MisuseError"
+            listed = _ask(s, f, b'{"op": "list_queue"}')
+            assert listed["end"] and len(listed["items"]) == 1  # type: ignore[arg-type]
+            entry = listed["items"][0]["entry_id"]  # type: ignore[index]
+            ref = json.dumps({"kind": "queued", "entry_id": entry}).encode()
+            held = _ask(s, f, b'{"op": "hold", "h": %s}' % ref)["r"]
+            assert held["kind"] == "held"  # type: ignore[index]
+            assert _ask(s, f, b'{"op": "hold", "h": %s}' % ref)["error"] == "MisuseError"  # spent
+        # the relay took no harm: the commands still work, and see the hold
+        [m] = [m for m in cmd(capsys, "mailq", "--queue", queue) if "queue_id" in m]
+        assert m["queue_name"] == "hold"
+        os.unlink(path)  # a socket that does not answer: refused, naming it
+        assert main(["mailq", "--queue", queue]) == 1
+        err = capsys.readouterr().err
+        assert f"the relay (pid {rp.pid}) works on this KV queue" in err and path in err
