@@ -15,6 +15,8 @@ and their fields are documented in ``docs/relay.md``:
 * ``error``     a queue operation that failed (what, reason)
 * ``warning``   a setting that is valid but likely wrong, at start (what)
 * ``etrn``      an ETRN that reached the queue (domain, status, entries, client)
+* ``reject``    a 4xx or 5xx reply to a client (client, helo, from, reply)
+* ``timeout``   a client silent for ``smtpd_timeout`` (client, after, seconds)
 * ``tls``       a TLS session: direction (in, out), client or server, version, cipher,
   bits
 

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import email.utils
 import functools
+import logging
 import re
 import ssl
 import time
@@ -106,8 +107,20 @@ def _verb_names(cls: type) -> list[str]:
     return names
 
 
+#: aiosmtpd's own log (a line per command at INFO, "unrecognised" and timeouts at
+#: WARNING): silenced, as its lines would reach standard error through logging's last
+#: resort among the relay's records (and break a JSON log); the relay logs what matters
+#: itself (``reject``, ``timeout``).
+logging.getLogger("mail.log").addHandler(logging.NullHandler())
+logging.getLogger("mail.log").propagate = False
+
+
 class RelaySMTP(SMTP):
-    """aiosmtpd's server speaking enhanced status codes, counting errors like Postfix."""
+    """aiosmtpd's server speaking enhanced status codes, counting errors like Postfix.
+    Every 4xx or 5xx reply is logged (``reject``: client, helo, sender, reply), as
+    Postfix's ``NOQUEUE: reject:`` lines; ``smtpd_timeout`` bounds each wait for the
+    client (a command, or the next bytes of its data: a slow upload goes on), and a
+    client that lets it pass gets 421 and a ``timeout`` record."""
 
     # aiosmtpd looks up its verbs (smtp_*), auth mechanisms (auth_*) and hooks (handle_*)
     # with dir() and inspect.getmembers() for every connection: ~130 us each, 5% of a
@@ -125,6 +138,8 @@ class RelaySMTP(SMTP):
         self.hung_up = False  # 421 sent: what the client still sends is read and dropped
         #: whether a line of the last DATA began with a dot (``DataRead.dot_lines``)
         self.data_dot_lines = True
+        self.in_data = False  # reading a message's data (after 354)
+        self._timer_reset = 0.0  # loop time the timeout was last pushed back in DATA
 
     def _getaddr(self, arg: str) -> tuple[str | None, str | None]:
         fast = fast_path_address(arg)
@@ -159,11 +174,39 @@ class RelaySMTP(SMTP):
         else:
             status = _enhance(status)
         await super().push(status)
+        if status[:1] in ("4", "5"):
+            self.receiver.log_reject(self, status)
         if status[:1] in ("4", "5") and not status.startswith("421"):
             self.errors += 1
             if self.errors >= HARD_ERROR_LIMIT and self.transport is not None:
                 await super().push("421 4.7.0 Error: too many errors")
+                self.receiver.log_reject(self, "421 4.7.0 Error: too many errors")
                 self._hang_up()
+
+    def _timeout_cb(self) -> None:
+        """aiosmtpd's timeout (no command, or no data, for ``smtpd_timeout``): say 421
+        before the connection is closed, as Postfix's smtpd does, and log it."""
+        transport = self.transport
+        if transport is not None and not transport.is_closing() and not self.hung_up:
+            with contextlib.suppress(Exception):
+                transport.write(  # type: ignore[attr-defined]
+                    f"421 4.4.2 {self.hostname} Error: timeout exceeded\r\n"
+                    .encode("ascii", "replace"))
+            self.receiver.log.emit("timeout", client=_client(self.session),
+                                   after="DATA" if self.in_data else "command",
+                                   seconds=self._timeout_duration)
+        super()._timeout_cb()  # type: ignore[no-untyped-call]
+
+    def data_received(self, data: bytes) -> None:
+        """Bytes of a message's data came: its timeout starts again (at most once a
+        second, or four times a timeout), so an upload slower than ``smtpd_timeout`` in
+        all goes on."""
+        if self.in_data:
+            now = self.loop.time()
+            if now - self._timer_reset >= min(1.0, self._timeout_duration / 4):
+                self._timer_reset = now
+                self._reset_timeout()
+        super().data_received(data)
 
     def _hang_up(self) -> None:
         """End the session after its 421 so that the client gets every reply: closing a
@@ -201,6 +244,7 @@ class RelaySMTP(SMTP):
         if in_flow is not None:  # delivery behind: the data waits (in_flow_delay at most)
             await in_flow(self.envelope.rcpt_tos, self.receiver.config.in_flow_delay)
         await self.push("354 End data with <CR><LF>.<CR><LF>")
+        self.in_data = True
         try:
             # lines of any length, as Postfix's smtpd: delivery folds them (smtp_delivery)
             got = await read_data(self._reader, self.data_size_limit, None)
@@ -210,6 +254,8 @@ class RelaySMTP(SMTP):
         except asyncio.IncompleteReadError as e:  # the stream ended before the terminator
             # aiosmtpd's way out for a lost connection: it closes the writer and ends
             raise ConnectionResetError("the client's stream ended during DATA") from e
+        finally:
+            self.in_data = False
         if got.error is not None:
             await self.push(got.error)
             self._set_post_data_state()  # type: ignore[no-untyped-call]
@@ -370,6 +416,15 @@ class SmtpReceiver:
         if self._stamp[0] != second:
             self._stamp = (second, email.utils.formatdate(second, localtime=True))
         return self._stamp[1]
+
+    def log_reject(self, s: RelaySMTP, reply: str) -> None:
+        """A ``reject`` record of a 4xx or 5xx reply (Postfix's ``NOQUEUE: reject:``)."""
+        env = s.envelope
+        helo = s.session.host_name if s.session is not None else None
+        fields: dict[str, Any] = {"from": env.mail_from if env is not None else None}
+        self.log.emit("reject", client=_client(s.session),
+                      helo=_printable(helo)[:255] if helo else None,
+                      reply=_printable(reply)[:512], **fields)
 
     def client_trusted(self, session: Session) -> bool:
         peer = session.peer
@@ -559,6 +614,17 @@ class SmtpReceiver:
         if not waiting:
             return f"251 2.0.0 OK, no messages waiting for node {domain}"
         return f"250 2.0.0 Queuing for node {domain} started"
+
+
+def _client(session: Session | None) -> str:
+    peer = session.peer if session is not None else None
+    return f"[{peer[0]}]:{peer[1]}" if isinstance(peer, tuple) else "unknown"
+
+
+def _printable(text: str) -> str:
+    """A client's text for a log line: control characters as spaces (no forged lines,
+    no terminal escapes)."""
+    return "".join(" " if ord(c) < 32 or ord(c) == 127 else c for c in text)
 
 
 def _hops(body: bytes) -> int:

@@ -1,0 +1,89 @@
+"""``smtpd_timeout`` bounds each wait for the client, not a whole upload: a message sent
+slowly, a line at a time, is taken however long it takes while bytes keep coming; a
+client that sends nothing for the timeout (before a command, or in the middle of its
+data) gets ``421 4.4.2 ... timeout exceeded`` before the connection is closed, as from
+Postfix's smtpd, and a ``timeout`` record says after what.  Refused commands are logged
+(``reject``, Postfix's ``NOQUEUE: reject:``), and aiosmtpd's own log lines never reach
+the relay's standard error among its JSON records."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from tests.relay_support import RelayThread, Sink, relay_config, relay_process
+from tests.test_relay_badinput import Raw
+
+TIMEOUT = 1.0
+
+
+def test_a_slow_upload_is_taken_while_bytes_keep_coming(tmp_path: Path) -> None:
+    with Sink() as sink, RelayThread(relay_config(
+            str(tmp_path / "q"), relayhost=f"[127.0.0.1]:{sink.port}", smtpd_timeout=TIMEOUT,
+            log_json=True)) as r:
+        c = Raw(r.port)
+        c.cmd(b"EHLO client.test")
+        c.cmd(b"MAIL FROM:<a@example.org>")
+        c.cmd(b"RCPT TO:<b@example.net>")
+        assert c.cmd(b"DATA").startswith(b"354")
+        c.send(b"Subject: slow\r\n\r\n")
+        started = time.monotonic()
+        n = 0
+        while time.monotonic() - started < 3 * TIMEOUT:  # three timeouts long in all
+            c.send(b"line %d\r\n" % n)
+            n += 1
+            time.sleep(TIMEOUT * 0.4)
+        c.send(b".\r\n")
+        assert c.reply().startswith(b"250 ")
+        c.cmd(b"QUIT")
+        c.sock.close()
+        (got,) = sink.wait_for(1)
+    assert got.data.count(b"line ") == n
+    assert not r.events("timeout")
+
+
+def test_a_client_that_stops_gets_421_before_the_close(tmp_path: Path) -> None:
+    with RelayThread(relay_config(str(tmp_path / "q"), smtpd_timeout=TIMEOUT,
+                                  log_json=True)) as r:
+        idle = Raw(r.port)  # says nothing after the greeting
+        stalled = Raw(r.port)
+        stalled.cmd(b"EHLO client.test")
+        stalled.cmd(b"MAIL FROM:<a@example.org>")
+        stalled.cmd(b"RCPT TO:<b@example.net>")
+        stalled.cmd(b"DATA")
+        stalled.send(b"Subject: stalled\r\n\r\nwaiting")
+        started = time.monotonic()
+        for c in (idle, stalled):
+            assert c.closed(timeout=10)
+            assert c.buf.startswith(b"421 4.4.2 ") and b"timeout exceeded" in c.buf, c.buf
+        assert time.monotonic() - started < 5
+        for c in (idle, stalled):
+            c.sock.close()
+        events = r.wait_events(2, "timeout")
+    assert sorted(e["after"] for e in events) == ["DATA", "command"]
+    assert all(e["client"].startswith("[127.0.0.1]:") for e in events)
+
+
+def test_refused_commands_are_logged_and_aiosmtpd_says_nothing(tmp_path: Path) -> None:
+    queue = str(tmp_path / "q")
+    with relay_process(["--queue", queue, "--listen", "127.0.0.1:0", "--log-json"]) \
+            as (rp, port):
+        c = Raw(port)
+        c.cmd(b"EHLO client.test")
+        c.cmd(b"MAIL FROM:<a@example.org>")
+        assert c.cmd(b"RCPT TO:<a@b@c>").startswith(b"501 5.1.3")
+        for _ in range(5):  # aiosmtpd says "unrecognised" to its logger each time
+            c.send(b"BOGUS\x1b[31m\r\n")
+        replies = [c.reply() for _ in range(5)]
+        assert replies[-1].startswith(b"502 5.5.1") and c.closed()
+        c.sock.close()
+        assert rp.wait_log('"reply": "502 5.5.1')
+        rp.terminate()
+        rp.wait(30)
+    lines = rp.stderr().splitlines()
+    records = [json.loads(line) for line in lines]  # every line a record: none of aiosmtpd's
+    rejects = [e for e in records if e["event"] == "reject"]
+    assert [e["reply"][:9] for e in rejects] == ["501 5.1.3"] + ["500 5.5.2"] * 4 + ["502 5.5.1"]
+    assert rejects[0]["from"] == "a@example.org" and rejects[0]["helo"] == "client.test"
+    assert all("\x1b" not in e["reply"] for e in rejects)
