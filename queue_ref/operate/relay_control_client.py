@@ -16,6 +16,7 @@ the same entry on this connection.  When the connection breaks the call raises
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import socket
 from collections.abc import Callable, Iterator, Mapping
@@ -67,6 +68,7 @@ class RelayControlStorage(Storage):
             self._sock.close()
             raise
         self._file = self._sock.makefile("rwb")
+        self._prefetched: tuple[Handle, EntryMeta] | None = None  # see ``_listed``
         caps = self._call("capabilities")
         self.capabilities = frozenset(Capability(c) for c in caps)
 
@@ -121,11 +123,19 @@ class RelayControlStorage(Storage):
         return self._issue(cls, d["entry_id"], d["message_id"],
                            schedule_from_wire(d["schedule"]))
 
+    def _listed(self, d: dict[str, Any], cls: type[H]) -> H:
+        """A listed handle; the metadata that came with it is kept for its
+        ``inspect_entry`` (until the next listed handle: the commands inspect each entry
+        as it is listed)."""
+        h = self._handle(d, cls)
+        assert h is not None
+        meta = d.get("meta")
+        self._prefetched = (h, meta_from_wire(meta)) if meta is not None else None
+        return h
+
     def _handles(self, op: str, cls: type[H], **args: Any) -> Iterator[H]:
         for d in self._stream(op, **args):
-            h = self._handle(d, cls)
-            assert h is not None
-            yield h
+            yield self._listed(d, cls)
 
     # ---- what the operator commands call ----
 
@@ -140,10 +150,8 @@ class RelayControlStorage(Storage):
 
     def scan_queue(self) -> Iterator[QueuedMail | HeldMail]:
         for d in self._stream("scan_queue"):
-            h: QueuedMail | HeldMail | None = self._handle(d, HeldMail) \
-                if d["kind"] == "held" else self._handle(d, QueuedMail)
-            assert h is not None
-            yield h
+            yield self._listed(d, HeldMail) if d["kind"] == "held" \
+                else self._listed(d, QueuedMail)
 
     def inflight_entries(self) -> Iterator[EntryMeta]:
         return (meta_from_wire(d) for d in self._stream("inflight_entries"))
@@ -152,10 +160,13 @@ class RelayControlStorage(Storage):
         self._peek(mail, type(mail))
         ref = {"kind": "held" if isinstance(mail, HeldMail) else "queued",
                "entry_id": mail.entry_id}
+        fetch = functools.partial(self._call, "read_body", h=ref)
+        if self._prefetched is not None and self._prefetched[0] is mail:
+            return _RemoteReader(self._prefetched[1], fetch)
         got = self._call("inspect_entry", h=ref)
         if got is None:
             return None
-        return _RemoteReader(meta_from_wire(got), lambda: self._call("read_body", h=ref))
+        return _RemoteReader(meta_from_wire(got), fetch)
 
     def reschedule(self, mail: QueuedMail, schedule: Schedule) -> QueuedMail | None:
         return self._handle(self._call("reschedule", h=self._ref(mail, QueuedMail),

@@ -8,7 +8,13 @@ is one JSON object on a line: ``op`` (a Storage method), ``h`` (a handle, for th
 that take one) and the call's other arguments.  The reply is one JSON line: ``r`` (the
 result), or ``error`` (the exception's class name in ``queue_ref.storage``, ``message``,
 and for ``CorruptionError`` its ``entry_id`` and ``quarantined_to``).  A listing is
-answered with lines of ``items`` (up to ``BATCH`` each), then ``{"end": true}``.
+answered a batch at a time: ``items`` (up to ``BATCH``), ``end``, and the ``cursor`` a
+``{"op": "more", "cursor": N}`` request names for the next batch, so that other
+requests may come between two batches (``mailq`` inspects each entry as it is listed).
+A listed handle carries its entry's metadata (``meta``, what ``inspect_entry`` answers),
+so that inspecting it costs no request: ``mailq`` over 20,000 messages on a running
+KV relay took 1.7 s (2.7 s on the stopped queue, which it opens and recovers first;
+4.5 s with a request per entry).
 
 A handle goes over as its kind, entry id, message id and schedule; the relay keeps the
 handles it handed out on a connection, by kind and entry id, and a request names one
