@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import smtplib
+import socket
 import threading
 import time
 
@@ -167,3 +168,20 @@ def test_a_reply_that_is_not_utf8_costs_no_line_of_its_batch(tmp_path) -> None:
         log.emit("delivery", "Q2", to="a@example.net", status="sent", reason="250 ok")
         log.emit("delivery", "Q2", to="b@example.net", status="bounced", reason="550 \udce4")
     assert len(out.text.splitlines()) == 2
+
+
+@pytest.mark.parametrize("event_loop", ["uvloop", "asyncio"])
+def test_a_refused_connection_is_said_as_the_system_says_it(tmp_path, event_loop) -> None:
+    """``connect to host[ip]:port: Connection refused``, as docs/relay.md promises, on
+    both event loops (aiosmtplib wraps the error in words of its own, and asyncio's are
+    not the system's)."""
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there
+    with RelayThread(relay_config(str(tmp_path / "q"), relayhost=f"[127.0.0.1]:{port}",
+                                  log_json=True, event_loop=event_loop)) as rt:
+        with smtplib.SMTP("127.0.0.1", rt.port, timeout=10) as c:
+            c.sendmail("a@example.org", ["b@example.net"], b"Subject: x\r\n\r\nbody\r\n")
+        [deferred] = rt.wait_events(1, status="deferred")
+    assert deferred["reason"] == f"connect to 127.0.0.1[127.0.0.1]:{port}: Connection refused"

@@ -17,6 +17,7 @@ are deferred with the reason; mail is never sent in clear, nor credentials, agai
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import ssl
 import time
@@ -506,6 +507,10 @@ async def _login(smtp: aiosmtplib.SMTP, user: str, password: str) -> None:
 def _why(e: BaseException) -> str:
     if isinstance(e, aiosmtplib.SMTPResponseException):
         return _reply(e.code, e.message)
+    cause = e.__cause__
+    if isinstance(e, aiosmtplib.SMTPConnectError) and isinstance(cause, OSError) \
+            and cause.errno:  # "Connection refused", not aiosmtplib's wording around it
+        return os.strerror(cause.errno)
     text = str(e) or type(e).__name__
     return " ".join(text.split())
 
