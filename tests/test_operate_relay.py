@@ -97,5 +97,10 @@ def test_flush_wakes_the_running_relay_which_delivers_at_once(
         time.sleep(0.3)
         res = cmd(capsys, "flush", "--queue", queue)
         assert res["changed"] == 0 and res["relay_woken"] is False
+        proc.send_signal(signal.SIGHUP)  # a Postfix operator's reload: said what it is not
+        assert proc.wait_log("signal=SIGHUP")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+    woken = [line for line in proc.stderr().splitlines() if "what=woken" in line]
+    assert len(woken) == 2 and "signal=SIGUSR1" in woken[0]  # the flush's, said once
+    assert "signal=SIGHUP" in woken[1] and "configuration is read at start only" in woken[1]

@@ -3,6 +3,7 @@ one committed right before a crash (no ``received`` line of the relay that took 
 
 from __future__ import annotations
 
+import io
 import json
 import smtplib
 import socket
@@ -185,3 +186,12 @@ def test_a_refused_connection_is_said_as_the_system_says_it(tmp_path, event_loop
             c.sendmail("a@example.org", ["b@example.net"], b"Subject: x\r\n\r\nbody\r\n")
         [deferred] = rt.wait_events(1, status="deferred")
     assert deferred["reason"] == f"connect to 127.0.0.1[127.0.0.1]:{port}: Connection refused"
+
+
+def test_json_records_hold_utf8_as_it_is() -> None:
+    """An internationalized address is written as its characters (a grep for it finds
+    it), and the line is still one JSON object."""
+    out = io.StringIO()
+    DeliveryLog(json_lines=True, stream=out).emit("delivery", "m1", to="jürgen@bücher.example")
+    line = out.getvalue()
+    assert "jürgen@bücher.example" in line and json.loads(line)["to"] == "jürgen@bücher.example"

@@ -96,7 +96,8 @@ class DeliveryLog:
         record.update({k: v for k, v in fields.items() if v is not None})
         if self.json_lines:
             record["pid"] = self._pid  # the text line has it in its head
-            line = json.dumps(record, sort_keys=False)
+            # UTF-8 addresses as they are (``grep``), not as \u escapes
+            line = json.dumps(record, sort_keys=False, ensure_ascii=False)
         else:
             line = self.text(record)
         held = getattr(self._batches, "lines", None)

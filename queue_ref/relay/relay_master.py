@@ -69,7 +69,7 @@ from queue_ref.relay.relay_config import (
     run_relay,
     split_roots_problem,
 )
-from queue_ref.relay.relay_server import Relay, RelayStartError
+from queue_ref.relay.relay_server import Relay, RelayStartError, woken
 from queue_ref.relay.session_handoff import Dispatcher, channel_pair
 from queue_ref.storage import Capability
 
@@ -170,7 +170,7 @@ class RelayMaster:
         self._pending: socket.socket | None = None
         self._pending_wait = PENDING_RETRY  # until it is tried again: doubles to 0.5 s
         self._stop = False
-        self._wake = False
+        self._wake = 0  # the signal that asked for a wake-up, not yet passed on
         self._wrote_pid = False
         self.worker_config = config
         #: each worker serves root ``index`` of the queue alone (a backend processes
@@ -308,7 +308,7 @@ class RelayMaster:
         self._stop = True
 
     def _on_wake(self, signum: int, frame: object) -> None:
-        self._wake = True
+        self._wake = signum
 
     def run(self) -> int:
         """Start the workers, say ready, supervise until SIGTERM or SIGINT; the exit code."""
@@ -348,7 +348,8 @@ class RelayMaster:
     def _supervise(self) -> None:
         while not self._stop:
             if self._wake:
-                self._wake = False
+                woken(self.log, signal.Signals(self._wake))
+                self._wake = 0
                 self._signal_all(signal.SIGUSR1)
             now = time.monotonic()
             for w in self._workers:

@@ -53,7 +53,7 @@ from queue_ref.relay.smtp_delivery import SmtpDeliverer
 from queue_ref.relay.smtp_receiver import SmtpReceiver
 from queue_ref.storage import Capability, RecoveryReport, Storage
 
-__all__ = ["Relay", "RelayStartError"]
+__all__ = ["Relay", "RelayStartError", "woken"]
 
 #: Threads that make storage calls, in each of two pools: one for the SMTP sessions'
 #: commits, one for delivery (claims, outcomes, bounces), so that a 250 never waits for a
@@ -67,6 +67,14 @@ STORAGE_THREADS = 8
 
 Service = Callable[["Relay"], Awaitable[None]]
 
+
+
+def woken(log: DeliveryLog, sig: signal.Signals) -> None:
+    """The record of a wake-up by signal (the operator tools send SIGUSR1)."""
+    log.emit("relay", what="woken", signal=sig.name,
+             reason="the queue is listed again and due mail delivered now"
+             + ("; the configuration is read at start only: restart the relay to change it"
+                if sig == signal.SIGHUP else ""))
 
 
 class Relay:
@@ -133,6 +141,11 @@ class Relay:
     def wake(self) -> None:
         if self.scheduler is not None:
             self.scheduler.wake()
+
+    def _woken(self, sig: signal.Signals) -> None:
+        if self.worker is None:  # a worker's wake-ups come from its master, which says so
+            woken(self.log, sig)
+        self.wake()
 
     def request_stop(self) -> None:
         if self._stop_requested is not None:
@@ -480,8 +493,10 @@ class Relay:
         loop = asyncio.get_running_loop()
         await self.start()
         assert self._stop_requested is not None
-        handlers = {signal.SIGTERM: self.request_stop, signal.SIGINT: self.request_stop,
-                    signal.SIGUSR1: self.wake, signal.SIGHUP: self.wake}
+        handlers: dict[signal.Signals, Callable[[], object]] = {
+            signal.SIGTERM: self.request_stop, signal.SIGINT: self.request_stop,
+            signal.SIGUSR1: functools.partial(self._woken, signal.SIGUSR1),
+            signal.SIGHUP: functools.partial(self._woken, signal.SIGHUP)}
         if self.worker is not None:  # the master stops its workers with SIGTERM
             del handlers[signal.SIGINT], handlers[signal.SIGHUP]
         for sig, fn in handlers.items():
