@@ -50,7 +50,11 @@ def test_check_config_prints_the_effective_configuration(tmp_path):
     r = cli("--check-config")
     assert r.returncode == 2 and "no queue directory" in r.stderr
     r = cli("--queue", str(tmp_path), "--backend", "nope")
-    assert r.returncode == 1 and "unknown backend 'nope'" in r.stderr
+    assert r.returncode == 2 and "backend: unknown 'nope': expected one of fs" in r.stderr
+    kv = tmp_path / "kv"
+    open_queue(str(kv), "kv-log").close()
+    r = cli("--queue", str(kv), "--check-config")  # the default backend, fs, on a KV queue
+    assert r.returncode == 2 and f"{kv} holds a kv-log queue, not a fs one" in r.stderr
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -67,6 +71,15 @@ def test_check_config_prints_the_effective_configuration(tmp_path):
      "digits and hyphens in dot-separated labels of 1 to 63)"),
     ("mydomain = \"-bad.org\"", "mydomain: '-bad.org' is not a host name (letters, digits and "
      "hyphens in dot-separated labels of 1 to 63)"),
+    ("relayhost = \"[smtp example net]:25\"", "relayhost: 'smtp example net' in '[smtp example "
+     "net]:25' is neither a host name (letters, digits and hyphens in dot-separated labels) "
+     "nor an IP address"),
+    ("relayhost = \"smtp.example.net:587:1\"", "relayhost: 'smtp.example.net:587:1': give the "
+     "port once, and an IPv6 address in brackets ([2001:db8::1]:25)"),
+    ("transport_maps = {\"a.example\" = \"::1\"}", "transport_maps.a.example: '::1': give the "
+     "port once, and an IPv6 address in brackets ([2001:db8::1]:25)"),
+    ("backend = \"kv-lgo\"", "backend: unknown 'kv-lgo': expected one of fs, fs-fsync, kv-log, "
+     "kv-leveldb or package.module:factory"),
 ])
 def test_check_config_refuses_a_bad_relay_setting_in_one_line(tmp_path, setting, line):
     f = tmp_path / "relay.toml"

@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from queue_ref.opener import check_backend
 from queue_ref.relay.relay_config import (
     EVENT_LOOPS,
     ConfigError,
@@ -14,6 +15,7 @@ from queue_ref.relay.relay_config import (
     load_config,
     run_relay,
 )
+from queue_ref.storage import InvalidInputError
 
 __all__ = ["register"]
 
@@ -49,6 +51,12 @@ def _cmd(args: argparse.Namespace) -> int:
         print(f"queue-ref relay: {e}", file=sys.stderr)
         return 2
     if args.check_config:
+        for root in config.queue_roots():  # a queue of another backend there, as at start
+            try:
+                check_backend(root, config.backend)
+            except InvalidInputError as e:
+                print(f"queue-ref relay: {e}", file=sys.stderr)
+                return 2
         warnings = config.warnings()
         for line in warnings:  # valid, but likely wrong (a running relay logs them)
             print(f"queue-ref relay: warning: {line}", file=sys.stderr)

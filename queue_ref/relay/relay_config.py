@@ -22,6 +22,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+from queue_ref.opener import BACKENDS
 from queue_ref.relay.config_values import ConfigError, parse_duration, parse_hostport
 from queue_ref.relay.relay_access import canonical_domain, parse_network
 
@@ -34,6 +35,24 @@ EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 
 
 _HOSTNAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(?:\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?")
+
+
+def _check_nexthop(value: str, key: str, default_port: int) -> None:
+    """A next hop (``relayhost``, a ``transport_maps`` value) names a host by a host name
+    or an IP address, and a port at most once; ConfigError otherwise (a typo would
+    otherwise defer every message until it bounces)."""
+    host, _, bracketed = parse_hostport(value, key, default_port)
+    if not bracketed and value.strip().count(":") > 1:
+        raise ConfigError(f"{key}: {value!r}: give the port once, and an IPv6 address in "
+                          "brackets ([2001:db8::1]:25)")
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    if not _HOSTNAME.fullmatch(host) or len(host) > 253:
+        raise ConfigError(f"{key}: {host!r} in {value!r} is neither a host name (letters, "
+                          "digits and hyphens in dot-separated labels) nor an IP address")
 
 
 def default_myhostname(mydomain: str = "") -> str:
@@ -208,16 +227,19 @@ class RelayConfig:
             except ValueError as e:
                 raise ConfigError(f"relay_domains: {e}") from None
         if self.relayhost:
-            parse_hostport(self.relayhost, "relayhost", self.smtp_port)
+            _check_nexthop(self.relayhost, "relayhost", self.smtp_port)
         for dom, nexthop in self.transport_maps.items():
             if not isinstance(nexthop, str):
                 raise ConfigError(f"transport_maps.{dom}: expected a string like \"[host]:port\"")
-            parse_hostport(nexthop, f"transport_maps.{dom}", self.smtp_port)
+            _check_nexthop(nexthop, f"transport_maps.{dom}", self.smtp_port)
         for ns in self.dns_nameservers:
             try:
                 ipaddress.ip_address(ns)
             except ValueError:
                 raise ConfigError(f"dns_nameservers: {ns!r} is not an IP address") from None
+        if self.backend not in BACKENDS and ":" not in self.backend:
+            raise ConfigError(f"backend: unknown {self.backend!r}: expected one of "
+                              f"{', '.join(BACKENDS)} or package.module:factory")
         if self.event_loop not in EVENT_LOOPS:
             raise ConfigError(f"event_loop: expected one of {', '.join(EVENT_LOOPS)}, "
                               f"not {self.event_loop!r}")
