@@ -73,17 +73,20 @@ def test_refused_commands_are_logged_and_aiosmtpd_says_nothing(tmp_path: Path) -
         c.cmd(b"EHLO client.test")
         c.cmd(b"MAIL FROM:<a@example.org>")
         assert c.cmd(b"RCPT TO:<a@b@c>").startswith(b"501 5.1.3")
-        for _ in range(5):  # aiosmtpd says "unrecognised" to its logger each time
+        for _ in range(19):  # aiosmtpd says "unrecognised" to its logger each time
             c.send(b"BOGUS\x1b[31m\r\n")
-        replies = [c.reply() for _ in range(5)]
-        assert replies[-1].startswith(b"502 5.5.1") and c.closed()
+        replies = [c.reply() for _ in range(20)]
+        # Postfix's rule for unknown commands too (not aiosmtpd's 502 after 5): the 20th
+        # error, then 421 and the end of the session
+        assert replies[-2].startswith(b"500 5.5.2") and replies[-1].startswith(b"421 4.7.0")
+        assert c.closed()
         c.sock.close()
-        assert rp.wait_log('"reply": "502 5.5.1')
+        assert rp.wait_log('"reply": "421 4.7.0')
         rp.terminate()
         rp.wait(30)
     lines = rp.stderr().splitlines()
     records = [json.loads(line) for line in lines]  # every line a record: none of aiosmtpd's
     rejects = [e for e in records if e["event"] == "reject"]
-    assert [e["reply"][:9] for e in rejects] == ["501 5.1.3"] + ["500 5.5.2"] * 4 + ["502 5.5.1"]
+    assert [e["reply"][:9] for e in rejects] == ["501 5.1.3"] + ["500 5.5.2"] * 19 + ["421 4.7.0"]
     assert rejects[0]["from"] == "a@example.org" and rejects[0]["helo"] == "client.test"
     assert all("\x1b" not in e["reply"] for e in rejects)

@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
+import aiosmtpd.smtp
 from aiosmtpd.smtp import MISSING, SMTP, Envelope, Session, syntax
 
 from queue_ref.operate.queue_actions import check_domain, flush
@@ -113,6 +114,10 @@ def _verb_names(cls: type) -> list[str]:
 #: itself (``reject``, ``timeout``).
 logging.getLogger("mail.log").addHandler(logging.NullHandler())
 logging.getLogger("mail.log").propagate = False
+#: aiosmtpd closes a session after 5 unknown commands with a 502 of its own; the relay's
+#: rule is Postfix's, for every error alike: 421 after ``HARD_ERROR_LIMIT``
+#: (``RelaySMTP.push``).  aiosmtpd reads its limit from the module when a session starts.
+aiosmtpd.smtp.BOGUS_LIMIT = 1 << 30
 
 
 class RelaySMTP(SMTP):
