@@ -663,3 +663,17 @@ def test_with_json_a_usage_error_is_also_a_json_object(
         err = capsys.readouterr().err
         assert "unrecognized arguments: --bogus" in err and "mailq [" not in err, err
         assert "usage: queue-ref crash explore" not in err, err
+
+
+def test_an_action_names_each_entry_it_changed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """As ``postsuper`` names each message it removed or held: one line per entry, then
+    the count, so the operator's terminal keeps a record of what changed."""
+    q = tmp_path / "q"
+    ids = fill(q, "fs")
+    code, out, _ = run(capsys, "hold", "--queue", str(q), ids[0])
+    assert code == 0
+    assert out.splitlines() == [f"{ids[0]}.0: placed on hold", f"{ids[0]}.1: placed on hold",
+                                "hold: 2 entries"]
+    code, out, _ = run(capsys, "delete", "--queue", str(q), f"{ids[1]}.1")
+    assert out.splitlines() == [f"{ids[1]}.1: removed", "delete: 1 entry"]

@@ -198,10 +198,17 @@ def _action(fn: Callable[..., qa.ActionResult]) -> Callable[[Storage, argparse.N
     return run
 
 
+#: What each action did to an entry, said per entry as postsuper says it per message.
+_DONE = {"hold": "placed on hold", "release": "released from hold", "delete": "removed",
+         "requeue": "requeued", "flush": "due now"}
+
+
 def _report(res: qa.ActionResult, args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps(res.to_json()))
         return
+    for entry in res.changed:  # the ids changed, for the operator's own record
+        print(f"{entry}: {_DONE.get(res.action, res.action)}")
     print(f"{res.action}: {len(res.changed)} entr{'y' if len(res.changed) == 1 else 'ies'}"
           + (f", {len(res.vanished)} moved meanwhile" if res.vanished else "")
           + (f", {len(res.skipped)} not applicable" if res.skipped else ""))
