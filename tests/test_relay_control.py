@@ -21,6 +21,7 @@ from conformance.cli import main
 from queue_ref.opener import open_queue
 from queue_ref.operate.relay_control_wire import socket_path
 from queue_ref.storage import Recipient, Schedule
+from tests.relay_failing_disk import trigger_of as failing_disk_trigger
 from tests.relay_support import Sink, relay_process
 
 LATER = int(time.time()) + 3600
@@ -154,3 +155,78 @@ def test_the_control_socket_refuses_bad_requests_and_is_the_owners_alone(
         assert main(["mailq", "--queue", queue]) == 1
         err = capsys.readouterr().err
         assert f"the relay (pid {rp.pid}) works on this KV queue" in err and path in err
+
+
+def test_a_command_that_does_not_read_its_replies_cannot_hold_the_relays_stop(
+        tmp_path: Path) -> None:
+    queue = str(tmp_path / "q")
+    enqueue(queue, ["one"])
+    with Sink() as sink, relay_process(relay_args(sink, queue)) as (rp, _), \
+            socket.socket(socket.AF_UNIX) as s:
+        s.connect(socket_path(queue))
+        s.sendall(b'{"op": "list_queue"}\n' * 5000)  # megabytes of replies, never read
+        time.sleep(1)
+        started = time.monotonic()
+        rp.terminate()
+        assert rp.wait(30) == 0
+        assert time.monotonic() - started < 15
+    assert not os.path.exists(socket_path(queue))
+
+
+def test_a_failed_request_leaves_the_handle_and_a_scan_keeps_one_batch(
+        tmp_path: Path) -> None:
+    """A move that fails (a schedule no backend can store) leaves the handle it named
+    for the request that follows; a ``scan_queue`` listing (``mailq``) lets go of each
+    batch's handles when it reads the next, so the relay holds one batch, not the queue."""
+    queue = str(tmp_path / "q")
+    enqueue(queue, [f"m{i:04d}" for i in range(1200)])
+    with Sink() as sink, relay_process(relay_args(sink, queue)) as _, \
+            socket.socket(socket.AF_UNIX) as s:
+        s.connect(socket_path(queue))
+        f = s.makefile("rb")
+        first = _ask(s, f, b'{"op": "scan_queue"}')
+        assert len(first["items"]) == 500 and not first["end"]  # type: ignore[arg-type]
+        early = json.dumps({"kind": "queued", "entry_id": first["items"][0]["entry_id"]})  # type: ignore[index]
+        assert "r" in _ask(s, f, b'{"op": "inspect_entry", "h": %s}' % early.encode())
+        cursor = first["cursor"]
+        while not _ask(s, f, b'{"op": "more", "cursor": %d}' % cursor)["end"]:  # type: ignore[str-format]
+            pass
+        assert _ask(s, f, b'{"op": "inspect_entry", "h": %s}' % early.encode())["error"] == \
+            "MisuseError"  # let go with its batch
+        listed = _ask(s, f, b'{"op": "list_queue"}')
+        ref = json.dumps({"kind": "queued", "entry_id": listed["items"][0]["entry_id"]})  # type: ignore[index]
+        bad = b'{"op": "reschedule", "h": %s, "schedule": [1e400, 0, ""]}' % ref.encode()
+        assert "error" in _ask(s, f, bad)
+        good = b'{"op": "reschedule", "h": %s, "schedule": [%d, 0, ""]}' % (ref.encode(), LATER)
+        assert _ask(s, f, good)["r"]["kind"] == "queued"  # type: ignore[index]
+
+
+def test_a_queue_deeper_than_a_socket_path_is_still_reached(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    queue = str(deep / "q")
+    assert len(socket_path(queue)) > 108
+    enqueue(queue, ["far"])
+    with Sink() as sink, relay_process(relay_args(sink, queue)) as _:
+        assert ids_by_name(capsys, "--queue", queue).keys() == {"far"}
+
+
+def test_a_failed_sync_in_an_operator_call_makes_the_relay_reopen_its_queue(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The sync of a ``hold`` made through the socket fails: the relay reopens its queue
+    at once, as after a failed sync of its own, and the next command works."""
+    queue = str(tmp_path / "q")
+    enqueue(queue, ["a", "b"])
+    with Sink() as sink, relay_process(
+            ["--queue", queue, "--backend", "tests.relay_failing_disk:kv_log", "--listen",
+             "127.0.0.1:0", "--relayhost", f"[127.0.0.1]:{sink.port}"]) as (rp, _):
+        Path(failing_disk_trigger(queue)).touch()  # the next sync fails (EIO), once
+        assert main(["hold", "--queue", queue, "ALL"]) == 1
+        capsys.readouterr()
+        assert rp.wait_log("reopened the queue")
+        # the failed hold left each entry held or queued (C10); the next one holds the rest
+        assert cmd(capsys, "hold", "--queue", queue, "ALL")[-1]["changed"] in (1, 2)
+        states = [m["queue_name"] for m in cmd(capsys, "mailq", "--queue", queue)
+                  if "queue_id" in m]
+        assert states == ["hold", "hold"]

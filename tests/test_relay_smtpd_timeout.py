@@ -90,3 +90,49 @@ def test_refused_commands_are_logged_and_aiosmtpd_says_nothing(tmp_path: Path) -
     assert [e["reply"][:9] for e in rejects] == ["501 5.1.3"] + ["500 5.5.2"] * 19 + ["421 4.7.0"]
     assert rejects[0]["from"] == "a@example.org" and rejects[0]["helo"] == "client.test"
     assert all("\x1b" not in e["reply"] for e in rejects)
+
+
+def test_data_past_the_size_limit_buys_no_time(tmp_path: Path) -> None:
+    """Bytes past ``message_size_limit`` (and a little slack) are dropped and no longer
+    push the timeout back: a client cannot hold a session by trickling them."""
+    with RelayThread(relay_config(str(tmp_path / "q"), smtpd_timeout=TIMEOUT,
+                                  message_size_limit=10_000, log_json=True)) as r:
+        c = Raw(r.port)
+        c.cmd(b"EHLO client.test")
+        c.cmd(b"MAIL FROM:<a@example.org>")
+        c.cmd(b"RCPT TO:<b@example.net>")
+        assert c.cmd(b"DATA").startswith(b"354")
+        c.send(b"x" * 100 + b"\r\n" * 40_000)  # 80 KB: past the limit and the slack
+        started = time.monotonic()
+        try:
+            while time.monotonic() - started < 10:
+                c.send(b"more\r\n")  # a trickle that kept the session open before
+                time.sleep(TIMEOUT * 0.3)
+        except OSError:
+            pass
+        assert time.monotonic() - started < 4 * TIMEOUT
+        c.sock.close()
+        [event] = r.wait_events(1, "timeout")
+    assert event["after"] == "DATA"
+
+
+def test_an_error_while_handling_a_command_is_logged_not_shown(tmp_path: Path) -> None:
+    """A bug met while a command is handled: the client gets 451 and nothing of the
+    relay's insides; the log gets an error record naming where (aiosmtpd's own log, where
+    its traceback went, is silenced)."""
+    with RelayThread(relay_config(str(tmp_path / "q"), log_json=True)) as r:
+        def broken(*args: object) -> str:
+            raise KeyError("secret-internal-name")
+
+        r.relay.receiver.etrn = broken  # type: ignore[union-attr, method-assign]
+        c = Raw(r.port)
+        c.cmd(b"EHLO client.test")
+        reply = c.cmd(b"ETRN example.net")
+        assert reply.startswith(b"451 4.3.0") and b"secret" not in reply
+        assert c.cmd(b"QKZBU0U2NA==").startswith(b"500")  # a credential sent as a command
+        c.sock.close()
+        [error] = r.wait_events(1, "error")
+        rejects = r.events("reject")
+    assert error["what"] == "smtpd session" and "KeyError" in error["reason"]
+    assert "test_relay_smtpd_timeout.py" in error["reason"]  # where it came from
+    assert rejects and not any("QKZBU0U2NA" in e["reply"] for e in rejects)

@@ -26,9 +26,9 @@ from queue_ref.operate.relay_control_wire import (
     KINDS,
     error_from_wire,
     meta_from_wire,
+    reachable,
     schedule_from_wire,
     schedule_to_wire,
-    socket_path,
 )
 from queue_ref.storage import (
     BytesReader,
@@ -63,7 +63,8 @@ class RelayControlStorage(Storage):
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(TIMEOUT)
         try:
-            self._sock.connect(socket_path(root))
+            with reachable(root) as path:
+                self._sock.connect(path)
         except OSError:
             self._sock.close()
             raise

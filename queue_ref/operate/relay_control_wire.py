@@ -23,7 +23,9 @@ of those (a handle of another connection, or made up, is refused as ``MisuseErro
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from queue_ref import storage
@@ -47,6 +49,27 @@ KIND_OF = {cls: kind for kind, cls in KINDS.items()}
 
 def socket_path(root: str) -> str:
     return os.path.join(root, CONTROL_SOCKET)
+
+
+#: The longest path a Unix socket is bound or reached by (``sun_path``, 108 octets with
+#: its NUL, less a margin).
+SUN_PATH_MAX = 100
+
+
+@contextlib.contextmanager
+def reachable(root: str) -> Iterator[str]:
+    """A path to ``root``'s control socket short enough to bind or connect to: its own,
+    or, for a deep queue directory, through a descriptor of the directory
+    (``/proc/self/fd/N/relay.ctl``), valid inside the block."""
+    path = socket_path(root)
+    if len(os.fsencode(path)) < SUN_PATH_MAX:
+        yield path
+        return
+    fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{fd}/{CONTROL_SOCKET}"
+    finally:
+        os.close(fd)
 
 
 def schedule_to_wire(s: Schedule) -> list[Any]:

@@ -22,6 +22,7 @@ import contextlib
 import itertools
 import json
 import os
+import socket
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from typing import Any
@@ -32,6 +33,7 @@ from queue_ref.operate.relay_control_wire import (
     error_to_wire,
     handle_to_wire,
     meta_to_wire,
+    reachable,
     schedule_from_wire,
     socket_path,
 )
@@ -41,9 +43,12 @@ from queue_ref.storage import (
     InvalidInputError,
     MisuseError,
     QueuedMail,
+    ReopenRequiredError,
     Storage,
     StorageIOError,
 )
+
+IDLE_TIMEOUT = 300.0  # seconds a connection may wait for its next request
 
 #: The calls that move an entry: the handle they take is spent, the one they return kept.
 MOVES: dict[str, Callable[..., Any]] = {
@@ -70,6 +75,10 @@ class _Connection:
     def __init__(self) -> None:
         self.handles: dict[tuple[str, str], Handle] = {}
         self.cursors: dict[int, Iterator[Any]] = {}
+        #: the handles of the last batch of a ``scan_queue`` listing (``mailq``, ``qshape``
+        #: inspect each entry as it comes and keep none): let go at its next batch, so a
+        #: listing of the whole queue keeps one batch of handles, not the queue
+        self.passing: dict[int, list[tuple[str, str]]] = {}
 
     def keep(self, h: Any, store: Storage | None = None) -> dict[str, Any]:
         """An item as it goes out; a handle is kept for the requests that name it, and
@@ -87,53 +96,66 @@ class _Connection:
                         d["meta"] = meta_to_wire(reader.meta)
         return d
 
-    def handle(self, req: dict[str, Any], *, spend: bool) -> Any:
+    def handle(self, req: dict[str, Any]) -> tuple[tuple[str, str], Any]:
+        """The handle a request names, and its key (a move forgets it once it is made:
+        a request that fails leaves it, as a store's error leaves a handle live)."""
         ref = req.get("h")
         key = (str(ref.get("kind")), str(ref.get("entry_id"))) if isinstance(ref, dict) \
             else ("", "")
-        h = self.handles.pop(key, None) if spend else self.handles.get(key)
+        h = self.handles.get(key)
         if h is None or key[0] not in KINDS:
             raise MisuseError(f"no {key[0] or 'such'} handle for entry {key[1]!r} was given "
                               "on this connection")
-        return h
+        return key, h
 
 
 class RelayControl:
     """Serves ``relay.ctl`` in ``root`` for the Storage ``store_of()`` gives (None while
-    the queue is being reopened)."""
+    the queue is being reopened); ``on_queue_failed(e)`` (any thread) when a call raised
+    ReopenRequiredError, as for the relay's own calls."""
 
     def __init__(self, root: str, store_of: Callable[[], Storage | None],
-                 executor: Executor) -> None:
+                 executor: Executor,
+                 on_queue_failed: Callable[[BaseException], None] | None = None) -> None:
         self.root = root
         self.path = socket_path(root)
         self._store_of = store_of
         self._executor = executor
+        self._on_queue_failed = on_queue_failed
         self._server: asyncio.Server | None = None
         self._cursor_ids = itertools.count(1)
         self._tasks: set[asyncio.Task[None]] = set()
+        self._closing = False
 
     async def start(self) -> None:
         """Listen (a socket left by a relay that died is replaced: the pid file says this
-        relay is the queue's).  OSError when the socket cannot be made (a path too long)."""
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-        old = os.umask(0o177)  # the socket is the queue owner's alone
+        relay is the queue's).  OSError when the socket cannot be made."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self._server = await asyncio.start_unix_server(self._serve, self.path)
-        finally:
-            os.umask(old)
+            with reachable(self.root) as path:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                sock.bind(path)  # nobody can connect before listen(): mode first
+                os.chmod(path, 0o600)  # the queue owner's alone (no process-wide umask)
+            self._server = await asyncio.start_unix_server(self._serve, sock=sock)
+        except BaseException:
+            sock.close()
+            raise
 
     async def close(self) -> None:
+        """Stop serving: the connections are cut (a command that does not read its
+        replies cannot hold the relay's stop), and the socket removed."""
         if self._server is None:
             return
+        self._closing = True
         self._server.close()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._server.wait_closed()
         self._server = None
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        with contextlib.suppress(OSError), reachable(self.root) as path:
+            os.unlink(path)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -142,17 +164,25 @@ class RelayControl:
         conn = _Connection()
         loop = asyncio.get_running_loop()
         try:
-            while line := await reader.readline():
+            while True:
+                async with asyncio.timeout(IDLE_TIMEOUT):  # a command that went quiet
+                    line = await reader.readline()
+                if not line:
+                    break
                 reply = await loop.run_in_executor(self._executor, self._answer, conn, line)
                 writer.write(json.dumps(reply).encode() + b"\n")
                 await writer.drain()
-        except (ConnectionError, ValueError, asyncio.IncompleteReadError):
-            pass  # the command went away, or sent a line over the limit
+        except (ConnectionError, ValueError, asyncio.IncompleteReadError, TimeoutError):
+            pass  # the command went away or went quiet, or sent a line over the limit
         finally:
             self._tasks.discard(task)
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            if self._closing:  # replies it never read must not hold the stop
+                writer.transport.abort()
+            else:
+                writer.close()
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(1):
+                        await writer.wait_closed()
 
     def _answer(self, conn: _Connection, line: bytes) -> dict[str, Any]:
         """The reply to one request line (a storage thread)."""
@@ -164,6 +194,8 @@ class RelayControl:
         except json.JSONDecodeError:
             return error_to_wire(InvalidInputError("a request is one JSON object"))
         except Exception as e:
+            if isinstance(e, ReopenRequiredError) and self._on_queue_failed is not None:
+                self._on_queue_failed(e)  # the relay reopens its queue, as after its own
             return error_to_wire(e)
 
     def _call(self, conn: _Connection, req: dict[str, Any]) -> dict[str, Any]:
@@ -178,9 +210,11 @@ class RelayControl:
         if op in LISTINGS:
             cursor = next(self._cursor_ids)
             conn.cursors[cursor] = iter(LISTINGS[op](store, req))
+            if op == "scan_queue":
+                conn.passing[cursor] = []
             return self._batch(conn, cursor)
         if op in ("inspect_entry", "read_body"):
-            h = conn.handle(req, spend=False)
+            _, h = conn.handle(req)
             reader = store.inspect_entry(h)
             if reader is None:
                 return {"r": None}
@@ -189,8 +223,9 @@ class RelayControl:
                     return {"r": meta_to_wire(reader.meta)}
                 return {"r": base64.b64encode(reader.read_all()).decode("ascii")}
         if op in MOVES:
-            h = conn.handle(req, spend=True)
+            key, h = conn.handle(req)
             got = MOVES[str(op)](store, h, req)
+            del conn.handles[key]  # spent by the move
             return {"r": conn.keep(got) if isinstance(got, Handle) else got}
         raise InvalidInputError(f"unknown request {op!r}")
 
@@ -199,7 +234,14 @@ class RelayControl:
         if it is None:
             raise MisuseError(f"no listing {cursor} on this connection")
         store = self._store_of()
+        passing = conn.passing.get(cursor)
+        if passing:  # a scan's last batch: inspected already
+            for key in passing:
+                conn.handles.pop(key, None)
+            passing.clear()
         items = [conn.keep(x, store) for x in itertools.islice(it, BATCH)]
+        if passing is not None:
+            passing.extend((d["kind"], d["entry_id"]) for d in items)
         end = len(items) < BATCH
         if end:
             del conn.cursors[cursor]

@@ -257,7 +257,8 @@ class Relay:
         names = self.store.root_names if isinstance(self.store, MultiRootQueue) \
             else [self.queue_dir]
         for i, root in enumerate(names):
-            control = RelayControl(root, functools.partial(self._root_store, i), self.executor)
+            control = RelayControl(root, functools.partial(self._root_store, i), self.executor,
+                                   self._queue_failed)
             try:
                 await control.start()
             except OSError as e:

@@ -26,9 +26,11 @@ import contextlib
 import email.utils
 import functools
 import logging
+import os
 import re
 import ssl
 import time
+import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any
@@ -145,6 +147,7 @@ class RelaySMTP(SMTP):
         self.data_dot_lines = True
         self.in_data = False  # reading a message's data (after 354)
         self._timer_reset = 0.0  # loop time the timeout was last pushed back in DATA
+        self._data_bytes = 0  # octets received since the 354
 
     def _getaddr(self, arg: str) -> tuple[str | None, str | None]:
         fast = fast_path_address(arg)
@@ -207,8 +210,12 @@ class RelaySMTP(SMTP):
         second, or four times a timeout), so an upload slower than ``smtpd_timeout`` in
         all goes on."""
         if self.in_data:
+            self._data_bytes += len(data)
             now = self.loop.time()
-            if now - self._timer_reset >= min(1.0, self._timeout_duration / 4):
+            # past the size limit (the reply will be 552) the data no longer buys time:
+            # a client cannot hold a session by trickling bytes it knows are dropped
+            if now - self._timer_reset >= min(1.0, self._timeout_duration / 4) \
+                    and self._data_bytes <= (self.data_size_limit or 0) + PAST_LIMIT_SLACK:
                 self._timer_reset = now
                 self._reset_timeout()
         super().data_received(data)
@@ -250,6 +257,7 @@ class RelaySMTP(SMTP):
             await in_flow(self.envelope.rcpt_tos, self.receiver.config.in_flow_delay)
         await self.push("354 End data with <CR><LF>.<CR><LF>")
         self.in_data = True
+        self._data_bytes = 0
         try:
             # lines of any length, as Postfix's smtpd: delivery folds them (smtp_delivery)
             got = await read_data(self._reader, self.data_size_limit, None)
@@ -422,8 +430,22 @@ class SmtpReceiver:
             self._stamp = (second, email.utils.formatdate(second, localtime=True))
         return self._stamp[1]
 
+    async def handle_exception(self, error: Exception) -> str:
+        """aiosmtpd's hook for an error raised while it handled a command: an ``error``
+        record with the place it came from (a bug), and a reply that tells the client
+        nothing of the relay's insides."""
+        tb = traceback.extract_tb(error.__traceback__)[-3:]
+        where = " < ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
+                           for f in reversed(tb))
+        self.log.emit("error", what="smtpd session", reason=f"{type(error).__name__}: "
+                      f"{error} (at {where})")
+        return "451 4.3.0 Error: internal error, try again later"
+
     def log_reject(self, s: RelaySMTP, reply: str) -> None:
-        """A ``reject`` record of a 4xx or 5xx reply (Postfix's ``NOQUEUE: reject:``)."""
+        """A ``reject`` record of a 4xx or 5xx reply (Postfix's ``NOQUEUE: reject:``).
+        aiosmtpd's reply to an unknown command quotes it; the record does not (a client
+        sending credentials after a refused AUTH would have them logged)."""
+        reply = _UNKNOWN_COMMAND.sub("command not recognized", reply)
         env = s.envelope
         helo = s.session.host_name if s.session is not None else None
         fields: dict[str, Any] = {"from": env.mail_from if env is not None else None}
@@ -619,6 +641,10 @@ class SmtpReceiver:
         if not waiting:
             return f"251 2.0.0 OK, no messages waiting for node {domain}"
         return f"250 2.0.0 Queuing for node {domain} started"
+
+
+_UNKNOWN_COMMAND = re.compile(r'command "[^"]*" not recognized')
+PAST_LIMIT_SLACK = 1 << 16  # octets of data past message_size_limit that still buy time
 
 
 def _client(session: Session | None) -> str:
