@@ -11,7 +11,13 @@ relay claims meanwhile move under it as under any other caller); a listing is re
 batch per request, so the first batch comes at once whatever the queue holds.  (The
 commands wake the relay themselves, SIGUSR1, when entries became due.)  A request
 that is not one of these, or names a handle this connection was not given, is refused
-with an error reply; the connection stays open.
+with an error reply; the connection stays open.  A connection quiet for
+``IDLE_TIMEOUT`` is closed, and the relay's stop cuts every connection (a command that
+does not read its replies cannot hold it).  A call that meets a failed sync
+(``ReopenRequiredError``) makes the relay reopen its queue, as its own calls do.  A
+``scan_queue`` listing keeps its last batch of handles only (``mailq`` and ``qshape``
+inspect each entry as it comes); the other listings keep theirs for the actions that
+follow.
 """
 
 from __future__ import annotations
