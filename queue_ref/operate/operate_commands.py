@@ -108,11 +108,6 @@ def _fmt_at(at: int) -> str:
 # ---- the commands ---------------------------------------------------------------------
 
 
-def _one_line(text: str) -> str:
-    """A reason on one line: control characters (a multi-line reply's CR LF) as spaces."""
-    return "".join(" " if ord(c) < 32 or ord(c) == 127 else c for c in text)
-
-
 def _mailq(store: Storage, args: argparse.Namespace) -> int:
     """Each message as it is found, in the backend's listing order (Postfix's mailq: queue
     scan order), so the first line comes at once and nothing of the queue is kept; the
@@ -133,7 +128,7 @@ def _mailq(store: Storage, args: argparse.Namespace) -> int:
             how = {"held": "held", "inflight": "in delivery"}.get(e.state) or (
                 f"attempts {e.schedule.attempts}, next {_fmt_at(e.schedule.at)}")
             if e.schedule.reason:
-                print(f"({_one_line(e.schedule.reason)})")
+                print(f"({qa.one_line(e.schedule.reason)})")
             print(f"{'':<72} {e.rcpt}  ({e.entry_id}: {how})")
         print(flush=n_msgs == 1)  # the first at once, the rest as the buffer fills
     if args.json:
@@ -264,7 +259,7 @@ def _show(store: Storage, args: argparse.Namespace) -> int:
         print(f"recipient: {e.rcpt} ({e.entry_id}, {state}, attempts {e.schedule.attempts}, "
               f"next attempt {_fmt_at(e.schedule.at)}, zone {e.zone})")
         if e.schedule.reason:
-            print(f"delay_reason: {_one_line(e.schedule.reason)}")
+            print(f"delay_reason: {qa.one_line(e.schedule.reason)}")
     print("*** MESSAGE CONTENTS ***")
     sys.stdout.write(head.decode("utf-8", "replace") + "\n")
     if args.body:

@@ -33,7 +33,8 @@ from queue_ref.storage import (
 
 __all__ = [
     "AGE_BUCKETS", "ActionResult", "EntryInfo", "MessageInfo", "check_domain", "delete",
-    "domain_entries", "domain_of", "flush", "group_messages", "hold", "in_delivery", "listing", "qshape",
+    "domain_entries", "domain_of", "flush", "group_messages", "hold", "in_delivery", "listing",
+    "one_line", "qshape",
     "release", "requeue", "scan", "select", "stream", "stream_messages",
 ]
 
@@ -345,6 +346,12 @@ def requeue(store: Storage, chosen: Iterable[tuple[Handle, EntryInfo]],
         got = store.reschedule(h, Schedule(at, h.schedule.attempts, h.schedule.reason))
         (res.changed if got is not None else res.vanished).append(h.entry_id)
     return res
+
+
+def one_line(text: str) -> str:
+    """A text from outside (a reply's reason, a client's words) on one line of output or
+    log: control characters (a multi-line reply's CR LF, a terminal escape) as spaces."""
+    return "".join(" " if ord(c) < 32 or ord(c) == 127 else c for c in text)
 
 
 def flush(store: Storage, domain: str | None = None, now: int | None = None) -> ActionResult:

@@ -38,7 +38,7 @@ from typing import Any
 import aiosmtpd.smtp
 from aiosmtpd.smtp import MISSING, SMTP, Envelope, Session, syntax
 
-from queue_ref.operate.queue_actions import check_domain, flush
+from queue_ref.operate.queue_actions import check_domain, flush, one_line
 from queue_ref.relay.delivery_log import DeliveryLog
 from queue_ref.relay.relay_access import RelayAccess
 from queue_ref.relay.relay_config import RelayConfig
@@ -450,8 +450,8 @@ class SmtpReceiver:
         helo = s.session.host_name if s.session is not None else None
         fields: dict[str, Any] = {"from": env.mail_from if env is not None else None}
         self.log.emit("reject", client=_client(s.session),
-                      helo=_printable(helo)[:255] if helo else None,
-                      reply=_printable(reply)[:512], **fields)
+                      helo=one_line(helo)[:255] if helo else None,
+                      reply=one_line(reply)[:512], **fields)
 
     def client_trusted(self, session: Session) -> bool:
         peer = session.peer
@@ -650,12 +650,6 @@ PAST_LIMIT_SLACK = 1 << 16  # octets of data past message_size_limit that still 
 def _client(session: Session | None) -> str:
     peer = session.peer if session is not None else None
     return f"[{peer[0]}]:{peer[1]}" if isinstance(peer, tuple) else "unknown"
-
-
-def _printable(text: str) -> str:
-    """A client's text for a log line: control characters as spaces (no forged lines,
-    no terminal escapes)."""
-    return "".join(" " if ord(c) < 32 or ord(c) == 127 else c for c in text)
 
 
 def _hops(body: bytes) -> int:
