@@ -158,11 +158,13 @@ def test_a_turn_no_data_took_is_kept_for_the_next(tmp_path: Path) -> None:
             second.close()
 
 
-def test_mail_for_another_domain_does_not_wait(tmp_path: Path) -> None:
-    """Delivery to ok.test is behind; a DATA for other.test gets its 354 at once, and a
-    DATA that gave up waiting leaves nothing behind in the scheduler."""
-    with one_job_behind(tmp_path, in_flow_delay=2.0, metrics_listen="127.0.0.1:0"
-                        ) as (r, sink, gate):
+def test_mail_for_another_destination_does_not_wait(tmp_path: Path) -> None:
+    """Delivery to the relayhost is behind; a DATA for other.test, which its transport
+    map sends elsewhere, gets its 354 at once, and a DATA that gave up waiting leaves
+    nothing behind in the scheduler."""
+    with Sink() as elsewhere, one_job_behind(
+            tmp_path, in_flow_delay=2.0, metrics_listen="127.0.0.1:0",
+            transport_maps={"other.test": f"[127.0.0.1]:{elsewhere.port}"}) as (r, sink, gate):
         other = data_command(r.port, b"v@other.test")
         try:
             started = time.monotonic()
@@ -183,6 +185,25 @@ def test_mail_for_another_domain_does_not_wait(tmp_path: Path) -> None:
         assert scrape(r.relay.metrics_port)[("queue_ref_relay_in_flow_waits_total", ())] == 2
         gate.set()
         sink.wait_for(2)
+
+
+def test_mail_for_another_domain_through_the_same_relayhost_waits(tmp_path: Path) -> None:
+    """Every domain goes through one relayhost: delivery there is behind for ok.test, and
+    a DATA for other.test waits too (it would add to the same backlog); it goes when
+    the relayhost's delivery catches up."""
+    with one_job_behind(tmp_path, in_flow_delay=10.0) as (r, sink, gate):
+        s = data_command(r.port, b"v@other.test")
+        try:
+            assert reply_within(s, 1.5) == b""  # no 354: the relayhost is behind
+            gate.set()
+            assert reply_within(s, 8).startswith(b"354")
+            s.sendall(b"Subject: other\r\n\r\nbody\r\n.\r\n")
+            assert reply_within(s, 10).startswith(b"250")
+        finally:
+            s.close()
+        got = sink.wait_for(3)
+    assert sorted(x for m in got for x in m.rcpts) == ["u1@ok.test", "u2@ok.test",
+                                                        "v@other.test"]
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.5])

@@ -203,8 +203,9 @@ class DeliveryScheduler:
         self.destination_limit = config.share(config.default_destination_concurrency_limit)
         self._global = asyncio.Semaphore(self.max_deliveries)
         self._destinations: dict[str, asyncio.Semaphore] = {}
-        #: by recipient domain: jobs whose delivery waits for a slot, turns saved (a job
-        #: got its slot while no DATA waited), the DATA commands waiting (``in_flow``)
+        #: by destination (``Router.destination_of``: a domain's next hop, the relayhost,
+        #: else the domain): jobs whose delivery waits for a slot, turns saved (a job got
+        #: its slot while no DATA waited), the DATA commands waiting (``in_flow``)
         self._behind: collections.Counter[str] = collections.Counter()
         self._turns: collections.Counter[str] = collections.Counter()
         self._inflow: dict[str, collections.deque[asyncio.Future[None]]] = {}
@@ -240,22 +241,26 @@ class DeliveryScheduler:
         return sum(self._behind.values())
 
     async def in_flow(self, rcpts: Iterable[str], delay: float) -> None:
-        """Wait while delivery to the domain of one of ``rcpts`` (the message's
-        recipients) is behind, at most ``delay`` seconds (Postfix's ``in_flow_delay``; the receiver,
-        before it takes the data).  Behind: a job for the domain waits for a delivery
-        slot (its destination's concurrency limit, or ``max_deliveries``), so its mail
-        comes in faster than it goes out.  Each such job that gets its slot lets the
-        longest waiting DATA for the domain go, or saves the turn for the next one (up
-        to the destination's limit), one message in for one out, as Postfix's queue
-        manager hands its cleanup processes a token per message it takes; once none
-        waits, every DATA goes.  Mail for other domains never waits.  Mail taken faster
+        """Wait while delivery to the destination of one of ``rcpts`` (the message's
+        recipients) is behind, at most ``delay`` seconds (Postfix's ``in_flow_delay``; the
+        receiver, before it takes the data).  A recipient's destination is where its
+        domain's mail goes as configured (its transport map entry, else the relayhost:
+        every domain sent through one smarthost shares it), else the domain (no DNS is
+        asked here).  Behind: a job for the destination waits for a delivery slot (its
+        concurrency limit, or ``max_deliveries``), so its mail comes in faster than it
+        goes out.  Each such job that gets its slot lets the longest waiting DATA for the
+        destination go, or saves the turn for the next one (up to the destination's
+        limit), one message in for one out, as Postfix's queue manager hands its cleanup
+        processes a token per message it takes; once none waits, every DATA goes.  Mail
+        for other destinations never waits.  Mail taken faster
         than it can be sent waits in the queue (the time from 250 to delivery grows)
         and in claimed jobs (which hold no body over ``WAITING_BODY_KEPT`` while they
         wait)."""
         if delay <= 0 or not self._behind:
             return
-        domains = {_domain(r) for r in rcpts}  # only once mail is behind
-        domain = next((d for d in domains if self._behind[d]), None)
+        # only once mail is behind
+        destinations = {self.router.destination_of(_domain(r)) for r in rcpts}
+        domain = next((d for d in destinations if self._behind[d]), None)
         if domain is None:
             return
         if self._turns[domain]:
@@ -278,8 +283,8 @@ class DeliveryScheduler:
                 del self._inflow[domain]
 
     def _lagging(self, domain: str, n: int) -> None:
-        """``n`` more (or fewer) jobs for ``domain`` wait for a slot; one fewer lets a
-        waiting DATA go (``in_flow``)."""
+        """``n`` more (or fewer) jobs for the destination ``domain`` wait for a slot; one
+        fewer lets a waiting DATA go (``in_flow``)."""
         self._behind[domain] += n
         if self._behind[domain] <= 0:
             del self._behind[domain]
@@ -656,7 +661,7 @@ class DeliveryScheduler:
             self._destinations[route.destination] = sem
         waits = sem.locked() or self._global.locked()
         if waits:
-            self._lagging(domain, 1)
+            self._lagging(route.destination, 1)
             job.waiting += 1
             job.let_go()
         try:
@@ -665,7 +670,7 @@ class DeliveryScheduler:
             async with sem, self._global:
                 if waits:
                     waits = False
-                    self._lagging(domain, -1)
+                    self._lagging(route.destination, -1)
                     job.waiting -= 1
                 job.sending += 1
                 try:
@@ -680,7 +685,7 @@ class DeliveryScheduler:
                     job.let_go()  # another domain of the job waits still
         finally:
             if waits:  # cancelled while it waited
-                self._lagging(domain, -1)
+                self._lagging(route.destination, -1)
                 job.waiting -= 1
         return list(zip(entries, results, strict=True))
 

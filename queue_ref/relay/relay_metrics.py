@@ -110,8 +110,8 @@ class RelayMetrics:
             ["step"], registry=r)
         self.in_flow_waits = Counter(
             "queue_ref_relay_in_flow_waits",
-            "DATA commands that waited before their 354 because delivery to a recipient "
-            "domain of theirs was behind (in_flow_delay)", registry=r)
+            "DATA commands that waited before their 354 because delivery to the destination "
+            "of a recipient of theirs was behind (in_flow_delay)", registry=r)
         self.body_bytes = Gauge(
             "queue_ref_relay_body_bytes",
             "Bytes of message bodies the delivery jobs hold in memory (a job waiting for a "
