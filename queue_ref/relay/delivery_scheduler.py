@@ -90,10 +90,11 @@ PROBE_WAIT = "on-demand domain: unreachable at its last probe; mail waits for th
 #: Message ids ``add(..., wire_ready=True)`` keeps for the jobs that claim them.
 WIRE_READY_KEPT = 4096
 FINISH_RETRIES = (0.2, 1.0, 3.0)  # waits between tries of a transition that hit an I/O error
-#: A job waiting for a delivery slot lets go of a body bigger than this (unless another
-#: domain of it is on the wire with it) and reads it again once a slot is its own: jobs
-#: held up behind a slow or hung next hop (up to ``max_deliveries`` of them) do not each
-#: hold a whole message in memory.
+#: A body bigger than this, claimed while its destination is behind, is read only once
+#: its job's delivery has a slot (``_body``), and a job waiting for a slot lets go of one
+#: it holds (unless another domain of it is on the wire with it): jobs held up behind a
+#: slow or hung next hop (up to ``max_deliveries`` of them) do not each hold a whole
+#: message in memory.
 WAITING_BODY_KEPT = 256 * 1024
 
 
@@ -132,7 +133,8 @@ class _Job:
     waiting: int = 0
 
     def __post_init__(self) -> None:
-        self.size = len(self.body) if self.body is not None else self.size
+        if self.body is not None:
+            self.size = len(self.body)
 
     def found_damaged(self) -> bool:
         """``damaged``, as another thread may have set it since the caller looked."""
@@ -281,6 +283,12 @@ class DeliveryScheduler:
                 waiting.remove(turn)  # gone already if it was let go
             if not waiting and self._inflow.get(domain) is waiting:
                 del self._inflow[domain]
+
+    def _is_behind(self, rcpt: str) -> bool:
+        """Whether a job for ``rcpt``'s destination waits for a slot now (read from a
+        storage thread: a hint, as the answer may change at once)."""
+        return self.router is not None and \
+            self._behind.get(self.router.destination_of(_domain(rcpt)), 0) > 0
 
     def _lagging(self, domain: str, n: int) -> None:
         """``n`` more (or fewer) jobs for the destination ``domain`` wait for a slot; one
@@ -585,7 +593,9 @@ class DeliveryScheduler:
             self.add(back)
 
     def _claim(self, handles: list[QueuedMail]) -> _Job | None:
-        """send_start every entry, read the body once (a storage thread)."""
+        """send_start every entry, read the body once (a storage thread; a body over
+        ``WAITING_BODY_KEPT`` for a destination that is behind later, with the slot:
+        ``_body``)."""
         job: _Job | None = None
         for h in handles:
             try:
@@ -607,8 +617,13 @@ class DeliveryScheduler:
                         with self._wire_ready_lock:
                             ready = mail.message_id in self._wire_ready
                             self._wire_ready.pop(mail.message_id, None)
-                        job = _Job(mail.message_id, meta.mail_from, dict(meta.params),
-                                   reader.read_all(), wire_ready=ready)
+                        # a big body for a destination that is behind is read once its
+                        # delivery has a slot (``_body``): a job that waits holds none, and
+                        # none is read twice; otherwise now, outside the slot
+                        body = None if meta.body_size > WAITING_BODY_KEPT \
+                            and self._is_behind(meta.rcpt) else reader.read_all()
+                        job = _Job(mail.message_id, meta.mail_from, dict(meta.params), body,
+                                   wire_ready=ready, size=meta.body_size)
             except CorruptionError as e:
                 self.log.emit("error", mail.message_id, what="read", entry_id=mail.entry_id,
                               reason=f"quarantined: {e}")

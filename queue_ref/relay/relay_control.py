@@ -175,7 +175,13 @@ class RelayControl:
                     line = await reader.readline()
                 if not line:
                     break
-                reply = await loop.run_in_executor(self._executor, self._answer, conn, line)
+                call = loop.run_in_executor(self._executor, self._answer, conn, line)
+                try:
+                    reply = await asyncio.shield(call)
+                except asyncio.CancelledError:  # the relay stops: its queue closes after
+                    with contextlib.suppress(Exception):  # this call, not during it
+                        await call
+                    raise
                 writer.write(json.dumps(reply).encode() + b"\n")
                 await writer.drain()
         except (ConnectionError, ValueError, asyncio.IncompleteReadError, TimeoutError):
@@ -251,4 +257,5 @@ class RelayControl:
         end = len(items) < BATCH
         if end:
             del conn.cursors[cursor]
+            conn.passing.pop(cursor, None)
         return {"items": items, "end": end, "cursor": cursor}
