@@ -189,8 +189,10 @@ def test_a_failed_request_leaves_the_handle_and_a_scan_keeps_one_batch(
         early = json.dumps({"kind": "queued", "entry_id": first["items"][0]["entry_id"]})  # type: ignore[index]
         assert "r" in _ask(s, f, b'{"op": "inspect_entry", "h": %s}' % early.encode())
         cursor = first["cursor"]
+        batches = 1
         while not _ask(s, f, b'{"op": "more", "cursor": %d}' % cursor)["end"]:  # type: ignore[str-format]
-            pass
+            batches += 1
+        assert batches == 2  # 500, then 500, then the last 200 with its end
         assert _ask(s, f, b'{"op": "inspect_entry", "h": %s}' % early.encode())["error"] == \
             "MisuseError"  # let go with its batch
         listed = _ask(s, f, b'{"op": "list_queue"}')

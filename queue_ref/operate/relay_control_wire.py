@@ -113,8 +113,6 @@ def error_from_wire(d: dict[str, Any]) -> QueueError:
     if name == "CorruptionError":
         return CorruptionError(message, str(d.get("entry_id", "")), d.get("quarantined_to"))
     if isinstance(cls, type) and issubclass(cls, QueueError):
-        try:
+        with contextlib.suppress(TypeError):  # a constructor of other arguments
             return cls(message)
-        except TypeError:  # a constructor of other arguments
-            pass
     return QueueError(f"the relay answered {name}: {message}")

@@ -45,11 +45,9 @@ def _check_nexthop(value: str, key: str, default_port: int) -> None:
     if not bracketed and value.strip().count(":") > 1:
         raise ConfigError(f"{key}: {value!r}: give the port once, and an IPv6 address in "
                           "brackets ([2001:db8::1]:25)")
-    try:
+    with contextlib.suppress(ValueError):
         ipaddress.ip_address(host)
         return
-    except ValueError:
-        pass
     if not _HOSTNAME.fullmatch(host) or len(host) > 253:
         raise ConfigError(f"{key}: {host!r} in {value!r} is neither a host name (letters, "
                           "digits and hyphens in dot-separated labels) nor an IP address")

@@ -169,23 +169,24 @@ class RelayControl:
         self._tasks.add(task)
         conn = _Connection()
         loop = asyncio.get_running_loop()
+        # the command going away or quiet, or sending a line over the limit, ends it
         try:
-            while True:
-                async with asyncio.timeout(IDLE_TIMEOUT):  # a command that went quiet
-                    line = await reader.readline()
-                if not line:
-                    break
-                call = loop.run_in_executor(self._executor, self._answer, conn, line)
-                try:
-                    reply = await asyncio.shield(call)
-                except asyncio.CancelledError:  # the relay stops: its queue closes after
-                    with contextlib.suppress(Exception):  # this call, not during it
-                        await call
-                    raise
-                writer.write(json.dumps(reply).encode() + b"\n")
-                await writer.drain()
-        except (ConnectionError, ValueError, asyncio.IncompleteReadError, TimeoutError):
-            pass  # the command went away or went quiet, or sent a line over the limit
+            with contextlib.suppress(ConnectionError, ValueError, asyncio.IncompleteReadError,
+                                     TimeoutError):
+                while True:
+                    async with asyncio.timeout(IDLE_TIMEOUT):  # a command that went quiet
+                        line = await reader.readline()
+                    if not line:
+                        break
+                    call = loop.run_in_executor(self._executor, self._answer, conn, line)
+                    try:
+                        reply = await asyncio.shield(call)
+                    except asyncio.CancelledError:  # the relay stops: its queue closes
+                        with contextlib.suppress(Exception):  # after this call, not during
+                            await call
+                        raise
+                    writer.write(json.dumps(reply).encode() + b"\n")
+                    await writer.drain()
         finally:
             self._tasks.discard(task)
             if self._closing:  # replies it never read must not hold the stop
