@@ -316,3 +316,13 @@ def test_shutdown_after_commits_does_not_wait_out_its_timeout(tmp_path):
             assert r.relay.receiver.commits == 0
             started = time.monotonic()
         assert time.monotonic() - started < 4.0
+
+
+def test_an_ipv6_address_literal_is_routed_whatever_the_case_of_its_tag(tmp_path) -> None:
+    """Domains reach the router lower-cased: ``[ipv6:...]`` is the literal ``[IPv6:...]``
+    of RFC 5321 4.1.3 (it was bounced as a bad address literal)."""
+    router = Router(relay_config(str(tmp_path)))
+    for literal in ("[IPv6:2001:db8::1]", "[ipv6:2001:db8::1]"):
+        route = asyncio.run(router.route(literal))
+        assert [h.address for h in route.hosts] == ["2001:db8::1"], route
+    assert asyncio.run(router.route("[ipv6:300.1.1.1]")).dsn == "5.1.2"

@@ -244,3 +244,29 @@ def test_each_of_n_processes_takes_its_share_of_a_destinations_limit(tmp_path: P
         assert r.relay.scheduler.max_deliveries == r.relay.config.max_deliveries
         gate.set()
         sink.wait_for(2)
+
+
+def test_mail_that_takes_no_delivery_slot_never_waits(tmp_path: Path) -> None:
+    """An ATRN domain's mail waits for its client, not for the relayhost its domain would
+    map to: its DATA does not wait while the relayhost is behind."""
+    import asyncio
+    import dataclasses
+    import io
+
+    from queue_ref.relay.delivery_log import DeliveryLog
+    from queue_ref.relay.delivery_scheduler import DeliveryScheduler
+    from queue_ref.relay.mx_routing import Router
+
+    cfg = dataclasses.replace(relay_config(str(tmp_path / "q"), relayhost="[10.0.0.1]:25"),
+                              atrn_domains={"atrn.test": "user"})
+    s = DeliveryScheduler(None, cfg, Router(cfg), None,  # type: ignore[arg-type]
+                          DeliveryLog(stream=io.StringIO()), None)  # type: ignore[arg-type]
+
+    async def waits(rcpt: str) -> float:
+        started = time.monotonic()
+        await s.in_flow([rcpt], 0.5)
+        return time.monotonic() - started
+
+    s._lagging(s.router.destination_of("other.test"), 1)  # a job waits at the relayhost
+    assert asyncio.run(waits("u@atrn.test")) < 0.2
+    assert asyncio.run(waits("u@other.test")) >= 0.45  # mail for the relayhost does wait

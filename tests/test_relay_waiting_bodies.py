@@ -9,12 +9,15 @@ mail around it goes on.  A DSN of a job that let go of its body still returns it
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,8 +27,9 @@ from queue_ref.memory import MemoryStorage
 from queue_ref.opener import open_queue
 from queue_ref.relay.delivery_log import DeliveryLog
 from queue_ref.relay.delivery_scheduler import WAITING_BODY_KEPT, DeliveryScheduler, _Entry, _Job
+from queue_ref.relay.mx_routing import Router
 from queue_ref.relay.smtp_delivery import RcptResult
-from queue_ref.storage import Recipient, Schedule
+from queue_ref.storage import Recipient, Schedule, StorageIOError
 from tests.relay_faulty_steps import trigger_of
 from tests.relay_support import RelayThread, Sink, relay_config
 from tests.test_relay_in_flow import wait_behind
@@ -279,3 +283,68 @@ def test_a_small_body_is_kept_while_its_job_waits() -> None:
     job.sending = 0
     job.let_go()
     assert job.body is None
+
+
+class _ReadFailsOnce(MemoryStorage):
+    """A memory queue whose next ``read_inflight`` fails as a disk does, when armed."""
+
+    fail_next_read = False
+
+    def read_inflight(self, mail: Any) -> Any:
+        if self.fail_next_read:
+            self.fail_next_read = False
+            raise StorageIOError("EIO (injected)", mail)
+        return super().read_inflight(mail)
+
+
+class _Accepts:
+    async def deliver(self, hosts: Any, mail_from: str, rcpts: list[str], body: bytes,
+                      params: Any, wire_ready: bool = False) -> list[RcptResult]:
+        return [RcptResult(250, "2.0.0", "ok", "next.test") for _ in rcpts]
+
+
+def test_a_dsn_after_a_failed_read_again_reads_through_an_entry_still_held(
+        tmp_path: Path) -> None:
+    """a.test (the first entry) waits for its destination's one slot and the job lets go
+    of the body; its read again fails, so its entry goes back to the queue (its handle
+    spent).  The other recipient's route failed (5.1.2): its bounce reads the body through
+    its own entry, and is built."""
+    store = _ReadFailsOnce()
+    body = big_body(3, 2 * WAITING_BODY_KEPT)
+    with store.enqueue("s@example.org", {"arrival": "0"}) as enq:
+        enq.write(body)
+        handles = enq.commit([Recipient("u@a.test", Schedule(0)),
+                              Recipient("v@[300.1.1.1]", Schedule(0))])
+    cfg = relay_config(str(tmp_path / "q"), transport_maps={"a.test": "[127.0.0.1]:2525"},
+                       default_destination_concurrency_limit=1)
+    out = io.StringIO()
+
+    async def run() -> None:
+        with ThreadPoolExecutor(2) as pool:
+            s = DeliveryScheduler(store, cfg, Router(cfg), _Accepts(),  # type: ignore[arg-type]
+                                  DeliveryLog(json_lines=True, stream=out), pool)
+            busy = asyncio.Semaphore(1)
+            await busy.acquire()  # another job holds a.test's one slot
+            s._destinations["[127.0.0.1]:2525"] = busy
+            task = asyncio.create_task(s._job(handles))
+            while s.behind == 0:
+                await asyncio.sleep(0.01)
+            [job] = s._claimed_jobs.values()
+            assert job.body is None  # let go while it waits
+            store.fail_next_read = True
+            busy.release()
+            await task
+            assert s.job_errors == 0
+
+    asyncio.run(run())
+    records = [json.loads(line) for line in out.getvalue().splitlines()]
+    [bounce] = [e for e in records if e["event"] == "bounce"]
+    assert bounce["to"] == "s@example.org" and "bounce_id" in bounce
+    queued = {h.entry_id: h for h in store.list_queue()}
+    assert handles[0].entry_id in queued  # back, its attempt not counted
+    dsn = [h for h in queued.values() if h.message_id != handles[0].message_id]
+    assert len(dsn) == 1
+    b = store.send_start(dsn[0])
+    assert b is not None
+    with store.read_inflight(b) as reader:
+        assert b"Subject: big 3" in reader.read_all()  # the original's headers returned

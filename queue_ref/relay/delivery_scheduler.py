@@ -260,8 +260,11 @@ class DeliveryScheduler:
         wait)."""
         if delay <= 0 or not self._behind:
             return
-        # only once mail is behind
-        destinations = {self.router.destination_of(_domain(r)) for r in rcpts}
+        # only once mail is behind; not for mail that waits for its client (ATRN) or its
+        # probe (on-demand): it takes no delivery slot
+        domains = {_domain(r) for r in rcpts} - self.config.atrn_domains.keys()
+        destinations = {self.router.destination_of(d) for d in domains
+                        if self.probing is None or not self.probing(d)}
         domain = next((d for d in destinations if self._behind[d]), None)
         if domain is None:
             return
@@ -1010,8 +1013,9 @@ class DeliveryScheduler:
         """The body a DSN of ``job`` returns (a storage thread), read again if the job let
         go of it (it holds it after a delivery, but not after a read that failed).  An
         error goes up: the DSN is not built, and its entries are tried again later."""
-        if job.body is None:
-            with self.store.read_inflight(job.entries[0].mail) as reader:
+        if job.body is None:  # through an entry still the job's (not put back: spent)
+            live = next(e for e in job.entries if e.mail.entry_id not in job.settled)
+            with self.store.read_inflight(live.mail) as reader:
                 job.body = reader.read_all()
         return job.body
 

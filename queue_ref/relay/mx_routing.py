@@ -114,7 +114,10 @@ class Router:
                 return await self._hosts(dest, [host], port)
             return await self._mx(dest, host, port)
         if domain.startswith("[") and domain.endswith("]"):
-            literal = _ip(domain[1:-1].removeprefix("IPv6:"))
+            inner = domain[1:-1]
+            if inner[:5].lower() == "ipv6:":  # the tag in any case (domains come lower-cased)
+                inner = inner[5:]
+            literal = _ip(inner)
             if literal is None:
                 return Route(dest, dsn="5.1.2", reason=f"bad address literal {domain}")
             return Route(dest, [Nexthop(literal, literal, self.config.smtp_port, dest)])
