@@ -12,6 +12,9 @@ import json
 import os
 import socket
 import stat
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -232,3 +235,61 @@ def test_a_failed_sync_in_an_operator_call_makes_the_relay_reopen_its_queue(
         states = [m["queue_name"] for m in cmd(capsys, "mailq", "--queue", queue)
                   if "queue_id" in m]
         assert states == ["hold", "hold"]
+
+
+def test_mail_in_delivery_is_shown_and_refused_as_such(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A KV store cannot list its inflight entries; the relay's jobs know them: ``mailq``
+    through the socket marks the message ``*`` (in delivery), ``qshape`` counts it, and
+    ``hold`` refuses it as in delivery, not as an unknown id, as on a filesystem queue."""
+    queue = str(tmp_path / "q")
+    enqueue(queue, ["busy"])
+    with Sink() as sink:
+        sink.state.hold = gate = threading.Event()  # the delivery stays in progress
+        with relay_process(relay_args(sink, queue)) as _:
+            try:
+                [mid] = ids_by_name(capsys, "--queue", queue).values()
+                assert cmd(capsys, "flush", "--queue", queue)[-1]["changed"] == 1
+                deadline = time.monotonic() + 20
+                while not sink.state.seen:
+                    assert time.monotonic() < deadline, "never delivered"
+                    time.sleep(0.05)
+                [m] = [m for m in cmd(capsys, "mailq", "--queue", queue) if "queue_id" in m]
+                assert m["queue_id"] == mid and m["queue_name"] == "active"
+                assert m["recipients"][0]["state"] == "inflight"  # type: ignore[index]
+                shape = cmd(capsys, "qshape", "--queue", queue)[-1]
+                assert shape["rows"][0]["counts"][0] == 1  # type: ignore[index]
+                assert main(["hold", "--queue", queue, mid]) == 2
+                assert "in delivery" in capsys.readouterr().err
+            finally:
+                gate.set()
+            sink.wait_for(1)
+
+
+def test_a_command_on_a_stopped_kv_queue_does_not_keep_a_relay_from_starting(
+        tmp_path: Path) -> None:
+    """A command opened the stopped store a moment before the relay starts: the relay
+    waits for the store's lock (``LOCK_WAIT``) instead of failing to start; a command
+    that meets the relay's lock before its socket serves is told to try again."""
+    queue = str(tmp_path / "q")
+    enqueue(queue, ["one"])
+    holder = open_queue(queue, "kv-log")  # as `show --body | slow pager` holds it
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "conformance.cli", "relay", "--queue",
+                                 queue, "--backend", "kv-log", "--listen", "127.0.0.1:0"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(1.5)
+        assert proc.poll() is None, proc.communicate()  # still waiting, not failed
+    finally:
+        holder.close()
+    try:
+        assert proc.stdout is not None and "ready" in proc.stdout.readline()
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+        proc.stdout.close()  # type: ignore[union-attr]
+        proc.stderr.close()  # type: ignore[union-attr]
+    with open_queue(queue, "kv-log"):  # held by this process: a command is refused
+        r = subprocess.run([sys.executable, "-m", "conformance.cli", "mailq", "--queue", queue],
+                           capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "held by another process" in r.stderr and "try again" in r.stderr

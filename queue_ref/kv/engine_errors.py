@@ -21,6 +21,17 @@ class DatabaseLockedError(OSError):
         self.path = path
 
 
+def held_by_another(e: BaseException) -> bool:
+    """Whether ``e``, or an error that caused it (a queue wraps the engine's), is a
+    database's lock held by another open engine."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, DatabaseLockedError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def repair_command(queue: str, backend: str) -> str:
     """The command that salvages the intact part of a damaged store."""
     return f"queue-ref repair --queue {queue} --backend {backend}"

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from queue_ref.kv.engine_errors import held_by_another
 from queue_ref.opener import open_queue, queue_kind, read_relay_pid, wake_relay
 from queue_ref.operate import queue_actions as qa
 from queue_ref.operate.relay_control_client import RelayControlStorage
@@ -85,6 +86,14 @@ def open_for_operator(path: str, backend: str | None, *, recover: bool = True
                               "is opened by one process only; its control socket "
                               f"{socket_path(path)} does not answer ({e.strerror or e}): "
                               "try again once the relay has started, or stop it first") from e
+    if kind.startswith("kv"):
+        try:
+            return open_queue(path, kind), kind
+        except QueueError as e:
+            if held_by_another(e):  # a relay starting (its lock taken, no socket yet)
+                raise Refused(f"{path} is held by another process (a relay starting, or "
+                              "another command): try again in a moment") from e
+            raise
     if not recover and kind in ("fs", "fs-fsync"):
         from queue_ref.fsqueue import FsQueue
 

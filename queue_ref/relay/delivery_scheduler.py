@@ -69,6 +69,7 @@ from queue_ref.relay.smtp_delivery import RcptResult, SmtpDeliverer
 from queue_ref.storage import (
     Capability,
     CorruptionError,
+    EntryMeta,
     Finished,
     InflightMail,
     PendingCleanupMail,
@@ -108,6 +109,7 @@ class _Entry:
     mail: InflightMail
     rcpt: str
     schedule: Schedule
+    meta: EntryMeta | None = None  # as the claim read it (``in_delivery``)
 
 
 @dataclass
@@ -349,6 +351,12 @@ class DeliveryScheduler:
             body = j.body  # once: a job may let go of it meanwhile (another thread reads)
             held += len(body) if body is not None else 0
         return held
+
+    def in_delivery(self) -> list[EntryMeta]:
+        """The entries this scheduler's jobs hold inflight now, as their claim read them
+        (any thread: a copy of the jobs is taken first)."""
+        return [e.meta for j in list(self._claimed_jobs.values()) for e in list(j.entries)
+                if e.meta is not None]
 
     def _push(self, h: QueuedMail) -> None:
         if h.entry_id in self._claimed:
@@ -634,7 +642,7 @@ class DeliveryScheduler:
             except Exception as e:
                 self._unreadable(mail.message_id, [mail], e, "claim")
                 continue
-            job.entries.append(_Entry(mail, meta.rcpt, mail.schedule))
+            job.entries.append(_Entry(mail, meta.rcpt, mail.schedule, meta))
         if job is None or not job.entries:
             return None
         if job.arrival < self._started and any(e.schedule.attempts == 0 for e in job.entries):

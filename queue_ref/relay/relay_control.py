@@ -44,6 +44,7 @@ from queue_ref.operate.relay_control_wire import (
     socket_path,
 )
 from queue_ref.storage import (
+    EntryMeta,
     Handle,
     HeldMail,
     InvalidInputError,
@@ -52,6 +53,7 @@ from queue_ref.storage import (
     ReopenRequiredError,
     Storage,
     StorageIOError,
+    UnsupportedError,
 )
 
 IDLE_TIMEOUT = 300.0  # seconds a connection may wait for its next request
@@ -122,8 +124,12 @@ class RelayControl:
 
     def __init__(self, root: str, store_of: Callable[[], Storage | None],
                  executor: Executor,
-                 on_queue_failed: Callable[[BaseException], None] | None = None) -> None:
+                 on_queue_failed: Callable[[BaseException], None] | None = None,
+                 in_delivery: Callable[[], list[EntryMeta]] | None = None) -> None:
         self.root = root
+        #: the entries the relay's jobs hold, for a store that cannot list its inflight
+        #: entries itself (the KV queue): ``mailq`` shows them in delivery (``*``)
+        self._in_delivery = in_delivery
         self.path = socket_path(root)
         self._store_of = store_of
         self._executor = executor
@@ -222,7 +228,13 @@ class RelayControl:
             return {"r": sorted(c.value for c in store.capabilities)}
         if op in LISTINGS:
             cursor = next(self._cursor_ids)
-            conn.cursors[cursor] = iter(LISTINGS[op](store, req))
+            try:
+                listing = iter(LISTINGS[op](store, req))
+            except UnsupportedError:
+                if op != "inflight_entries" or self._in_delivery is None:
+                    raise
+                listing = iter(self._in_delivery())
+            conn.cursors[cursor] = listing
             if op == "scan_queue":
                 conn.passing[cursor] = []
             return self._batch(conn, cursor)

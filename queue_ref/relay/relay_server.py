@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO
 
+from queue_ref.kv.engine_errors import held_by_another
 from queue_ref.multi_root import MultiRootQueue
 from queue_ref.opener import (
     open_queues,
@@ -51,7 +52,7 @@ from queue_ref.relay.relay_metrics import RelayMetrics
 from queue_ref.relay.session_handoff import SessionInbox
 from queue_ref.relay.smtp_delivery import SmtpDeliverer
 from queue_ref.relay.smtp_receiver import SmtpReceiver
-from queue_ref.storage import Capability, RecoveryReport, Storage
+from queue_ref.storage import Capability, EntryMeta, RecoveryReport, Storage
 
 __all__ = ["Relay", "RelayStartError", "woken"]
 
@@ -67,6 +68,11 @@ STORAGE_THREADS = 8
 
 Service = Callable[["Relay"], Awaitable[None]]
 
+
+
+#: Seconds a starting relay waits for a KV store's lock that another process holds (an
+#: operator command that opened the stopped queue a moment before).
+LOCK_WAIT = 10.0
 
 
 def woken(log: DeliveryLog, sig: signal.Signals) -> None:
@@ -159,16 +165,23 @@ class Relay:
         other = relay_on_any(self.queue_dirs) if self.worker is None else None
         if other is not None:  # one relay per set of roots: none may share one
             raise RelayStartError(f"another relay (pid {other[0]}) works on {other[1]}")
-        try:
-            if len(self.queue_dirs) == 1 and self.part is None:
-                # a filesystem queue's recovery may come later
-                self._store, self._recover_beside = await loop.run_in_executor(
-                    self.executor, open_serving, self.queue_dirs[0], self.config.backend)
-            else:
-                self._store = await loop.run_in_executor(self.executor, self._open)
-        except Exception as e:
-            raise RelayStartError(f"cannot open the queue {self.queue_dir} "
-                                  f"(backend {self.config.backend}): {e}") from e
+        deadline = loop.time() + LOCK_WAIT
+        while True:
+            try:
+                if len(self.queue_dirs) == 1 and self.part is None:
+                    # a filesystem queue's recovery may come later
+                    self._store, self._recover_beside = await loop.run_in_executor(
+                        self.executor, open_serving, self.queue_dirs[0], self.config.backend)
+                else:
+                    self._store = await loop.run_in_executor(self.executor, self._open)
+                break
+            except Exception as e:
+                if held_by_another(e) and loop.time() < deadline:
+                    # an operator command opened the stopped store a moment ago: it ends
+                    await asyncio.sleep(0.2)
+                    continue
+                raise RelayStartError(f"cannot open the queue {self.queue_dir} "
+                                      f"(backend {self.config.backend}): {e}") from e
         try:
             await self._start_parts(loop)
         except BaseException:
@@ -258,7 +271,7 @@ class Relay:
             else [self.queue_dir]
         for i, root in enumerate(names):
             control = RelayControl(root, functools.partial(self._root_store, i), self.executor,
-                                   self._queue_failed)
+                                   self._queue_failed, self._in_delivery)
             try:
                 await control.start()
             except OSError as e:
@@ -266,6 +279,11 @@ class Relay:
                                               "commands on the queue wait for the relay to stop")
                 continue
             self._controls.append(control)
+
+    def _in_delivery(self) -> list[EntryMeta]:
+        """The entries this process's delivery jobs hold (any thread): what ``mailq``
+        shows in delivery when the store cannot list them itself."""
+        return self.scheduler.in_delivery() if self.scheduler is not None else []
 
     def _root_store(self, index: int) -> Storage | None:
         """The Storage of this process's ``index``-th root, None while it is reopened."""
