@@ -677,3 +677,11 @@ def test_an_action_names_each_entry_it_changed(
                                 "hold: 2 entries"]
     code, out, _ = run(capsys, "delete", "--queue", str(q), f"{ids[1]}.1")
     assert out.splitlines() == [f"{ids[1]}.1: removed", "delete: 1 entry"]
+
+
+def test_params_are_listed_in_one_order_whatever_the_backend_kept() -> None:
+    """``mailq --json`` and ``show --json`` give a message's parameters sorted by name:
+    the same through a running relay (arrival order) and on a stopped queue."""
+    info = qa.MessageInfo("m", "s@example.org", 10, 0, {"helo": "h", "body": "8BITMIME",
+                                                        "client": "c"})
+    assert list(info.to_json()["params"]) == ["body", "client", "helo"]

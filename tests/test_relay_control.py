@@ -158,6 +158,7 @@ def test_the_control_socket_refuses_bad_requests_and_is_the_owners_alone(
         assert main(["mailq", "--queue", queue]) == 1
         err = capsys.readouterr().err
         assert f"the relay (pid {rp.pid}) works on this KV queue" in err and path in err
+        assert "the relay is starting or stopping: try again" in err
 
 
 def test_a_command_that_does_not_read_its_replies_cannot_hold_the_relays_stop(

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import errno
 import json
 import os
 import sys
@@ -82,10 +83,14 @@ def open_for_operator(path: str, backend: str | None, *, recover: bool = True
             try:
                 return RelayControlStorage(path), kind
             except OSError as e:
+                what = ("run the command as the queue's owner (the relay's user)"
+                        if e.errno in (errno.EACCES, errno.EPERM) else
+                        "the relay is starting or stopping: try again in a moment, or once "
+                        "it has stopped")
                 raise Refused(f"the relay (pid {pid}) works on this KV queue, and a KV queue "
                               "is opened by one process only; its control socket "
                               f"{socket_path(path)} does not answer ({e.strerror or e}): "
-                              "try again once the relay has started, or stop it first") from e
+                              f"{what}") from e
     if kind.startswith("kv"):
         try:
             return open_queue(path, kind), kind
@@ -194,10 +199,13 @@ def _action(fn: Callable[..., qa.ActionResult]) -> Callable[[Storage, argparse.N
         chosen = qa.select(qa.listing(store), ids=args.ids, domain=args.domain, every=args.all,
                            roots=len(args.queue), busy=lambda: qa.in_delivery(store))
         res = fn(store, chosen)
+        woke = False
         if res.changed and res.action in ("release", "requeue"):
             # entries became due: a running relay looks at once (no wait for its scan)
-            wake_relay(args.queue[0])
+            woke = wake_relay(args.queue[0])
         _report(res, args)
+        if woke and not args.json:
+            print("relay woken")  # as flush says it
         return 0
     return run
 
@@ -252,7 +260,7 @@ def _show(store: Storage, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({
             "queue_id": msg_id, "sender": info.mail_from, "arrival_time":
-            info.arrival_ns // 10**9, "message_size": info.size, "params": info.params,
+            info.arrival_ns // 10**9, "message_size": info.size, "params": dict(sorted(info.params.items())),
             "recipients": [e.to_json() for _, e in entries],
             "headers": head.decode("utf-8", "replace"),
             **({"body": rest.decode("utf-8", "replace")} if args.body else {})}))

@@ -122,7 +122,7 @@ class MessageInfo:
         return {"queue_name": self.queue_name,
                 "queue_id": self.message_id, "arrival_time": self.arrival_ns // 10**9,
                 "message_size": self.size, "sender": self.mail_from,
-                "params": dict(self.params),
+                "params": dict(sorted(self.params.items())),  # the same on every backend
                 "recipients": [e.to_json() for e in self.entries]}
 
 
