@@ -207,3 +207,25 @@ def test_sigkill_at_random_moments_loses_no_acknowledged_message(tmp_path):
         assert list(q.list_queue()) == []
         assert q.footprint().objects == 0
     assert elapsed < 90
+
+
+def test_a_relay_that_cannot_start_says_why_in_its_log_too(tmp_path):
+    """With ``--log-json`` standard error holds JSON records only, the reason a relay
+    could not start included; with ``log_file`` the reason is on standard error and a
+    record in the file, where an operator reads the relay's life."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        listen = f"127.0.0.1:{busy.getsockname()[1]}"
+        r = cli("--queue", str(tmp_path / "q"), "--listen", listen, "--log-json")
+        f = tmp_path / "relay.toml"
+        f.write_text(f'log_file = "{tmp_path / "relay.log"}"\n')
+        r2 = cli("--config", str(f), "--queue", str(tmp_path / "q2"), "--listen", listen)
+    assert r.returncode == 1
+    records = [json.loads(line) for line in r.stderr.splitlines()]  # every line a record
+    [record] = [e for e in records if e["event"] == "error"]
+    assert record["what"] == "start"
+    assert f"cannot listen on {listen}" in record["reason"]
+    assert r2.returncode == 1 and f"cannot listen on {listen}" in r2.stderr
+    logged = (tmp_path / "relay.log").read_text().splitlines()
+    assert any("error, what=start" in line and "cannot listen" in line for line in logged)

@@ -73,20 +73,33 @@ def _cmd(args: argparse.Namespace) -> int:
         try:
             return RelayMaster(config).run()
         except RelayStartError as e:
-            print(f"queue-ref relay: {e}", file=sys.stderr)
-            return 1
+            return _start_failed(config, e)
     relay = Relay(config)
     try:
         run_relay(config, relay.run())
     except RelayStartError as e:
-        print(f"queue-ref relay: {e}", file=sys.stderr)
-        return 1
+        return _start_failed(config, e)
     except ConfigError as e:  # the event loop named cannot be had
         print(f"queue-ref relay: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 0
     return 0
+
+
+def _start_failed(config: RelayConfig, e: Exception) -> int:
+    """Say why the relay could not start: on standard error, and as an ``error`` record
+    of its log (with ``--log-json`` and no ``log_file``, the record alone: standard error
+    then holds JSON records only).  Exit status 1."""
+    from queue_ref.relay.delivery_log import DeliveryLog
+
+    if not (config.log_json and not config.log_file):
+        print(f"queue-ref relay: {e}", file=sys.stderr)
+    if config.log_json or config.log_file:
+        log = DeliveryLog(config.log_json, config.log_file)
+        log.emit("error", what="start", reason=str(e))
+        log.close()
+    return 1
 
 
 def register(sub: Any) -> None:
