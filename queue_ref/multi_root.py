@@ -222,6 +222,16 @@ class MultiRootQueue(Storage):
         """Each root's name (directory), in index order (``r<index>-`` ids)."""
         return [r.name for r in self._roots]
 
+    def own_meta(self, name: str, meta: EntryMeta) -> EntryMeta | None:
+        """``meta`` of this queue (``r<k>-`` ids) as the root ``name`` lists it itself (its
+        own ids); None when it is another root's entry."""
+        got = split_id(meta.entry_id, self._count)
+        index = next((r.index for r in self._roots if r.name == name), None)
+        if got is None or index is None or got[0] != index:
+            return None
+        p = root_prefix(index)
+        return replace(meta, message_id=meta.message_id.removeprefix(p), entry_id=got[1])
+
     def root_stores(self) -> list[Storage]:
         """The Storage open on each root now, in index order (for tools and tests)."""
         self._check_open()

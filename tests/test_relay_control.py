@@ -294,3 +294,32 @@ def test_a_command_on_a_stopped_kv_queue_does_not_keep_a_relay_from_starting(
         r = subprocess.run([sys.executable, "-m", "conformance.cli", "mailq", "--queue", queue],
                            capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "held by another process" in r.stderr and "try again" in r.stderr
+
+
+def test_mail_in_delivery_on_a_queue_over_two_roots(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--processes 2``: each worker lists its own root's deliveries under that root's
+    own ids, so a command given both roots names the message once, with its ``r<k>-``."""
+    roots = [str(tmp_path / "a"), str(tmp_path / "b")]
+    enqueue(roots[0], ["a0"])
+    enqueue(roots[1], ["b0"])
+    with Sink() as sink:
+        sink.state.hold = gate = threading.Event()
+        with relay_process([*relay_args(sink, *roots), "--processes", "2"]) as _:
+            try:
+                q = ("--queue", roots[0], "--queue", roots[1])
+                deadline = time.monotonic() + 20
+                while not all(os.path.exists(socket_path(r)) for r in roots):
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+                ids = ids_by_name(capsys, *q)
+                assert cmd(capsys, "flush", *q, "--domain", "example.net")[-1]["changed"] == 2
+                while len(sink.state.seen) < 2:
+                    assert time.monotonic() < deadline + 20, "never delivered"
+                    time.sleep(0.05)
+                listed = {str(m["queue_id"]): m["queue_name"] for m in cmd(capsys, "mailq", *q)
+                          if "queue_id" in m}
+                assert listed == {ids["a0"]: "active", ids["b0"]: "active"}
+            finally:
+                gate.set()
+            sink.wait_for(2)

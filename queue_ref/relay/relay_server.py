@@ -271,7 +271,7 @@ class Relay:
             else [self.queue_dir]
         for i, root in enumerate(names):
             control = RelayControl(root, functools.partial(self._root_store, i), self.executor,
-                                   self._queue_failed, self._in_delivery)
+                                   self._queue_failed, functools.partial(self._in_delivery, root))
             try:
                 await control.start()
             except OSError as e:
@@ -280,10 +280,15 @@ class Relay:
                 continue
             self._controls.append(control)
 
-    def _in_delivery(self) -> list[EntryMeta]:
-        """The entries this process's delivery jobs hold (any thread): what ``mailq``
-        shows in delivery when the store cannot list them itself."""
-        return self.scheduler.in_delivery() if self.scheduler is not None else []
+    def _in_delivery(self, root: str) -> list[EntryMeta]:
+        """The entries of ``root`` this process's delivery jobs hold, under the root's own
+        ids (any thread): what ``mailq`` shows in delivery when the store cannot list them
+        itself."""
+        metas = self.scheduler.in_delivery() if self.scheduler is not None else []
+        store = self._store
+        if not isinstance(store, MultiRootQueue):
+            return metas
+        return [own for m in metas if (own := store.own_meta(root, m)) is not None]
 
     def _root_store(self, index: int) -> Storage | None:
         """The Storage of this process's ``index``-th root, None while it is reopened."""
