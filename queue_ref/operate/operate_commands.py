@@ -91,7 +91,6 @@ def open_for_operator(path: str, backend: str | None, *, recover: bool = True
                               "is opened by one process only; its control socket "
                               f"{socket_path(path)} does not answer ({e.strerror or e}): "
                               f"{what}") from e
-    if kind.startswith("kv"):
         try:
             return open_queue(path, kind), kind
         except QueueError as e:

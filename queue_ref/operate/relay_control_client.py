@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from queue_ref.operate.relay_control_wire import (
-    KINDS,
+    KIND_OF,
     error_from_wire,
     meta_from_wire,
     reachable,
@@ -95,28 +95,26 @@ class RelayControlStorage(Storage):
             raise error_from_wire(reply)
         return reply
 
-    def _call(self, op: str, **args: Any) -> Any:
+    def _reply_to(self, op: str, **args: Any) -> dict[str, Any]:
         self._send(op, **args)
-        return self._reply().get("r")
+        return self._reply()
+
+    def _call(self, op: str, **args: Any) -> Any:
+        return self._reply_to(op, **args).get("r")
 
     def _stream(self, op: str, **args: Any) -> Iterator[Any]:
         """The items of a listing, a batch per request (other calls may come between
         two batches: ``mailq`` inspects each entry as it is listed)."""
-        self._send(op, **args)
-        reply = self._reply()
+        reply = self._reply_to(op, **args)
         while True:
             yield from reply["items"]
             if reply["end"]:
                 return
             reply = self._reply_to("more", cursor=reply["cursor"])
 
-    def _reply_to(self, op: str, **args: Any) -> dict[str, Any]:
-        self._send(op, **args)
-        return self._reply()
-
     def _ref(self, h: Handle, cls: type[H]) -> dict[str, Any]:
         self._take(h, cls)  # checks it is ours, live, of its kind; spends it
-        return {"kind": next(k for k, c in KINDS.items() if c is cls), "entry_id": h.entry_id}
+        return {"kind": KIND_OF[cls], "entry_id": h.entry_id}
 
     def _handle(self, d: dict[str, Any] | None, cls: type[H]) -> H | None:
         if d is None:
@@ -159,8 +157,7 @@ class RelayControlStorage(Storage):
 
     def inspect_entry(self, mail: QueuedMail | HeldMail) -> MailReader | None:
         self._peek(mail, type(mail))
-        ref = {"kind": "held" if isinstance(mail, HeldMail) else "queued",
-               "entry_id": mail.entry_id}
+        ref = {"kind": KIND_OF[type(mail)], "entry_id": mail.entry_id}
         fetch = functools.partial(self._call, "read_body", h=ref)
         if self._prefetched is not None and self._prefetched[0] is mail:
             return _RemoteReader(self._prefetched[1], fetch)

@@ -207,11 +207,12 @@ class RelayControl:
         """The reply to one request line (a storage thread)."""
         try:
             req = json.loads(line)
-            if not isinstance(req, dict):
-                raise InvalidInputError("a request is one JSON object")
-            return self._call(conn, req)
-        except json.JSONDecodeError:
+        except ValueError:  # not JSON, or not UTF-8
+            req = None
+        if not isinstance(req, dict):
             return error_to_wire(InvalidInputError("a request is one JSON object"))
+        try:
+            return self._call(conn, req)
         except Exception as e:
             if isinstance(e, ReopenRequiredError) and self._on_queue_failed is not None:
                 self._on_queue_failed(e)  # the relay reopens its queue, as after its own

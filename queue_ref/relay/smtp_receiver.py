@@ -290,8 +290,7 @@ class RelaySMTP(SMTP):
         if auth is None:
             await self.push("503 5.5.1 Error: authentication not enabled")
             return
-        peer = self.session.peer if self.session is not None else None
-        client = peer[0] if isinstance(peer, tuple) else "unknown"
+        client = _client_ip(self.session)
         blocked_before = auth.blocked(client)
         if not blocked_before:
             await super().smtp_AUTH(arg)  # the failure reaching the limit is answered 421
@@ -475,9 +474,7 @@ class SmtpReceiver:
         TLS connection established from ..." (no client certificate is asked for)."""
         tls = summary_of_session(session.ssl)
         if tls is not None:
-            peer = session.peer
-            self.log.emit("tls", direction="in",
-                          client=f"[{peer[0]}]:{peer[1]}" if isinstance(peer, tuple) else "unknown",
+            self.log.emit("tls", direction="in", client=_client(session),
                           version=tls.version, cipher=tls.cipher, bits=tls.bits)
         return True
 
@@ -544,8 +541,7 @@ class SmtpReceiver:
         postmaster = self.config.postmaster_recipient
         rewritten = [r for r in envelope.rcpt_tos if r.lower() == POSTMASTER]
         rcpts = [postmaster if r.lower() == POSTMASTER else r for r in envelope.rcpt_tos]
-        peer = session.peer
-        client = peer[0] if isinstance(peer, tuple) else "unknown"
+        client = _client_ip(session)
         helo = session.host_name or client
         opts = [o.upper() for o in envelope.mail_options]
         proto = ("UTF8SMTP" if envelope.smtp_utf8 else "ESMTP") if session.extended_smtp else "SMTP"
@@ -632,10 +628,9 @@ class SmtpReceiver:
             return f"458 4.3.0 Unable to queue messages for node {domain}"
         # mail in the other roots is not counted here: asked to flush, they may hold some
         waiting = len(res.changed) + len(res.skipped) + elsewhere
-        peer = session.peer
         self.log.emit("etrn", domain=domain, status="started" if waiting else "empty",
                       entries=len(res.changed) + len(res.skipped), other_roots=elsewhere or None,
-                      client=peer[0] if isinstance(peer, tuple) else "unknown")
+                      client=_client_ip(session))
         if self.on_etrn is not None:
             self.on_etrn(domain, "started" if waiting else "empty")
         if not waiting:
@@ -648,8 +643,15 @@ PAST_LIMIT_SLACK = 1 << 16  # octets of data past message_size_limit that still 
 
 
 def _client(session: Session | None) -> str:
+    """A session's client as ``[address]:port`` (``unknown`` without one)."""
     peer = session.peer if session is not None else None
     return f"[{peer[0]}]:{peer[1]}" if isinstance(peer, tuple) else "unknown"
+
+
+def _client_ip(session: Session | None) -> str:
+    """A session's client address alone (``unknown`` without one)."""
+    peer = session.peer if session is not None else None
+    return peer[0] if isinstance(peer, tuple) else "unknown"
 
 
 def _hops(body: bytes) -> int:
