@@ -10,7 +10,8 @@ the first half of its entries, one by one (a backend that broke off in the middl
 ``cleanup_all`` likewise after it released the first half of its entries (``cleanup``
 fails it before it releases anything).  The
 file ``<queue>.io-send_finish`` makes the next batch fail as a disk does
-(``StorageIOError``, every handle given back, nothing moved)."""
+(``StorageIOError``, every handle given back, nothing moved), and ``<queue>.io-read`` the
+next ``read`` of a body already open (a disk error in the middle of a body)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from queue_ref.fsqueue import FsQueue
-from queue_ref.storage import Enqueuer, QueuedMail, Recipient, StorageIOError
+from queue_ref.storage import Enqueuer, MailReader, QueuedMail, Recipient, StorageIOError
 
 CALLS = ("send_start", "read_inflight", "send_done", "cleanup", "send_cancel", "enqueue",
          "commit", "send_finish", "cleanup_all")
@@ -31,6 +32,10 @@ def trigger_of(path: str, call: str) -> str:
 
 def io_trigger_of(path: str) -> str:
     return os.path.abspath(path).rstrip("/") + ".io-send_finish"
+
+
+def read_io_trigger_of(path: str) -> str:
+    return os.path.abspath(path).rstrip("/") + ".io-read"
 
 
 def _take_trigger(path: str) -> bool:
@@ -76,6 +81,23 @@ class _Enqueuer:
         self._inner.__exit__(*exc)  # type: ignore[arg-type]
 
 
+class _Reader(MailReader):
+    """The queue's MailReader, whose next ``read`` fails as a disk does when the file
+    ``<queue>.io-read`` exists."""
+
+    def __init__(self, q: FaultyStepsQueue, inner: MailReader, mail: Any) -> None:
+        self.meta = inner.meta
+        self._q, self._inner, self._mail = q, inner, mail
+
+    def read(self, n: int = -1) -> bytes:
+        if _take_trigger(read_io_trigger_of(self._q.root)):
+            raise StorageIOError("reading the body: injected EIO", self._mail)
+        return self._inner.read(n)
+
+    def close(self) -> None:
+        self._inner.close()
+
+
 class FaultyStepsQueue(FsQueue):
     def maybe_fail(self, call: str) -> None:
         if _take_trigger(trigger_of(self.root, call)):
@@ -92,7 +114,7 @@ class FaultyStepsQueue(FsQueue):
 
     def read_inflight(self, mail: Any) -> Any:
         self.maybe_fail("read_inflight")
-        return super().read_inflight(mail)
+        return _Reader(self, super().read_inflight(mail), mail)
 
     def send_done(self, mail: Any) -> Any:
         self.maybe_fail("send_done")

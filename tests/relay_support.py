@@ -131,6 +131,12 @@ class SinkState:
     #: a pause point: each message waits after its final dot (its delivery stays in
     #: progress) until the event is set, or until it takes one of the semaphore's counts
     hold: threading.Event | threading.Semaphore | None = None
+    #: a pause point in the middle of DATA: once a session has read this many octets of
+    #: it, the sink reads no more of it until the event is set (the connection's buffers
+    #: fill, and the client's writes wait); ``paused`` counts the sessions that stopped
+    data_pause: tuple[int, threading.Event] | None = None
+    paused: int = 0
+    data_commands: int = 0  # DATA commands answered 354 (ended with a message or not)
 
     def behaviour(self, address: str) -> str:
         """What the sink does to ``address``: its script, else by its local part."""
@@ -244,8 +250,44 @@ class _Counting(SMTP):
             await super().smtp_RCPT(arg)
 
     async def smtp_DATA(self, arg: str) -> None:
-        if not await self._stage("DATA"):
+        if await self._stage("DATA"):
+            return
+        if self.envelope is not None and self.envelope.rcpt_tos and not arg:
+            with self.state.lock:
+                self.state.data_commands += 1
+        pause = self.state.data_pause
+        if pause is None:
             await super().smtp_DATA(arg)
+            return
+        reader = self._reader
+        self._reader = _PausingReader(reader, self.state, *pause)  # type: ignore[assignment]
+        try:
+            await super().smtp_DATA(arg)
+        finally:
+            self._reader = reader
+
+
+class _PausingReader:
+    """A session's StreamReader that stops for ``gate`` once ``after`` octets of DATA were
+    read (``SinkState.data_pause``)."""
+
+    def __init__(self, reader: asyncio.StreamReader, state: SinkState, after: int,
+                 gate: threading.Event) -> None:
+        self._reader, self._state, self._after, self._gate = reader, state, after, gate
+        self._got = 0
+
+    async def readuntil(self, separator: bytes = b"\n") -> bytes:
+        line = await self._reader.readuntil(separator)
+        before, self._got = self._got, self._got + len(line)
+        if before < self._after <= self._got and not self._gate.is_set():
+            with self._state.lock:
+                self._state.paused += 1
+            while not self._gate.is_set():
+                await asyncio.sleep(0.01)
+        return line
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reader, name)
 
 
 class Sink:

@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import email
 import email.policy
+import re
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import queue_ref.relay.delivery_scheduler as delivery_scheduler
 from queue_ref.opener import open_queue
+from queue_ref.relay.dsn_bounce import FailedRecipient, build_dsn, original_looked_at
 from tests.relay_faulty_steps import CALLS, io_trigger_of, trigger_of
 from tests.relay_support import DnsServer, RelayThread, Sink, relay_config, smtp_send
 
@@ -164,6 +168,35 @@ def test_a_bounce_returns_at_most_64_kib_of_headers_cut_at_a_line_end():
     head = original_headers(huge)
     assert len(head) <= MAX_HEADERS and head.endswith(b"\r\n") and huge.startswith(head)
     assert head.count(b"\r\n") == head.count(b"X-Filler-")  # whole lines only
+
+
+#: body lengths at the edges: a size limit and one past it, the header cut and past it
+EDGES = [n + d for n in (10_000, 50_000, 65_536, 100_000) for d in (-1, 0, 1, 2, 3, 4, 5)]
+
+
+@settings(deadline=None)
+@given(head_lines=st.integers(0, 1400), separator=st.booleans(),
+       length=st.one_of(st.integers(0, 120_000), st.sampled_from(EDGES)),
+       size_limit=st.sampled_from([0, 10_000, 50_000, 100_000]))
+def test_a_dsn_built_from_the_prefix_it_looks_at_is_the_dsn_of_the_whole(
+        head_lines, separator, length, size_limit):
+    """``original_looked_at``: a big body is read no further than that for its DSN (a
+    streamed body's headers only), and the report is the one the whole body gives."""
+    head = b"".join(b"X-H-%05d: %s\r\n" % (i, b"v" * 40) for i in range(head_lines))
+    body = head + (b"\r\n" if separator else b"") + (b"b" * 70 + b"\r\n") * (length // 72)
+    body = body[:length] + b"p" * (length - len(body))
+    failed = [FailedRecipient("r@ok.test", "5.1.1", "550 5.1.1 no", "mx.ok.test", 1.0)]
+
+    def dsn(original: bytes) -> bytes:
+        out = build_dsn(reporting_mta="relay.test", queue_id="Q", sender="s@ok.test",
+                        arrival=0.0, recipients=failed, original=original, now=1.0,
+                        size_limit=size_limit)
+        boundary = re.search(rb'boundary="([^"]+)"', out)
+        assert boundary is not None
+        out = re.sub(rb"Message-ID: <[0-9a-f]+@", b"Message-ID: <M@", out)
+        return out.replace(boundary.group(1), b"B")
+
+    assert dsn(body[:original_looked_at(size_limit)]) == dsn(body)
 
 
 def test_a_batch_the_disk_fails_is_handed_over_entry_by_entry(tmp_path):

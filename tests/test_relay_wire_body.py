@@ -1,4 +1,5 @@
-"""DATA as the relay sends it: its own payload matches aiosmtplib's, byte for byte, and a
+"""DATA as the relay sends it: its own payload matches aiosmtplib's, byte for byte, made
+whole or a piece at a time (``WireEncoder``, for bodies streamed from the queue), and a
 real SMTP server gets back exactly the body that was queued, dot lines included."""
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from aiosmtplib.protocol import PERIOD_REGEX, normalize_message_line_endings
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from queue_ref.relay.smtp_delivery import wire_body
 from queue_ref.relay.smtp_line_folding import dot_lines, wire_ready
+from queue_ref.relay.smtp_wire_body import WireEncoder, wire_payload
 from tests.relay_support import DnsServer, RelayThread, Sink, relay_config
 
 
@@ -31,13 +32,46 @@ bodies = st.lists(st.sampled_from([b"a", b".", b"..", b"\r", b"\n", b"\r\n", b"x
 @example(b"a\r\n.\r\n")
 @example(b"a\r\n..b")
 @example(b"\r\n\r\n.")
-def test_the_payload_is_aiosmtplibs_or_left_to_aiosmtplib(body):
-    got = wire_body(body)
-    bare = body.replace(b"\r\n", b"")
-    if b"\r" in bare or b"\n" in bare:
-        assert got is None  # a bare CR or LF: aiosmtplib's own conversion sends it
-    else:
-        assert got == aiosmtplib_payload(body)
+@example(b"a\nb\rc")
+def test_the_payload_is_aiosmtplibs(body):
+    """Bare CRs and LFs included: made CRLF as aiosmtplib makes them."""
+    assert wire_payload(body, 0) == aiosmtplib_payload(body)
+    assert wire_payload(body) == aiosmtplib_payload(body)  # no line over 998 here
+
+
+def encoded_in_pieces(body: bytes, cuts: list[int], limit: int, ready: bool) -> bytes:
+    encoder = WireEncoder(limit, ready=ready)
+    out, pos = [], 0
+    for n in cuts:
+        out.append(encoder.feed(body[pos:pos + n]))
+        pos += n
+    out.append(encoder.feed(body[pos:]))
+    return b"".join([*out, encoder.end()])
+
+
+@given(st.lists(st.sampled_from([b"a", b".", b"..", b"\r", b"\n", b"\r\n", b"x.y", b" ",
+                                 b"b" * 7, b"\xc3\xa9", b"c" * 30]), max_size=40).map(b"".join),
+       st.lists(st.integers(0, 40), max_size=12), st.sampled_from([0, 5, 998]))
+@example(b"a\r", [2], 0)
+@example(b"a\r\n", [2], 0)
+@example(b"a\r\n", [3], 0)
+@example(b".a\r\n.b", [3], 0)
+@example(b"", [], 0)
+def test_a_body_encoded_a_piece_at_a_time_is_the_payload_made_whole(body, cuts, limit):
+    """Cut anywhere (inside a CRLF, after a CR, before a dot, inside a long line), the
+    pieces give exactly ``wire_payload`` of the whole; so does a ``ready`` body as it is."""
+    assert encoded_in_pieces(body, cuts, limit, False) == wire_payload(body, limit)
+    if wire_ready(body, limit):
+        assert encoded_in_pieces(body, cuts, limit, True) == wire_payload(body, limit)
+
+
+def test_the_encoder_holds_only_the_line_not_ended_yet():
+    encoder = WireEncoder(998)
+    assert encoder.feed(b"abc\r\n.de") == b"abc\r\n"
+    assert encoder.held() == 3
+    assert encoder.feed(b"f\r") == b""  # an LF may follow the CR
+    assert encoder.feed(b"\nx") == b"..def\r\n"
+    assert encoder.end() == b"x\r\n.\r\n"
 
 
 def test_a_body_with_dot_lines_arrives_as_it_was_queued(tmp_path):
@@ -65,8 +99,7 @@ def test_a_body_with_dot_lines_arrives_as_it_was_queued(tmp_path):
 @example(b"." + b"y" * 1200 + b"\r\n.")
 def test_long_lines_are_folded_and_nothing_else_changes(body):
     # no spaces in these bodies: a line that starts with one is a piece the folding made
-    wire = wire_body(body)
-    assert wire is not None
+    wire = wire_payload(body)
     assert max(map(len, wire.split(b"\r\n"))) <= 998 + 1  # + a dot stuffed on a piece
     if not any(len(line) > 998 for line in body.split(b"\r\n")):
         assert wire == aiosmtplib_payload(body)
@@ -98,10 +131,10 @@ def test_a_5000_octet_line_arrives_folded_with_all_its_content(tmp_path):
 @example(b".", 0)
 @example(b"a\r\n.", 0)
 @example(b"a\r.\n", 0)
-def test_a_body_the_receiver_found_wire_ready_goes_out_as_wire_body_makes_it(body, limit):
+def test_a_body_the_receiver_found_wire_ready_goes_out_as_wire_payload_makes_it(body, limit):
     """``wire_ready`` holds exactly for bodies with CRLF line breaks only, no line over
     the limit and no line that starts with a dot, whether it looks for those lines or is
-    told; for those, ``wire_body(..., ready=True)`` (nothing looked at) gives aiosmtplib's
+    told; for those, ``wire_payload(..., ready=True)`` (nothing looked at) gives aiosmtplib's
     own payload (nothing to fold, convert or stuff)."""
     bare = body.replace(b"\r\n", b"")
     lines = body.split(b"\r\n")
@@ -112,7 +145,7 @@ def test_a_body_the_receiver_found_wire_ready_goes_out_as_wire_body_makes_it(bod
     assert wire_ready(body, limit) == want
     assert wire_ready(body, limit, dots=dots) == want
     if want:
-        assert wire_body(body, limit, ready=True) == aiosmtplib_payload(body)
+        assert wire_payload(body, limit, ready=True) == aiosmtplib_payload(body)
 
 
 def test_the_receiver_tells_the_delivery_which_bodies_go_out_as_they_are(tmp_path):

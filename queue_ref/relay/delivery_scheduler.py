@@ -60,12 +60,20 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from queue_ref.relay.delivery_log import DeliveryLog
-from queue_ref.relay.dsn_bounce import FailedRecipient, build_dsn, dsn_params, needs_smtputf8
-from queue_ref.relay.mx_routing import Router
+from queue_ref.relay.dsn_bounce import (
+    FailedRecipient,
+    build_dsn,
+    dsn_params,
+    needs_smtputf8,
+    original_looked_at,
+)
+from queue_ref.relay.mx_routing import Nexthop, Router
+from queue_ref.relay.queued_body import QueuedBody, read_piece, storage_call
 from queue_ref.relay.relay_config import RelayConfig
 from queue_ref.relay.relay_metrics import RelayMetrics
 from queue_ref.relay.retry_backoff import RetryPolicy
 from queue_ref.relay.smtp_delivery import RcptResult, SmtpDeliverer
+from queue_ref.relay.smtp_wire_body import STREAMED_BODY, BodyUnreadable
 from queue_ref.storage import (
     Capability,
     CorruptionError,
@@ -133,10 +141,17 @@ class _Job:
     #: the job's domains that hold a delivery slot (and use the body), that wait for one
     sending: int = 0
     waiting: int = 0
+    #: the bodies being streamed to the job's domains (``streamed``)
+    streams: list[QueuedBody] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.body is not None:
             self.size = len(self.body)
+
+    @property
+    def streamed(self) -> bool:
+        """The body is never held whole: it is read as it goes out (``STREAMED_BODY``)."""
+        return self.size > STREAMED_BODY
 
     def found_damaged(self) -> bool:
         """``damaged``, as another thread may have set it since the caller looked."""
@@ -350,6 +365,7 @@ class DeliveryScheduler:
         for j in list(self._claimed_jobs.values()):
             body = j.body  # once: a job may let go of it meanwhile (another thread reads)
             held += len(body) if body is not None else 0
+            held += sum(s.held() for s in list(j.streams))
         return held
 
     def in_delivery(self) -> list[EntryMeta]:
@@ -630,9 +646,11 @@ class DeliveryScheduler:
                             self._wire_ready.pop(mail.message_id, None)
                         # a big body for a destination that is behind is read once its
                         # delivery has a slot (``_body``): a job that waits holds none, and
-                        # none is read twice; otherwise now, outside the slot
-                        body = None if meta.body_size > WAITING_BODY_KEPT \
-                            and self._is_behind(meta.rcpt) else reader.read_all()
+                        # none is read twice; otherwise now, outside the slot; one over
+                        # STREAMED_BODY is never held: read as it goes out
+                        later = meta.body_size > STREAMED_BODY or (
+                            meta.body_size > WAITING_BODY_KEPT and self._is_behind(meta.rcpt))
+                        body = None if later else reader.read_all()
                         job = _Job(mail.message_id, meta.mail_from, dict(meta.params), body,
                                    wire_ready=ready, size=meta.body_size)
             except CorruptionError as e:
@@ -700,12 +718,20 @@ class DeliveryScheduler:
                     job.waiting -= 1
                 job.sending += 1
                 try:
-                    body = await self._body(job, entries)
-                    if body is None:  # quarantined, or back in the queue
+                    if job.streamed and not job.found_damaged():
+                        stream = QueuedBody(self.store, self.executor, entries[0].mail,
+                                            job.size)
+                        job.streams.append(stream)
+                        results = await self._stream(job, route.hosts, entries, stream)
+                    else:
+                        body = await self._body(job, entries)
+                        if body is None:  # quarantined, or back in the queue
+                            return []
+                        results = await self.deliverer.deliver(
+                            route.hosts, job.mail_from, [e.rcpt for e in entries], body,
+                            job.params, wire_ready=job.wire_ready)
+                    if results is None:  # quarantined, or back in the queue
                         return []
-                    results = await self.deliverer.deliver(
-                        route.hosts, job.mail_from, [e.rcpt for e in entries], body,
-                        job.params, wire_ready=job.wire_ready)
                 finally:
                     job.sending -= 1
                     job.let_go()  # another domain of the job waits still
@@ -715,6 +741,21 @@ class DeliveryScheduler:
                 job.waiting -= 1
         return list(zip(entries, results, strict=True))
 
+    async def _stream(self, job: _Job, hosts: list[Nexthop], entries: list[_Entry],
+                      stream: QueuedBody) -> list[RcptResult] | None:
+        """Deliver ``entries`` with their body read as it goes out; None when the queue
+        could not give all of it (nothing was delivered; ``_read_failed``)."""
+        try:
+            return await self.deliverer.deliver(
+                hosts, job.mail_from, [e.rcpt for e in entries], stream, job.params,
+                wire_ready=job.wire_ready)
+        except BodyUnreadable as e:
+            cause = e.__cause__ if isinstance(e.__cause__, Exception) else e
+            await storage_call(self.executor, self._read_failed, job, entries, cause)
+            return None
+        finally:
+            job.streams.remove(stream)
+
     async def _body(self, job: _Job, entries: list[_Entry]) -> bytes | None:
         """The body to send to ``entries``, read again in a storage thread if the job let
         go of it; None when it cannot be: the message was found damaged (quarantined,
@@ -723,14 +764,7 @@ class DeliveryScheduler:
         as a claim is: no storage call of a job outlives it."""
         if job.body is not None or job.damaged:
             return job.body
-        read = asyncio.get_running_loop().run_in_executor(
-            self.executor, self._read_again, job, entries)
-        try:
-            return await asyncio.shield(read)
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                await read
-            raise
+        return await storage_call(self.executor, self._read_again, job, entries)
 
     def _read_again(self, job: _Job, entries: list[_Entry]) -> bytes | None:
         """``_body`` in a storage thread."""
@@ -740,16 +774,23 @@ class DeliveryScheduler:
             with self.store.read_inflight(entries[0].mail) as reader:
                 job.body = reader.read_all()
             return job.body
-        except CorruptionError as e:  # the backend quarantined the message, every entry
+        except Exception as e:
+            self._read_failed(job, entries, e)
+        return None
+
+    def _read_failed(self, job: _Job, entries: list[_Entry], e: Exception) -> None:
+        """The body could not be read for ``entries`` (a storage thread): found damaged,
+        the message is quarantined (``job.damaged``, logged once); otherwise the entries go
+        back to the queue (``_unreadable``)."""
+        if job.found_damaged():  # another domain's read quarantined it meanwhile
+            return
+        if isinstance(e, CorruptionError):  # the backend quarantined every entry
             job.damaged = True
             self.log.emit("error", job.message_id, what="read",
                           entry_id=entries[0].mail.entry_id, reason=f"quarantined: {e}")
-        except Exception as e:
-            if job.found_damaged():  # another domain's read quarantined it meanwhile
-                return None
-            job.settled.update(x.mail.entry_id for x in entries)
-            job.back += self._unreadable(job.message_id, [x.mail for x in entries], e, "read")
-        return None
+            return
+        job.settled.update(x.mail.entry_id for x in entries)
+        job.back += self._unreadable(job.message_id, [x.mail for x in entries], e, "read")
 
     def _unreadable(self, message_id: str, mails: list[InflightMail], e: Exception,
                     step: str) -> list[QueuedMail]:
@@ -1019,13 +1060,15 @@ class DeliveryScheduler:
 
     def _original(self, job: _Job) -> bytes:
         """The body a DSN of ``job`` returns (a storage thread), read again if the job let
-        go of it (it holds it after a delivery, but not after a read that failed).  An
-        error goes up: the DSN is not built, and its entries are tried again later."""
-        if job.body is None:  # through an entry still the job's (not put back: spent)
-            live = next(e for e in job.entries if e.mail.entry_id not in job.settled)
-            with self.store.read_inflight(live.mail) as reader:
-                job.body = reader.read_all()
-        return job.body
+        go of it (it holds it after a delivery, but not after a read that failed), and then
+        only as far as a DSN looks (``original_looked_at``: a big body's headers).  An error
+        goes up: the DSN is not built, and its entries are tried again later."""
+        if job.body is not None:
+            return job.body
+        # through an entry still the job's (not put back: spent)
+        live = next(e for e in job.entries if e.mail.entry_id not in job.settled)
+        with self.store.read_inflight(live.mail) as reader:
+            return read_piece(reader, original_looked_at(self.config.bounce_size_limit))
 
     def _smtputf8(self, job: _Job, to: str) -> bool:
         """Whether a DSN of ``job`` sent to ``to`` is internationalized mail."""

@@ -24,7 +24,8 @@ import re
 import uuid
 from dataclasses import dataclass
 
-__all__ = ["FailedRecipient", "build_dsn", "dsn_params", "needs_smtputf8", "original_headers"]
+__all__ = ["FailedRecipient", "build_dsn", "dsn_params", "needs_smtputf8", "original_headers",
+           "original_looked_at"]
 
 MAX_HEADERS = 64 * 1024
 
@@ -46,6 +47,14 @@ def original_headers(body: bytes) -> bytes:
         cut = head.rfind(b"\r\n", 0, MAX_HEADERS)
         head = head[:cut + 2] if cut > 0 else head[:MAX_HEADERS] + b"\r\n"
     return head
+
+
+def original_looked_at(size_limit: int) -> int:
+    """How much of an original ``build_dsn`` looks at with this ``size_limit``: given the
+    original cut to this length it builds the same report (a longer original is too big
+    to attach whole, and its header section is cut at ``MAX_HEADERS``), so a big body is
+    read no further for its DSN."""
+    return max(size_limit + 1, MAX_HEADERS + 4)
 
 
 def _oneline(text: str) -> str:

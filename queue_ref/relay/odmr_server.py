@@ -34,7 +34,8 @@ from queue_ref.operate.queue_actions import check_domain, domain_entries
 from queue_ref.relay.password_files import load_cram_md5_file
 from queue_ref.relay.relay_config import RelayConfig, parse_hostport
 from queue_ref.relay.relay_host import RelayHost, RelayStartError
-from queue_ref.relay.smtp_delivery import RcptResult, dsn_of, wire_body
+from queue_ref.relay.smtp_delivery import RcptResult, dsn_of
+from queue_ref.relay.smtp_wire_body import wire_payload
 from queue_ref.relay.smtpd_sasl_auth import TOO_MANY, SaslAuthenticator
 from queue_ref.storage import InvalidInputError, QueuedMail, Storage
 
@@ -218,12 +219,7 @@ class _Turned:
         if accepted:
             code, text = await self.command("DATA")
             if code == 354:
-                wire = wire_body(body, self.config.smtp_line_length_limit)
-                if wire is None:  # bare CR or LF: made CRLF first
-                    wire = wire_body(re.sub(rb"\r\n|\r|\n", b"\r\n", body),
-                                     self.config.smtp_line_length_limit)
-                assert wire is not None
-                await self.proto.send_line(wire)
+                await self.proto.send_line(wire_payload(body, self.config.smtp_line_length_limit))
                 code, text = await self.proto.reply(self.config.smtp_timeout)
             else:
                 await self.command("RSET")

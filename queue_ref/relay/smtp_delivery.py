@@ -29,17 +29,18 @@ from queue_ref.relay.delivery_log import DeliveryLog
 from queue_ref.relay.mx_routing import Nexthop
 from queue_ref.relay.relay_config import RelayConfig
 from queue_ref.relay.smtp_address import plain_quoted
-from queue_ref.relay.smtp_line_folding import (
-    LINE_LENGTH_LIMIT,
-    crlf_only,
-    fold_long_lines,
-    has_long_line,
-)
 from queue_ref.relay.smtp_pipelining import pipelined_replies
 from queue_ref.relay.smtp_tls_policy import TlsPolicies
+from queue_ref.relay.smtp_wire_body import (
+    BodyStream,
+    BodyUnreadable,
+    header_ascii,
+    wire_payload,
+    write_stream,
+)
 from queue_ref.relay.tls_summary import CLOSE_GRACE, NO_TLS, summary_of
 
-__all__ = ["RcptResult", "SmtpDeliverer", "dsn_of", "wire_body"]
+__all__ = ["RcptResult", "SmtpDeliverer", "dsn_of"]
 
 
 @dataclass
@@ -213,13 +214,15 @@ class SmtpDeliverer:
         await asyncio.gather(*(_quit(c.smtp) for pool in pools.values() for c in pool),
                              *self._closing, return_exceptions=True)
 
-    async def deliver(self, hosts: list[Nexthop], mail_from: str, rcpts: list[str], body: bytes,
-                      params: dict[str, str], *, wire_ready: bool = False) -> list[RcptResult]:
+    async def deliver(self, hosts: list[Nexthop], mail_from: str, rcpts: list[str],
+                      body: bytes | BodyStream, params: dict[str, str], *,
+                      wire_ready: bool = False) -> list[RcptResult]:
         """One result per recipient, in order.  ``wire_ready``: ``body`` is known to hold
         CRLF line breaks only, no line over the line length limit and no line that starts
         with a dot (``smtp_line_folding.wire_ready``), so it is sent as it is, unstuffed
-        (``wire_body``); passed for any other body it would put a bare dot line on the
-        wire."""
+        (``wire_payload``); passed for any other body it would put a bare dot line on the
+        wire.  A ``BodyStream`` is read as it is sent; ``BodyUnreadable`` when the queue
+        could not give all of it: nothing was delivered, and no other host is tried."""
         failures: list[RcptResult] = []
         for hop in hosts:
             conn = self._take_idle(hop)
@@ -260,8 +263,9 @@ class SmtpDeliverer:
             failures.append(RcptResult(0, "4.4.1", f"connect to {hop}: {_why(e)}", "none"))
         return None
 
-    async def _transaction(self, conn: _Conn, mail_from: str, rcpts: list[str], body: bytes,
-                           params: dict[str, str], wire_ready: bool = False
+    async def _transaction(self, conn: _Conn, mail_from: str, rcpts: list[str],
+                           body: bytes | BodyStream, params: dict[str, str],
+                           wire_ready: bool = False
                            ) -> list[RcptResult] | None:
         """The results, or None when the connection was found dead before MAIL was answered."""
         smtp, relay = conn.smtp, str(conn.hop)
@@ -271,10 +275,10 @@ class SmtpDeliverer:
         if params.get("smtputf8") and smtp.supports_extension("smtputf8"):
             options.append("SMTPUTF8")
         if smtp.supports_extension("size"):
-            options.append(f"SIZE={len(body)}")
+            options.append(f"SIZE={len(body) if isinstance(body, bytes) else body.size}")
         encoding = "utf-8" if "SMTPUTF8" in options else "ascii"
         if (params.get("smtputf8") and encoding == "ascii"
-                and _needs_smtputf8(mail_from, rcpts, body)):
+                and await _needs_smtputf8(mail_from, rcpts, body)):
             # Postfix's rule (RFC 6531 3.2): mail received with SMTPUTF8 that has UTF-8 in
             # its envelope or headers is not downgraded; nothing is sent, all bounce
             self._release(conn)
@@ -345,8 +349,8 @@ class SmtpDeliverer:
             for i in accepted:
                 results[i] = r
             self._release(conn)
-        except asyncio.CancelledError:
-            smtp.close()  # cut short (shutdown): the outcome is unknown, so not reused
+        except (asyncio.CancelledError, BodyUnreadable):
+            smtp.close()  # cut short (shutdown, or the queue failed the body): not reused
             raise
         except UnicodeEncodeError:
             smtp.close()
@@ -363,8 +367,6 @@ class SmtpDeliverer:
         return [x if x is not None else RcptResult(0, "4.4.2", "no reply", relay) for x in results]
 
 
-#: Line endings as aiosmtplib's ``data()`` makes them CRLF.
-_LINE_ENDINGS = re.compile(rb"(?:\r\n|\n|\r(?!\n))")
 #: A reply that says the server is closing the connection (RFC 5321 3.8).
 _CLOSING = 421
 
@@ -399,53 +401,20 @@ def _pipeline_group(smtp: aiosmtplib.SMTP, mail_from: str, rcpts: list[str],
     return b"".join([head, b"\r\n", *(b"RCPT TO:" + q + b"\r\n" for q in quoted if q)])
 
 
-def _needs_smtputf8(mail_from: str, rcpts: list[str], body: bytes) -> bool:
+async def _needs_smtputf8(mail_from: str, rcpts: list[str], body: bytes | BodyStream) -> bool:
     """Whether the envelope or the header section holds anything but ASCII."""
-    end = body.find(b"\r\n\r\n")
     return not (mail_from.isascii() and all(r.isascii() for r in rcpts)
-                and body[:end if end >= 0 else len(body)].isascii())
+                and await header_ascii(body))
 
 
-def wire_body(body: bytes, line_limit: int = LINE_LENGTH_LIMIT, *,
-              ready: bool = False) -> bytes | None:
-    """The DATA payload of ``body`` as aiosmtplib's ``data()`` would send it (dot-stuffed,
-    ending in CRLF, then ``.`` CRLF), made with ``bytes`` methods in one pass each; None
-    if the body has a bare CR or LF, which only aiosmtplib's own conversion handles.
-    Lines of more than ``line_limit`` octets are folded first (``smtp_line_folding``;
-    0: never).  ``ready``: the caller knows that ``wire_ready(body, line_limit)`` holds
-    (the receiver checked the body it stored): the body goes out as it is, with nothing
-    to fold or stuff, and nothing is looked at again.
-
-    Bodies the receiver stored have CRLF line endings only (``smtp_data_reader``), so the
-    relay's path is this one: aiosmtplib runs two regular expressions over the whole body
-    (line endings, then dot-stuffing), about 7 ms per MB, where a ``count``, a
-    ``translate`` and a ``replace`` take about 2 ms, and a body the receiver found ready
-    costs no pass over it (one copy, to put ``.`` CRLF after it)."""
-    if not body.endswith(b"\r\n"):
-        body += b"\r\n"
-    if ready:
-        return body + b".\r\n"
-    if not crlf_only(body):
-        return None
-    if line_limit and has_long_line(body, line_limit):
-        body = fold_long_lines(body, line_limit)
-    stuffed = body.replace(b"\r\n.", b"\r\n..")
-    if stuffed.startswith(b"."):
-        stuffed = b"." + stuffed
-    return stuffed + b".\r\n"
-
-
-async def _data(smtp: aiosmtplib.SMTP, body: bytes, line_limit: int,
+async def _data(smtp: aiosmtplib.SMTP, body: bytes | BodyStream, line_limit: int,
                 ready: bool = False) -> aiosmtplib.SMTPResponse:
-    """DATA, the payload ``wire_body`` makes (a body with a bare CR or LF gets CRLF there
-    first, as aiosmtplib's ``data()`` would give it), and its reply, through the
-    protocol's ``write`` and ``read_response``.  Lines longer than ``line_limit`` are
-    folded.  A reply to DATA other than 354 that refuses nothing is ``_ProtocolError``;
-    a refusal, or a final reply that is not 2xx, is ``SMTPDataError``."""
-    wire = wire_body(body, line_limit, ready=ready)
-    if wire is None:
-        wire = wire_body(_LINE_ENDINGS.sub(b"\r\n", body), line_limit)
-        assert wire is not None
+    """DATA, the payload ``wire_payload`` makes (a ``BodyStream`` written a piece at a
+    time as it is read: ``write_stream``), and its reply, through the protocol's
+    ``write`` and ``read_response``.  Lines longer than ``line_limit`` are folded.  A
+    reply to DATA other than 354 that refuses nothing is ``_ProtocolError``; a refusal,
+    or a final reply that is not 2xx, is ``SMTPDataError``."""
+    wire = wire_payload(body, line_limit, ready=ready) if isinstance(body, bytes) else None
     start = await smtp.execute_command(b"DATA")
     if start.code != aiosmtplib.SMTPStatus.start_input:
         if start.code < 400:
@@ -455,7 +424,11 @@ async def _data(smtp: aiosmtplib.SMTP, body: bytes, line_limit: int,
     if protocol is None:
         raise aiosmtplib.SMTPServerDisconnected("Connection lost")
     try:
-        protocol.write(wire)
+        if wire is not None:
+            protocol.write(wire)
+        else:
+            assert isinstance(body, BodyStream)
+            await write_stream(smtp, body, line_limit, ready)
         # read_response marks a reply as expected before it first yields, so the reply
         # cannot arrive unexpected
         resp = await protocol.read_response(timeout=smtp.timeout)

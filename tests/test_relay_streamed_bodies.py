@@ -1,0 +1,246 @@
+"""A body over ``STREAMED_BODY`` is never held whole: it is read from the queue a piece at a
+time as it goes out (``smtp_wire_body``, ``queued_body``).
+
+The sink stops reading in the middle of DATA (a pause point: ``SinkState.data_pause``), so
+the relay's writes wait with the body part sent; what the relay holds then is looked at,
+the queue is damaged or made to fail at that moment, and what arrives (or does not) is
+compared with what was queued.  A body found damaged, or a read that fails, in the middle
+of DATA drops the connection before the final dot: the peer delivers nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import smtplib
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from queue_ref.kv import keys
+from queue_ref.kv.base import WriteBatch
+from queue_ref.kv.core import CHUNK
+from queue_ref.opener import open_queue
+from queue_ref.relay.smtp_wire_body import STREAM_PIECE, STREAMED_BODY
+from queue_ref.storage import Recipient, Schedule
+from tests.relay_faulty_steps import read_io_trigger_of
+from tests.relay_support import RelayThread, Sink, relay_config
+from tests.test_relay_waiting_bodies import big_body, prequeue
+
+MIB = 1024 * 1024
+SIZE = 12 * MIB
+
+
+def odd_body(size: int) -> bytes:
+    """About ``size`` octets of mail with what the wire changes: lines that start with a
+    dot, lines over 998 octets (folded), a bare LF and a bare CR."""
+    lines = []
+    n = 0
+    while n < size:
+        i = len(lines)
+        line = (b"." if i % 7 == 0 else b"") + b"%08d " % i + (
+            b"z" * 1500 if i % 50 == 0 else b"y" * 60)
+        lines.append(line)
+        n += len(line) + 2
+    return b"Subject: odd\r\n\r\n" + b"\r\n".join(lines) + b"\r\nbare\nlf\rcr\r\n"
+
+
+def unfolded(data: bytes) -> bytes:
+    """What a sink received, with the folding undone (aiosmtpd unstuffs the dots)."""
+    return data.replace(b"\r\n ", b"")
+
+
+def wait_until(what: str, cond: object, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"never {what}"
+        time.sleep(0.02)
+
+
+def settled(r: RelayThread) -> None:
+    wait_until("settled", lambda: not r.call(lambda: r.relay.scheduler.sizes())["inflight"])
+
+
+@pytest.mark.parametrize("backend", ["fs", "kv-log"])
+def test_a_big_body_goes_out_a_piece_at_a_time(tmp_path: Path, backend: str) -> None:
+    """Paused in the middle of DATA, the relay holds at most one piece of the body (the
+    gauge ``body_bytes``), not the body; what arrives is what was queued, folded lines
+    and dot lines included."""
+    queue = str(tmp_path / "q")
+    bodies = [big_body(0, SIZE), odd_body(SIZE)]
+    assert all(len(b) > STREAMED_BODY for b in bodies)
+    prequeue(queue, bodies, backend=backend)
+    with Sink() as sink:
+        gate = threading.Event()
+        sink.state.data_pause = (3 * MIB, gate)
+        config = relay_config(queue, relayhost=f"[127.0.0.1]:{sink.port}", backend=backend,
+                              log_json=True)
+        with RelayThread(config) as r:
+            try:
+                wait_until("both paused", lambda: sink.state.paused == 2)
+                held = r.call(lambda: r.relay.scheduler.body_bytes)
+                assert 0 < held <= 2 * STREAM_PIECE, held
+            finally:
+                gate.set()
+            got = sink.wait_for(2, timeout=60)
+            settled(r)
+            assert r.call(lambda: r.relay.scheduler.body_bytes) == 0
+    by_rcpt = {m.rcpts[0]: m.data for m in got}
+    assert by_rcpt["u0.0@ok.test"] == bodies[0]
+    assert unfolded(by_rcpt["u1.0@ok.test"]) == bodies[1].replace(b"\nlf\rcr", b"\r\nlf\r\ncr")
+    assert max(map(len, by_rcpt["u1.0@ok.test"].split(b"\r\n"))) <= 998
+
+
+def test_mail_the_receiver_took_goes_out_streamed_as_it_came(tmp_path: Path) -> None:
+    """A message of 6 MB received over SMTP (its body found to go out as it is) is
+    delivered streamed, byte for byte after the relay's Received: header."""
+    body = big_body(5, 6 * MIB)
+    with Sink() as sink:
+        gate = threading.Event()
+        sink.state.data_pause = (2 * MIB, gate)
+        with RelayThread(relay_config(str(tmp_path / "q"), log_json=True,
+                                      relayhost=f"[127.0.0.1]:{sink.port}")) as r:
+            with smtplib.SMTP("127.0.0.1", r.port, timeout=30) as c:
+                assert c.sendmail("a@ok.test", ["u@ok.test"], body) == {}
+            try:
+                wait_until("paused", lambda: sink.state.paused == 1)
+                assert r.call(lambda: r.relay.scheduler.body_bytes) <= STREAM_PIECE
+            finally:
+                gate.set()
+            (m,) = sink.wait_for(1, timeout=60)
+    assert m.data.startswith(b"Received: ") and m.data.endswith(b"\r\n" + body)
+
+
+def damage_late(r: RelayThread, queue: str, backend: str, victim: str) -> None:
+    """One bit flipped near the end of the stored body of ``victim`` (past what the
+    relay has read of it while the sink is paused)."""
+    if backend == "fs":
+        path = os.path.join(queue, "data", victim)
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) - 1000)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x10]))
+        return
+    kv = r.relay.scheduler.store.kv  # the relay's own store: its engine takes the write
+    key = keys.chunk(int(victim), SIZE // CHUNK - 2)
+    chunk = bytearray(kv.get(key) or b"")
+    assert chunk
+    chunk[100] ^= 0x10
+    batch = WriteBatch()
+    batch.put(key, bytes(chunk))
+    kv.write(batch, sync=True)
+
+
+@pytest.mark.parametrize("backend", ["fs", "kv-log"])
+def test_a_body_found_damaged_while_it_streams_is_never_delivered(
+        tmp_path: Path, backend: str) -> None:
+    """Damaged while its DATA is under way: the queue finds it at the end, before the
+    last octets; the connection is dropped without the final dot, so the sink delivers
+    nothing, the message is quarantined (one ``read`` error), and no DSN is sent."""
+    queue = str(tmp_path / "q")
+    (victim,) = prequeue(queue, [big_body(1, SIZE)], rcpts=2, backend=backend)
+    with Sink() as sink:
+        gate = threading.Event()
+        sink.state.data_pause = (2 * MIB, gate)
+        config = relay_config(queue, relayhost=f"[127.0.0.1]:{sink.port}", backend=backend,
+                              log_json=True)
+        with RelayThread(config) as r:
+            try:
+                wait_until("paused", lambda: sink.state.paused == 1)
+                damage_late(r, queue, backend, victim)
+            finally:
+                gate.set()
+            settled(r)
+            assert r.call(lambda: r.relay.scheduler.job_errors) == 0
+            assert r.call(lambda: r.relay.scheduler.sizes())["queued"] == 0
+    assert sink.state.data_commands == 1 and sink.state.messages == []
+    records = [json.loads(line) for line in r.log_lines]
+    errors = [e for e in records if e["event"] == "error"]
+    assert [(e["queue_id"], e["what"]) for e in errors] == [(victim, "read")], errors
+    assert errors[0]["reason"].startswith("quarantined:")
+    assert not any(e["event"] in ("delivery", "bounce") for e in records)
+    with open_queue(queue, backend) as q:
+        assert list(q.list_queue()) == [] and list(q.find_inflight()) == []
+    if backend == "fs":
+        assert os.path.exists(os.path.join(queue, "quarantine", f"{victim}.msg"))
+
+
+def test_a_disk_error_while_a_body_streams_puts_its_entries_back(tmp_path: Path) -> None:
+    """A read fails as a disk does in the middle of DATA: the connection is dropped
+    before the final dot (nothing delivered), the error is logged, and the entries go back
+    to the queue due in a minute with no attempt counted; another message goes on."""
+    queue = str(tmp_path / "q")
+    victim, other = prequeue(queue, [big_body(2, SIZE), big_body(3, 5 * MIB)], rcpts=2)
+    with Sink() as sink:
+        gate = threading.Event()
+        sink.state.data_pause = (2 * MIB, gate)
+        config = relay_config(queue, relayhost=f"[127.0.0.1]:{sink.port}", log_json=True,
+                              backend="tests.relay_faulty_steps:fs",
+                              default_destination_concurrency_limit=1)
+        with RelayThread(config) as r:
+            try:
+                wait_until("paused", lambda: sink.state.paused == 1)
+                Path(read_io_trigger_of(queue)).touch()  # the next piece read: victim's
+            finally:
+                gate.set()
+            got = sink.wait_for(2, timeout=60)
+            settled(r)
+    assert not os.path.exists(read_io_trigger_of(queue))  # it fired
+    assert sorted(r for m in got for r in m.rcpts) == ["u1.0@ok.test", "u1.1@ok.test"]
+    assert {m.data for m in got} == {big_body(3, 5 * MIB)}
+    records = [json.loads(line) for line in r.log_lines]
+    errors = [e for e in records if e["event"] == "error"]
+    assert [(e["queue_id"], e["what"]) for e in errors] == [(victim, "read")], errors
+    assert "injected EIO" in errors[0]["reason"]
+    assert not any(e["event"] == "delivery" and e["queue_id"] == victim for e in records)
+    with open_queue(queue) as q:
+        back = list(q.list_queue())
+    assert sorted(h.entry_id for h in back) == [f"{victim}.0", f"{victim}.1"]
+    assert all(h.schedule.attempts == 0 and h.schedule.at > time.time() + 30 for h in back)
+    assert other not in {h.message_id for h in back}
+
+
+def test_a_next_hop_that_stops_reading_is_given_up_after_the_timeout(tmp_path: Path) -> None:
+    """The sink never reads past 2 MB: each piece waits ``smtp_timeout`` at most for the
+    connection to send, then the connection is dropped and the recipient deferred."""
+    queue = str(tmp_path / "q")
+    (mid,) = prequeue(queue, [big_body(4, SIZE)])
+    with Sink() as sink:
+        gate = threading.Event()
+        sink.state.data_pause = (2 * MIB, gate)
+        config = relay_config(queue, relayhost=f"[127.0.0.1]:{sink.port}", log_json=True,
+                              smtp_timeout=1.0)
+        with RelayThread(config) as r:
+            try:
+                [rec] = r.wait_events(1, timeout=30)
+            finally:
+                gate.set()
+    assert rec["queue_id"] == mid and rec["status"] == "deferred"
+    assert "while sending DATA" in rec["reason"] and "Timed out" in rec["reason"], rec
+    assert sink.state.messages == []
+
+
+def test_a_big_message_to_two_domains_streams_to_each(tmp_path: Path) -> None:
+    """Two transactions, one per domain, each reading the body on its own: both paused
+    at once, the relay holds a piece for each, and both get the message."""
+    queue = str(tmp_path / "q")
+    body = big_body(6, SIZE)
+    with open_queue(queue) as q, q.enqueue("a@ok.test") as enq:
+        enq.write(body)
+        enq.commit([Recipient("u@ok.test", Schedule(0)),
+                    Recipient("v@other.test", Schedule(0))])
+    with Sink() as sink:
+        gate = threading.Event()
+        sink.state.data_pause = (2 * MIB, gate)
+        with RelayThread(relay_config(queue, relayhost=f"[127.0.0.1]:{sink.port}")) as r:
+            try:
+                wait_until("both paused", lambda: sink.state.paused == 2)
+                held = r.call(lambda: r.relay.scheduler.body_bytes)
+                assert 0 < held <= 2 * STREAM_PIECE, held
+            finally:
+                gate.set()
+            got = sink.wait_for(2, timeout=60)
+    assert sorted(m.rcpts[0] for m in got) == ["u@ok.test", "v@other.test"]
+    assert all(m.data == body for m in got)
