@@ -3,6 +3,7 @@ one committed right before a crash (no ``received`` line of the relay that took 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import smtplib
@@ -186,6 +187,47 @@ def test_a_refused_connection_is_said_as_the_system_says_it(tmp_path, event_loop
             c.sendmail("a@example.org", ["b@example.net"], b"Subject: x\r\n\r\nbody\r\n")
         [deferred] = rt.wait_events(1, status="deferred")
     assert deferred["reason"] == f"connect to 127.0.0.1[127.0.0.1]:{port}: Connection refused"
+
+
+@pytest.mark.parametrize("event_loop", ["uvloop", "asyncio"])
+@pytest.mark.parametrize("peer", ["silent", "closes"])
+def test_a_host_reached_that_gives_no_greeting_is_named_as_the_relay(
+        tmp_path, event_loop, peer) -> None:
+    """TCP connected, then no greeting: Postfix's words (``conversation with ... timed
+    out``, ``lost connection with ...`` ``while receiving the initial server greeting``),
+    4.4.2, and the host named as the relay, not ``none`` (it was reached)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    port = server.getsockname()[1]
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn = server.accept()[0]
+                if peer == "closes":
+                    conn.close()
+                else:
+                    accepted.append(conn)
+
+    threading.Thread(target=accept, daemon=True).start()
+    hop = f"127.0.0.1[127.0.0.1]:{port}"
+    try:
+        with RelayThread(relay_config(str(tmp_path / "q"), relayhost=f"[127.0.0.1]:{port}",
+                                      log_json=True, event_loop=event_loop,
+                                      smtp_connect_timeout=1.0)) as rt:
+            with smtplib.SMTP("127.0.0.1", rt.port, timeout=10) as c:
+                c.sendmail("a@example.org", ["b@example.net"], b"Subject: x\r\n\r\nbody\r\n")
+            [deferred] = rt.wait_events(1, status="deferred")
+    finally:
+        server.close()
+        for conn in accepted:
+            conn.close()
+    what = f"conversation with {hop} timed out" if peer == "silent" \
+        else f"lost connection with {hop}"
+    assert deferred["reason"] == f"{what} while receiving the initial server greeting"
+    assert deferred["relay"] == hop and deferred["dsn"] == "4.4.2"
 
 
 def test_json_records_hold_utf8_as_it_is() -> None:

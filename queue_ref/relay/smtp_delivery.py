@@ -260,7 +260,8 @@ class SmtpDeliverer:
             failures.append(RcptResult(0, "4.4.1", f"host {hop} refused to talk to me: "
                                                    f"{_reply(e.code, e.message)}", "none"))
         except (TimeoutError, aiosmtplib.SMTPException, OSError) as e:
-            failures.append(RcptResult(0, "4.4.1", f"connect to {hop}: {_why(e)}", "none"))
+            failures.append(_greeting_failure(hop, e)
+                            or RcptResult(0, "4.4.1", f"connect to {hop}: {_why(e)}", "none"))
         return None
 
     async def _transaction(self, conn: _Conn, mail_from: str, rcpts: list[str],
@@ -475,6 +476,21 @@ async def _login(smtp: aiosmtplib.SMTP, user: str, password: str) -> None:
     raise aiosmtplib.SMTPAuthenticationError(
         504, f"5.7.4 no mechanism in common (server offers "
              f"{' '.join(smtp.server_auth_methods) or 'none'}; PLAIN, LOGIN, CRAM-MD5 here)")
+
+
+def _greeting_failure(hop: Nexthop, e: BaseException) -> RcptResult | None:
+    """The failure of a connection made that gave no greeting, as Postfix words it (the
+    host named as the relay: it was reached); None for a connection not made."""
+    if isinstance(e, aiosmtplib.SMTPConnectTimeoutError) \
+            and isinstance(e.__cause__, aiosmtplib.SMTPTimeoutError):
+        what = f"conversation with {hop} timed out"
+    elif isinstance(e, aiosmtplib.SMTPConnectError) \
+            and isinstance(e.__cause__, aiosmtplib.SMTPServerDisconnected):
+        what = f"lost connection with {hop}"
+    else:
+        return None
+    return RcptResult(0, "4.4.2", f"{what} while receiving the initial server greeting",
+                      str(hop))
 
 
 def _why(e: BaseException) -> str:
