@@ -677,6 +677,19 @@ def test_an_action_names_each_entry_it_changed(
                                 "hold: 2 entries"]
     code, out, _ = run(capsys, "delete", "--queue", str(q), f"{ids[1]}.1")
     assert out.splitlines() == [f"{ids[1]}.1: removed", "delete: 1 entry"]
+    # what was left alone says why, once per reason
+    code, out, _ = run(capsys, "requeue", "--queue", str(q), ids[0])
+    assert code == 0 and out.splitlines() == [
+        "requeue: 0 entries, 2 not applicable (on hold: release it first)"]
+    code, out, _ = run(capsys, "hold", "--queue", str(q), ids[0], f"{ids[1]}.0")
+    assert out.splitlines() == [f"{ids[1]}.0: placed on hold",
+                                "hold: 1 entry, 2 not applicable (on hold already)"]
+    code, out, _ = run(capsys, "release", "--queue", str(q), "ALL")
+    assert out.splitlines()[-1] == "release: 3 entries, 6 not applicable (not on hold)"
+    _, res = run_json(capsys, "flush", "--queue", str(q))
+    assert res["skipped_why"] == {} and res["changed"] == 9
+    _, res = run_json(capsys, "flush", "--queue", str(q))
+    assert res["skipped_why"] == {"due already": 9} and res["skipped"] == 9
 
 
 def test_params_are_listed_in_one_order_whatever_the_backend_kept() -> None:

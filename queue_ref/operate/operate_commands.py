@@ -222,7 +222,14 @@ def _report(res: qa.ActionResult, args: argparse.Namespace) -> None:
         print(f"{entry}: {_DONE.get(res.action, res.action)}")
     print(f"{res.action}: {len(res.changed)} entr{'y' if len(res.changed) == 1 else 'ies'}"
           + (f", {len(res.vanished)} moved meanwhile" if res.vanished else "")
-          + (f", {len(res.skipped)} not applicable" if res.skipped else ""))
+          + (f", {len(res.skipped)} not applicable ({_why(res.why)})" if res.skipped else ""))
+
+
+def _why(why: dict[str, int]) -> str:
+    """Why entries were skipped: the reason alone, or each with its count."""
+    if len(why) == 1:
+        return next(iter(why))
+    return "; ".join(f"{n} {reason}" for reason, n in sorted(why.items()))
 
 
 def _flush(store: Storage, args: argparse.Namespace) -> int:

@@ -287,11 +287,17 @@ class ActionResult:
     changed: list[str] = field(default_factory=list)
     vanished: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    #: why entries were skipped, and how many for each reason
+    why: dict[str, int] = field(default_factory=dict)
+
+    def skip(self, entry_id: str, why: str) -> None:
+        self.skipped.append(entry_id)
+        self.why[why] = self.why.get(why, 0) + 1
 
     def to_json(self) -> dict[str, Any]:
         return {"action": self.action, "changed": len(self.changed),
                 "vanished": len(self.vanished), "skipped": len(self.skipped),
-                "entries": self.changed}
+                "skipped_why": self.why, "entries": self.changed}
 
 
 def hold(store: Storage, chosen: Iterable[tuple[Handle, EntryInfo]]) -> ActionResult:
@@ -300,7 +306,7 @@ def hold(store: Storage, chosen: Iterable[tuple[Handle, EntryInfo]]) -> ActionRe
         if isinstance(h, QueuedMail):
             (res.changed if store.hold(h) is not None else res.vanished).append(h.entry_id)
         else:
-            res.skipped.append(h.entry_id)
+            res.skip(h.entry_id, "on hold already")
     return res
 
 
@@ -310,7 +316,7 @@ def release(store: Storage, chosen: Iterable[tuple[Handle, EntryInfo]]) -> Actio
         if isinstance(h, HeldMail):
             (res.changed if store.release(h) is not None else res.vanished).append(h.entry_id)
         else:
-            res.skipped.append(h.entry_id)
+            res.skip(h.entry_id, "not on hold")
     return res
 
 
@@ -323,7 +329,7 @@ def delete(store: Storage, chosen: Iterable[tuple[Handle, EntryInfo]]) -> Action
         elif isinstance(h, HeldMail):
             p = store.drop_held(h)
         else:
-            res.skipped.append(h.entry_id)
+            res.skip(h.entry_id, f"neither queued nor on hold: {type(h).__name__}")
             continue
         if p is None:
             res.vanished.append(h.entry_id)
@@ -341,7 +347,7 @@ def requeue(store: Storage, chosen: Iterable[tuple[Handle, EntryInfo]],
     res = ActionResult("requeue")
     for h, _ in chosen:
         if not isinstance(h, QueuedMail):
-            res.skipped.append(h.entry_id)
+            res.skip(h.entry_id, "on hold: release it first")
             continue
         got = store.reschedule(h, Schedule(at, h.schedule.attempts, h.schedule.reason))
         (res.changed if got is not None else res.vanished).append(h.entry_id)
@@ -364,7 +370,7 @@ def flush(store: Storage, domain: str | None = None, now: int | None = None) -> 
     source = store.list_queue() if domain is None else domain_entries(store, domain)
     for h in list(source):
         if h.schedule.at <= at:
-            res.skipped.append(h.entry_id)  # due already
+            res.skip(h.entry_id, "due already")
             continue
         got = store.reschedule(h, Schedule(at, h.schedule.attempts, h.schedule.reason))
         (res.changed if got is not None else res.vanished).append(h.entry_id)
