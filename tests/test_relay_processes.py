@@ -109,6 +109,12 @@ def _wait(cond: object, timeout: float = 30.0) -> bool:
     return False
 
 
+def _title(pid: int) -> str:
+    """A process's command line as ``ps`` shows it."""
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode().strip()
+
+
 def test_two_processes_share_the_port_and_the_queue(tmp_path):
     queue = str(tmp_path / "q")
     tokens = [f"m{i:03d}" for i in range(80)]
@@ -121,6 +127,10 @@ def test_two_processes_share_the_port_and_the_queue(tmp_path):
         assert _wait(lambda: len(_workers(rp)) == 2)
         pids = _workers(rp)
         assert rp.pid not in pids.values() and len(set(pids.values())) == 2
+        # named in ps as what they are, not "python -c from multiprocessing.spawn ..."
+        assert _title(rp.pid) == f"queue-ref relay: master --queue {queue}"
+        assert sorted(_title(p) for p in pids.values()) == [
+            f"queue-ref relay: worker {k} of 2 --queue {queue}" for k in (1, 2)]
         threads = [threading.Thread(target=_send, args=(port, tokens[k::4], acked, lock))
                    for k in range(4)]
         for t in threads:

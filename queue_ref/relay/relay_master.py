@@ -54,6 +54,8 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import IO, Any
 
+import setproctitle
+
 from queue_ref.opener import (
     open_queues,
     open_serving,
@@ -112,9 +114,19 @@ def _die_with_parent() -> None:
 CHANNEL_LOST = 3
 
 
+def process_title(config: RelayConfig, role: str) -> str:
+    """What ``ps`` shows for a relay process (as Postfix's show ``master``, ``qmgr``,
+    ``smtpd``): the role, the queue it serves."""
+    return f"queue-ref relay: {role} --queue {','.join(config.queue_roots())}"
+
+
 def _worker_main(config: RelayConfig, index: int, conn: Connection,
                  handoff: socket.socket, part: bool = False) -> None:
     _die_with_parent()
+    # a worker started by spawn would show as "python -c from multiprocessing.spawn ..."
+    setproctitle.setproctitle(process_title(
+        config, f"worker {index + 1} of {config.processes}"
+        + (f" (root {index})" if part else "")))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C reaches the master
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     relay = Relay(config, worker=index, ready_stream=_ReadyPipe(conn),  # type: ignore[arg-type]
@@ -316,6 +328,7 @@ class RelayMaster:
             (signal.SIGTERM, self._on_stop), (signal.SIGINT, self._on_stop),
             (signal.SIGUSR1, self._on_wake), (signal.SIGHUP, self._on_wake))}
         try:
+            setproctitle.setproctitle(process_title(self.config, "master"))
             _raise_descriptor_limit()
             self._check_queue()
             self._reserve_port()
