@@ -7,8 +7,10 @@ import collections
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -698,3 +700,38 @@ def test_params_are_listed_in_one_order_whatever_the_backend_kept() -> None:
     info = qa.MessageInfo("m", "s@example.org", 10, 0, {"helo": "h", "body": "8BITMIME",
                                                         "client": "c"})
     assert list(info.to_json()["params"]) == ["body", "client", "helo"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running a command as another user needs root")
+@pytest.mark.parametrize("backend", ["fs", "kv-log"])
+def test_another_user_is_told_permission_denied_and_who_may(
+        tmp_path: Path, backend: str, request: pytest.FixtureRequest) -> None:
+    """A user who cannot read the queue directory (mode 0750, another group) is told
+    "permission denied" and who may run the command, exit 1, not "not a queue" (exit 2,
+    a usage error); one of its group, who can read but not write, likewise."""
+    as_nobody = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+                 sys.executable, "-m", "conformance.cli"]
+    hidden = subprocess.run([*as_nobody, "mailq", "--queue", str(tmp_path / "q")],
+                            capture_output=True, text=True, timeout=60,
+                            cwd=Path(__file__).parent.parent)  # pytest's tmp is 0700
+    assert hidden.returncode == 1 and "a directory above it cannot be searched" in \
+        hidden.stderr, hidden
+    base = Path(tempfile.mkdtemp())  # a directory every user may search
+    request.addfinalizer(lambda: shutil.rmtree(base))
+    os.chmod(base, 0o755)
+    q = base / "q"
+    fill(q, backend)
+    for path in [q, *q.rglob("*")]:
+        os.chmod(path, 0o750 if path.is_dir() else 0o640)
+    for group in ("root", "nogroup"):
+        shutil.chown(q, group=group)
+        for path in q.rglob("*"):
+            shutil.chown(path, group=group)
+        for command in ("mailq", "qshape", "hold"):
+            args = [command, "--queue", str(q)] + (["--all"] if command == "hold" else [])
+            got = subprocess.run([*as_nobody, *args], capture_output=True, text=True,
+                                 timeout=60, cwd=Path(__file__).parent.parent)
+            assert got.returncode == 1 and got.stdout == "", (group, command, got)
+            assert "permission denied" in got.stderr and "run the command as root" in \
+                got.stderr, (group, command, got.stderr)
+            assert "not a queue" not in got.stderr

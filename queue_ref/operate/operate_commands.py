@@ -28,6 +28,7 @@ import datetime
 import errno
 import json
 import os
+import pwd
 import sys
 import time
 from collections.abc import Callable
@@ -64,8 +65,18 @@ def open_for_operator(path: str, backend: str | None, *, recover: bool = True
     A KV queue a relay holds (single-process stores) is reached through the relay's
     control socket; Refused when it does not answer.
     """
+    try:
+        os.stat(path)
+    except PermissionError as e:
+        raise Refused(f"{path}: permission denied (a directory above it cannot be searched "
+                      "as this user)") from e
+    except OSError:
+        pass
     if not os.path.isdir(path):
         raise InvalidInputError(f"{path} is not a directory")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise Refused(f"{path}: permission denied (it cannot be read as this user): "
+                      f"{_as_owner(path)}")
     found = queue_kind(path)
     if backend is None:
         if found is None:
@@ -97,12 +108,41 @@ def open_for_operator(path: str, backend: str | None, *, recover: bool = True
             if held_by_another(e):  # a relay starting (its lock taken, no socket yet)
                 raise Refused(f"{path} is held by another process (a relay starting, or "
                               "another command): try again in a moment") from e
+            _refuse_if_denied(path, e)
             raise
-    if not recover and kind in ("fs", "fs-fsync"):
-        from queue_ref.fsqueue import FsQueue
+    try:
+        if not recover and kind in ("fs", "fs-fsync"):
+            from queue_ref.fsqueue import FsQueue
 
-        return FsQueue(path, recover=False, sync="fsync" if kind == "fs-fsync" else None), kind
-    return open_queue(path, kind), kind
+            return FsQueue(path, recover=False,
+                           sync="fsync" if kind == "fs-fsync" else None), kind
+        return open_queue(path, kind), kind
+    except QueueError as e:
+        _refuse_if_denied(path, e)
+        raise
+
+
+def _refuse_if_denied(path: str, e: QueueError) -> None:
+    """Refused, saying who may, when the queue could not be opened for want of a
+    permission (it can be read, not written: a command opens it as one of its users)."""
+    cause: BaseException | None = e
+    while cause is not None and not isinstance(cause, PermissionError):
+        cause = cause.__cause__
+    if isinstance(cause, PermissionError):
+        raise Refused(f"{path}: permission denied ({cause.filename or cause}): a command "
+                      "opens the queue as one of its users, which needs write access to "
+                      f"it: {_as_owner(path)}") from e
+
+
+def _as_owner(path: str) -> str:
+    """Who may run an operator command on the queue at ``path``."""
+    st = os.stat(path)
+    try:
+        owner = pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        owner = str(st.st_uid)
+    return "run the command as root" if st.st_uid == 0 else \
+        f"run the command as the queue's owner ({owner}) or root"
 
 
 def _fmt_time(ns: int) -> str:
