@@ -9,9 +9,11 @@ of DATA drops the connection before the final dot: the peer delivers nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import smtplib
+import socket
 import threading
 import time
 from pathlib import Path
@@ -218,7 +220,7 @@ def test_a_next_hop_that_stops_reading_is_given_up_after_the_timeout(tmp_path: P
             finally:
                 gate.set()
     assert rec["queue_id"] == mid and rec["status"] == "deferred"
-    assert "while sending DATA" in rec["reason"] and "Timed out" in rec["reason"], rec
+    assert "while sending DATA: Timed out sending the message body" in rec["reason"], rec
     assert sink.state.messages == []
 
 
@@ -244,3 +246,120 @@ def test_a_big_message_to_two_domains_streams_to_each(tmp_path: Path) -> None:
             got = sink.wait_for(2, timeout=60)
     assert sorted(m.rcpts[0] for m in got) == ["u@ok.test", "v@other.test"]
     assert all(m.data == body for m in got)
+
+
+def _answers_early(conn: socket.socket, closes: bool) -> None:
+    """An SMTP server that answers DATA with 552 after 2 MB of it (or at its end), then
+    closes the connection or reads on without a word more."""
+    with contextlib.suppress(OSError), conn:
+        conn.sendall(b"220 early.test ESMTP\r\n")
+        f = conn.makefile("rb", buffering=0)
+        while line := f.readline():
+            verb = line[:4].upper()
+            if verb != b"DATA":
+                conn.sendall(b"250 ok\r\n" if verb != b"QUIT" else b"221 bye\r\n")
+                continue
+            conn.sendall(b"354 go ahead\r\n")
+            got = b""
+            while len(got) < 2 * MIB and not got.endswith(b"\r\n.\r\n"):
+                data = conn.recv(65536)
+                if not data:
+                    return
+                got = (got + data)[-2 * MIB:] if len(got) < 2 * MIB else got + data
+            conn.sendall(b"552 5.3.4 Message size exceeds fixed limit\r\n")
+            if closes:
+                return
+            while conn.recv(65536):
+                continue
+
+
+@pytest.mark.parametrize("closes", [True, False], ids=["then-closes", "reads-on"])
+def test_a_refusal_before_the_end_of_a_streamed_body_is_heard(
+        tmp_path: Path, closes: bool) -> None:
+    """The next hop says 552 after 2 MB of a 12 MB body (and closes, or reads on): the
+    rest is not sent, and the recipient is bounced with that reply, as a whole body
+    written at once would be; not deferred as a lost connection or a timeout."""
+    queue = str(tmp_path / "q")
+    (mid,) = prequeue(queue, [big_body(7, SIZE)])
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn = server.accept()[0]
+                threading.Thread(target=_answers_early, args=(conn, closes),
+                                 daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        with RelayThread(relay_config(queue, relayhost=f"[127.0.0.1]:{server.getsockname()[1]}",
+                                      log_json=True, smtp_timeout=5.0)) as r:
+            [rec] = r.wait_events(1, timeout=30, queue_id=mid)
+    finally:
+        server.close()
+    assert rec["queue_id"] == mid and rec["status"] == "bounced", rec
+    assert rec["dsn"] == "5.3.4" and "552 5.3.4 Message size exceeds" in rec["reason"]
+
+
+@pytest.mark.parametrize("backend", ["fs", "kv-log"])
+def test_a_damaged_big_body_refused_before_data_is_quarantined_not_bounced(
+        tmp_path: Path, backend: str) -> None:
+    """Its recipient is refused at RCPT, so DATA never reads it: the DSN would be built
+    from it, so it is read to its end first, its damage found, the message quarantined,
+    and no DSN sent from it."""
+    queue = str(tmp_path / "q")
+    with open_queue(queue, backend) as q:
+        with q.enqueue("a@ok.test", {"arrival": str(time.time())}) as enq:
+            enq.write(big_body(8, 6 * MIB))
+            (victim,) = {h.message_id for h in enq.commit([Recipient("reject@ok.test",
+                                                                     Schedule(0))])}
+        if backend == "fs":
+            path = os.path.join(queue, "data", victim)
+            with open(path, "r+b") as f:
+                f.seek(os.path.getsize(path) - 1000)
+                byte = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([byte[0] ^ 0x10]))
+        else:
+            key = keys.chunk(int(victim), 6 * MIB // CHUNK - 2)
+            chunk = bytearray(q.kv.get(key) or b"")  # type: ignore[attr-defined]
+            chunk[100] ^= 0x10
+            batch = WriteBatch()
+            batch.put(key, bytes(chunk))
+            q.kv.write(batch, sync=True)  # type: ignore[attr-defined]
+    with Sink() as sink:
+        config = relay_config(queue, relayhost=f"[127.0.0.1]:{sink.port}", backend=backend,
+                              log_json=True)
+        with RelayThread(config) as r:
+            r.wait_events(1, event="bounce", timeout=30)
+            settled(r)
+    records = [json.loads(line) for line in r.log_lines]
+    errors = [e for e in records if e["event"] == "error"]
+    assert [(e["queue_id"], e["what"]) for e in errors] == [(victim, "read")], errors
+    assert errors[0]["reason"].startswith("quarantined:")
+    [bounce] = [e for e in records if e["event"] == "bounce"]
+    assert bounce["status"] == "dropped" and "quarantined" in bounce["reason"]
+    assert sink.state.messages == []  # no DSN went out
+    with open_queue(queue, backend) as q:
+        assert list(q.list_queue()) == [] and list(q.find_inflight()) == []
+
+
+def test_an_internationalized_big_body_for_a_next_hop_without_smtputf8_bounces(
+        tmp_path: Path) -> None:
+    """SMTPUTF8 mail whose header section holds UTF-8, streamed: its header section is
+    read (not the body) to find that the next hop cannot take it, and it bounces 5.6.7,
+    as Postfix does rather than downgrade it."""
+    queue = str(tmp_path / "q")
+    body = "Subject: Grüße\r\n\r\n".encode() + big_body(9, SIZE)
+    with open_queue(queue) as q, q.enqueue("a@ok.test", {"smtputf8": "yes"}) as enq:
+        enq.write(body)
+        enq.commit([Recipient("u@ok.test", Schedule(0))])
+    with Sink() as sink:
+        sink.state.without = {"SMTPUTF8"}
+        with RelayThread(relay_config(queue, relayhost=f"[127.0.0.1]:{sink.port}",
+                                      log_json=True)) as r:
+            [rec] = r.wait_events(1, timeout=30, to="u@ok.test")
+    assert rec["status"] == "bounced" and rec["dsn"] == "5.6.7", rec
+    assert "SMTPUTF8 is required" in rec["reason"]

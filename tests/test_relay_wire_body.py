@@ -12,7 +12,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from queue_ref.relay.smtp_line_folding import dot_lines, wire_ready
-from queue_ref.relay.smtp_wire_body import WireEncoder, wire_payload
+from queue_ref.relay.smtp_wire_body import WireEncoder, wire_parts, wire_payload
 from tests.relay_support import DnsServer, RelayThread, Sink, relay_config
 
 
@@ -146,6 +146,9 @@ def test_a_body_the_receiver_found_wire_ready_goes_out_as_wire_payload_makes_it(
     assert wire_ready(body, limit, dots=dots) == want
     if want:
         assert wire_payload(body, limit, ready=True) == aiosmtplib_payload(body)
+        parts = wire_parts(body, limit, ready=True)
+        assert parts[0] is body and b"".join(parts) == aiosmtplib_payload(body)  # no copy
+    assert b"".join(wire_parts(body, limit)) == wire_payload(body, limit)
 
 
 def test_the_receiver_tells_the_delivery_which_bodies_go_out_as_they_are(tmp_path):

@@ -143,6 +143,8 @@ class _Job:
     waiting: int = 0
     #: the bodies being streamed to the job's domains (``streamed``)
     streams: list[QueuedBody] = field(default_factory=list)
+    #: the body was read to its end (its digest checked) by a stream of this job
+    verified: bool = False
 
     def __post_init__(self) -> None:
         if self.body is not None:
@@ -755,6 +757,7 @@ class DeliveryScheduler:
             return None
         finally:
             job.streams.remove(stream)
+            job.verified = job.verified or stream.complete
 
     async def _body(self, job: _Job, entries: list[_Entry]) -> bytes | None:
         """The body to send to ``entries``, read again in a storage thread if the job let
@@ -1025,10 +1028,7 @@ class DeliveryScheduler:
         """Commit the DSN for ``failed`` (the handles to deliver it), [] when none is due
         (a bounce of a bounce is dropped), None when it could not be committed."""
         if job.damaged:
-            self.log.emit("bounce", job.message_id, status="dropped", nrcpt=len(failed),
-                          reason="the message is quarantined (its body was found damaged): "
-                                 "no DSN is built from it")
-            return []
+            return self._no_dsn_of_damaged(job, len(failed))
         to = job.mail_from
         if not to or job.params.get("dsn"):
             if job.params.get("dsn") != "double" and self.config.double_bounce_recipient:
@@ -1042,10 +1042,13 @@ class DeliveryScheduler:
                                       r.relay.split("[", 1)[0] if r.relay != "none" else "", now)
                       for e, r, _ in failed]
         try:
+            original = self._original(job)
+            if original is None:  # found damaged now
+                return self._no_dsn_of_damaged(job, len(failed))
             message = build_dsn(reporting_mta=self.config.myhostname, queue_id=job.message_id,
                                 sender=job.mail_from or "MAILER-DAEMON",
                                 arrival=job.arrival or now, recipients=recipients,
-                                original=self._original(job), now=now,
+                                original=original, now=now,
                                 size_limit=self.config.bounce_size_limit,
                                 smtputf8=self._smtputf8(job, to))
         except Exception as e:  # not built: the failed entries are tried again later
@@ -1058,17 +1061,33 @@ class DeliveryScheduler:
                           nrcpt=len(failed))
         return handles
 
-    def _original(self, job: _Job) -> bytes:
+    def _no_dsn_of_damaged(self, job: _Job, nrcpt: int) -> list[QueuedMail]:
+        self.log.emit("bounce", job.message_id, status="dropped", nrcpt=nrcpt,
+                      reason="the message is quarantined (its body was found damaged): "
+                             "no DSN is built from it")
+        return []
+
+    def _original(self, job: _Job) -> bytes | None:
         """The body a DSN of ``job`` returns (a storage thread), read again if the job let
-        go of it (it holds it after a delivery, but not after a read that failed), and then
-        only as far as a DSN looks (``original_looked_at``: a big body's headers).  An error
-        goes up: the DSN is not built, and its entries are tried again later."""
+        go of it or never held it (a streamed body), and then kept only as far as a DSN
+        looks (``original_looked_at``: a big body's headers).  Unless a stream of the job
+        read it to its end, it is read to its end, so that its digest is checked: a DSN
+        is never built from a body nobody found damaged.  None when it is found damaged
+        now (quarantined, logged: ``job.damaged``).  Another error goes up: the DSN is not
+        built, and its entries are tried again later."""
         if job.body is not None:
             return job.body
         # through an entry still the job's (not put back: spent)
         live = next(e for e in job.entries if e.mail.entry_id not in job.settled)
-        with self.store.read_inflight(live.mail) as reader:
-            return read_piece(reader, original_looked_at(self.config.bounce_size_limit))
+        try:
+            with self.store.read_inflight(live.mail) as reader:
+                original = read_piece(reader, original_looked_at(self.config.bounce_size_limit))
+                if not job.verified:
+                    collections.deque(reader, maxlen=0)  # to the end: the digest checked
+        except CorruptionError as e:
+            self._read_failed(job, [live], e)
+            return None
+        return original
 
     def _smtputf8(self, job: _Job, to: str) -> bool:
         """Whether a DSN of ``job`` sent to ``to`` is internationalized mail."""
@@ -1112,9 +1131,12 @@ class DeliveryScheduler:
             return []
         until = arrival + self.retry.lifetime(False)
         try:
+            original = self._original(job)
+            if original is None:  # found damaged now: no warning built from it
+                return []
             message = build_dsn(reporting_mta=self.config.myhostname, queue_id=job.message_id,
                                 sender=job.mail_from, arrival=arrival, recipients=late,
-                                original=self._original(job), now=now, action="delayed",
+                                original=original, now=now, action="delayed",
                                 retry_until=until, size_limit=self.config.bounce_size_limit,
                                 smtputf8=self._smtputf8(job, job.mail_from))
         except Exception as e:  # a warning only: the entries go on being retried

@@ -23,14 +23,19 @@ __all__ = ["QueuedBody", "read_piece", "storage_call"]
 T = TypeVar("T")
 
 
-async def storage_call(executor: Executor, fn: Callable[..., T], *args: object) -> T:
-    """``fn(*args)`` in a storage thread; a cancellation waits for it to end first."""
-    call = asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+async def storage_call(executor: Executor, fn: Callable[..., T], *args: object,
+                       undo: Callable[[T], object] | None = None) -> T:
+    """``fn(*args)`` in a storage thread; a cancellation waits for it to end first, and
+    then ``undo``es what it gave (in a storage thread too: a reader opened is closed)."""
+    loop = asyncio.get_running_loop()
+    call = loop.run_in_executor(executor, fn, *args)
     try:
         return await asyncio.shield(call)
     except asyncio.CancelledError:
         with contextlib.suppress(Exception):
-            await call
+            got = await call
+            if undo is not None:
+                await loop.run_in_executor(executor, undo, got)
         raise
 
 
@@ -61,14 +66,18 @@ class QueuedBody(BodyStream):
         self.mail = mail
         self.size = size
         self._held = 0
+        #: read to its end once: the queue checked its digest (no damage to find later)
+        self.complete = False
 
     def held(self) -> int:
+        """The piece just read (not what the encoder and the connection hold of it)."""
         return self._held
 
     @contextlib.asynccontextmanager
     async def pieces(self) -> AsyncIterator[AsyncIterator[bytes]]:
         try:
-            reader = await storage_call(self.executor, self.store.read_inflight, self.mail)
+            reader = await storage_call(self.executor, self.store.read_inflight, self.mail,
+                                        undo=MailReader.close)
         except Exception as e:
             raise BodyUnreadable(f"opening the body: {type(e).__name__}: {e}") from e
         try:
@@ -86,5 +95,6 @@ class QueuedBody(BodyStream):
                 raise BodyUnreadable(f"reading the body: {type(e).__name__}: {e}") from e
             self._held = len(piece)
             if not piece:
+                self.complete = True
                 return
             yield piece

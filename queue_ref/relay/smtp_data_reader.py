@@ -135,12 +135,26 @@ async def _piece(reader: asyncio.StreamReader, state: int, dots: bool) -> bytes:
         return await reader.readexactly(e.consumed)
 
 
+def _joined(pieces: list[bytes], cut: int) -> bytes:
+    """The pieces as one ``bytes`` (one copy, where appending them to a buffer and making
+    ``bytes`` of it took two: a MB a copy), less their last ``cut`` octets."""
+    tail: list[bytes | memoryview] = []
+    while cut and pieces:
+        last = pieces.pop()
+        if len(last) > cut:
+            tail.append(memoryview(last)[:len(last) - cut])
+            cut = 0
+        else:
+            cut -= len(last)
+    return b"".join([*pieces, *tail])
+
+
 async def read_data(reader: asyncio.StreamReader, size_limit: int | None,
                     line_limit: int | None) -> DataRead:
     """Read one message's data from ``reader``, after the 354 reply, up to and including
     its terminator (``line_limit`` None: lines of any length).
     ``asyncio.IncompleteReadError`` if the stream ends first."""
-    kept = bytearray()  # the data so far (nothing once the reply is an error)
+    kept: list[bytes] = []  # the data so far, in pieces (nothing once the reply is an error)
     verdict = _Verdict(size_limit, line_limit)
     last = b"\r\n"  # the stream's last bytes: the data starts a line, as if after CRLF
     state = 2
@@ -165,15 +179,14 @@ async def read_data(reader: asyncio.StreamReader, size_limit: int | None,
             held = fed[len(fed) - (state - 2):] if state > 2 and not done else b""
             verdict.feed(fed[:-3] if done else fed[:len(fed) - len(held)])
             if verdict.error is None:
-                kept += piece
+                kept.append(piece)
             elif kept:
-                kept = bytearray()
+                kept.clear()
     finally:
         reader._limit = saved  # type: ignore[attr-defined]
     if verdict.error is not None:
         return DataRead(b"", verdict.error)
-    del kept[-3:]  # ". CRLF"
-    data = bytes(kept)
+    data = _joined(kept, len(TERMINATOR) - 2)  # without the ". CRLF"
     if not dots:  # most mail: no line to undo, nothing more to look for
         return DataRead(data)
     stuffed = data.count(b"\r\n.")

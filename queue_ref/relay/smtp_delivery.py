@@ -35,8 +35,8 @@ from queue_ref.relay.smtp_wire_body import (
     BodyStream,
     BodyUnreadable,
     header_ascii,
-    wire_payload,
-    write_stream,
+    send_stream,
+    wire_parts,
 )
 from queue_ref.relay.tls_summary import CLOSE_GRACE, NO_TLS, summary_of
 
@@ -278,8 +278,13 @@ class SmtpDeliverer:
         if smtp.supports_extension("size"):
             options.append(f"SIZE={len(body) if isinstance(body, bytes) else body.size}")
         encoding = "utf-8" if "SMTPUTF8" in options else "ascii"
-        if (params.get("smtputf8") and encoding == "ascii"
-                and await _needs_smtputf8(mail_from, rcpts, body)):
+        try:  # a streamed body is read for its header section: that may fail, or be cut
+            downgrade = bool(params.get("smtputf8") and encoding == "ascii"
+                             and await _needs_smtputf8(mail_from, rcpts, body))
+        except BaseException:
+            smtp.close()
+            raise
+        if downgrade:
             # Postfix's rule (RFC 6531 3.2): mail received with SMTPUTF8 that has UTF-8 in
             # its envelope or headers is not downgraded; nothing is sent, all bounce
             self._release(conn)
@@ -410,12 +415,13 @@ async def _needs_smtputf8(mail_from: str, rcpts: list[str], body: bytes | BodySt
 
 async def _data(smtp: aiosmtplib.SMTP, body: bytes | BodyStream, line_limit: int,
                 ready: bool = False) -> aiosmtplib.SMTPResponse:
-    """DATA, the payload ``wire_payload`` makes (a ``BodyStream`` written a piece at a
-    time as it is read: ``write_stream``), and its reply, through the protocol's
+    """DATA, the payload ``wire_parts`` makes (a ``BodyStream`` written a piece at a
+    time as it is read: ``send_stream``), and its reply, through the protocol's
     ``write`` and ``read_response``.  Lines longer than ``line_limit`` are folded.  A
-    reply to DATA other than 354 that refuses nothing is ``_ProtocolError``; a refusal,
-    or a final reply that is not 2xx, is ``SMTPDataError``."""
-    wire = wire_payload(body, line_limit, ready=ready) if isinstance(body, bytes) else None
+    reply to DATA other than 354 that refuses nothing is ``_ProtocolError``, and so is
+    a reply that is no refusal given before the end of a streamed body; a refusal, or a
+    final reply that is not 2xx, is ``SMTPDataError``."""
+    wire = wire_parts(body, line_limit, ready=ready) if isinstance(body, bytes) else None
     start = await smtp.execute_command(b"DATA")
     if start.code != aiosmtplib.SMTPStatus.start_input:
         if start.code < 400:
@@ -426,13 +432,17 @@ async def _data(smtp: aiosmtplib.SMTP, body: bytes | BodyStream, line_limit: int
         raise aiosmtplib.SMTPServerDisconnected("Connection lost")
     try:
         if wire is not None:
-            protocol.write(wire)
+            for part in wire:
+                protocol.write(part)
+            # read_response marks a reply as expected before it first yields, so the
+            # reply cannot arrive unexpected
+            resp = await protocol.read_response(timeout=smtp.timeout)
         else:
             assert isinstance(body, BodyStream)
-            await write_stream(smtp, body, line_limit, ready)
-        # read_response marks a reply as expected before it first yields, so the reply
-        # cannot arrive unexpected
-        resp = await protocol.read_response(timeout=smtp.timeout)
+            resp, early = await send_stream(smtp, body, line_limit, ready)
+            if early and resp.code < 400:  # "sent" for a body that did not all go out
+                raise _ProtocolError("reply before the end of the message: "
+                                     + _reply(resp.code, resp.message))
     except (aiosmtplib.SMTPServerDisconnected, aiosmtplib.SMTPTimeoutError):
         smtp.close()
         raise

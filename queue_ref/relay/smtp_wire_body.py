@@ -43,7 +43,7 @@ from queue_ref.relay.smtp_line_folding import (
 )
 
 __all__ = ["STREAMED_BODY", "STREAM_PIECE", "BodyStream", "BodyUnreadable", "WireEncoder",
-           "header_ascii", "wire_payload", "write_stream"]
+           "header_ascii", "send_stream", "wire_parts", "wire_payload"]
 
 #: Bodies over this many octets are streamed from the queue as they go out.
 STREAMED_BODY = 4 << 20
@@ -85,44 +85,63 @@ def wire_payload(body: bytes, line_limit: int = LINE_LENGTH_LIMIT, *,
     return _encoded(body, line_limit) + _END
 
 
+def wire_parts(body: bytes, line_limit: int = LINE_LENGTH_LIMIT, *,
+               ready: bool = False) -> tuple[bytes, ...]:
+    """``wire_payload`` as the parts to write one after the other: a ``ready`` body as it
+    is, then what ends it (no copy of the body, where joining them took a copy a MB)."""
+    if ready:
+        return (body, _END if body.endswith(_CRLF) else _CRLF + _END)
+    return (wire_payload(body, line_limit),)
+
+
 class WireEncoder:
     """``wire_payload`` a piece at a time: fed a body in pieces of any sizes, in order,
     ``feed`` and then ``end`` give, joined, exactly ``wire_payload`` of the whole body.
 
     Each piece is encoded up to its last line break; the rest (a line not ended yet, or
-    a CR that an LF may follow) waits for the next piece.  ``ready`` bodies go out as
+    a CR that an LF may follow) waits for the next piece, kept as the pieces it came in
+    (a line of many pieces is joined once, when it ends).  ``ready`` bodies go out as
     they come."""
 
     def __init__(self, line_limit: int = LINE_LENGTH_LIMIT, *, ready: bool = False) -> None:
         self.line_limit = line_limit
         self.ready = ready
-        self._rest = b""  # not encoded yet: the start of a line whose end is still to come
+        #: not encoded yet: the start of a line whose end is still to come, in pieces
+        self._rest: list[bytes] = []
+        self._held = 0
         self._fed = False  # a line break was given back (the rest starts a line after it)
         self._tail = b""  # ``ready``: the last two octets fed
 
     def held(self) -> int:
         """The octets fed and not given back yet."""
-        return len(self._rest)
+        return self._held
 
     def feed(self, piece: bytes) -> bytes:
         if self.ready:
             if piece:
                 self._tail = (self._tail + piece[-2:])[-2:]
             return piece
-        data = self._rest + piece if self._rest else piece
-        # the last line break: an LF, or a CR with something other than LF after it
-        cut = max(data.rfind(b"\n"), data.rfind(b"\r", 0, len(data) - 1))
-        if cut < 0:
-            self._rest = data
+        if not piece:
             return b""
-        self._rest, self._fed = data[cut + 1:], True
-        return _encoded(data[:cut + 1], self.line_limit)
+        # the last line break: an LF, or a CR with something other than LF after it
+        cut = max(piece.rfind(b"\n"), piece.rfind(b"\r", 0, len(piece) - 1))
+        if cut < 0 and self._rest and self._rest[-1].endswith(b"\r") and piece[0:1] != b"\n":
+            cut = -1  # the rest ends with a bare CR: a line break between the two
+        elif cut < 0:
+            self._rest.append(piece)
+            self._held += len(piece)
+            return b""
+        lines = b"".join([*self._rest, piece[:cut + 1]])
+        after = piece[cut + 1:]
+        self._rest, self._held, self._fed = [after] if after else [], len(after), True
+        return _encoded(lines, self.line_limit)
 
     def end(self) -> bytes:
         """The rest, CRLF at the end where the body has none, and ``.`` CRLF."""
         if self.ready:
             return _END if self._tail == _CRLF else _CRLF + _END
-        rest, self._rest = self._rest, b""
+        rest = b"".join(self._rest)
+        self._rest, self._held = [], 0
         if not rest and self._fed:  # the body ends with the line break given back last
             return _END
         if not crlf_only(rest):
@@ -173,44 +192,76 @@ async def header_ascii(body: bytes | BodyStream) -> bool:
     return carry.isascii()
 
 
-async def write_stream(smtp: aiosmtplib.SMTP, body: BodyStream, line_limit: int,
-                       ready: bool = False) -> None:
+async def send_stream(smtp: aiosmtplib.SMTP, body: BodyStream, line_limit: int,
+                      ready: bool = False) -> tuple[aiosmtplib.SMTPResponse, bool]:
     """Write the DATA payload of ``body`` (after the 354; ``ready``: as for
     ``wire_payload``), each piece once the connection has sent all but
     ``WRITE_BUFFER_LOW`` octets of the ones before, within ``smtp.timeout`` each
-    (SMTPTimeoutError: the peer stopped reading).  Anything that cuts it short (a read
-    that fails: ``BodyUnreadable``; a timeout; a shutdown) drops the connection before
-    the final dot."""
+    (SMTPTimeoutError: the peer stopped reading), and read the reply: the reply, and
+    whether it came before the end of the data.
+
+    The reply is listened for from the first piece on (aiosmtplib drops what a server
+    says while it expects nothing): a server that answers before the end (a 552 for a
+    message too big, then a close) is heard, the rest is not sent, and the connection is
+    dropped, the final dot never sent; its reply is the answer, even when the writes
+    then failed.  Anything else that cuts the data short (a read that fails:
+    ``BodyUnreadable``; a timeout; a shutdown) drops the connection before the final dot
+    too, and goes up."""
     protocol = smtp.protocol
     # asyncio's and uvloop's transports alike (uvloop's are no ``asyncio.WriteTransport``)
     transport = cast(asyncio.WriteTransport | None, smtp.transport)
     if protocol is None or transport is None:
         raise aiosmtplib.SMTPServerDisconnected("Connection lost")
+    reply = asyncio.ensure_future(protocol.read_response(timeout=None))
     encoder = WireEncoder(line_limit, ready=ready)
     try:
         async with body.pieces() as pieces:
             async for piece in pieces:
+                if reply.done():
+                    break
                 out = encoder.feed(piece)
                 if out:
                     protocol.write(out)
-                    await _sent_down_to(transport, WRITE_BUFFER_LOW, smtp.timeout)
-    except BaseException:
+                    await _sent_down_to(transport, WRITE_BUFFER_LOW, smtp.timeout, reply)
+            else:
+                if not reply.done():
+                    protocol.write(encoder.end())
+                    try:
+                        return await asyncio.wait_for(reply, smtp.timeout), False
+                    except TimeoutError:
+                        raise aiosmtplib.SMTPTimeoutError(
+                            "Timed out waiting for server response") from None
+    except BaseException as e:
+        early = _early(reply)
         transport.abort()  # nothing more is sent: no final dot
         smtp.close()
+        if early is not None and not isinstance(e, (BodyUnreadable, asyncio.CancelledError)):
+            return early, True
+        reply.cancel()
         raise
-    protocol.write(encoder.end())
+    transport.abort()  # answered before the end: the rest is not sent, nor the final dot
+    smtp.close()
+    return reply.result(), True  # or the reason it ended without one: the connection lost
 
 
-async def _sent_down_to(transport: asyncio.WriteTransport, low: int,
-                        timeout: float | None) -> None:
-    """Wait until ``transport`` has at most ``low`` octets left to send.  The transport's
-    flow control callbacks belong to aiosmtplib's protocol, so its buffer is looked at
-    again after a wait that doubles from 1 ms to 50 ms: on a fast link it is found empty
-    at once, on a slow one the waits are short beside the time a piece takes."""
+def _early(reply: asyncio.Future[aiosmtplib.SMTPResponse]) -> aiosmtplib.SMTPResponse | None:
+    """The reply a server gave before the end of the data, if it gave one."""
+    if reply.done() and not reply.cancelled() and reply.exception() is None:
+        return reply.result()
+    return None
+
+
+async def _sent_down_to(transport: asyncio.WriteTransport, low: int, timeout: float | None,
+                        reply: asyncio.Future[aiosmtplib.SMTPResponse]) -> None:
+    """Wait until ``transport`` has at most ``low`` octets left to send, or the server
+    replied.  The transport's flow control callbacks belong to aiosmtplib's protocol, so
+    its buffer is looked at again after a wait that doubles from 1 ms to 50 ms: on a fast
+    link it is found empty at once, on a slow one the waits are short beside the time a
+    piece takes."""
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + timeout
     wait = 0.001
-    while transport.get_write_buffer_size() > low:
+    while transport.get_write_buffer_size() > low and not reply.done():
         if transport.is_closing():
             raise aiosmtplib.SMTPServerDisconnected("Connection lost")
         if deadline is not None and loop.time() >= deadline:

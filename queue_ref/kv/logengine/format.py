@@ -92,12 +92,14 @@ def encode_batch(ops: list[Op]) -> bytes:
             add(key)
             add(u32(len(value)))
             add(value)
-    payload = b"".join(parts)
-    if len(payload) > MAX_RECORD:
-        raise ValueError(f"a batch of {len(payload)} bytes exceeds the {MAX_RECORD}-byte limit")
-    length = _U32.pack(len(payload))
-    crc = zlib.crc32(payload, zlib.crc32(length))
-    return length + _U32.pack(crc) + payload
+    size = sum(map(len, parts))
+    if size > MAX_RECORD:
+        raise ValueError(f"a batch of {size} bytes exceeds the {MAX_RECORD}-byte limit")
+    length = u32(size)
+    crc = zlib.crc32(length)
+    for part in parts:  # over the parts: the record is joined once, header first (joining
+        crc = zlib.crc32(part, crc)  # the payload, then the header to it, copied it twice)
+    return b"".join([length, u32(crc), *parts])
 
 
 def check_record(header: bytes, payload: bytes) -> bool:
