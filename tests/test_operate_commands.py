@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import getpass
 import json
 import os
 import shutil
@@ -301,6 +302,43 @@ def test_the_relay_configuration_names_the_queue(
                  ["mailq", "--queue", str(q), "--config", str(conf)]):
         code, _, err = run(capsys, *argv)
         assert code == 2 and len(err.strip().splitlines()) == 1, (argv, err)
+
+
+@pytest.mark.parametrize("log_json", [False, True])
+def test_actions_given_the_relays_config_are_in_its_log(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], log_json: bool) -> None:
+    """As postsuper's "ID: removed" lands in the mail log beside the deliveries: each
+    entry an action changed is an ``operator`` record in the relay's ``log_file``, with
+    the program, action and user; what changed nothing writes nothing."""
+    q = tmp_path / "q"
+    ids = fill(q, "fs")
+    mail_log = tmp_path / "mail.log"
+    mail_log.write_text("a line the relay wrote\n")
+    conf = tmp_path / "relay.toml"
+    conf.write_text(f'queue = "{q}"\nlog_file = "{mail_log}"\nlog_json = {str(log_json).lower()}\n')
+    assert run(capsys, "hold", "--config", str(conf), ids[0])[0] == 0
+    assert run(capsys, "delete", "--config", str(conf), f"{ids[1]}.1")[0] == 0
+    assert run(capsys, "release", "--config", str(conf), f"{ids[1]}.0")[0] == 0  # not held
+    assert run(capsys, "hold", "--queue", str(q), f"{ids[1]}.0")[0] == 0  # no config: no log
+    lines = mail_log.read_text().splitlines()
+    assert lines[0] == "a line the relay wrote" and len(lines) == 4, lines
+    user = getpass.getuser()
+    if log_json:
+        records = [json.loads(x) for x in lines[1:]]
+        assert [(r["program"], r["queue_id"], r["entry_id"], r["result"], r["user"])
+                for r in records] == [
+            ("queue-ref/hold", ids[0], f"{ids[0]}.0", "placed on hold", user),
+            ("queue-ref/hold", ids[0], f"{ids[0]}.1", "placed on hold", user),
+            ("queue-ref/delete", ids[1], f"{ids[1]}.1", "removed", user)]
+        assert all(r["event"] == "operator" and r["pid"] for r in records)
+    else:
+        assert " queue-ref/hold[" in lines[1] and f"]: {ids[0]}: operator, action=hold, " \
+            f"entry_id={ids[0]}.0, result=placed on hold, user={user}" in lines[1], lines[1]
+        assert " queue-ref/delete[" in lines[3] and "result=removed" in lines[3]
+    # a log that cannot be written to: the action stands, and the command says so
+    conf.write_text(f'queue = "{q}"\nlog_file = "{tmp_path}"\n')  # a directory
+    code, out, err = run(capsys, "requeue", "--config", str(conf), ids[2])
+    assert code == 0 and "requeue: 2 entries" in out and "not written to the relay's log" in err
 
 
 @pytest.mark.parametrize("command", [["mailq", "--json"], ["mailq"]])

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import errno
+import getpass
 import json
 import os
 import pwd
@@ -238,6 +239,7 @@ def _action(fn: Callable[..., qa.ActionResult]) -> Callable[[Storage, argparse.N
         chosen = qa.select(qa.listing(store), ids=args.ids, domain=args.domain, every=args.all,
                            roots=len(args.queue), busy=lambda: qa.in_delivery(store))
         res = fn(store, chosen)
+        _log_actions(res, args)
         woke = False
         if res.changed and res.action in ("release", "requeue"):
             # entries became due: a running relay looks at once (no wait for its scan)
@@ -252,6 +254,34 @@ def _action(fn: Callable[..., qa.ActionResult]) -> Callable[[Storage, argparse.N
 #: What each action did to an entry, said per entry as postsuper says it per message.
 _DONE = {"hold": "placed on hold", "release": "released from hold", "delete": "removed",
          "requeue": "requeued", "flush": "due now"}
+
+
+def _log_actions(res: qa.ActionResult, args: argparse.Namespace) -> None:
+    """Each entry changed, in the relay's log file when the command was given the relay's
+    ``--config`` and it names one (as postsuper's ``ID: removed`` lands in the mail log
+    beside the deliveries): ``operator`` records, written by ``queue-ref/ACTION[pid]``."""
+    if args.relay_log is None or not res.changed:
+        return
+    from queue_ref.relay.delivery_log import DeliveryLog
+
+    json_lines, path = args.relay_log
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    try:
+        log = DeliveryLog(json_lines, path, program=f"queue-ref/{res.action}")
+    except OSError as e:  # done is done: said, not undone
+        print(f"queue-ref {res.action}: not written to the relay's log {path}: "
+              f"{e.strerror or e}", file=sys.stderr)
+        return
+    try:
+        with log.batch():
+            for entry in res.changed:
+                log.emit("operator", entry.rpartition(".")[0], action=res.action,
+                         entry_id=entry, result=_DONE.get(res.action, res.action), user=user)
+    finally:
+        log.close()
 
 
 def _report(res: qa.ActionResult, args: argparse.Namespace) -> None:
@@ -274,6 +304,7 @@ def _why(why: dict[str, int]) -> str:
 
 def _flush(store: Storage, args: argparse.Namespace) -> int:
     res = qa.flush(store, args.domain)
+    _log_actions(res, args)
     woke = wake_relay(args.queue[0]) if res.changed else False
     if args.json:
         print(json.dumps({**res.to_json(), "domain": args.domain, "relay_woken": woke}))
@@ -341,6 +372,7 @@ def _where(args: argparse.Namespace) -> tuple[list[str], str | None]:
     or ``queue_directories``, and ``backend``; ``--backend`` still wins)."""
     if (args.queue is None) == (args.config is None):
         raise InvalidInputError("name the queue: --queue DIR or --config FILE (the relay's)")
+    args.relay_log = None
     if args.config is None:
         return list(args.queue), args.backend
     # the relay's configuration module brings asyncio and dnspython: imported only here,
@@ -352,6 +384,8 @@ def _where(args: argparse.Namespace) -> tuple[list[str], str | None]:
     except (ConfigError, OSError) as e:
         said = str(e)  # a ConfigError names the file already
         raise InvalidInputError(said if args.config in said else f"{args.config}: {said}") from e
+    if cfg.log_file:  # the actions are written to the relay's log too (``_log_actions``)
+        args.relay_log = (cfg.log_json, cfg.log_file)
     return cfg.queue_roots(), args.backend if args.backend is not None else cfg.backend
 
 

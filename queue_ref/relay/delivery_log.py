@@ -19,6 +19,8 @@ and their fields are documented in ``docs/relay.md``:
 * ``timeout``   a client silent for ``smtpd_timeout`` (client, after, seconds)
 * ``tls``       a TLS session: direction (in, out), client or server, version, cipher,
   bits
+* ``operator``  an entry an operator command changed (action, entry_id, result, user),
+  written by ``queue-ref/ACTION[pid]`` when the command was given the relay's config
 
 The text line reads like Postfix's ``smtp[pid]: QUEUEID: to=<a@b>, relay=h[ip]:25,
 delay=1.2, dsn=2.0.0, status=sent (250 2.0.0 Ok)``.
@@ -52,8 +54,9 @@ class DeliveryLog:
     """Writes records to a stream (standard error by default), line-buffered, thread-safe."""
 
     def __init__(self, json_lines: bool = False, path: str = "",
-                 stream: LogStream | None = None) -> None:
+                 stream: LogStream | None = None, program: str = "queue-ref/relay") -> None:
         self.json_lines = json_lines
+        self.program = program  # who writes: the text line's head, ``program`` in JSON
         self._own = False
         if stream is not None:
             self._stream = stream
@@ -96,6 +99,8 @@ class DeliveryLog:
         record.update({k: v for k, v in fields.items() if v is not None})
         if self.json_lines:
             record["pid"] = self._pid  # the text line has it in its head
+            if self.program != "queue-ref/relay":  # an operator command's record
+                record["program"] = self.program
             # UTF-8 addresses as they are (``grep``), not as \u escapes
             line = json.dumps(record, sort_keys=False, ensure_ascii=False)
         else:
@@ -120,7 +125,7 @@ class DeliveryLog:
 
     def text(self, r: dict[str, Any]) -> str:
         """The Postfix-style line of a record."""
-        head = f"{r['ts']} queue-ref/relay[{self._pid}]: "
+        head = f"{r['ts']} {self.program}[{self._pid}]: "
         if r["queue_id"]:
             head += f"{r['queue_id']}: "
         parts = []
