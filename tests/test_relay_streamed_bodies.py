@@ -16,19 +16,19 @@ import smtplib
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from queue_ref.kv import keys
-from queue_ref.kv.base import WriteBatch
+from queue_ref.kv.base import KV
 from queue_ref.kv.core import CHUNK
 from queue_ref.opener import open_queue
 from queue_ref.relay.smtp_wire_body import STREAM_PIECE, STREAMED_BODY
 from queue_ref.storage import Recipient, Schedule
 from tests.relay_faulty_steps import read_io_trigger_of
 from tests.relay_support import RelayThread, Sink, relay_config
-from tests.test_relay_waiting_bodies import big_body, prequeue
+from tests.test_relay_waiting_bodies import big_body, flip_a_bit, flip_in_chunk, prequeue
 
 MIB = 1024 * 1024
 SIZE = 12 * MIB
@@ -64,6 +64,29 @@ def settled(r: RelayThread) -> None:
     wait_until("settled", lambda: not r.call(lambda: r.relay.scheduler.sizes())["inflight"])
 
 
+def wait_paused(sink: Sink, n: int) -> None:
+    wait_until(f"{n} sessions paused", lambda: sink.state.paused == n)
+
+
+@contextlib.contextmanager
+def relay_paused_in_data(queue: str, paused: int = 1, after: int = 2 * MIB, **config: object
+                         ) -> Iterator[tuple[Sink, RelayThread, threading.Event]]:
+    """A relay whose next hop (a sink) stops reading DATA after ``after`` octets of it;
+    yields once ``paused`` sessions stopped there (0: at once), and the gate that lets the
+    sink read on (set at the latest when the block ends)."""
+    with Sink() as sink:
+        gate = threading.Event()
+        sink.state.data_pause = (after, gate)
+        with RelayThread(relay_config(queue, relayhost=f"[127.0.0.1]:{sink.port}",
+                                      **config)) as r:
+            try:
+                if paused:
+                    wait_paused(sink, paused)
+                yield sink, r, gate
+            finally:
+                gate.set()
+
+
 @pytest.mark.parametrize("backend", ["fs", "kv-log"])
 def test_a_big_body_goes_out_a_piece_at_a_time(tmp_path: Path, backend: str) -> None:
     """Paused in the middle of DATA, the relay holds at most one piece of the body (the
@@ -73,21 +96,13 @@ def test_a_big_body_goes_out_a_piece_at_a_time(tmp_path: Path, backend: str) -> 
     bodies = [big_body(0, SIZE), odd_body(SIZE)]
     assert all(len(b) > STREAMED_BODY for b in bodies)
     prequeue(queue, bodies, backend=backend)
-    with Sink() as sink:
-        gate = threading.Event()
-        sink.state.data_pause = (3 * MIB, gate)
-        config = relay_config(queue, relayhost=f"[127.0.0.1]:{sink.port}", backend=backend,
-                              log_json=True)
-        with RelayThread(config) as r:
-            try:
-                wait_until("both paused", lambda: sink.state.paused == 2)
-                held = r.call(lambda: r.relay.scheduler.body_bytes)
-                assert 0 < held <= 2 * STREAM_PIECE, held
-            finally:
-                gate.set()
-            got = sink.wait_for(2, timeout=60)
-            settled(r)
-            assert r.call(lambda: r.relay.scheduler.body_bytes) == 0
+    with relay_paused_in_data(queue, 2, 3 * MIB, backend=backend) as (sink, r, gate):
+        held = r.call(lambda: r.relay.scheduler.body_bytes)
+        assert 0 < held <= 2 * STREAM_PIECE, held
+        gate.set()
+        got = sink.wait_for(2, timeout=60)
+        settled(r)
+        assert r.call(lambda: r.relay.scheduler.body_bytes) == 0
     by_rcpt = {m.rcpts[0]: m.data for m in got}
     assert by_rcpt["u0.0@ok.test"] == bodies[0]
     assert unfolded(by_rcpt["u1.0@ok.test"]) == bodies[1].replace(b"\nlf\rcr", b"\r\nlf\r\ncr")
@@ -98,41 +113,24 @@ def test_mail_the_receiver_took_goes_out_streamed_as_it_came(tmp_path: Path) -> 
     """A message of 6 MB received over SMTP (its body found to go out as it is) is
     delivered streamed, byte for byte after the relay's Received: header."""
     body = big_body(5, 6 * MIB)
-    with Sink() as sink:
-        gate = threading.Event()
-        sink.state.data_pause = (2 * MIB, gate)
-        with RelayThread(relay_config(str(tmp_path / "q"), log_json=True,
-                                      relayhost=f"[127.0.0.1]:{sink.port}")) as r:
-            with smtplib.SMTP("127.0.0.1", r.port, timeout=30) as c:
-                assert c.sendmail("a@ok.test", ["u@ok.test"], body) == {}
-            try:
-                wait_until("paused", lambda: sink.state.paused == 1)
-                assert r.call(lambda: r.relay.scheduler.body_bytes) <= STREAM_PIECE
-            finally:
-                gate.set()
-            (m,) = sink.wait_for(1, timeout=60)
+    with relay_paused_in_data(str(tmp_path / "q"), 0) as (sink, r, gate):
+        with smtplib.SMTP("127.0.0.1", r.port, timeout=30) as c:
+            assert c.sendmail("a@ok.test", ["u@ok.test"], body) == {}
+        wait_paused(sink, 1)
+        assert r.call(lambda: r.relay.scheduler.body_bytes) <= STREAM_PIECE
+        gate.set()
+        (m,) = sink.wait_for(1, timeout=60)
     assert m.data.startswith(b"Received: ") and m.data.endswith(b"\r\n" + body)
 
 
-def damage_late(r: RelayThread, queue: str, backend: str, victim: str) -> None:
+def damage_late(kv: KV, queue: str, backend: str, victim: str, size: int) -> None:
     """One bit flipped near the end of the stored body of ``victim`` (past what the
-    relay has read of it while the sink is paused)."""
+    relay has read of it while the sink is paused); ``kv``: the engine of the store that
+    holds it (the relay's, while it runs)."""
     if backend == "fs":
-        path = os.path.join(queue, "data", victim)
-        with open(path, "r+b") as f:
-            f.seek(os.path.getsize(path) - 1000)
-            byte = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([byte[0] ^ 0x10]))
-        return
-    kv = r.relay.scheduler.store.kv  # the relay's own store: its engine takes the write
-    key = keys.chunk(int(victim), SIZE // CHUNK - 2)
-    chunk = bytearray(kv.get(key) or b"")
-    assert chunk
-    chunk[100] ^= 0x10
-    batch = WriteBatch()
-    batch.put(key, bytes(chunk))
-    kv.write(batch, sync=True)
+        flip_a_bit(os.path.join(queue, "data", victim), from_end=1000)
+    else:
+        flip_in_chunk(kv, victim, size // CHUNK - 2)
 
 
 @pytest.mark.parametrize("backend", ["fs", "kv-log"])
@@ -143,20 +141,12 @@ def test_a_body_found_damaged_while_it_streams_is_never_delivered(
     nothing, the message is quarantined (one ``read`` error), and no DSN is sent."""
     queue = str(tmp_path / "q")
     (victim,) = prequeue(queue, [big_body(1, SIZE)], rcpts=2, backend=backend)
-    with Sink() as sink:
-        gate = threading.Event()
-        sink.state.data_pause = (2 * MIB, gate)
-        config = relay_config(queue, relayhost=f"[127.0.0.1]:{sink.port}", backend=backend,
-                              log_json=True)
-        with RelayThread(config) as r:
-            try:
-                wait_until("paused", lambda: sink.state.paused == 1)
-                damage_late(r, queue, backend, victim)
-            finally:
-                gate.set()
-            settled(r)
-            assert r.call(lambda: r.relay.scheduler.job_errors) == 0
-            assert r.call(lambda: r.relay.scheduler.sizes())["queued"] == 0
+    with relay_paused_in_data(queue, backend=backend, log_json=True) as (sink, r, gate):
+        damage_late(getattr(r.relay.scheduler.store, "kv", None), queue, backend, victim, SIZE)
+        gate.set()
+        settled(r)
+        assert r.call(lambda: r.relay.scheduler.job_errors) == 0
+        assert r.call(lambda: r.relay.scheduler.sizes())["queued"] == 0
     assert sink.state.data_commands == 1 and sink.state.messages == []
     records = [json.loads(line) for line in r.log_lines]
     errors = [e for e in records if e["event"] == "error"]
@@ -175,20 +165,12 @@ def test_a_disk_error_while_a_body_streams_puts_its_entries_back(tmp_path: Path)
     to the queue due in a minute with no attempt counted; another message goes on."""
     queue = str(tmp_path / "q")
     victim, other = prequeue(queue, [big_body(2, SIZE), big_body(3, 5 * MIB)], rcpts=2)
-    with Sink() as sink:
-        gate = threading.Event()
-        sink.state.data_pause = (2 * MIB, gate)
-        config = relay_config(queue, relayhost=f"[127.0.0.1]:{sink.port}", log_json=True,
-                              backend="tests.relay_faulty_steps:fs",
-                              default_destination_concurrency_limit=1)
-        with RelayThread(config) as r:
-            try:
-                wait_until("paused", lambda: sink.state.paused == 1)
-                Path(read_io_trigger_of(queue)).touch()  # the next piece read: victim's
-            finally:
-                gate.set()
-            got = sink.wait_for(2, timeout=60)
-            settled(r)
+    with relay_paused_in_data(queue, log_json=True, backend="tests.relay_faulty_steps:fs",
+                              default_destination_concurrency_limit=1) as (sink, r, gate):
+        Path(read_io_trigger_of(queue)).touch()  # the next piece read: victim's
+        gate.set()
+        got = sink.wait_for(2, timeout=60)
+        settled(r)
     assert not os.path.exists(read_io_trigger_of(queue))  # it fired
     assert sorted(r for m in got for r in m.rcpts) == ["u1.0@ok.test", "u1.1@ok.test"]
     assert {m.data for m in got} == {big_body(3, 5 * MIB)}
@@ -209,16 +191,8 @@ def test_a_next_hop_that_stops_reading_is_given_up_after_the_timeout(tmp_path: P
     connection to send, then the connection is dropped and the recipient deferred."""
     queue = str(tmp_path / "q")
     (mid,) = prequeue(queue, [big_body(4, SIZE)])
-    with Sink() as sink:
-        gate = threading.Event()
-        sink.state.data_pause = (2 * MIB, gate)
-        config = relay_config(queue, relayhost=f"[127.0.0.1]:{sink.port}", log_json=True,
-                              smtp_timeout=1.0)
-        with RelayThread(config) as r:
-            try:
-                [rec] = r.wait_events(1, timeout=30)
-            finally:
-                gate.set()
+    with relay_paused_in_data(queue, 0, log_json=True, smtp_timeout=1.0) as (sink, r, _):
+        [rec] = r.wait_events(1, timeout=30)
     assert rec["queue_id"] == mid and rec["status"] == "deferred"
     assert "while sending DATA: Timed out sending the message body" in rec["reason"], rec
     assert sink.state.messages == []
@@ -233,17 +207,11 @@ def test_a_big_message_to_two_domains_streams_to_each(tmp_path: Path) -> None:
         enq.write(body)
         enq.commit([Recipient("u@ok.test", Schedule(0)),
                     Recipient("v@other.test", Schedule(0))])
-    with Sink() as sink:
-        gate = threading.Event()
-        sink.state.data_pause = (2 * MIB, gate)
-        with RelayThread(relay_config(queue, relayhost=f"[127.0.0.1]:{sink.port}")) as r:
-            try:
-                wait_until("both paused", lambda: sink.state.paused == 2)
-                held = r.call(lambda: r.relay.scheduler.body_bytes)
-                assert 0 < held <= 2 * STREAM_PIECE, held
-            finally:
-                gate.set()
-            got = sink.wait_for(2, timeout=60)
+    with relay_paused_in_data(queue, 2) as (sink, r, gate):
+        held = r.call(lambda: r.relay.scheduler.body_bytes)
+        assert 0 < held <= 2 * STREAM_PIECE, held
+        gate.set()
+        got = sink.wait_for(2, timeout=60)
     assert sorted(m.rcpts[0] for m in got) == ["u@ok.test", "v@other.test"]
     assert all(m.data == body for m in got)
 
@@ -315,20 +283,7 @@ def test_a_damaged_big_body_refused_before_data_is_quarantined_not_bounced(
             enq.write(big_body(8, 6 * MIB))
             (victim,) = {h.message_id for h in enq.commit([Recipient("reject@ok.test",
                                                                      Schedule(0))])}
-        if backend == "fs":
-            path = os.path.join(queue, "data", victim)
-            with open(path, "r+b") as f:
-                f.seek(os.path.getsize(path) - 1000)
-                byte = f.read(1)
-                f.seek(-1, os.SEEK_CUR)
-                f.write(bytes([byte[0] ^ 0x10]))
-        else:
-            key = keys.chunk(int(victim), 6 * MIB // CHUNK - 2)
-            chunk = bytearray(q.kv.get(key) or b"")  # type: ignore[attr-defined]
-            chunk[100] ^= 0x10
-            batch = WriteBatch()
-            batch.put(key, bytes(chunk))
-            q.kv.write(batch, sync=True)  # type: ignore[attr-defined]
+        damage_late(getattr(q, "kv", None), queue, backend, victim, 6 * MIB)
     with Sink() as sink:
         config = relay_config(queue, relayhost=f"[127.0.0.1]:{sink.port}", backend=backend,
                               log_json=True)

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from queue_ref.kv import keys
-from queue_ref.kv.base import WriteBatch
+from queue_ref.kv.base import KV, WriteBatch
 from queue_ref.memory import MemoryStorage
 from queue_ref.opener import open_queue
 from queue_ref.relay.delivery_log import DeliveryLog
@@ -92,9 +92,15 @@ def damage(r: RelayThread, queue: str, backend: str, victim: str) -> None:
     """One bit flipped in the middle of the stored body of ``victim``."""
     if backend == "fs":
         flip_a_bit(os.path.join(queue, "data", victim))
-        return
-    kv = r.relay.scheduler.store.kv  # the relay's own store: its engine takes the write
-    key = keys.chunk(int(victim), 2)
+    else:  # the relay's own store: its engine takes the write
+        flip_in_chunk(r.relay.scheduler.store.kv, victim, 2)
+
+
+def flip_in_chunk(kv: KV | None, victim: str, seq: int) -> None:
+    """One bit flipped in body chunk ``seq`` of KV message ``victim``, written through
+    ``kv``, the engine of the store that holds it."""
+    assert kv is not None
+    key = keys.chunk(int(victim), seq)
     chunk = bytearray(kv.get(key) or b"")
     assert chunk
     chunk[100] ^= 0x10
@@ -211,9 +217,11 @@ def test_a_job_to_two_domains_keeps_its_body_while_one_of_them_sends(tmp_path: P
     assert sorted(m.data for m in got) == sorted(bodies * 2)
 
 
-def flip_a_bit(path: str) -> None:
-    with open(path, "r+b") as f:  # one bit flipped in the middle of the body
-        f.seek(os.path.getsize(path) // 2)
+def flip_a_bit(path: str, from_end: int | None = None) -> None:
+    """One bit flipped in the middle of the file, or ``from_end`` octets before its end."""
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(size // 2 if from_end is None else size - from_end)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x10]))
