@@ -14,6 +14,7 @@ import ssl
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -62,13 +63,15 @@ def deferred(r: RelayThread, n: int) -> None:
 
 
 def serve_turned(sock: socket.socket, replies: dict[str, str], data_reply: str = "",
-                 lines: list[str] | None = None, answer_quit: bool = True
+                 lines: list[str] | None = None, answer_quit: bool = True,
+                 midway: Callable[[], None] | None = None
                  ) -> list[tuple[str, list[str], bytes]]:
     """Be the SMTP server on ``sock`` after ATRN's 250: the greeting, then each command
     answered (``replies``: recipient -> its RCPT reply, else 250; ``data_reply``, when
     given, answers DATA instead of 354) until QUIT (unanswered unless ``answer_quit``:
     then until the relay hangs up); the messages taken (sender, recipients accepted,
-    content).  ``lines`` gets every command line read."""
+    content).  ``lines`` gets every command line read; ``midway`` is called once 2 MB of
+    a message's data were read (a pause point: the rest waits in the connection)."""
     f = sock.makefile("rb")
     sock.sendall(b"220 customer.test ESMTP\r\n")
     got: list[tuple[str, list[str], bytes]] = []
@@ -95,9 +98,16 @@ def serve_turned(sock: socket.socket, replies: dict[str, str], data_reply: str =
             sock.sendall(data_reply.encode() + b"\r\n")
         elif verb == "DATA":
             sock.sendall(b"354 go ahead\r\n")
-            data = b""
-            while not data.endswith(b"\r\n.\r\n"):
-                data += f.readline()
+            parts: list[bytes] = []
+            size = 0
+            while not (parts and parts[-1] == b".\r\n" and (len(parts) == 1
+                                                           or parts[-2].endswith(b"\n"))):
+                parts.append(f.readline())
+                size += len(parts[-1])
+                if midway is not None and size >= 2 << 20:
+                    midway()
+                    midway = None
+            data = b"".join(parts)
             got.append((mail_from, rcpts, data))
             sock.sendall(b"250 2.0.0 Ok: taken\r\n")
         elif verb == "QUIT" and answer_quit:
@@ -321,3 +331,28 @@ def test_a_customer_that_never_answers_quit_is_hung_up_on(tmp_path: Path) -> Non
     assert [rc for _, rc, _ in got] == [[f"one@{DOMAIN}"]]
     assert lines[-1] == "QUIT" and 4.5 <= took < 12, took
     assert r.events("error") == []
+
+
+def test_a_big_message_goes_over_the_turned_connection_a_piece_at_a_time(
+        tmp_path: Path) -> None:
+    """A 6 MB message for an on-demand domain is read from the queue as it goes out over
+    the client's connection (``smtp_wire_body.STREAMED_BODY``): midway through its data,
+    the relay holds a piece of it, not all of it; it arrives as it was queued."""
+    from queue_ref.relay.smtp_wire_body import STREAM_PIECE
+
+    line = b".dot line, stuffed on the wire " + b"x" * 40 + b"\r\n"
+    body = b"Subject: big\r\n\r\n" + line * (6 * 1024 * 1024 // len(line))
+    held: list[int] = []
+    with Sink() as sink, RelayThread(_config(tmp_path, sink)) as r:
+        with smtplib.SMTP("127.0.0.1", r.port, timeout=30) as c:
+            assert c.sendmail("a@example.org", [f"one@{DOMAIN}"], body) == {}
+        deferred(r, 1)
+        with _odmr(r) as c:
+            assert c.docmd("ATRN", DOMAIN)[0] == 250
+            got = serve_turned(c.sock, {}, midway=lambda: held.append(
+                r.call(lambda: r.relay.scheduler.body_bytes)))
+        r.wait_events(1, "delivery", status="sent")
+    [(_, rcpts, data)] = got
+    assert rcpts == [f"one@{DOMAIN}"]
+    assert data.endswith(b"\r\n" + body.replace(b"\r\n.", b"\r\n..") + b".\r\n")
+    assert held and 0 < held[0] <= STREAM_PIECE, held

@@ -67,13 +67,13 @@ from queue_ref.relay.dsn_bounce import (
     needs_smtputf8,
     original_looked_at,
 )
-from queue_ref.relay.mx_routing import Nexthop, Router
+from queue_ref.relay.mx_routing import Router
 from queue_ref.relay.queued_body import QueuedBody, read_piece, storage_call
 from queue_ref.relay.relay_config import RelayConfig
 from queue_ref.relay.relay_metrics import RelayMetrics
 from queue_ref.relay.retry_backoff import RetryPolicy
 from queue_ref.relay.smtp_delivery import RcptResult, SmtpDeliverer
-from queue_ref.relay.smtp_wire_body import STREAMED_BODY, BodyUnreadable
+from queue_ref.relay.smtp_wire_body import STREAMED_BODY, BodyStream, BodyUnreadable
 from queue_ref.storage import (
     Capability,
     CorruptionError,
@@ -555,7 +555,7 @@ class DeliveryScheduler:
     # ---- one job ----
 
     async def run_job(self, handles: list[QueuedMail],
-                      send: Callable[[str, list[str], bytes, dict[str, str]],
+                      send: Callable[[str, list[str], bytes | BodyStream, dict[str, str]],
                                      Awaitable[list[RcptResult]]]) -> None:
         """Deliver one message's ``handles`` with ``send(mail_from, rcpts, body, params)``
         (one result per recipient) instead of by route: ATRN, over the connection its
@@ -568,12 +568,16 @@ class DeliveryScheduler:
             self._take(h.entry_id)
 
         async def over(job: _Job) -> list[tuple[_Entry, RcptResult]]:
+            rcpts = [e.rcpt for e in job.entries]
             try:
+                if job.streamed and not job.found_damaged():
+                    got = await self._stream(job, job.entries, lambda stream: send(
+                        job.mail_from, rcpts, stream, job.params))
+                    return [] if got is None else list(zip(job.entries, got, strict=True))
                 body = await self._body(job, job.entries)
                 if body is None:  # quarantined, or back in the queue
                     return []
-                results = await send(job.mail_from, [e.rcpt for e in job.entries], body,
-                                     job.params)
+                results = await send(job.mail_from, rcpts, body, job.params)
                 return list(zip(job.entries, results, strict=True))
             except Exception as e:  # CancelledError goes on up, as in _deliver_domain
                 self._job_error("deliver", job.message_id, e)
@@ -721,10 +725,10 @@ class DeliveryScheduler:
                 job.sending += 1
                 try:
                     if job.streamed and not job.found_damaged():
-                        stream = QueuedBody(self.store, self.executor, entries[0].mail,
-                                            job.size)
-                        job.streams.append(stream)
-                        results = await self._stream(job, route.hosts, entries, stream)
+                        results = await self._stream(job, entries, lambda stream:
+                                                     self.deliverer.deliver(
+                            route.hosts, job.mail_from, [e.rcpt for e in entries], stream,
+                            job.params, wire_ready=job.wire_ready))
                     else:
                         body = await self._body(job, entries)
                         if body is None:  # quarantined, or back in the queue
@@ -743,14 +747,15 @@ class DeliveryScheduler:
                 job.waiting -= 1
         return list(zip(entries, results, strict=True))
 
-    async def _stream(self, job: _Job, hosts: list[Nexthop], entries: list[_Entry],
-                      stream: QueuedBody) -> list[RcptResult] | None:
-        """Deliver ``entries`` with their body read as it goes out; None when the queue
-        could not give all of it (nothing was delivered; ``_read_failed``)."""
+    async def _stream(self, job: _Job, entries: list[_Entry],
+                      send: Callable[[BodyStream], Awaitable[list[RcptResult]]]
+                      ) -> list[RcptResult] | None:
+        """``send`` ``entries``' body read as it goes out (through the first of them); None
+        when the queue could not give all of it (nothing was delivered; ``_read_failed``)."""
+        stream = QueuedBody(self.store, self.executor, entries[0].mail, job.size)
+        job.streams.append(stream)
         try:
-            return await self.deliverer.deliver(
-                hosts, job.mail_from, [e.rcpt for e in entries], stream, job.params,
-                wire_ready=job.wire_ready)
+            return await send(stream)
         except BodyUnreadable as e:
             cause = e.__cause__ if isinstance(e.__cause__, Exception) else e
             await storage_call(self.executor, self._read_failed, job, entries, cause)

@@ -26,7 +26,7 @@ import re
 import secrets
 import time
 from concurrent.futures import Executor
-from typing import Any
+from typing import Any, cast
 
 from aiosmtpd.smtp import MISSING, SMTP, AuthResult, Envelope, LoginPassword, Session, syntax
 
@@ -35,7 +35,7 @@ from queue_ref.relay.password_files import load_cram_md5_file
 from queue_ref.relay.relay_config import RelayConfig, parse_hostport
 from queue_ref.relay.relay_host import RelayHost, RelayStartError
 from queue_ref.relay.smtp_delivery import RcptResult, dsn_of
-from queue_ref.relay.smtp_wire_body import wire_payload
+from queue_ref.relay.smtp_wire_body import BodyStream, WireEncoder, wire_payload
 from queue_ref.relay.smtpd_sasl_auth import TOO_MANY, SaslAuthenticator
 from queue_ref.storage import InvalidInputError, QueuedMail, Storage
 
@@ -179,9 +179,11 @@ class _Turned:
         text = " ".join(text.split())
         return RcptResult(code, dsn_of(code, text), f"{code} {text}", self.relay)
 
-    async def send(self, mail_from: str, rcpts: list[str], body: bytes,
+    async def send(self, mail_from: str, rcpts: list[str], body: bytes | BodyStream,
                    params: dict[str, str]) -> list[RcptResult]:
-        """One transaction: a result per recipient (``DeliveryScheduler.run_job``)."""
+        """One transaction: a result per recipient (``DeliveryScheduler.run_job``).  A
+        ``BodyStream`` is read as it goes out; ``BodyUnreadable`` when the queue could
+        not give all of it (the connection dropped before the final dot)."""
         results: list[RcptResult | None] = [None] * len(rcpts)
         try:
             return await self._transaction(mail_from, rcpts, body, params, results)
@@ -190,7 +192,7 @@ class _Turned:
             text = f"lost connection with {self.relay}: {e}"
             return [r or RcptResult(0, "4.4.2", text, self.relay) for r in results]
 
-    async def _transaction(self, mail_from: str, rcpts: list[str], body: bytes,
+    async def _transaction(self, mail_from: str, rcpts: list[str], body: bytes | BodyStream,
                            params: dict[str, str], results: list[RcptResult | None]
                            ) -> list[RcptResult]:
         opts = ""
@@ -200,7 +202,7 @@ class _Turned:
         if utf8:
             opts += " SMTPUTF8"
         if "SIZE" in self.extensions:
-            opts += f" SIZE={len(body)}"
+            opts += f" SIZE={len(body) if isinstance(body, bytes) else body.size}"
         enc = "utf-8" if utf8 else "ascii"
         if not all(a.isascii() for a in [mail_from, *rcpts]) and not utf8:
             text = f"SMTPUTF8 is required, but was not offered by host {self.relay}"
@@ -219,7 +221,11 @@ class _Turned:
         if accepted:
             code, text = await self.command("DATA")
             if code == 354:
-                await self.proto.send_line(wire_payload(body, self.config.smtp_line_length_limit))
+                if isinstance(body, bytes):
+                    await self.proto.send_line(
+                        wire_payload(body, self.config.smtp_line_length_limit))
+                else:
+                    await self._stream(body)
                 code, text = await self.proto.reply(self.config.smtp_timeout)
             else:
                 await self.command("RSET")
@@ -228,6 +234,27 @@ class _Turned:
         else:
             await self.command("RSET")
         return [r if r is not None else self._result(451, "4.4.2 no reply") for r in results]
+
+    async def _stream(self, body: BodyStream) -> None:
+        """The DATA payload of a streamed body, a piece at a time, each written within
+        ``smtp_timeout``; cut short (a read that fails, a timeout, a shutdown), the
+        connection is dropped before the final dot."""
+        encoder = WireEncoder(self.config.smtp_line_length_limit)
+        try:
+            async with body.pieces() as pieces:
+                async for piece in pieces:
+                    out = encoder.feed(piece)
+                    if out:
+                        async with asyncio.timeout(self.config.smtp_timeout):
+                            await self.proto.send_line(out)
+            await self.proto.send_line(encoder.end())
+        except BaseException as e:
+            self.lost = True
+            if self.proto.transport is not None:  # nothing more is sent: no final dot
+                cast(asyncio.WriteTransport, self.proto.transport).abort()
+            if isinstance(e, TimeoutError):
+                raise _Lost("timed out sending the message body") from e
+            raise
 
     async def quit(self) -> None:
         """QUIT, waiting 5 s at most for the reply: a customer that never answers it is
