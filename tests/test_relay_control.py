@@ -323,3 +323,43 @@ def test_mail_in_delivery_on_a_queue_over_two_roots(
             finally:
                 gate.set()
             sink.wait_for(2)
+
+
+def test_a_big_body_is_read_through_the_socket_a_piece_at_a_time(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``show --body`` of a 5 MB message on a running relay's KV queue prints it whole,
+    fetched a piece (``BODY_PIECE``) a request: no reply line holds the body; a second
+    reader of the same entry starts at its beginning, whatever the first left."""
+    from queue_ref.operate.relay_control_client import RelayControlStorage
+    from queue_ref.operate.relay_control_wire import BODY_PIECE
+
+    queue = str(tmp_path / "q")
+    body = b"Subject: big\r\n\r\n" + b"".join(b"%07d %s\r\n" % (i, b"y" * 60)
+                                               for i in range(75_000))
+    with open_queue(queue, "kv-log") as q, q.enqueue("ops@example.org") as enq:
+        enq.write(body)
+        mid = enq.commit([Recipient("big@example.net", Schedule(LATER, 1, "450 busy"))])[0] \
+            .message_id
+    with Sink() as sink, relay_process(relay_args(sink, queue)):
+        [shown] = cmd(capsys, "show", "--queue", queue, mid, "--body")
+        assert shown["body"].encode() == body.split(b"\r\n\r\n", 1)[1]  # after the headers
+        store = RelayControlStorage(queue)
+        try:
+            lines: list[int] = []
+            call = store._reply_to
+
+            def counted(op: str, **args: object) -> dict[str, object]:
+                reply = call(op, **args)
+                lines.append(len(json.dumps(reply)))
+                return reply
+
+            store._reply_to = counted  # type: ignore[method-assign]
+            [h] = list(store.list_queue())
+            first = store.inspect_entry(h)
+            assert first is not None and first.read(100) == body[:100]
+            again = store.inspect_entry(h)
+            assert again is not None and again.read_all() == body
+            assert max(lines) < BODY_PIECE * 4 // 3 + 1000, max(lines)
+            assert len(lines) >= len(body) // BODY_PIECE
+        finally:
+            store.close()

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from queue_ref.operate.relay_control_wire import (
+    BODY_PIECE,
     KIND_OF,
     error_from_wire,
     meta_from_wire,
@@ -31,8 +32,8 @@ from queue_ref.operate.relay_control_wire import (
     schedule_to_wire,
 )
 from queue_ref.storage import (
-    BytesReader,
     Capability,
+    ClosedError,
     Enqueuer,
     EntryMeta,
     Footprint,
@@ -158,7 +159,7 @@ class RelayControlStorage(Storage):
     def inspect_entry(self, mail: QueuedMail | HeldMail) -> MailReader | None:
         self._peek(mail, type(mail))
         ref = {"kind": KIND_OF[type(mail)], "entry_id": mail.entry_id}
-        fetch = functools.partial(self._call, "read_body", h=ref)
+        fetch = functools.partial(self._call, "read_piece", h=ref)
         if self._prefetched is not None and self._prefetched[0] is mail:
             return _RemoteReader(self._prefetched[1], fetch)
         got = self._call("inspect_entry", h=ref)
@@ -230,22 +231,36 @@ class RelayControlStorage(Storage):
 
 
 class _RemoteReader(MailReader):
-    """The metadata of an entry, and its body fetched from the relay when first read
-    (``mailq`` reads metadata only)."""
+    """The metadata of an entry, and its body fetched from the relay as it is read, a
+    piece (``BODY_PIECE``) a request: neither side holds a big body whole (``mailq``
+    reads metadata only)."""
 
-    def __init__(self, meta: EntryMeta, fetch: Callable[[], Any]) -> None:
+    def __init__(self, meta: EntryMeta, fetch: Callable[..., Any]) -> None:
         self.meta = meta
         self._fetch = fetch
-        self._body: BytesReader | None = None
+        self._piece = b""
+        self._at = 0
+        self._end = False
+        self._started = False
+        self._closed = False
 
     def read(self, n: int = -1) -> bytes:
-        if self._body is None:
-            got = self._fetch()
+        if self._closed:
+            raise ClosedError("this MailReader is closed")
+        if n < 0:
+            return b"".join(iter(lambda: self.read(BODY_PIECE), b""))
+        while self._at >= len(self._piece) and not self._end:
+            # the first piece starts the body again, whatever an earlier reader left
+            got = self._fetch(start=not self._started)
+            self._started = True
             if got is None:
                 raise MisuseError(f"entry {self.meta.entry_id} moved while it was read")
-            self._body = BytesReader(self.meta, base64.b64decode(got))
-        return self._body.read(n)
+            self._piece, self._at = base64.b64decode(got), 0
+            self._end = not self._piece
+        out = self._piece[self._at:self._at + n]
+        self._at += len(out)
+        return out
 
     def close(self) -> None:
-        if self._body is not None:
-            self._body.close()
+        self._closed = True
+        self._piece = b""

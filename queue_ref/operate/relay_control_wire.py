@@ -42,6 +42,7 @@ from queue_ref.storage import (
 
 CONTROL_SOCKET = "relay.ctl"
 BATCH = 500  # listing items per reply line
+BODY_PIECE = 1 << 20  # body octets per read_piece reply (a body is never one line)
 KINDS: dict[str, type[Handle]] = {"queued": QueuedMail, "held": HeldMail,
                                   "cleanup": PendingCleanupMail}
 KIND_OF = {cls: kind for kind, cls in KINDS.items()}

@@ -35,6 +35,7 @@ from typing import Any
 
 from queue_ref.operate.relay_control_wire import (
     BATCH,
+    BODY_PIECE,
     KINDS,
     error_to_wire,
     handle_to_wire,
@@ -43,11 +44,13 @@ from queue_ref.operate.relay_control_wire import (
     schedule_from_wire,
     socket_path,
 )
+from queue_ref.relay.queued_body import read_piece
 from queue_ref.storage import (
     EntryMeta,
     Handle,
     HeldMail,
     InvalidInputError,
+    MailReader,
     MisuseError,
     QueuedMail,
     ReopenRequiredError,
@@ -87,6 +90,16 @@ class _Connection:
         #: inspect each entry as it comes and keep none): let go at its next batch, so a
         #: listing of the whole queue keeps one batch of handles, not the queue
         self.passing: dict[int, list[tuple[str, str]]] = {}
+        #: bodies being read a piece a request (``read_piece``), by handle
+        self.readers: dict[tuple[str, str], MailReader] = {}
+
+    def close(self) -> None:
+        """The readers left open (a command that stopped reading) closed (a storage
+        thread: a reader's close is a storage call)."""
+        for reader in self.readers.values():
+            with contextlib.suppress(Exception):
+                reader.close()
+        self.readers.clear()
 
     def keep(self, h: Any, store: Storage | None = None) -> dict[str, Any]:
         """An item as it goes out; a handle is kept for the requests that name it, and
@@ -195,6 +208,9 @@ class RelayControl:
                     await writer.drain()
         finally:
             self._tasks.discard(task)
+            if conn.readers:
+                with contextlib.suppress(Exception):
+                    await loop.run_in_executor(self._executor, conn.close)
             if self._closing:  # replies it never read must not hold the stop
                 writer.transport.abort()
             else:
@@ -239,15 +255,35 @@ class RelayControl:
             if op == "scan_queue":
                 conn.passing[cursor] = []
             return self._batch(conn, cursor)
-        if op in ("inspect_entry", "read_body"):
+        if op == "inspect_entry":
             _, h = conn.handle(req)
             reader = store.inspect_entry(h)
             if reader is None:
                 return {"r": None}
             with reader:
-                if op == "inspect_entry":
-                    return {"r": meta_to_wire(reader.meta)}
-                return {"r": base64.b64encode(reader.read_all()).decode("ascii")}
+                return {"r": meta_to_wire(reader.meta)}
+        if op == "read_piece":  # the next BODY_PIECE of a body, "" at its end
+            key, h = conn.handle(req)
+            reader = conn.readers.get(key)
+            if reader is not None and req.get("start"):  # read again from the start
+                del conn.readers[key]
+                reader.close()
+                reader = None
+            if reader is None:
+                reader = store.inspect_entry(h)
+                if reader is None:
+                    return {"r": None}
+                conn.readers[key] = reader
+            try:
+                piece = read_piece(reader, BODY_PIECE)
+            except BaseException:
+                del conn.readers[key]
+                reader.close()
+                raise
+            if not piece:
+                del conn.readers[key]
+                reader.close()
+            return {"r": base64.b64encode(piece).decode("ascii")}
         if op in MOVES:
             key, h = conn.handle(req)
             got = MOVES[str(op)](store, h, req)
