@@ -135,10 +135,15 @@ async def _piece(reader: asyncio.StreamReader, state: int, dots: bool) -> bytes:
         return await reader.readexactly(e.consumed)
 
 
-def _joined(pieces: list[bytes], cut: int) -> bytes:
-    """The pieces as one ``bytes`` (one copy, where appending them to a buffer and making
-    ``bytes`` of it took two: a MB a copy), less their last ``cut`` octets."""
-    tail: list[bytes | memoryview] = []
+#: A piece of DATA this long is kept as it came (joined once at the end: appending a MB
+#: to a buffer and making ``bytes`` of the buffer copied it twice); shorter ones are
+#: gathered in a buffer, so that a body of short lines is not an object per line.
+_KEPT_WHOLE = 64 * 1024
+
+
+def _joined(pieces: list[bytes | bytearray], cut: int) -> bytes:
+    """The pieces as one ``bytes``, less their last ``cut`` octets."""
+    tail: list[bytes | bytearray | memoryview] = []
     while cut and pieces:
         last = pieces.pop()
         if len(last) > cut:
@@ -154,7 +159,9 @@ async def read_data(reader: asyncio.StreamReader, size_limit: int | None,
     """Read one message's data from ``reader``, after the 354 reply, up to and including
     its terminator (``line_limit`` None: lines of any length).
     ``asyncio.IncompleteReadError`` if the stream ends first."""
-    kept: list[bytes] = []  # the data so far, in pieces (nothing once the reply is an error)
+    #: the data so far (nothing once the reply is an error): big pieces as they came,
+    #: small ones gathered in a buffer (a body of short lines comes a few octets a piece)
+    kept: list[bytes | bytearray] = []
     verdict = _Verdict(size_limit, line_limit)
     last = b"\r\n"  # the stream's last bytes: the data starts a line, as if after CRLF
     state = 2
@@ -179,7 +186,12 @@ async def read_data(reader: asyncio.StreamReader, size_limit: int | None,
             held = fed[len(fed) - (state - 2):] if state > 2 and not done else b""
             verdict.feed(fed[:-3] if done else fed[:len(fed) - len(held)])
             if verdict.error is None:
-                kept.append(piece)
+                if len(piece) >= _KEPT_WHOLE:
+                    kept.append(piece)
+                elif kept and isinstance(kept[-1], bytearray):
+                    kept[-1] += piece
+                else:
+                    kept.append(bytearray(piece))
             elif kept:
                 kept.clear()
     finally:
