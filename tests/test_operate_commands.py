@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import getpass
 import json
 import os
+import pwd
 import shutil
 import subprocess
 import sys
@@ -306,7 +306,8 @@ def test_the_relay_configuration_names_the_queue(
 
 @pytest.mark.parametrize("log_json", [False, True])
 def test_actions_given_the_relays_config_are_in_its_log(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], log_json: bool) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], log_json: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """As postsuper's "ID: removed" lands in the mail log beside the deliveries: each
     entry an action changed is an ``operator`` record in the relay's ``log_file``, with
     the program, action and user; what changed nothing writes nothing."""
@@ -322,7 +323,10 @@ def test_actions_given_the_relays_config_are_in_its_log(
     assert run(capsys, "hold", "--queue", str(q), f"{ids[1]}.0")[0] == 0  # no config: no log
     lines = mail_log.read_text().splitlines()
     assert lines[0] == "a line the relay wrote" and len(lines) == 4, lines
-    user = getpass.getuser()
+    user = pwd.getpwuid(os.geteuid()).pw_name  # the uid's, whatever USER says
+    monkeypatch.setenv("USER", "someone-else")
+    monkeypatch.setenv("LOGNAME", "someone-else")
+    monkeypatch.delenv("SUDO_USER", raising=False)
     if log_json:
         records = [json.loads(x) for x in lines[1:]]
         assert [(r["program"], r["queue_id"], r["entry_id"], r["result"], r["user"])
@@ -335,10 +339,15 @@ def test_actions_given_the_relays_config_are_in_its_log(
         assert " queue-ref/hold[" in lines[1] and f"]: {ids[0]}: operator, action=hold, " \
             f"entry_id={ids[0]}.0, result=placed on hold, user={user}" in lines[1], lines[1]
         assert " queue-ref/delete[" in lines[3] and "result=removed" in lines[3]
-    # a log that cannot be written to: the action stands, and the command says so
-    conf.write_text(f'queue = "{q}"\nlog_file = "{tmp_path}"\n')  # a directory
-    code, out, err = run(capsys, "requeue", "--config", str(conf), ids[2])
-    assert code == 0 and "requeue: 2 entries" in out and "not written to the relay's log" in err
+    # a log that cannot be written to: the action stands, and the command says so; a
+    # log the relay has not made is not made by an operator command
+    for log_file, why in ((tmp_path, "Is a directory"), ("/dev/full", "No space left"),
+                          (tmp_path / "none.log", "No such file")):
+        conf.write_text(f'queue = "{q}"\nlog_file = "{log_file}"\n')
+        code, out, err = run(capsys, "requeue", "--config", str(conf), ids[2])
+        assert code == 0 and "requeue: 2 entries" in out, out
+        assert "not written to the relay's log" in err and why in err, err
+    assert not (tmp_path / "none.log").exists()
 
 
 @pytest.mark.parametrize("command", [["mailq", "--json"], ["mailq"]])
@@ -752,8 +761,8 @@ def test_another_user_is_told_permission_denied_and_who_may(
     hidden = subprocess.run([*as_nobody, "mailq", "--queue", str(tmp_path / "q")],
                             capture_output=True, text=True, timeout=60,
                             cwd=Path(__file__).parent.parent)  # pytest's tmp is 0700
-    assert hidden.returncode == 1 and "a directory above it cannot be searched" in \
-        hidden.stderr, hidden
+    assert hidden.returncode == 1 and "a directory above it, or above the directory it " \
+        "links to, cannot be searched" in hidden.stderr, hidden
     base = Path(tempfile.mkdtemp())  # a directory every user may search
     request.addfinalizer(lambda: shutil.rmtree(base))
     os.chmod(base, 0o755)
@@ -773,3 +782,24 @@ def test_another_user_is_told_permission_denied_and_who_may(
             assert "permission denied" in got.stderr and "run the command as root" in \
                 got.stderr, (group, command, got.stderr)
             assert "not a queue" not in got.stderr
+    # the queue is nobody's, but a file in it is not: nobody is told to look at its mode
+    # (not to run as the queue's owner, which it is)
+    for path in [q, *q.rglob("*")]:
+        shutil.chown(path, user="nobody", group="nogroup")
+    inside = next(p for p in sorted(q.rglob("*")) if p.is_file() and p.name != "relay.pid")
+    shutil.chown(inside, user="root", group="root")
+    os.chmod(inside, 0o600)
+    inside.parent.chmod(0o555)
+    got = subprocess.run([*as_nobody, "hold", "--queue", str(q), "--all"],
+                         capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).parent.parent)
+    assert got.returncode == 1 and "has a mode that refuses its owner" in got.stderr, got
+    if backend.startswith("kv"):  # an unreadable relay.pid: said, not a traceback
+        inside.parent.chmod(0o755)
+        pid = q / "relay.pid"
+        pid.write_text("1\n")
+        os.chmod(pid, 0o600)  # root's
+        got = subprocess.run([*as_nobody, "mailq", "--queue", str(q)], capture_output=True,
+                             text=True, timeout=60, cwd=Path(__file__).parent.parent)
+        assert got.returncode == 1 and "permission denied" in got.stderr, got
+        assert "Traceback" not in got.stderr

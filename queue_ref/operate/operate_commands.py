@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import errno
-import getpass
+import io
 import json
 import os
 import pwd
@@ -69,15 +69,15 @@ def open_for_operator(path: str, backend: str | None, *, recover: bool = True
     try:
         os.stat(path)
     except PermissionError as e:
-        raise Refused(f"{path}: permission denied (a directory above it cannot be searched "
-                      "as this user)") from e
+        raise Refused(f"{path}: permission denied (a directory above it, or above the "
+                      "directory it links to, cannot be searched as this user)") from e
     except OSError:
         pass
     if not os.path.isdir(path):
         raise InvalidInputError(f"{path} is not a directory")
-    if not os.access(path, os.R_OK | os.X_OK):
+    if not os.access(path, os.R_OK | os.X_OK, effective_ids=True):
         raise Refused(f"{path}: permission denied (it cannot be read as this user): "
-                      f"{_as_owner(path)}")
+                      f"{_who_may(path, path)}")
     found = queue_kind(path)
     if backend is None:
         if found is None:
@@ -90,7 +90,11 @@ def open_for_operator(path: str, backend: str | None, *, recover: bool = True
         if family and (found is None or not found.startswith(family)):
             raise InvalidInputError(f"{path} is not a {kind} queue")
     if kind.startswith("kv"):
-        pid = read_relay_pid(path)
+        try:
+            pid = read_relay_pid(path)
+        except PermissionError as e:
+            raise Refused(f"{path}: permission denied ({e.filename}): "
+                          f"{_who_may(path, e.filename)}") from e
         if pid is not None:  # the store is the relay's: its calls are made there
             try:
                 return RelayControlStorage(path), kind
@@ -131,13 +135,21 @@ def _refuse_if_denied(path: str, e: QueueError) -> None:
         cause = cause.__cause__
     if isinstance(cause, PermissionError):
         raise Refused(f"{path}: permission denied ({cause.filename or cause}): a command "
-                      "opens the queue as one of its users, which needs write access to "
-                      f"it: {_as_owner(path)}") from e
+                      "opens the queue as one of its users, reading and writing its files: "
+                      f"{_who_may(path, cause.filename)}") from e
 
 
-def _as_owner(path: str) -> str:
-    """Who may run an operator command on the queue at ``path``."""
+def _who_may(path: str, denied: object) -> str:
+    """What to do about a permission denied on ``denied`` in the queue at ``path``: run
+    as its owner; or, for its owner, look at that file's mode; for root, nothing a user
+    can change (an immutable file, a read-only mount, a security module)."""
+    euid = os.geteuid()
+    if euid == 0:
+        return "root was refused too (an immutable file, a read-only mount, or a " \
+            "security module)"
     st = os.stat(path)
+    if st.st_uid == euid:
+        return f"the queue is this user's: {denied} has a mode that refuses its owner"
     try:
         owner = pwd.getpwuid(st.st_uid).pw_name
     except KeyError:
@@ -243,7 +255,7 @@ def _action(fn: Callable[..., qa.ActionResult]) -> Callable[[Storage, argparse.N
         woke = False
         if res.changed and res.action in ("release", "requeue"):
             # entries became due: a running relay looks at once (no wait for its scan)
-            woke = wake_relay(args.queue[0])
+            woke = _wake(args.queue[0])
         _report(res, args)
         if woke and not args.json:
             print("relay woken")  # as flush says it
@@ -256,32 +268,60 @@ _DONE = {"hold": "placed on hold", "release": "released from hold", "delete": "r
          "requeue": "requeued", "flush": "due now"}
 
 
+def _wake(path: str) -> bool:
+    """``wake_relay``; a relay this user may not signal (or whose pid file it may not
+    read) is said on standard error, and not woken: it finds the change at its next
+    scan."""
+    try:
+        return wake_relay(path)
+    except PermissionError as e:
+        print(f"queue-ref: the relay was not woken ({e.strerror}): it finds the change at "
+              "its next scan of the queue", file=sys.stderr)
+        return False
+
+
 def _log_actions(res: qa.ActionResult, args: argparse.Namespace) -> None:
     """Each entry changed, in the relay's log file when the command was given the relay's
     ``--config`` and it names one (as postsuper's ``ID: removed`` lands in the mail log
-    beside the deliveries): ``operator`` records, written by ``queue-ref/ACTION[pid]``."""
+    beside the deliveries): ``operator`` records, written by ``queue-ref/ACTION[pid]``,
+    appended in one write to the file the relay made (never made here).  A log that
+    cannot be written to is said on standard error; what was done stands."""
     if args.relay_log is None or not res.changed:
         return
     from queue_ref.relay.delivery_log import DeliveryLog
 
     json_lines, path = args.relay_log
+    lines = io.StringIO()
+    log = DeliveryLog(json_lines, stream=lines, program=f"queue-ref/{res.action}")
+    who = _operator()
+    for entry in res.changed:
+        log.emit("operator", res.message_of.get(entry, ""), action=res.action, entry_id=entry,
+                 result=_DONE.get(res.action, res.action), **who)
+    data = lines.getvalue().encode("utf-8", "backslashreplace")
     try:
-        user = getpass.getuser()
-    except (KeyError, OSError):
-        user = str(os.getuid())
-    try:
-        log = DeliveryLog(json_lines, path, program=f"queue-ref/{res.action}")
-    except OSError as e:  # done is done: said, not undone
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        try:
+            while data:
+                data = data[os.write(fd, data):]
+        finally:
+            os.close(fd)
+    except OSError as e:
         print(f"queue-ref {res.action}: not written to the relay's log {path}: "
               f"{e.strerror or e}", file=sys.stderr)
-        return
+
+
+def _operator() -> dict[str, str]:
+    """Who ran the command: the user of its effective uid (not the environment's
+    ``USER``), and the user sudo ran it for."""
+    uid = os.geteuid()
     try:
-        with log.batch():
-            for entry in res.changed:
-                log.emit("operator", entry.rpartition(".")[0], action=res.action,
-                         entry_id=entry, result=_DONE.get(res.action, res.action), user=user)
-    finally:
-        log.close()
+        who = {"user": pwd.getpwuid(uid).pw_name}
+    except KeyError:
+        who = {"user": str(uid)}
+    sudo = os.environ.get("SUDO_USER")
+    if sudo:
+        who["sudo_user"] = qa.one_line(sudo)
+    return who
 
 
 def _report(res: qa.ActionResult, args: argparse.Namespace) -> None:
@@ -305,7 +345,7 @@ def _why(why: dict[str, int]) -> str:
 def _flush(store: Storage, args: argparse.Namespace) -> int:
     res = qa.flush(store, args.domain)
     _log_actions(res, args)
-    woke = wake_relay(args.queue[0]) if res.changed else False
+    woke = _wake(args.queue[0]) if res.changed else False
     if args.json:
         print(json.dumps({**res.to_json(), "domain": args.domain, "relay_woken": woke}))
         return 0

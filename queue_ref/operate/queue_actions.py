@@ -289,6 +289,16 @@ class ActionResult:
     skipped: list[str] = field(default_factory=list)
     #: why entries were skipped, and how many for each reason
     why: dict[str, int] = field(default_factory=dict)
+    #: the message id of each entry changed
+    message_of: dict[str, str] = field(default_factory=dict)
+
+    def made(self, h: Handle, changed: bool) -> None:
+        """``h``'s entry changed, or moved meanwhile (vanished)."""
+        if changed:
+            self.changed.append(h.entry_id)
+            self.message_of[h.entry_id] = h.message_id
+        else:
+            self.vanished.append(h.entry_id)
 
     def skip(self, entry_id: str, why: str) -> None:
         self.skipped.append(entry_id)
@@ -304,7 +314,7 @@ def hold(store: Storage, chosen: Iterable[tuple[Handle, EntryInfo]]) -> ActionRe
     res = ActionResult("hold")
     for h, _ in chosen:
         if isinstance(h, QueuedMail):
-            (res.changed if store.hold(h) is not None else res.vanished).append(h.entry_id)
+            res.made(h, store.hold(h) is not None)
         else:
             res.skip(h.entry_id, "on hold already")
     return res
@@ -314,7 +324,7 @@ def release(store: Storage, chosen: Iterable[tuple[Handle, EntryInfo]]) -> Actio
     res = ActionResult("release")
     for h, _ in chosen:
         if isinstance(h, HeldMail):
-            (res.changed if store.release(h) is not None else res.vanished).append(h.entry_id)
+            res.made(h, store.release(h) is not None)
         else:
             res.skip(h.entry_id, "not on hold")
     return res
@@ -331,11 +341,9 @@ def delete(store: Storage, chosen: Iterable[tuple[Handle, EntryInfo]]) -> Action
         else:
             res.skip(h.entry_id, f"neither queued nor on hold: {type(h).__name__}")
             continue
-        if p is None:
-            res.vanished.append(h.entry_id)
-            continue
-        store.cleanup(p)
-        res.changed.append(h.entry_id)
+        if p is not None:
+            store.cleanup(p)
+        res.made(h, p is not None)
     return res
 
 
@@ -350,7 +358,7 @@ def requeue(store: Storage, chosen: Iterable[tuple[Handle, EntryInfo]],
             res.skip(h.entry_id, "on hold: release it first")
             continue
         got = store.reschedule(h, Schedule(at, h.schedule.attempts, h.schedule.reason))
-        (res.changed if got is not None else res.vanished).append(h.entry_id)
+        res.made(h, got is not None)
     return res
 
 
@@ -373,7 +381,7 @@ def flush(store: Storage, domain: str | None = None, now: int | None = None) -> 
             res.skip(h.entry_id, "due already")
             continue
         got = store.reschedule(h, Schedule(at, h.schedule.attempts, h.schedule.reason))
-        (res.changed if got is not None else res.vanished).append(h.entry_id)
+        res.made(h, got is not None)
     return res
 
 
