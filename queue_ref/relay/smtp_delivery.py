@@ -71,7 +71,8 @@ def _reply(code: int, message: str) -> str:
 
 
 class _HostRefused(Exception):
-    """A host that answered but failed the TLS policy or AUTH: ``dsn`` and ``text``."""
+    """A host that answered but failed the EHLO handshake, the TLS policy or AUTH:
+    ``dsn`` and ``text`` (the host is the relay the delivery log names)."""
 
     def __init__(self, dsn: str, text: str) -> None:
         super().__init__(text)
@@ -110,10 +111,7 @@ class SmtpDeliverer:
         await smtp.connect(timeout=c.smtp_connect_timeout)
         try:
             if smtp.last_ehlo_response is None and smtp.last_helo_response is None:
-                try:
-                    await smtp.ehlo()
-                except aiosmtplib.SMTPHeloError:
-                    await smtp.helo()
+                await _hello(smtp, hop)
             await self._secure(smtp, hop)
         except BaseException:
             smtp.close()
@@ -241,7 +239,7 @@ class SmtpDeliverer:
                                                   wire_ready)
             if results is None:
                 failures.append(RcptResult(0, "4.4.1", f"lost connection with {hop} before the "
-                                                       "transaction", "none"))
+                                                       "transaction", str(hop)))
                 continue
             if conn.tls is not None:
                 for r in results:
@@ -256,9 +254,9 @@ class SmtpDeliverer:
             return await self._connect(hop)
         except _HostRefused as e:
             failures.append(RcptResult(0, e.dsn, e.text, str(hop)))
-        except aiosmtplib.SMTPConnectResponseError as e:
+        except aiosmtplib.SMTPConnectResponseError as e:  # reached: it is the relay
             failures.append(RcptResult(0, "4.4.1", f"host {hop} refused to talk to me: "
-                                                   f"{_reply(e.code, e.message)}", "none"))
+                                                   f"{_reply(e.code, e.message)}", str(hop)))
         except (TimeoutError, aiosmtplib.SMTPException, OSError) as e:
             failures.append(_greeting_failure(hop, e)
                             or RcptResult(0, "4.4.1", f"connect to {hop}: {_why(e)}", "none"))
@@ -486,6 +484,25 @@ async def _login(smtp: aiosmtplib.SMTP, user: str, password: str) -> None:
     raise aiosmtplib.SMTPAuthenticationError(
         504, f"5.7.4 no mechanism in common (server offers "
              f"{' '.join(smtp.server_auth_methods) or 'none'}; PLAIN, LOGIN, CRAM-MD5 here)")
+
+
+async def _hello(smtp: aiosmtplib.SMTP, hop: Nexthop) -> None:
+    """EHLO, else HELO; a failure of either is ``_HostRefused`` in Postfix's words (the
+    host was reached: it is the relay)."""
+    try:
+        try:
+            await smtp.ehlo()
+        except aiosmtplib.SMTPHeloError:
+            await smtp.helo()
+    except aiosmtplib.SMTPHeloError as e:
+        raise _HostRefused("4.4.1", f"host {hop} refused to talk to me: "
+                                    f"{_reply(e.code, e.message)} (in reply to HELO)") from e
+    except (aiosmtplib.SMTPTimeoutError, TimeoutError) as e:
+        raise _HostRefused("4.4.2", f"conversation with {hop} timed out while performing "
+                                    "the EHLO handshake") from e
+    except (aiosmtplib.SMTPServerDisconnected, ConnectionError) as e:
+        raise _HostRefused("4.4.2", f"lost connection with {hop} while performing the "
+                                    "EHLO handshake") from e
 
 
 def _greeting_failure(hop: Nexthop, e: BaseException) -> RcptResult | None:
