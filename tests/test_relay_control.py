@@ -104,12 +104,21 @@ def test_a_queue_over_two_roots_served_by_two_workers(
     enqueue(roots[0], ["a0", "a1"])
     enqueue(roots[1], ["b0", "b1"])
     with Sink() as sink, relay_process([*relay_args(sink, *roots), "--processes", "2"]) \
-            as (_, _):
+            as (rp, _):
         q = ("--queue", roots[0], "--queue", roots[1])
         deadline = time.monotonic() + 20
         while not all(os.path.exists(socket_path(r)) for r in roots):
             assert time.monotonic() < deadline, "the workers serve no control socket"
             time.sleep(0.05)
+        # ps names each worker with the one root it serves
+        with open(f"/proc/{rp.pid}/task/{rp.pid}/children") as f:
+            workers = [int(p) for p in f.read().split()]
+        titles = []
+        for pid in workers:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                titles.append(f.read().replace(b"\0", b" ").decode().strip())
+        assert sorted(t for t in titles if "worker" in t) == [
+            f"queue-ref relay: worker {k + 1} of 2 --queue {roots[k]}" for k in (0, 1)]
         ids = ids_by_name(capsys, *q)
         assert sorted(ids) == ["a0", "a1", "b0", "b1"]
         assert {i.split("-")[0] for i in ids.values()} == {"r0", "r1"}

@@ -114,10 +114,12 @@ def _die_with_parent() -> None:
 CHANNEL_LOST = 3
 
 
-def process_title(config: RelayConfig, role: str) -> str:
+def process_title(config: RelayConfig, role: str, root: int | None = None) -> str:
     """What ``ps`` shows for a relay process (as Postfix's show ``master``, ``qmgr``,
-    ``smtpd``): the role, the queue it serves."""
-    return f"queue-ref relay: {role} --queue {','.join(config.queue_roots())}"
+    ``smtpd``): the role, and the queue it serves (``root``: that root of it alone)."""
+    roots = config.queue_roots()
+    queue = " --queue ".join(roots if root is None else [roots[root]])
+    return f"queue-ref relay: {role} --queue {queue}"
 
 
 def _worker_main(config: RelayConfig, index: int, conn: Connection,
@@ -125,8 +127,7 @@ def _worker_main(config: RelayConfig, index: int, conn: Connection,
     _die_with_parent()
     # a worker started by spawn would show as "python -c from multiprocessing.spawn ..."
     setproctitle.setproctitle(process_title(
-        config, f"worker {index + 1} of {config.processes}"
-        + (f" (root {index})" if part else "")))
+        config, f"worker {index + 1} of {config.processes}", index if part else None))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C reaches the master
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     relay = Relay(config, worker=index, ready_stream=_ReadyPipe(conn),  # type: ignore[arg-type]
