@@ -46,6 +46,12 @@ D8. An entry whose domain is on demand -- an ATRN domain (``atrn_domains``) alwa
     queue when its client says ATRN (delivered there by D1-D7) or, at ``parked_at``,
     expired (D4).  A successful probe or ETRN of an on-demand domain makes its entries due
     at once (an operator's action: no rule of this table).
+D9. An attempt whose body the queue found damaged (C6) delivers nothing (a body being
+    sent is cut before its final dot): the message is quarantined with every entry of
+    it, due or not; none is retried, expired or reported.  An attempt whose body could
+    not be read (an I/O error) delivers nothing either: the entry is queued again a
+    minute later (``floor(now) + 60``) with its attempts unchanged (none was made),
+    whatever its age: its next attempt may expire it.
 
 No I/O lives here; nothing outside ``spec`` is imported.
 """
@@ -59,6 +65,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "FATE",
+    "UNREADABLE_RETRY",
     "Attempt",
     "Decision",
     "DeliveryEntry",
@@ -92,12 +99,16 @@ class Attempt(enum.Enum):
     RELAY_ERROR = "relay error"  # an exception inside the relay (logged)
     ROUTE_PERMANENT = "route permanent"  # NXDOMAIN, null MX, no MX and no address
     ROUTE_TEMPORARY = "route temporary"  # SERVFAIL, a DNS timeout, no address for any MX
+    BODY_DAMAGED = "body damaged"  # the queue found the body damaged: quarantined (D9)
+    BODY_UNREADABLE = "body unreadable"  # the queue could not read the body (D9)
 
 
 class Fate(enum.Enum):
     DELIVERED = "delivered"
     TEMPORARY = "temporary"
     PERMANENT = "permanent"
+    QUARANTINED = "quarantined"  # the whole message set aside, nothing reported (D9)
+    RETURNED = "returned"  # queued again, no attempt counted (D9)
 
 
 #: D1: the fate of each outcome.
@@ -110,7 +121,12 @@ FATE: dict[Attempt, Fate] = {
     Attempt.RELAY_ERROR: Fate.TEMPORARY,
     Attempt.ROUTE_PERMANENT: Fate.PERMANENT,
     Attempt.ROUTE_TEMPORARY: Fate.TEMPORARY,
+    Attempt.BODY_DAMAGED: Fate.QUARANTINED,
+    Attempt.BODY_UNREADABLE: Fate.RETURNED,
 }
+
+#: D9: a body that could not be read is tried again this many seconds later.
+UNREADABLE_RETRY = 60
 
 
 class Origin(enum.Enum):
@@ -179,8 +195,10 @@ class Met:
 @dataclass(frozen=True)
 class Decision:
     """An entry's next state: ``fate`` DELIVERED (done), TEMPORARY (queued again at
-    ``at`` with ``attempts``; ``warn``: its deferral sends a delay warning) or PERMANENT
-    (finished and reported; ``expired``: a temporary failure past the lifetime)."""
+    ``at`` with ``attempts``; ``warn``: its deferral sends a delay warning), PERMANENT
+    (finished and reported; ``expired``: a temporary failure past the lifetime),
+    QUARANTINED (its message set aside, nothing reported) or RETURNED (queued again at
+    ``at`` with ``attempts`` unchanged)."""
 
     fate: Fate
     at: int = 0
@@ -273,7 +291,7 @@ def report_to(policy: DeliveryPolicy, entry: DeliveryEntry) -> tuple[str, Origin
 
 def decide(policy: DeliveryPolicy, entry: DeliveryEntry, met: Met, now: float,
            draw: float = 0.0) -> Decision:
-    """D1 to D3, D6: the entry's next state after its attempt met ``met`` at ``now``.
+    """D1 to D3, D6, D9: the entry's next state after its attempt met ``met`` at ``now``.
 
     pre: 0 <= draw < 1 and 0 <= now < 2 ** 40
     post: __return__.fate is FATE[met.attempt] or (__return__.fate is Fate.PERMANENT and __return__.expired)
@@ -281,10 +299,14 @@ def decide(policy: DeliveryPolicy, entry: DeliveryEntry, met: Met, now: float,
     post: __return__.fate is not Fate.TEMPORARY or __return__.attempts == entry.attempts + 1
     post: not __return__.expired or now - entry.arrival >= lifetime(policy, entry.sender)
     post: not __return__.warn or (entry.sender != "" and entry.origin is Origin.MAIL)
+    post: __return__.fate is not Fate.RETURNED or __return__.at > now
+    post: __return__.fate is not Fate.RETURNED or __return__.attempts == entry.attempts
     """
     fate = FATE[met.attempt]
-    if fate is Fate.DELIVERED:
-        return Decision(Fate.DELIVERED)
+    if fate in (Fate.DELIVERED, Fate.QUARANTINED):
+        return Decision(fate)
+    if fate is Fate.RETURNED:
+        return Decision(Fate.RETURNED, math.floor(now) + UNREADABLE_RETRY, entry.attempts)
     if fate is Fate.PERMANENT:
         return Decision(Fate.PERMANENT)
     if expired(policy, entry, now):

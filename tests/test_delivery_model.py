@@ -43,6 +43,22 @@ def test_every_outcome_has_a_fate() -> None:  # D1
     assert [a for a, f in FATE.items() if f is Fate.DELIVERED] == [Attempt.REPLY_2XX]
     assert {a for a, f in FATE.items() if f is Fate.PERMANENT} == {
         Attempt.REPLY_5XX, Attempt.ROUTE_PERMANENT}
+    assert {a for a, f in FATE.items() if f in (Fate.QUARANTINED, Fate.RETURNED)} == {
+        Attempt.BODY_DAMAGED, Attempt.BODY_UNREADABLE}
+
+
+def test_a_damaged_body_is_quarantined_and_an_unreadable_one_tried_a_minute_later() -> None:
+    """D9: nothing reported, whatever the age; an unreadable body counts no attempt."""
+    old = mail(attempts=3, arrival=0)
+    late = 10 * 86400.5  # past every lifetime
+    assert decide(POLICY, old, Met(Attempt.BODY_DAMAGED, ""), late) == Decision(
+        Fate.QUARANTINED)
+    assert decide(POLICY, old, Met(Attempt.BODY_UNREADABLE, ""), late) == Decision(
+        Fate.RETURNED, int(late) + 60, 3)
+    rnd = delivery_round(POLICY, [
+        ("a@x.test", old, Met(Attempt.BODY_DAMAGED, ""), Decision(Fate.QUARANTINED)),
+        ("b@x.test", old, Met(Attempt.BODY_UNREADABLE, ""), Decision(Fate.RETURNED, 1, 3))])
+    assert rnd.bounce is None and rnd.warning is None and rnd.dropped == 0
 
 
 def test_backoff_doubles_up_to_its_cap_or_follows_retry_delays() -> None:  # D3

@@ -6,7 +6,9 @@ connection closed at the end of DATA), takes destinations down (their MX host's 
 in a real dnslib DNS server then refuses connections), and moves a controlled clock.  The
 real DeliveryScheduler (real Router on that DNS server, real SmtpDeliverer) delivers what
 is due; a domain that does not exist (NXDOMAIN), one whose DNS fails (SERVFAIL) and one
-whose routing raises inside the relay stand for the other outcomes.  After each move of
+whose routing raises inside the relay stand for the other outcomes, and the queue itself
+finds a message's body damaged (it quarantines the message) or fails to read it for a
+while (an I/O error).  After each move of
 the clock, once the scheduler is idle, every entry in the queue (due time and attempts),
 every report logged (bounce, delay warning, drop: to whom, how many recipients) and
 every message the sink received (sender, recipient, and for a DSN its original, Action
@@ -41,7 +43,7 @@ from queue_ref.relay.delivery_scheduler import DeliveryScheduler
 from queue_ref.relay.mx_routing import Route, Router
 from queue_ref.relay.retry_backoff import RetryPolicy
 from queue_ref.relay.smtp_delivery import SmtpDeliverer
-from queue_ref.storage import Recipient, Schedule
+from queue_ref.storage import CorruptionError, InflightMail, MailReader, Recipient, Schedule, StorageIOError
 from spec.delivery_model import (
     Attempt,
     DeliveryEntry,
@@ -105,6 +107,29 @@ class _RouterRaisingFor(Router):
         return await super().route(domain)
 
 
+class _DamageableMemory(MemoryStorage):
+    """A memory queue whose bodies the test damages (a read of one quarantines its
+    message, every entry of it, and raises CorruptionError, as the real queues do) or
+    makes unreadable for a while (StorageIOError, as a failing disk)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.damaged: set[str] = set()
+        self.unreadable: set[str] = set()
+
+    def read_inflight(self, mail: InflightMail) -> MailReader:
+        if mail.message_id in self.unreadable:
+            raise StorageIOError("reading the body: injected EIO", mail)
+        if mail.message_id in self.damaged:
+            with self._lock:
+                for eid in [k for k, e in self._entries.items()
+                            if e.message_id == mail.message_id]:
+                    del self._entries[eid]
+            raise CorruptionError(f"message {mail.message_id}: injected damage",
+                                  mail.entry_id, None)
+        return super().read_inflight(mail)
+
+
 @pytest.fixture(scope="module")
 def network() -> Any:
     """One DNS server and one sink for every example (the sink's script is reset)."""
@@ -125,6 +150,8 @@ class _Msg:
     real_id: str = ""  # the queue's message id ("" until the relay logged it)
     report: Dsn | None = None  # what a DSN says
     about: int = -1  # a DSN: the key of the message it reports on
+    damaged: bool = False  # its body is damaged in the queue
+    unreadable: bool = False  # reading its body fails now
 
 
 @dataclass
@@ -197,7 +224,7 @@ class LockstepDelivery(RuleBasedStateMachine):
         self.entries: list[_Entry] = []
         self.loop = asyncio.new_event_loop()
         self.executor = ThreadPoolExecutor(2, thread_name_prefix="lockstep-storage")
-        self.store = MemoryStorage()
+        self.store = _DamageableMemory()
         self.deliverer = SmtpDeliverer(config)
         self.scheduler = DeliveryScheduler(
             self.store, config, _RouterRaisingFor(config), self.deliverer,
@@ -262,6 +289,28 @@ class LockstepDelivery(RuleBasedStateMachine):
         self.dns.resolver.zone[f"mx.{domain}"] = [("A", DOWN if down else UP)]
         (self.down.add if down else self.down.discard)(domain)
 
+    def _queued(self, data: st.DataObject) -> _Msg | None:
+        """A message with an entry in the queue, the relay's id known; None if none."""
+        live = sorted({e.msg.key for e in self.entries if e.msg.real_id})
+        return self.msgs[data.draw(st.sampled_from(live))] if live else None
+
+    @rule(data=st.data())
+    def damage_a_body(self, data: st.DataObject) -> None:
+        """A bit flips in a queued message's body: its next read finds it (D9)."""
+        msg = self._queued(data)
+        if msg is not None:
+            msg.damaged = True
+            self.store.damaged.add(msg.real_id)
+
+    @rule(data=st.data(), failing=st.booleans())
+    def disk_fails_reading(self, data: st.DataObject, failing: bool) -> None:
+        """Reads of a queued message's body fail (an I/O error) until the disk recovers."""
+        msg = self._queued(data)
+        if msg is not None:
+            msg.unreadable = failing
+            (self.store.unreadable.add if failing else self.store.unreadable.discard)(
+                msg.real_id)
+
     @rule(dt=st.sampled_from([0, 1, 1, 2, 3, 5, 8, 13]))
     def advance(self, dt: int) -> None:
         """The clock moves on; the scheduler delivers what is due; then all must agree."""
@@ -307,7 +356,11 @@ class LockstepDelivery(RuleBasedStateMachine):
 
     # ---- the model ----
 
-    def _met(self, rcpt: str) -> Met:
+    def _met(self, msg: _Msg, rcpt: str) -> Met:
+        if msg.unreadable:  # the body is read before anything else
+            return Met(Attempt.BODY_UNREADABLE, "")
+        if msg.damaged:
+            return Met(Attempt.BODY_DAMAGED, "")
         domain = rcpt.split("@")[1]
         if domain == "nx.test":
             return Met(Attempt.ROUTE_PERMANENT, "5.1.2")
@@ -335,10 +388,13 @@ class LockstepDelivery(RuleBasedStateMachine):
                 results = []
                 for e in entries:
                     entry = DeliveryEntry(msg.arrival, msg.sender, msg.origin, e.attempts, e.at)
-                    met = self._met(e.rcpt)
+                    met = self._met(msg, e.rcpt)
                     d = decide(self.policy, entry, met, self.now, self.draw)
                     results.append((e.rcpt, entry, met, d))
-                    if d.fate is Fate.TEMPORARY:
+                    if d.fate is Fate.QUARANTINED:  # every entry of it, due or not
+                        self.entries = [x for x in self.entries if x.msg is not msg]
+                        break
+                    if d.fate in (Fate.TEMPORARY, Fate.RETURNED):
                         e.at, e.attempts = d.at, d.attempts
                     else:
                         self.entries.remove(e)
