@@ -66,14 +66,10 @@ def open_for_operator(path: str, backend: str | None, *, recover: bool = True
     A KV queue a relay holds (single-process stores) is reached through the relay's
     control socket; Refused when it does not answer.
     """
-    try:
-        os.stat(path)
-    except PermissionError as e:
-        raise Refused(f"{path}: permission denied (a directory above it, or above the "
-                      "directory it links to, cannot be searched as this user)") from e
-    except OSError:
-        pass
     if not os.path.isdir(path):
+        if _unsearchable(path):
+            raise Refused(f"{path}: permission denied (a directory above it, or above the "
+                          "directory it links to, cannot be searched as this user)")
         raise InvalidInputError(f"{path} is not a directory")
     if not os.access(path, os.R_OK | os.X_OK, effective_ids=True):
         raise Refused(f"{path}: permission denied (it cannot be read as this user): "
@@ -125,6 +121,17 @@ def open_for_operator(path: str, backend: str | None, *, recover: bool = True
     except QueueError as e:
         _refuse_if_denied(path, e)
         raise
+
+
+def _unsearchable(path: str) -> bool:
+    """Whether ``path`` cannot even be looked at for want of a permission."""
+    try:
+        os.stat(path)
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def _refuse_if_denied(path: str, e: QueueError) -> None:
