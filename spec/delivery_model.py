@@ -260,6 +260,7 @@ def parked_at(policy: DeliveryPolicy, entry: DeliveryEntry, retry: int) -> int:
     """D8: when a deferred entry of an on-demand domain is due again, given its D3
     ``retry`` time: not before its lifetime is over.
 
+    pre: 0 <= entry.arrival < 2 ** 40 and 0 <= lifetime(policy, entry.sender) < 2 ** 40
     post: __return__ >= retry
     post: __return__ > entry.arrival + lifetime(policy, entry.sender)
     """
