@@ -66,6 +66,7 @@ from queue_ref.storage import (
     RecoveryReport,
     ReopenRequiredError,
     Schedule,
+    SetAside,
     Storage,
     StorageIOError,
     validate_schedule,
@@ -231,6 +232,16 @@ class MultiRootQueue(Storage):
             return None
         p = root_prefix(index)
         return replace(meta, message_id=meta.message_id.removeprefix(p), entry_id=got[1])
+
+    def set_aside(self) -> list[SetAside]:
+        """Every root's (``Storage.set_aside``), under this queue's ids."""
+        out = super().set_aside()
+        for r in self._roots:
+            if r.store is not None:
+                p = root_prefix(r.index)
+                out += [SetAside(p + x.entry_id, p + x.message_id, x.reason)
+                        for x in r.store.set_aside()]
+        return out
 
     def root_stores(self) -> list[Storage]:
         """The Storage open on each root now, in index order (for tools and tests)."""

@@ -79,6 +79,7 @@ __all__ = [
     "ReopenRequiredError",
     "Schedule",
     "ScheduleError",
+    "SetAside",
     "Storage",
     "StorageIOError",
     "UnsupportedError",
@@ -535,6 +536,15 @@ class BytesReader(MailReader):
 _owner_ids = itertools.count()
 
 
+@dataclass(frozen=True)
+class SetAside:
+    """An entry a call found damaged and quarantined without raising (``set_aside``)."""
+
+    entry_id: str
+    message_id: str
+    reason: str
+
+
 class Storage(abc.ABC):
     """A durable mail queue.  See the module docstring for what holds after failures."""
 
@@ -552,6 +562,21 @@ class Storage(abc.ABC):
         self._token = object()
         self._closed = False
         self._handle_lock = threading.Lock()
+        self._set_aside: list[SetAside] = []
+
+    def set_aside(self) -> list[SetAside]:
+        """What calls of this Storage quarantined without raising since the last call of
+        this one (a listing skips an entry it finds damaged and sets it aside, C6): for
+        the caller to say, so that no damage passes in silence (the relay logs each, an
+        operator command prints each).  Emptied as it is read; any thread."""
+        with self._handle_lock:
+            got, self._set_aside = self._set_aside, []
+        return got
+
+    def _note_set_aside(self, entry_id: str, message_id: str, reason: str) -> None:
+        """For backends: a damaged entry (or message) was quarantined and skipped."""
+        with self._handle_lock:
+            self._set_aside.append(SetAside(entry_id, message_id, reason))
 
     # -- listing (recovery and scheduling) --
 

@@ -370,7 +370,9 @@ class FsQueue(FsMetadata, Storage):
             got = self._load_entry(e)
         except Corrupt as c:
             if is_link_file(self.io, link):  # not just cleaned up meanwhile
-                self._quarantine_corrupt(e, link, c)
+                where = self._quarantine_corrupt(e, link, c)
+                self._note_set_aside(e.entry_id, e.msgid, f"{c.reason} (quarantined to "
+                                                          f"{where})")
             return None
         if check_link and not is_link_file(self.io, link):
             return None  # moved meanwhile: what was read may be of another state
@@ -827,7 +829,9 @@ class FsQueue(FsMetadata, Storage):
             sched, record = self._entry_schedule(e, env)
         except Corrupt as c:
             if is_link_file(self.io, link):
-                self._quarantine_corrupt(e, link, c)
+                where = self._quarantine_corrupt(e, link, c)
+                self._note_set_aside(e.entry_id, e.msgid, f"{c.reason} (quarantined to "
+                                                          f"{where})")
             return None
         return sched, _Held(len(env.rcpts) == 1, record)
 

@@ -322,6 +322,8 @@ class KvQueue(Storage):
             now = self._kv.get(key)
             if now == raw:
                 self._core.quarantine_entry(key, raw, mid, idx)
+                self._note_set_aside(keys.entry_id(mid, idx), str(mid),
+                                     f"its {state} record is damaged (quarantined)")
         return None
 
     def list_queue(self) -> Iterator[QueuedMail]:

@@ -452,6 +452,7 @@ def _run(name: str, fn: Callable[[Storage, argparse.Namespace], int],
         return _failed(name, str(e), 2, args)
     except QueueError as e:
         return _failed(name, str(e), 1, args)
+    _say_recovery_damage(name, store)
     try:
         return fn(store, args)
     except InvalidInputError as e:
@@ -461,7 +462,24 @@ def _run(name: str, fn: Callable[[Storage, argparse.Namespace], int],
     except QueueError as e:
         return _failed(name, str(e), 1, args)
     finally:
+        for x in store.set_aside():  # a listing that found an entry damaged skips it
+            print(f"queue-ref {name}: {x.entry_id}: damaged, set aside: {x.reason}",
+                  file=sys.stderr)
         store.close()
+
+
+def _say_recovery_damage(name: str, store: Storage) -> None:
+    """What the recovery that opened the queue found damaged, on standard error (a
+    relay logs it at its start; a command that recovers the queue says it the same)."""
+    report = store.last_recovery
+    if report is None or not (report.damage_found or report.quarantined):
+        return
+    print(f"queue-ref {name}: opening the queue set damage aside: {report.quarantined} "
+          f"entries quarantined; messages lost: {', '.join(report.lost) or 'none'}"
+          + (f" and {report.lost_unknown} records of unknown messages"
+             if report.lost_unknown else ""), file=sys.stderr)
+    for problem in report.problems:
+        print(f"queue-ref {name}: {problem}", file=sys.stderr)
 
 
 def _failed(name: str, reason: str, status: int, args: argparse.Namespace) -> int:

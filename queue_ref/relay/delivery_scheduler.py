@@ -499,7 +499,17 @@ class DeliveryScheduler:
         except QueueError as e:
             self.log.emit("error", what="find_inflight", reason=str(e))
             self._queue_error(e)
+        self.say_set_aside()
         return [h for _, _, h in kept], total
+
+    def say_set_aside(self) -> None:
+        """Log what the queue quarantined without raising since it was last asked (a
+        listing or a claim that found an entry damaged: ``Storage.set_aside``), one
+        ``error`` record each (``what=damaged``): no damage passes in silence (any
+        thread)."""
+        for x in self.store.set_aside():
+            self.log.emit("error", x.message_id, what="damaged", entry_id=x.entry_id,
+                          reason=f"set aside: {x.reason}")
 
     def _dispatch(self) -> None:
         now = self.clock()
@@ -667,6 +677,7 @@ class DeliveryScheduler:
                 self._unreadable(mail.message_id, [mail], e, "claim")
                 continue
             job.entries.append(_Entry(mail, meta.rcpt, mail.schedule, meta))
+        self.say_set_aside()  # a claim that found an entry damaged answers None
         if job is None or not job.entries:
             return None
         if job.arrival < self._started and any(e.schedule.attempts == 0 for e in job.entries):

@@ -138,8 +138,12 @@ class RelayControl:
     def __init__(self, root: str, store_of: Callable[[], Storage | None],
                  executor: Executor,
                  on_queue_failed: Callable[[BaseException], None] | None = None,
-                 in_delivery: Callable[[], list[EntryMeta]] | None = None) -> None:
+                 in_delivery: Callable[[], list[EntryMeta]] | None = None,
+                 after: Callable[[], None] | None = None) -> None:
         self.root = root
+        #: called after each request (a storage thread): the relay logs what the request
+        #: set aside in the queue (``DeliveryScheduler.say_set_aside``)
+        self._after = after
         #: the entries the relay's jobs hold, for a store that cannot list its inflight
         #: entries itself (the KV queue): ``mailq`` shows them in delivery (``*``)
         self._in_delivery = in_delivery
@@ -233,6 +237,9 @@ class RelayControl:
             if isinstance(e, ReopenRequiredError) and self._on_queue_failed is not None:
                 self._on_queue_failed(e)  # the relay reopens its queue, as after its own
             return error_to_wire(e)
+        finally:
+            if self._after is not None:
+                self._after()
 
     def _call(self, conn: _Connection, req: dict[str, Any]) -> dict[str, Any]:
         op = req.get("op")

@@ -271,7 +271,8 @@ class Relay:
             else [self.queue_dir]
         for i, root in enumerate(names):
             control = RelayControl(root, functools.partial(self._root_store, i), self.executor,
-                                   self._queue_failed, functools.partial(self._in_delivery, root))
+                                   self._queue_failed, functools.partial(self._in_delivery, root),
+                                   self._say_set_aside)
             try:
                 await control.start()
             except OSError as e:
@@ -279,6 +280,10 @@ class Relay:
                                               "commands on the queue wait for the relay to stop")
                 continue
             self._controls.append(control)
+
+    def _say_set_aside(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.say_set_aside()
 
     def _in_delivery(self, root: str) -> list[EntryMeta]:
         """The entries of ``root`` this process's delivery jobs hold, under the root's own
