@@ -63,9 +63,10 @@ def merge(report: RecoveryReport, kv: KV, root: str, damage: list[Damage],
         lost.update(gone)
         out_problems.append(
             f"{d.detail}; they named message(s) {', '.join(map(str, sorted(named)))}: "
-            + (f"lost {', '.join(map(str, gone))}" if gone else "none of them lost")
+            + (f"lost {', '.join(map(str, gone))}" if gone else "none of them lost whole")
             + (f"; {', '.join(map(str, stays))} still stored or changed later (a state "
-               "change of theirs may be undone)" if stays else "")
+               "change of theirs may be undone, and a body chunk may be gone: a read of "
+               "it finds that, and quarantines the message)" if stays else "")
             + f" (kept in {files[-1]})")
     if rest is not None:
         gone_entries, changed = compare(rest, entries_of(kv))
