@@ -237,3 +237,33 @@ def test_json_records_hold_utf8_as_it_is() -> None:
     DeliveryLog(json_lines=True, stream=out).emit("delivery", "m1", to="jürgen@bücher.example")
     line = out.getvalue()
     assert "jürgen@bücher.example" in line and json.loads(line)["to"] == "jürgen@bücher.example"
+
+
+def test_a_log_file_that_breaks_is_said_once_and_closing_it_does_not_fail(capsys) -> None:
+    """``/dev/full`` takes the open and refuses every write: the first failed record is
+    said on standard error (the relay goes on: mail must not stop for its log), once
+    until a write succeeds again, and closing the file does not raise."""
+    log = DeliveryLog(path="/dev/full")
+    log.emit("relay", what="started")
+    log.emit("delivery", "Q1", to="a@example.net", status="sent")
+    log.close()
+    err = capsys.readouterr().err
+    assert err.count("the log file /dev/full cannot be written to") == 1, err
+    assert "No space left" in err
+
+
+@pytest.mark.parametrize("where", ["missing-dir", "a-directory"])
+def test_a_log_file_the_relay_cannot_write_is_refused_before_it_starts(
+        tmp_path, capsys, where) -> None:
+    """``--check-config`` and the start alike: one line, exit 2, no traceback."""
+    from conformance.cli import main
+
+    path = tmp_path / "nowhere" / "mail.log" if where == "missing-dir" else tmp_path
+    conf = tmp_path / "relay.toml"
+    conf.write_text(f'queue = "{tmp_path / "q"}"\nlog_file = "{path}"\nlisten = "127.0.0.1:0"\n')
+    for extra in (["--check-config"], []):
+        code = main(["relay", "--config", str(conf), *extra])
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"log_file {path}:" in err and "Traceback" not in err
+        assert ("does not exist" if where == "missing-dir" else "is a directory") in err

@@ -28,6 +28,7 @@ delay=1.2, dsn=2.0.0, status=sent (250 2.0.0 Ok)``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -69,6 +70,7 @@ class DeliveryLog:
         else:
             self._stream = sys.stderr
         self._lock = threading.Lock()
+        self._failing = False  # the last write to the log file failed (said once)
         self._pid = os.getpid()
         self._batches = threading.local()  # .lines: this thread's batch, if one is open
 
@@ -120,8 +122,14 @@ class DeliveryLog:
                     # escaped, so that one record does not cost a batch its other lines
                     self._stream.write(text.encode("ascii", "backslashreplace").decode("ascii"))
                 self._stream.flush()
-            except (OSError, ValueError):
-                pass  # a closed or broken log must not stop mail
+                self._failing = False
+            except (OSError, ValueError) as e:  # a broken log must not stop mail: said
+                if self._own and not self._failing:  # once on standard error, each time
+                    self._failing = True              # it breaks again
+                    with contextlib.suppress(OSError, ValueError):
+                        print(f"queue-ref: the log file {self._file.name} cannot be written "
+                              f"to ({e}): its records are lost until it can",
+                              file=sys.stderr, flush=True)
 
     def text(self, r: dict[str, Any]) -> str:
         """The Postfix-style line of a record."""
@@ -152,4 +160,5 @@ class DeliveryLog:
 
     def close(self) -> None:
         if self._own:
-            self._file.close()
+            with contextlib.suppress(OSError):  # what it held is lost, and was said
+                self._file.close()

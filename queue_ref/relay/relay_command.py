@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -50,6 +51,10 @@ def _cmd(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"queue-ref relay: {e}", file=sys.stderr)
         return 2
+    problem = _log_file_problem(config.log_file)
+    if problem is not None:
+        print(f"queue-ref relay: log_file {config.log_file}: {problem}", file=sys.stderr)
+        return 2
     if args.check_config:
         for root in config.queue_roots():  # a queue of another backend there, as at start
             try:
@@ -85,6 +90,24 @@ def _cmd(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 0
     return 0
+
+
+def _log_file_problem(path: str) -> str | None:
+    """Why the relay could not append to ``log_file``, or None (checked before it starts,
+    and by ``--check-config``: a log the relay cannot write to is found now, not by a
+    traceback, or never)."""
+    if not path:
+        return None
+    if os.path.isdir(path):
+        return "is a directory"
+    if os.path.exists(path):
+        return None if os.access(path, os.W_OK) else "cannot be written to by this user"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"its directory {parent} does not exist"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot be made in {parent} by this user"
+    return None
 
 
 def _start_failed(config: RelayConfig, e: Exception) -> int:
