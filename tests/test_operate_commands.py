@@ -670,6 +670,8 @@ def test_an_id_in_delivery_is_refused_as_such_and_qshape_top_must_not_be_negativ
         assert code == 2 and out == ""
         assert f"queue id '{ids[3]}.0' is in delivery now (mailq's *)" in err, err
         assert state(q, "fs") == before
+        code, out, err = run(capsys, "show", "--queue", str(q), f"{ids[3]}.0")  # show too
+        assert code == 2 and f"queue id '{ids[3]}.0' is in delivery now" in err, err
         _, res = run_json(capsys, "hold", "--queue", str(q), ids[3])  # the message: the
         assert res["entries"] == [f"{ids[3]}.1"]  # entry not in delivery
         # qshape counts the entry in delivery (Postfix's active queue), not the held one

@@ -366,7 +366,8 @@ def _show(store: Storage, args: argparse.Namespace) -> int:
     if args.id in ("ALL", "-"):
         raise InvalidInputError("show takes one queue id (see mailq)")
     listed = qa.listing(store)
-    chosen = qa.select(listed, ids=[args.id], roots=len(args.queue))
+    chosen = qa.select(listed, ids=[args.id], roots=len(args.queue),
+                       busy=lambda: qa.in_delivery(store))  # in delivery: said as such
     msg_id = chosen[0][1].message_id
     entries: list[tuple[object, qa.EntryInfo]] = [x for x in listed if x[1].message_id == msg_id]
     entries += [(None, i) for i in qa.in_delivery(store) if i.message_id == msg_id]
