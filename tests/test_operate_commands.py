@@ -784,18 +784,20 @@ def test_another_user_is_told_permission_denied_and_who_may(
             assert "permission denied" in got.stderr and "run the command as root" in \
                 got.stderr, (group, command, got.stderr)
             assert "not a queue" not in got.stderr
-    # the queue is nobody's, but a file in it is not: nobody is told to look at its mode
-    # (not to run as the queue's owner, which it is)
+    # the queue is nobody's, but a file in it is root's: nobody is told so (not to run
+    # as the queue's owner, which it is), by an action and by a listing alike
     for path in [q, *q.rglob("*")]:
         shutil.chown(path, user="nobody", group="nogroup")
     inside = next(p for p in sorted(q.rglob("*")) if p.is_file() and p.name != "relay.pid")
     shutil.chown(inside, user="root", group="root")
     os.chmod(inside, 0o600)
     inside.parent.chmod(0o555)
-    got = subprocess.run([*as_nobody, "hold", "--queue", str(q), "--all"],
-                         capture_output=True, text=True, timeout=60,
-                         cwd=Path(__file__).parent.parent)
-    assert got.returncode == 1 and "has a mode that refuses its owner" in got.stderr, got
+    for command in (["hold", "--all"], ["mailq"]):
+        got = subprocess.run([*as_nobody, command[0], "--queue", str(q), *command[1:]],
+                             capture_output=True, text=True, timeout=60,
+                             cwd=Path(__file__).parent.parent)
+        assert got.returncode == 1 and f"{inside} belongs to root: give it back to the " \
+            "queue's owner, or run the command as root" in got.stderr, (command, got)
     if backend.startswith("kv"):  # an unreadable relay.pid: said, not a traceback
         inside.parent.chmod(0o755)
         pid = q / "relay.pid"

@@ -156,13 +156,23 @@ def _who_may(path: str, denied: object) -> str:
             "security module)"
     st = os.stat(path)
     if st.st_uid == euid:
+        try:
+            theirs = os.lstat(str(denied)).st_uid
+        except (OSError, ValueError):
+            theirs = euid
+        if theirs != euid:
+            return (f"the queue is this user's, but {denied} belongs to {_user(theirs)}: "
+                    "give it back to the queue's owner, or run the command as root")
         return f"the queue is this user's: {denied} has a mode that refuses its owner"
-    try:
-        owner = pwd.getpwuid(st.st_uid).pw_name
-    except KeyError:
-        owner = str(st.st_uid)
     return "run the command as root" if st.st_uid == 0 else \
-        f"run the command as the queue's owner ({owner}) or root"
+        f"run the command as the queue's owner ({_user(st.st_uid)}) or root"
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
 
 
 def _fmt_time(ns: int) -> str:
@@ -319,14 +329,11 @@ def _log_actions(res: qa.ActionResult, args: argparse.Namespace) -> None:
 
 def _operator() -> dict[str, str]:
     """Who ran the command: the user of its effective uid (not the environment's
-    ``USER``), and the user sudo ran it for."""
-    uid = os.geteuid()
-    try:
-        who = {"user": pwd.getpwuid(uid).pw_name}
-    except KeyError:
-        who = {"user": str(uid)}
+    ``USER``), and, for a command run as root, the user sudo says it ran it for (the
+    environment's word: only root's own sudo sets it for root)."""
+    who = {"user": _user(os.geteuid())}
     sudo = os.environ.get("SUDO_USER")
-    if sudo:
+    if sudo and os.geteuid() == 0:
         who["sudo_user"] = qa.one_line(sudo)
     return who
 
@@ -461,6 +468,10 @@ def _run(name: str, fn: Callable[[Storage, argparse.Namespace], int],
     except CorruptionError as e:
         return _failed(name, f"{e} (quarantined)", 1, args)
     except QueueError as e:
+        try:
+            _refuse_if_denied(args.queue[0], e)
+        except Refused as denied:
+            return _failed(name, str(denied), 1, args)
         return _failed(name, str(e), 1, args)
     finally:
         for x in store.set_aside():  # a listing that found an entry damaged skips it
