@@ -118,7 +118,7 @@ def test_a_queue_over_two_roots_served_by_two_workers(
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 titles.append(f.read().replace(b"\0", b" ").decode().strip())
         assert sorted(t for t in titles if "worker" in t) == [
-            f"queue-ref relay: worker {k + 1} of 2 --queue {roots[k]}" for k in (0, 1)]
+            f"queue-ref relay: worker {k} of 2 --queue {roots[k]}" for k in (0, 1)]
         ids = ids_by_name(capsys, *q)
         assert sorted(ids) == ["a0", "a1", "b0", "b1"]
         assert {i.split("-")[0] for i in ids.values()} == {"r0", "r1"}

@@ -130,7 +130,7 @@ def test_two_processes_share_the_port_and_the_queue(tmp_path):
         # named in ps as what they are, not "python -c from multiprocessing.spawn ..."
         assert _title(rp.pid) == f"queue-ref relay: master --queue {queue}"
         assert sorted(_title(p) for p in pids.values()) == [
-            f"queue-ref relay: worker {k} of 2 --queue {queue}" for k in (1, 2)]
+            f"queue-ref relay: worker {k} of 2 --queue {queue}" for k in (0, 1)]
         threads = [threading.Thread(target=_send, args=(port, tokens[k::4], acked, lock))
                    for k in range(4)]
         for t in threads:
@@ -492,3 +492,10 @@ def test_json_records_name_the_process_that_wrote_them(tmp_path):
     [delivery] = [r for r in records if r["event"] == "delivery"]
     assert received["pid"] in workers.values() and delivery["pid"] in workers.values()
     assert all(isinstance(r["pid"], int) for r in records)
+
+
+def test_a_relay_of_one_process_is_named_in_ps_too(tmp_path):
+    queue = str(tmp_path / "q")
+    with relay_process(["--queue", queue, "--listen", "127.0.0.1:0",
+                        "--relayhost", "[127.0.0.1]:9"]) as (rp, _):
+        assert _title(rp.pid) == f"queue-ref relay: one process --queue {queue}"

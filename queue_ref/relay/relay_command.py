@@ -79,6 +79,11 @@ def _cmd(args: argparse.Namespace) -> int:
             return RelayMaster(config).run()
         except RelayStartError as e:
             return _start_failed(config, e)
+    import setproctitle
+
+    from queue_ref.relay.relay_master import process_title
+
+    setproctitle.setproctitle(process_title(config, "one process"))
     relay = Relay(config)
     try:
         run_relay(config, relay.run())

@@ -126,8 +126,8 @@ def _worker_main(config: RelayConfig, index: int, conn: Connection,
                  handoff: socket.socket, part: bool = False) -> None:
     _die_with_parent()
     # a worker started by spawn would show as "python -c from multiprocessing.spawn ..."
-    setproctitle.setproctitle(process_title(
-        config, f"worker {index + 1} of {config.processes}", index if part else None))
+    setproctitle.setproctitle(process_title(  # numbered as the log's ``worker`` field
+        config, f"worker {index} of {config.processes}", index if part else None))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C reaches the master
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     relay = Relay(config, worker=index, ready_stream=_ReadyPipe(conn),  # type: ignore[arg-type]
