@@ -201,7 +201,10 @@ def test_a_handle_that_comes_while_a_job_holds_its_entry_is_not_kept(tmp_path: P
     queue = str(tmp_path / "q")
     with Sink() as sink, RelayThread(relay_config(
             queue, relayhost=f"[127.0.0.1]:{sink.port}", log_json=True,
-            queue_scan_interval=3600.0)) as r:
+            queue_scan_interval=3600.0,
+            # the deferral's retry well after the test: with the tests' 1 s backoff, its
+            # whole-second due time could pass (and the retry run) before it was looked at
+            minimal_backoff_time=60.0, maximal_backoff_time=120.0)) as r:
         scheduler = r.relay.scheduler
         assert scheduler is not None
         handles = commit_beside(r, "late", [Recipient("ok@example.net", Schedule(0, 0)),
