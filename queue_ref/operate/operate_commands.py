@@ -109,7 +109,8 @@ def open_for_operator(path: str, backend: str | None, *, recover: bool = True
             if held_by_another(e):  # a relay starting (its lock taken, no socket yet)
                 raise Refused(f"{path} is held by another process (a relay starting, or "
                               "another command): try again in a moment") from e
-            _refuse_if_denied(path, e)
+            if (denied := _denied(path, e)) is not None:
+                raise denied from e
             raise
     try:
         if not recover and kind in ("fs", "fs-fsync"):
@@ -119,7 +120,8 @@ def open_for_operator(path: str, backend: str | None, *, recover: bool = True
                            sync="fsync" if kind == "fs-fsync" else None), kind
         return open_queue(path, kind), kind
     except QueueError as e:
-        _refuse_if_denied(path, e)
+        if (denied := _denied(path, e)) is not None:
+            raise denied from e
         raise
 
 
@@ -134,16 +136,18 @@ def _unsearchable(path: str) -> bool:
     return False
 
 
-def _refuse_if_denied(path: str, e: QueueError) -> None:
-    """Refused, saying who may, when the queue could not be opened for want of a
-    permission (it can be read, not written: a command opens it as one of its users)."""
+def _denied(path: str, e: QueueError) -> Refused | None:
+    """The Refused to raise, saying who may, when ``e`` came of a permission denied in
+    the queue at ``path`` (a command opens it as one of its users, reading and writing
+    its files); None for any other cause."""
     cause: BaseException | None = e
     while cause is not None and not isinstance(cause, PermissionError):
         cause = cause.__cause__
-    if isinstance(cause, PermissionError):
-        raise Refused(f"{path}: permission denied ({cause.filename or cause}): a command "
-                      "opens the queue as one of its users, reading and writing its files: "
-                      f"{_who_may(path, cause.filename)}") from e
+    if not isinstance(cause, PermissionError):
+        return None
+    return Refused(f"{path}: permission denied ({cause.filename or cause}): a command "
+                   "opens the queue as one of its users, reading and writing its files: "
+                   f"{_who_may(path, cause.filename)}")
 
 
 def _who_may(path: str, denied: object) -> str:
@@ -468,11 +472,7 @@ def _run(name: str, fn: Callable[[Storage, argparse.Namespace], int],
     except CorruptionError as e:
         return _failed(name, f"{e} (quarantined)", 1, args)
     except QueueError as e:
-        try:
-            _refuse_if_denied(args.queue[0], e)
-        except Refused as denied:
-            return _failed(name, str(denied), 1, args)
-        return _failed(name, str(e), 1, args)
+        return _failed(name, str(_denied(args.queue[0], e) or e), 1, args)
     finally:
         for x in store.set_aside():  # a listing that found an entry damaged skips it
             print(f"queue-ref {name}: {x.entry_id}: damaged, set aside: {x.reason}",
